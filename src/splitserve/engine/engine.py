@@ -1,0 +1,373 @@
+"""LLMEngine: add requests, call ``step()``, read outputs.
+
+step = schedule -> execute -> update. The same engine runs whole in one process
+(the baseline and the tests), as a prefill worker (``prefill_only`` requests park
+their KV for export after the first token) and as a decode worker (``import_kv``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splitserve.engine import kv_transfer
+from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
+from splitserve.engine.kv_cache import PagedKVCache
+from splitserve.engine.loader import LoadedModel, load_model
+from splitserve.engine.model import LlamaModel
+from splitserve.engine.outputs import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RequestOutput,
+    StepStats,
+)
+from splitserve.engine.padded import PaddedBatcher
+from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample
+from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
+from splitserve.engine.sequence import Sequence, Status
+from splitserve.engine.tokenizer import Tokenizer
+
+FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        torch.set_num_threads(config.threads())
+        loaded = loaded or load_model(config.model)
+        self.model = LlamaModel(loaded)
+        self.model_name = loaded.name
+        self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        shape = self.model.shape
+        self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
+        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size)
+        self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.padded = PaddedBatcher(self.model, config) if config.policy != "continuous" else None
+        self.seqs: dict[str, Sequence] = {}
+        self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
+        self.last_stats = StepStats(policy=config.policy)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        return self.model.fingerprint
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the field if this request can never run here."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model.shape.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length {self.max_model_len}",
+            )
+        if self.cache.pool.blocks_for(total) > self.cache.pool.num_blocks:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"{total} tokens can never fit in this engine's KV cache ({self.kv_capacity_tokens} tokens)",
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("sampling.stop", "stop strings need a model with a tokenizer")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache.pool.num_blocks * self.cache.block_size
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        if request_id in self.seqs or request_id in self.parked:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
+        self.validate(prompt_token_ids, params)
+        seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        seq.prefill_only = prefill_only and self.padded is None
+        if self.padded is not None:
+            self.padded.add(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None) -> Sequence:
+        seq = Sequence(
+            request_id=request_id,
+            prompt_len=prompt_len,
+            token_ids=token_ids,
+            params=params,
+            generator=generator if generator is not None else new_generator(params),
+        )
+        if self.tokenizer is not None:
+            seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len])
+        self.seqs[request_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; its KV blocks are freed at once."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            self.release(request_id)
+            return None
+        self._finish(seq, FINISH_CANCELLED)
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running) + (self.padded.num_running if self.padded else 0)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + (self.padded.num_waiting if self.padded else 0)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        if self.padded is not None:
+            outputs = self.padded.step(self)
+            self.last_stats = self.padded.last_stats
+        else:
+            sched = self.scheduler.schedule()
+            stats = StepStats(policy="continuous", num_preempted=len(sched.preempted))
+            outputs = self._run(sched, stats) if sched.scheduled else []
+            self.last_stats = stats
+        s = self.last_stats
+        s.num_running, s.num_waiting = self.num_running, self.num_waiting
+        s.kv_blocks_used, s.kv_blocks_free = self.cache.pool.num_used, self.cache.pool.num_free
+        s.step_time_s = time.perf_counter() - t0
+        return outputs
+
+    def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
+        batch = self._build_batch(sched)
+        t = time.perf_counter()
+        logits = self.model.forward(batch, self.cache.kv)
+        stats.forward_time_s = time.perf_counter() - t
+        samplers = [s for s in sched.scheduled if s.samples]
+        t = time.perf_counter()
+        tokens = sample(logits, [self._sample_row(s.seq) for s in samplers])
+        stats.sample_time_s = time.perf_counter() - t
+        stats.num_seqs = len(sched.scheduled)
+        stats.num_tokens = batch.num_tokens
+        for s in sched.scheduled:
+            if s.seq.num_computed == len(s.seq.token_ids) - 1 and s.num_tokens == 1:
+                stats.num_decode_tokens += 1
+            else:
+                stats.num_prefill_tokens += s.num_tokens
+            s.seq.num_computed += s.num_tokens
+        outputs = []
+        for s, tok in zip(samplers, tokens):
+            self.append_token(s.seq, tok)
+            out = self._output(s.seq)
+            if out is not None:
+                outputs.append(out)
+            if s.seq.status is Status.FINISHED:
+                stats.finished.append(s.seq.request_id)
+        return outputs
+
+    def _build_batch(self, sched: SchedulerOutput) -> RaggedBatch:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slot_mapping: list[torch.Tensor] = []
+        ctx_slots: list[torch.Tensor] = []
+        logits_rows: list[int] = []
+        seqs: list[AttnSeq] = []
+        ctx_off = 0
+        for s in sched.scheduled:
+            seq, n = s.seq, s.num_tokens
+            start, end = seq.num_computed, seq.num_computed + n
+            q_start = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            if start == 0:
+                slot_mapping.append(self.cache.slots(seq.block_table, 0, end))
+                seqs.append(AttnSeq(q_start, n, end, -1, None))
+            else:
+                slots = self.cache.slots(seq.block_table, 0, end)
+                slot_mapping.append(slots[start:])
+                ctx_slots.append(slots)
+                seqs.append(AttnSeq(q_start, n, end, ctx_off, chunk_mask(n, end)))
+                ctx_off += end
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+        return RaggedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slot_mapping),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+            seqs=seqs,
+            ctx_slots=torch.cat(ctx_slots) if ctx_slots else None,
+        )
+
+    # -- after sampling ---------------------------------------------------------------------
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        banned: tuple[int, ...] = ()
+        if seq.num_output < seq.params.min_tokens:
+            banned = seq.params.stop_token_ids
+            if not seq.params.ignore_eos:
+                banned += tuple(self.eos_token_ids)
+        return SampleRow(seq.params, seq.generator, banned)
+
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """Add a sampled token to seq and finish it if a stop condition holds."""
+        seq.token_ids.append(token)
+        p = seq.params
+        if seq.detok is not None:
+            seq.text += seq.detok.push(token)
+        reason, flush = None, True
+        past_min = seq.num_output >= p.min_tokens
+        if past_min and token in p.stop_token_ids:
+            reason = FINISH_STOP
+        elif past_min and not p.ignore_eos and token in self.eos_token_ids:
+            reason = FINISH_EOS
+        elif past_min and p.stop and _cut_at_stop(seq):
+            reason, flush = FINISH_STOP, False
+        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self._finish(seq, reason, flush)
+        elif seq.prefill_only:
+            self._park(seq)
+
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        seq.finish_reason = reason
+        if seq.detok is not None and flush:  # not after a stop string: the text was cut there
+            seq.text += seq.detok.flush()
+        if self.padded is not None:
+            self.padded.finish(seq)
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+
+    def _park(self, seq: Sequence) -> None:
+        """prefill_only: keep the KV blocks, leave the batch; export_kv() then release()."""
+        self.scheduler.running.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = FINISH_PREFILLED
+        self.seqs.pop(seq.request_id, None)
+        self.parked[seq.request_id] = seq
+
+    def _output(self, seq: Sequence) -> RequestOutput | None:
+        finished = seq.status is Status.FINISHED
+        hold = 0 if finished else max((len(s) for s in seq.params.stop), default=1) - 1
+        end = max(seq.emitted_chars, len(seq.text) - hold)
+        new_text = seq.text[seq.emitted_chars : end]
+        new_ids = seq.output_ids[seq.emitted_tokens :]
+        if not new_ids and not finished:
+            return None
+        seq.emitted_chars, seq.emitted_tokens = end, seq.num_output
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.prompt_len,
+            num_output_tokens=seq.num_output,
+        )
+
+    # -- KV handoff -------------------------------------------------------------------------
+
+    def kv_nbytes(self, request_id: str) -> int:
+        seq = self.parked[request_id]
+        return kv_transfer.payload_nbytes(self.model.shape, seq.num_computed)
+
+    def export_kv(self, request_id: str, dest: memoryview | None = None) -> kv_transfer.KVExport:
+        """Write a parked sequence's KV (header + [layers, 2, tokens, Hkv, D]) into dest."""
+        seq = self.parked.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} has no parked KV")
+        slots = self.cache.slots(seq.block_table, 0, seq.num_computed)
+        return kv_transfer.export(self.model, self.cache.kv, slots, seq, dest)
+
+    def release(self, request_id: str) -> None:
+        """Free a parked sequence's KV blocks (after export, or if the handoff is abandoned)."""
+        seq = self.parked.pop(request_id, None)
+        if seq is not None:
+            self.cache.pool.free(seq.block_table)
+
+    def can_import(self, num_tokens: int) -> bool:
+        return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
+
+    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes) -> None:
+        """Adopt a sequence exported by another engine; it continues as if it had never moved."""
+        if self.padded is not None:
+            raise KVImportError("KV import needs the continuous policy")
+        if export.request_id in self.seqs:
+            raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
+        kv_transfer.check(self.model, export, payload)
+        n = export.num_tokens
+        if len(export.token_ids) != n + 1:
+            raise KVImportError(f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)")
+        self.validate(export.token_ids[: export.prompt_len], export.params)
+        pool = self.cache.pool
+        need = pool.blocks_for(n)
+        if not pool.can_allocate(need):
+            raise CapacityError(f"no free KV blocks for {n} tokens")
+        gen = new_generator(export.params)
+        if gen is not None and export.generator_state is not None:
+            gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
+        seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen)
+        if seq.detok is not None:
+            for tok in export.token_ids[export.prompt_len :]:
+                seq.text += seq.detok.push(tok)
+        seq.block_table.extend(pool.allocate(need))
+        kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, 0, n), payload, n)
+        seq.num_computed = n
+        self.scheduler.add(seq)
+
+    # -- convenience ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion; returns each one's output token ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for rid, p, sp in zip(ids, prompts, plist):
+            self.add_request(rid, p, sp)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                result[out.request_id].extend(out.new_token_ids)
+        return [result[rid] for rid in ids]
+
+
+def _eos_ids(hf_config, tokenizer: Tokenizer | None) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer is not None:
+        ids.update(tokenizer.eos_token_ids)
+    return frozenset(ids)
+
+
+def _cut_at_stop(seq: Sequence) -> bool:
+    """If the output text now holds a stop string, cut the text before it and say so."""
+    longest = max(len(s) for s in seq.params.stop)
+    start = max(0, seq.emitted_chars - longest)
+    hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+    if not hits:
+        return False
+    seq.text = seq.text[: min(hits)]
+    return True

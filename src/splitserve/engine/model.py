@@ -1,0 +1,211 @@
+"""Our own Llama-family forward over a ragged token batch and a paged KV cache.
+
+Weights are re-laid out once at load: every projection is stored as [in, out]
+(``x @ W``), which MKL streams ~1.4x faster than ``F.linear`` for the thin
+matrices of decode; q/k/v and gate/up are fused into one matmul each. The math
+(RMSNorm, rotary embedding, SiLU MLP, residual order) mirrors ``transformers``
+so that greedy output matches its ``generate`` token for token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers that shape the KV cache and the forward."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rms_eps: float
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # fp32 K and V over every layer
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [H, (Hq + 2*Hkv) * D]
+    b_qkv: torch.Tensor | None  # [(Hq + 2*Hkv) * D] (Qwen2)
+    w_o: torch.Tensor  # [Hq*D, H]
+    ln2: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [H, 2*I]
+    w_down: torch.Tensor  # [I, H]
+
+
+class LlamaModel:
+    def __init__(self, loaded: LoadedModel):
+        cfg = loaded.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        max_pos = cfg.max_position_embeddings
+        sliding = getattr(cfg, "sliding_window", None)
+        if sliding and getattr(cfg, "use_sliding_window", True):
+            max_pos = min(max_pos, sliding)  # we never need a window within this length
+        self.shape = ModelShape(
+            model_type=cfg.model_type,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            vocab_size=cfg.vocab_size,
+            max_position=max_pos,
+            rms_eps=cfg.rms_norm_eps,
+        )
+        self.name = loaded.name
+        self.scaling = head_dim**-0.5
+        sd = loaded.state_dict
+        try:
+            self.embed = sd["model.embed_tokens.weight"].float().contiguous()  # [V, H]
+            lm = sd.get("lm_head.weight", self.embed)
+            self.lm_head = lm.float().t().contiguous()  # [H, V]
+            self.norm = sd["model.norm.weight"].float()
+            self.layers = [self._layer(sd, i) for i in range(self.shape.num_layers)]
+        except KeyError as e:
+            raise ModelLoadError(f"weights are missing tensor {e.args[0]}") from None
+        cos, sin = _rope_tables(cfg, self.shape.max_position)
+        half = head_dim // 2
+        self.rope_cos = cos  # [max_pos, D]
+        # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact)
+        self.rope_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [max_pos, D]
+        self.fingerprint = _fingerprint(self.shape, cfg, sd)
+
+    def _layer(self, sd: dict, i: int) -> Layer:
+        p = f"model.layers.{i}."
+        w = lambda name: sd[p + name].float()  # noqa: E731
+        q, k, v = w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")
+        bias = None
+        if p + "self_attn.q_proj.bias" in sd:
+            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+        return Layer(
+            ln1=w("input_layernorm.weight"),
+            w_qkv=torch.cat([q, k, v], dim=0).t().contiguous(),
+            b_qkv=bias,
+            w_o=w("self_attn.o_proj.weight").t().contiguous(),
+            ln2=w("post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], dim=0).t().contiguous(),
+            w_down=w("mlp.down_proj.weight").t().contiguous(),
+        )
+
+    # -- pieces shared by the ragged and the padded forward ---------------------------------
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm (fp32 throughout).
+        var = x.pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(var + self.shape.rms_eps))
+
+    def qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h: [T, H] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rotary applied to q and k."""
+        s = self.shape
+        qkv = torch.mm(h, layer.w_qkv) if layer.b_qkv is None else torch.addmm(layer.b_qkv, h, layer.w_qkv)
+        qkv = qkv.view(h.shape[0], s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+        qk = qkv[:, : s.num_heads + s.num_kv_heads]
+        qk = qk * cos + torch.roll(qk, s.head_dim // 2, dims=-1) * sin  # cos/sin: [T, 1, D]
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], qkv[:, s.num_heads + s.num_kv_heads :]
+
+    def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        gu = torch.mm(x, layer.w_gate_up)
+        inter = gu.shape[-1] // 2
+        return torch.mm(F.silu(gu[:, :inter]) * gu[:, inter:], layer.w_down)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [S, H] final hidden states of the rows to sample -> [S, V]."""
+        return torch.mm(self.rms_norm(h, self.norm), self.lm_head)
+
+    # -- ragged forward over the paged cache ---------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, batch: "RaggedBatch", kv: torch.Tensor) -> torch.Tensor:
+        """One forward over every scheduled token; returns logits for ``batch.logits_rows``.
+
+        kv: [layers, 2, slots, Hkv, D], the paged cache (slot = block * block_size + offset).
+        """
+        s = self.shape
+        x = self.embed[batch.input_ids]  # [T, H]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        T = x.shape[0]
+        for li, layer in enumerate(self.layers):
+            h = self.rms_norm(x, layer.ln1)
+            q, k, v = self.qkv(layer, h, cos, sin)
+            kv[li, 0].index_copy_(0, batch.slot_mapping, k)
+            kv[li, 1].index_copy_(0, batch.slot_mapping, v)
+            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling)  # [T, Hq*D]
+            x = x + torch.mm(attn, layer.w_o)
+            x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
+        del T
+        return self.logits(x[batch.logits_rows])
+
+    # -- padded forward (static / dynamic batching) ----------------------------------------------
+
+    @torch.inference_mode()
+    def forward_padded(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """A rectangular batch, the way static/dynamic batching systems run it.
+
+        input_ids, positions: [B, L]; mask: [B, 1, L, start + L] bool;
+        kv: [layers, 2, B, Hkv, max_len, D], written at [start, start + L).
+        Returns logits of each row's last position: [B, V].
+        """
+        s = self.shape
+        B, L = input_ids.shape
+        x = self.embed[input_ids.flatten()]  # [B*L, H]
+        pos = positions.flatten()
+        cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
+        end = start + L
+        for li, layer in enumerate(self.layers):
+            q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
+            kv[li, 0, :, :, start:end] = k.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            kv[li, 1, :, :, start:end] = v.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2),  # [B, Hq, L, D]
+                kv[li, 0, :, :, :end],  # [B, Hkv, end, D]
+                kv[li, 1, :, :, :end],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            x = x + torch.mm(o.transpose(1, 2).reshape(B * L, -1), layer.w_o)
+            x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
+        return self.logits(x.view(B, L, -1)[:, -1])
+
+
+def _rope_tables(cfg, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_pos, D] computed by transformers' own rotary module (all rope types)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(cfg)
+    pos = torch.arange(max_pos).unsqueeze(0)
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+def _fingerprint(shape: ModelShape, cfg, sd: dict) -> str:
+    """Hash of what shapes the KV plus a sample of the weights that write it."""
+    h = hashlib.sha256()
+    desc = dict(shape.__dict__)
+    desc["rope"] = str(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None))
+    h.update(json.dumps(desc, sort_keys=True).encode())
+    h.update(sd["model.layers.0.self_attn.k_proj.weight"].float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+from splitserve.engine.attention import RaggedBatch  # noqa: E402  (type used above)

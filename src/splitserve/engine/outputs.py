@@ -1,0 +1,46 @@
+"""What the engine hands back: per-request outputs and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+FINISH_EOS = "eos"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request since the last step that reported it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StepStats:
+    """One engine step, for metrics (issue: per-step statistics)."""
+
+    policy: str
+    num_seqs: int = 0  # sequences that took part in the forward
+    num_tokens: int = 0  # tokens computed by the forward (padding included)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    padding_tokens: int = 0  # rows/positions computed for nothing (static/dynamic)
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    num_preempted: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    sample_time_s: float = 0.0
+    finished: list[str] = field(default_factory=list)

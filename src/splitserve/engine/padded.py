@@ -1,0 +1,135 @@
+"""Static and dynamic batching, run the way such systems really run them.
+
+A batch is a rectangle: prompts left-padded to the longest, one contiguous KV
+tensor per batch, every row computed at every step until the longest member
+ends. Nobody joins a running batch. ``dynamic`` starts a batch when
+``max_batch_size`` requests wait or the oldest has waited ``max_wait_ms``;
+``static`` always runs ``static_batch_size`` rows, padding missing ones with
+empty rows, and waits the same way for them to fill. The padding is counted in
+``StepStats.padding_tokens``. These exist so that continuous batching is
+measured against them, not quoted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from splitserve.engine.outputs import StepStats
+from splitserve.engine.sampling import sample
+from splitserve.engine.sequence import Sequence, Status
+
+_PAD = 0
+
+
+class PaddedBatcher:
+    def __init__(self, model, config):
+        self.model = model
+        self.policy = config.policy
+        self.rows_max = config.static_batch_size if config.policy == "static" else config.max_batch_size
+        self.max_wait_s = config.max_wait_ms / 1000.0
+        self.waiting: deque[Sequence] = deque()
+        self.rows: list[Sequence | None] = []  # the running batch; None = padding row
+        self.active: list[bool] = []
+        self.pad: list[int] = []  # left padding of each row
+        self.kv: torch.Tensor | None = None  # [layers, 2, B, Hkv, max_len, D]
+        self.cur = 0  # cache positions filled
+        self.last_stats = StepStats(policy=self.policy)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_running(self) -> int:
+        return sum(self.active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        for i, r in enumerate(self.rows):
+            if r is seq:
+                self.active[i] = False  # the row stays in the batch as padding
+        seq.status = Status.FINISHED
+
+    def _ready(self) -> bool:
+        if not self.waiting:
+            return False
+        return len(self.waiting) >= self.rows_max or time.monotonic() - self.waiting[0].arrival >= self.max_wait_s
+
+    def step(self, engine) -> list:
+        self.last_stats = StepStats(policy=self.policy)
+        if not self.rows:
+            if not self._ready():
+                if self.waiting:  # the policy's cost: wait for the batch to fill
+                    time.sleep(min(0.001, self.max_wait_s))
+                return []
+            return self._prefill(engine)
+        return self._decode(engine)
+
+    def _prefill(self, engine) -> list:
+        n = min(len(self.waiting), self.rows_max)
+        seqs = [self.waiting.popleft() for _ in range(n)]
+        B = self.rows_max if self.policy == "static" else n
+        self.rows = seqs + [None] * (B - n)
+        self.active = [True] * n + [False] * (B - n)
+        lens = [len(s.token_ids) for s in seqs] + [1] * (B - n)
+        L = max(lens)
+        self.pad = [L - n_ for n_ in lens]
+        max_new = max(s.params.max_tokens - s.num_output for s in seqs)
+        shape = self.model.shape
+        self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, L + max_new, shape.head_dim)
+        ids = torch.full((B, L), _PAD, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            ids[i, self.pad[i] :] = torch.tensor(s.token_ids)
+            s.status = Status.RUNNING
+        pad = torch.tensor(self.pad).view(B, 1)
+        positions = (torch.arange(L).view(1, L) - pad).clamp(min=0)
+        q = torch.arange(L).view(1, L, 1)
+        k = torch.arange(L).view(1, 1, L)
+        mask = ((k <= q) & (k >= pad.view(B, 1, 1))) | (k == q)  # a pad query sees itself (no NaN)
+        self.cur = 0
+        stats = self.last_stats
+        stats.num_prefill_tokens = sum(lens[:n])
+        return self._forward(engine, ids, positions, mask.unsqueeze(1), B * L - sum(lens[:n]))
+
+    def _decode(self, engine) -> list:
+        B = len(self.rows)
+        ids = torch.tensor([[r.token_ids[-1] if r is not None else _PAD] for r in self.rows], dtype=torch.int64)
+        positions = torch.tensor([[self.cur - p] for p in self.pad], dtype=torch.int64).clamp(min=0)
+        keys = torch.arange(self.cur + 1).view(1, -1)
+        mask = keys >= torch.tensor(self.pad).view(B, 1)  # [B, cur + 1]
+        self.last_stats.num_decode_tokens = sum(self.active)
+        return self._forward(engine, ids, positions, mask.view(B, 1, 1, -1), B - sum(self.active))
+
+    def _forward(self, engine, ids, positions, mask, padding: int) -> list:
+        stats = self.last_stats
+        t = time.perf_counter()
+        logits = self.model.forward_padded(ids, positions, mask, self.kv, self.cur)
+        stats.forward_time_s = time.perf_counter() - t
+        self.cur += ids.shape[1]
+        stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), ids.numel(), padding
+
+
+        live = [i for i, a in enumerate(self.active) if a]
+        t = time.perf_counter()
+        tokens = sample(logits[live], [engine._sample_row(self.rows[i]) for i in live])
+        stats.sample_time_s = time.perf_counter() - t
+        outputs = []
+        for i, tok in zip(live, tokens):
+            seq = self.rows[i]
+            seq.num_computed = len(seq.token_ids)
+            engine.append_token(seq, tok)
+            out = engine._output(seq)
+            if out is not None:
+                outputs.append(out)
+            if seq.status is Status.FINISHED:
+                stats.finished.append(seq.request_id)
+        if not any(self.active) or self.cur >= self.kv.shape[4]:
+            self.rows, self.active, self.pad, self.kv = [], [], [], None
+        return outputs

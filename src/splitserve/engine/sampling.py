@@ -1,0 +1,112 @@
+"""Per-request sampling parameters and the sampler.
+
+Greedy rows are decided by one ``argmax`` over the batch. Random rows each own a
+``torch.Generator`` seeded from the request, so a seeded request draws the same
+tokens whatever else shares its batch, and the generator state can travel with
+the sequence when its KV is handed to another engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.engine.errors import InvalidRequestError
+
+_MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("sampling.temperature", f"must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError("sampling.top_k", f"must be >= 0, got {self.top_k}")
+        if self.min_tokens < 0:
+            raise InvalidRequestError("sampling.min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "sampling.min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
+            raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("sampling.stop_token_ids", "token ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def new_generator(params: SamplingParams) -> torch.Generator | None:
+    """A generator for a random request; None for greedy ones."""
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
+
+
+@dataclass
+class SampleRow:
+    """One row of the logits to sample from, and how."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    banned: tuple[int, ...] = field(default=())  # token ids masked out (EOS before min_tokens)
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+    """Pick one token per row. logits: [len(rows), vocab], float32."""
+    for i, row in enumerate(rows):
+        if row.banned:
+            logits[i, list(row.banned)] = -math.inf
+    out = logits.argmax(dim=-1).tolist()
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            out[i] = _sample_one(logits[i], row.params, row.generator)
+    return out
+
+
+def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    # logits: [vocab]
+    scaled = logits / p.temperature
+    if p.top_k and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (cum - sorted_probs) >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    # Exponential race (Gumbel-max in another form): argmax(p / E), E ~ Exp(1) from the
+    # request's own generator, so the draw does not depend on the rest of the batch.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
+    return int((probs / noise).argmax())

@@ -1,0 +1,54 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.engine.sampling import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]  # prompt + generated; the last one has no KV yet once sampled
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = field(default_factory=lambda: next(_arrivals))  # admission order (preempt newest first)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    prefill_only: bool = False  # prefill worker: park the KV for export after the first token
+    detok: object | None = None  # IncrementalDetokenizer when the engine has a tokenizer
+    text: str = ""  # output text so far (stop strings are searched here)
+    emitted_chars: int = 0  # how much of ``text`` has been handed out
+    emitted_tokens: int = 0  # how many output tokens have been handed out
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return len(self.token_ids) - self.num_computed

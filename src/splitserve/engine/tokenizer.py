@@ -1,0 +1,68 @@
+"""The model's own tokenizer: encoding, chat template, and incremental detokenization."""
+
+from __future__ import annotations
+
+from splitserve.engine.errors import InvalidRequestError
+
+# How many tokens before the output's start are decoded with it, so the first
+# output token gets its leading space right with SentencePiece-style tokenizers.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+        self.eos_token_ids = frozenset(
+            t for t in (getattr(hf_tokenizer, "eos_token_id", None),) if t is not None
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # NOTE: special tokens in the text (<|im_start|> ...) are recognised, no BOS is added:
+        # that is how the model's chat template and the bench workloads tokenize.
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if not getattr(self.hf, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template; send prompt instead")
+        for i, m in enumerate(messages):
+            if not m.get("role"):
+                raise InvalidRequestError(f"messages[{i}].role", "must be set")
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas with no broken UTF-8.
+
+    Decodes the window [prefix, end) against [prefix, read) and hands out the
+    difference once it does not end in a replacement character (an incomplete
+    multi-byte sequence).
+    """
+
+    def __init__(self, tok: Tokenizer, prompt_ids: list[int]):
+        self.tok = tok
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        full = self.tok.decode(self.ids[self.prefix :])
+        if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            delta = full[len(prefix_text) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back, incomplete bytes included."""
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        full = self.tok.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return full[len(prefix_text) :]

@@ -1,0 +1,85 @@
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.loader import load_model
+
+SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
+MIXED = SHARED / "bench" / "workload_mixed.jsonl"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama (2 layers, GQA 4:2) saved as a safetensors folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.5,  # peaked logits: greedy choices are not near-ties
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    return load_model(ModelSpec(path=tiny_model_dir))
+
+
+@pytest.fixture
+def tiny_engine_factory(tiny_loaded):
+    from splitserve.engine.engine import LLMEngine
+
+    engines = []
+
+    def make(**kw):
+        kw.setdefault("kv_cache_bytes", 64 << 20)
+        kw.setdefault("num_threads", 1)
+        eng = LLMEngine(EngineConfig(**kw), loaded=tiny_loaded)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:  # leak check after every test: no KV block held
+        assert eng.cache.pool.num_used == 0, f"{eng.cache.pool.num_used} KV blocks still held"
+        assert not eng.seqs and not eng.parked
+
+
+@pytest.fixture(scope="session")
+def smol_loaded():
+    """The real SmolLM2-135M-Instruct (converted from the wheel's GGUF and cached on first use)."""
+    return load_model(ModelSpec())
+
+
+@pytest.fixture(scope="session")
+def smol_folder(smol_loaded) -> str:
+    from splitserve.engine.loader import _cache_folder, default_model_path
+
+    return _cache_folder(default_model_path(), ModelSpec().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def mixed_workload() -> list[dict]:
+    with open(MIXED) as f:
+        return [json.loads(line) for line in f]

@@ -1,0 +1,150 @@
+"""The engine against transformers on the real SmolLM2-135M-Instruct."""
+
+import pytest
+import torch
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling import SamplingParams
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine(smol_loaded):
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=512 << 20), loaded=smol_loaded)
+    yield eng
+    assert eng.cache.pool.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def prompts(mixed_workload, smol_loaded):
+    # 8 prompts of different lengths, some over 300 tokens, plus a short chat one.
+    picked = sorted(mixed_workload, key=lambda r: r["prompt_tokens"])
+    chosen = [picked[i]["prompt_token_ids"] for i in (0, 20, 45, 70, 95, 110, 120, 127)]
+    assert sum(len(p) > 300 for p in chosen) >= 3
+    assert len({len(p) for p in chosen}) == 8
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, smol_folder):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smol_folder, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def test_greedy_matches_transformers_one_at_a_time(engine, prompts, reference):
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    for p, ref in zip(prompts, reference):
+        assert engine.generate([p], params)[0] == ref
+
+
+def test_greedy_matches_transformers_batched_with_staggered_joins(engine, prompts, reference):
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    got = {i: [] for i in range(len(prompts))}
+    pending = list(range(len(prompts)))
+    step = 0
+    while pending or engine.has_unfinished():
+        # one or two requests join every third step, while others are mid-decode
+        if pending and step % 3 == 0:
+            for _ in range(min(2 if step % 2 else 1, len(pending))):
+                i = pending.pop(0)
+                engine.add_request(f"stagger-{i}", prompts[i], params)
+        for out in engine.step():
+            got[int(out.request_id.split("-")[1])].extend(out.new_token_ids)
+        step += 1
+    assert [got[i] for i in range(len(prompts))] == reference
+
+
+def test_chunked_prefill_matches_transformers(smol_loaded, prompts, reference):
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=64), loaded=smol_loaded)
+    got = eng.generate(prompts[-3:], SamplingParams(max_tokens=NEW_TOKENS))
+    assert got == reference[-3:]
+    assert eng.cache.pool.num_used == 0
+
+
+def test_export_import_continues_exactly(smol_loaded, prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7)
+    a = LLMEngine(EngineConfig(kv_cache_bytes=128 << 20), loaded=smol_loaded)
+    b = LLMEngine(EngineConfig(kv_cache_bytes=128 << 20), loaded=smol_loaded)
+    never_moved = a.generate([prompts[4]], params)[0]
+
+    a.add_request("moving", prompts[4], params, prefill_only=True)
+    first = []
+    while "moving" not in a.parked:
+        for out in a.step():
+            first.extend(out.new_token_ids)
+            assert out.finish_reason == "prefilled"
+    payload = memoryview(bytearray(a.kv_nbytes("moving")))
+    export = a.export_kv("moving", payload)
+    a.release("moving")
+    assert a.cache.pool.num_used == 0
+    b.import_kv(export, bytes(payload))
+    moved = []  # the importer re-emits the first token: downstream only hears from it
+    while b.has_unfinished():
+        for out in b.step():
+            moved.extend(out.new_token_ids)
+    assert first == never_moved[:1]
+    assert moved == never_moved
+    assert len(never_moved) == 20
+    assert b.cache.pool.num_used == 0
+
+
+def test_streamed_text_is_the_decoded_output(engine):
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello in Japanese and add an emoji 🎉."}]))
+    engine.add_request("text", prompt, SamplingParams(max_tokens=40))
+    ids, text = [], ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids.extend(out.new_token_ids)
+            text += out.new_text
+            assert out.finished or "\ufffd" not in out.new_text  # only the final flush may be partial
+    assert text == tok.decode(ids)
+    assert text.strip()
+
+
+def test_stop_string_truncates_and_reports_stop(engine, prompts, reference):
+    tok = engine.tokenizer
+    full = tok.decode(reference[0])
+    stop = full.split()[2]  # a word that appears in the greedy output
+    engine.add_request("stop", prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,)))
+    text, outs = "", []
+    while engine.has_unfinished():
+        for out in engine.step():
+            text += out.new_text
+            outs.append(out)
+    assert outs[-1].finish_reason == "stop"
+    assert text == full[: full.index(stop)]
+
+
+def test_eos_and_stop_token_and_min_tokens(engine):
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}]))
+    outs = _run(engine, "eos", prompt, SamplingParams(max_tokens=64))
+    assert outs[-1].finish_reason == "eos"
+    n = outs[-1].num_output_tokens
+    assert n < 64
+    longer = _run(engine, "min", prompt, SamplingParams(max_tokens=64, min_tokens=n + 5))
+    assert longer[-1].num_output_tokens >= n + 5
+    first_two = [t for o in _run(engine, "ref", prompt, SamplingParams(max_tokens=2)) for t in o.new_token_ids]
+    stopped = _run(engine, "stopid", prompt, SamplingParams(max_tokens=64, stop_token_ids=(first_two[1],)))
+    assert stopped[-1].finish_reason == "stop"
+    assert [t for o in stopped for t in o.new_token_ids] == first_two
+    ignored = _run(engine, "ign", prompt, SamplingParams(max_tokens=n + 3, ignore_eos=True))
+    assert ignored[-1].finish_reason == "length" and ignored[-1].num_output_tokens == n + 3
+
+
+def _run(engine, rid, prompt, params):
+    engine.add_request(rid, prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return outs

@@ -1,0 +1,200 @@
+"""Engine behaviour on a tiny random Llama: fast, and independent of the real weights."""
+
+import random
+
+import pytest
+
+from splitserve.engine.errors import InvalidRequestError, KVImportError
+from splitserve.engine.sampling import SamplingParams
+
+
+def _prompts(n, lo=4, hi=120, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _drain(engine):
+    got, reasons = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    return got, reasons
+
+
+def test_batched_equals_one_at_a_time(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompts = _prompts(12)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    alone = [eng.generate([p], params)[0] for p in prompts]
+    assert eng.generate(prompts, params) == alone
+    assert all(len(a) == 20 for a in alone)
+
+
+def test_same_seed_same_tokens_alone_and_in_a_busy_batch(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = _prompts(1, seed=3)[0]
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = eng.generate([prompt], seeded)[0]
+    # the same request amid greedy and other random requests that join at other steps
+    eng.add_request("noise-0", _prompts(1, seed=9)[0], SamplingParams(max_tokens=30, temperature=1.3, ignore_eos=True))
+    eng.step()
+    eng.add_request("seeded", prompt, seeded)
+    for i, p in enumerate(_prompts(6, seed=5)):
+        eng.add_request(f"noise-{i + 1}", p, SamplingParams(max_tokens=10 + i, temperature=0.7 * (i % 2), ignore_eos=True))
+    got, _ = _drain(eng)
+    assert got["seeded"] == alone
+    other_seed = eng.generate([prompt], SamplingParams(**{**seeded.__dict__, "seed": 99}))[0]
+    assert other_seed != alone  # the seed is really used
+
+
+def test_tiny_pool_completes_every_request_by_preemption(tiny_engine_factory):
+    prompts = _prompts(10, lo=20, hi=60, seed=1)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    roomy = tiny_engine_factory().generate(prompts, params)
+    # 12 blocks of 16 tokens: room for ~2 sequences of the 10 at once
+    small = tiny_engine_factory(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    assert small.cache.pool.num_blocks == 12
+    preempted = 0
+    for i, p in enumerate(prompts):
+        small.add_request(f"r{i}", p, params)
+    got = {}
+    while small.has_unfinished():
+        for out in small.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        preempted += small.last_stats.num_preempted
+    assert preempted > 0
+    assert [got[f"r{i}"] for i in range(10)] == roomy
+
+
+def test_no_blocks_held_after_finished_cancelled_and_preempted(tiny_engine_factory):
+    eng = tiny_engine_factory(kv_cache_bytes=20 * 16 * 2 * 2 * 2 * 16 * 4)
+    prompts = _prompts(8, lo=10, hi=80, seed=4)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=30 + i, ignore_eos=i % 2 == 0))
+    eng.step()
+    eng.abort_request("r7")  # waiting
+    for _ in range(6):
+        eng.step()
+    eng.abort_request("r0")  # running
+    cancelled = eng.abort_request("r1")
+    assert cancelled.finished and cancelled.finish_reason == "cancelled"
+    _, reasons = _drain(eng)
+    assert eng.cache.pool.num_used == 0
+    assert set(reasons) <= {f"r{i}" for i in range(2, 7)}
+    assert eng.abort_request("r0") is None  # already gone: nothing to do
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "static"])
+def test_padded_policies_give_the_same_greedy_tokens(tiny_engine_factory, policy):
+    prompts = _prompts(7, seed=2)
+    params = [SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True) for i in range(7)]
+    want = tiny_engine_factory().generate(prompts, params)
+    eng = tiny_engine_factory(policy=policy, max_batch_size=4, static_batch_size=4, max_wait_ms=5)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"gen-{i}", p, sp)
+    got, padding, rows = {}, 0, set()
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        padding += eng.last_stats.padding_tokens
+        if eng.last_stats.num_seqs:
+            rows.add(eng.last_stats.num_seqs)
+    assert [got[f"gen-{i}"] for i in range(7)] == want
+    assert padding > 0  # prompts of different lengths and early finishers cost padding
+    if policy == "static":
+        assert rows == {4}  # the last batch of 3 still runs 4 rows
+    else:
+        assert rows == {4, 3}
+
+
+def test_prefill_chunks_under_a_small_token_budget(tiny_engine_factory):
+    prompts = _prompts(4, lo=100, hi=200, seed=8)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = tiny_engine_factory().generate(prompts, params)
+    eng = tiny_engine_factory(max_num_batched_tokens=32)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"gen-{i}", p, params)
+    got = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert eng.last_stats.num_tokens <= 32
+    assert [got[f"gen-{i}"] for i in range(4)] == want
+
+
+def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
+    a, b = tiny_engine_factory(), tiny_engine_factory()
+    prompt = _prompts(1, seed=6)[0]
+    a.add_request("x", prompt, SamplingParams(max_tokens=5, ignore_eos=True), prefill_only=True)
+    while "x" not in a.parked:
+        a.step()
+    buf = memoryview(bytearray(a.kv_nbytes("x")))
+    export = a.export_kv("x", buf)
+    a.release("x")
+    for change, payload, words in [
+        ({"fingerprint": "0" * 32}, buf, "fingerprint"),
+        ({"layout_version": 9}, buf, "layout version"),
+        ({"dtype": "bfloat16"}, buf, "dtype"),
+        ({}, buf[: len(buf) // 2], "payload is"),
+        ({"num_tokens": export.num_tokens + 4}, buf, "tokens need"),
+    ]:
+        bad = type(export)(**{**export.__dict__, **change})
+        with pytest.raises(KVImportError, match=words):
+            b.import_kv(bad, payload)
+    corrupt = bytearray(buf)
+    corrupt[:4] = b"XXXX"
+    with pytest.raises(KVImportError, match="header"):
+        b.import_kv(export, corrupt)
+    assert b.cache.pool.num_used == 0
+    b.import_kv(export, buf)  # the genuine one is accepted
+    _drain(b)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"temperature": -1}, "sampling.temperature"),
+        ({"top_p": 0}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_k": -2}, "sampling.top_k"),
+        ({"min_tokens": 9, "max_tokens": 4}, "sampling.min_tokens"),
+        ({"stop": ("",)}, "sampling.stop"),
+        ({"seed": -1}, "sampling.seed"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kw, field):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_bad_requests_name_the_field(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        eng.add_request("a", [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="token_ids"):
+        eng.add_request("a", [5, 512], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="sampling.max_tokens.*context length 1024"):
+        eng.add_request("a", [5] * 1000, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="sampling.stop"):
+        eng.add_request("a", [5], SamplingParams(stop=("x",)))  # no tokenizer
+    eng.add_request("a", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        eng.add_request("a", [5, 6], SamplingParams())
+    _drain(eng)
+
+
+def test_step_stats_describe_the_step(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    eng.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    s = eng.last_stats
+    assert (s.num_seqs, s.num_prefill_tokens, s.num_decode_tokens, s.num_tokens) == (1, 37, 0, 37)
+    assert s.kv_blocks_used == 3 and s.kv_blocks_free == eng.cache.pool.num_blocks - 3
+    assert s.step_time_s > 0 and s.forward_time_s > 0
+    eng.step()
+    assert (eng.last_stats.num_decode_tokens, eng.last_stats.num_prefill_tokens) == (1, 0)
+    _drain(eng)

@@ -1,0 +1,61 @@
+"""Model loading: one clear error line for every way it can go wrong."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.engine.config import ModelSpec
+from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.loader import load_model
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(ModelSpec(path=str(tmp_path / "nope")))
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all" * 100)
+    with pytest.raises(ModelLoadError, match="corrupt or unreadable GGUF"):
+        load_model(ModelSpec(path=str(bad), cache_dir=str(tmp_path / "cache")))
+
+
+def test_unsupported_architecture(tmp_path, tiny_model_dir):
+    folder = tmp_path / "gpt2ish"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'.*llama, mistral, qwen2"):
+        load_model(ModelSpec(path=str(folder)))
+
+
+def test_corrupt_safetensors(tmp_path, tiny_model_dir):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text(open(os.path.join(tiny_model_dir, "config.json")).read())
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="corrupt weights file"):
+        load_model(ModelSpec(path=str(folder)))
+
+
+def test_not_a_model_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="expected a .gguf file"):
+        load_model(ModelSpec(path=str(f)))
+
+
+def test_cli_prints_one_line_and_no_traceback(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "check-model", "--model", str(tmp_path / "missing.gguf")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines == [f"splitserve: error: model path does not exist: {tmp_path / 'missing.gguf'}"]
