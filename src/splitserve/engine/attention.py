@@ -31,19 +31,29 @@ class RaggedBatch:
     logits_rows: torch.Tensor  # [S] int64, rows of the batch whose next token is sampled
     seqs: list[AttnSeq]
     ctx_slots: torch.Tensor | None  # [sum ctx_len of cache-reading seqs] int64
+    ctx_info: torch.Tensor | None = None  # [cache-reading seqs, 4] int64: q_start, q_len, ctx_len, ctx_off
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def attention(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D] -> [T, Hq*D]."""
+    def attention(self, q, k, v, k_cache, v_cache, scale: float, kernel=None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D] -> [T, Hq*D].
+
+        With ``kernel`` (native.PagedAttention), every cache-reading sequence is done in one
+        call straight from the paged cache; fresh prefills still use torch's SDPA.
+        """
         T, Hq, D = q.shape
         out = torch.empty(T, Hq * D, dtype=q.dtype)
         if self.ctx_slots is not None:
-            K = k_cache.index_select(0, self.ctx_slots).transpose(0, 1)  # [Hkv, N, D]
-            V = v_cache.index_select(0, self.ctx_slots).transpose(0, 1)
+            if kernel is not None:
+                kernel(q, k_cache, v_cache, self.ctx_info, self.ctx_slots, scale, out)
+            else:
+                K = k_cache.index_select(0, self.ctx_slots).transpose(0, 1)  # [Hkv, N, D]
+                V = v_cache.index_select(0, self.ctx_slots).transpose(0, 1)
         for s in self.seqs:
+            if kernel is not None and s.ctx_off >= 0:
+                continue
             a, b = s.q_start, s.q_start + s.q_len
             qi = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
             if s.ctx_off < 0:

@@ -39,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Compute.
     num_threads: int = 0  # 0 = every core this process may use
+    attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ("native", "torch"):
+            raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

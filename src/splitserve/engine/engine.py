@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from splitserve.engine import kv_transfer
+from splitserve.engine import kv_transfer, native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
@@ -41,6 +41,10 @@ class LLMEngine:
         torch.set_num_threads(config.threads())
         loaded = loaded or load_model(config.model)
         self.model = LlamaModel(loaded)
+        if config.attention_backend == "native":
+            lib = native.load_paged_attention(config.model.cache_dir)
+            if lib is not None:
+                self.model.attn_kernel = native.PagedAttention(lib, config.threads())
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
@@ -188,6 +192,7 @@ class LLMEngine:
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
         ctx_slots: list[torch.Tensor] = []
+        ctx_info: list[tuple[int, int, int, int]] = []
         logits_rows: list[int] = []
         seqs: list[AttnSeq] = []
         ctx_off = 0
@@ -204,7 +209,9 @@ class LLMEngine:
                 slots = self.cache.slots(seq.block_table, 0, end)
                 slot_mapping.append(slots[start:])
                 ctx_slots.append(slots)
-                seqs.append(AttnSeq(q_start, n, end, ctx_off, chunk_mask(n, end)))
+                mask = chunk_mask(n, end) if self.model.attn_kernel is None else None
+                seqs.append(AttnSeq(q_start, n, end, ctx_off, mask))
+                ctx_info.append((q_start, n, end, ctx_off))
                 ctx_off += end
             if s.samples:
                 logits_rows.append(len(ids) - 1)
@@ -215,6 +222,7 @@ class LLMEngine:
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
             seqs=seqs,
             ctx_slots=torch.cat(ctx_slots) if ctx_slots else None,
+            ctx_info=torch.tensor(ctx_info, dtype=torch.int64) if ctx_info else None,
         )
 
     # -- after sampling ---------------------------------------------------------------------

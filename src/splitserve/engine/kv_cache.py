@@ -46,8 +46,9 @@ class PagedKVCache:
         per_block = shape.kv_bytes_per_token * block_size
         num_blocks = max(1, cache_bytes // per_block)
         self.pool = BlockPool(num_blocks, block_size)
-        # kv: [layers, 2 (k, v), num_blocks * block_size, Hkv, D]; pages are touched lazily.
-        self.kv = torch.empty(
+        # kv: [layers, 2 (k, v), num_blocks * block_size, Hkv, D]. NOTE: zeroed (pages faulted in)
+        # at start-up; faulting them lazily cost 15x on the first KV writes of a busy step.
+        self.kv = torch.zeros(
             shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim, dtype=torch.float32
         )
 

@@ -86,6 +86,7 @@ class LlamaModel:
         # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact)
         self.rope_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [max_pos, D]
         self.fingerprint = _fingerprint(self.shape, cfg, sd)
+        self.attn_kernel = None  # native.PagedAttention, set by the engine when available
 
     def _layer(self, sd: dict, i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -147,7 +148,7 @@ class LlamaModel:
             q, k, v = self.qkv(layer, h, cos, sin)
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
             kv[li, 1].index_copy_(0, batch.slot_mapping, v)
-            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling)  # [T, Hq*D]
+            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
             x = x + torch.mm(attn, layer.w_o)
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         del T
