@@ -1,0 +1,177 @@
+"""In-process engine benchmark (issue: engine targets).
+
+    python -m splitserve.bench.engine_bench [--quick] [--out results.json]
+
+Every request generates exactly max_tokens (greedy, EOS ignored), all submitted at once.
+Reports, per policy: output tok/s, requests/s, e2e p50/p99; single-stream decode tok/s;
+decode tok/s at 1/8/32/64 running sequences; and the whole mixed workload's achieved
+GFLOP/s against a large fp32 GEMM measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, percentile
+from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.loader import load_model
+from splitserve.engine.sampling import SamplingParams
+
+
+def run_workload(engine: LLMEngine, items: list[WorkItem]) -> dict:
+    start = time.perf_counter()
+    for it in items:
+        engine.add_request(it.id, it.prompt_token_ids, SamplingParams(max_tokens=it.max_tokens, ignore_eos=True))
+    done: dict[str, float] = {}
+    first: dict[str, float] = {}
+    tokens = 0
+    padding = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter() - start
+            first.setdefault(out.request_id, now)
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = now
+        padding += engine.last_stats.padding_tokens
+    wall = time.perf_counter() - start
+    e2e = list(done.values())
+    assert tokens == sum(it.max_tokens for it in items), "every request must generate exactly max_tokens"
+    return {
+        "requests": len(items),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_per_s": tokens / wall,
+        "requests_per_s": len(items) / wall,
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "ttft_p50_s": percentile(list(first.values()), 50),
+        "padding_tokens": padding,
+    }
+
+
+def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = 16) -> float:
+    """Decode tok/s with exactly `running` sequences decoding (prompts cut to 128 tokens)."""
+    for i in range(running):
+        it = items[i % len(items)]
+        engine.add_request(f"dec-{running}-{i}", it.prompt_token_ids[:128], SamplingParams(max_tokens=steps + 200, ignore_eos=True))
+    while any(s.num_computed < s.prompt_len for s in engine.seqs.values()):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        engine.step()
+        assert engine.last_stats.num_decode_tokens == running
+        times.append(engine.last_stats.step_time_s)
+    for rid in list(engine.seqs):
+        engine.abort_request(rid)
+    return running / percentile(times, 50)
+
+
+def gemm_gflops(n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / percentile(times, 50) / 1e9
+
+
+def workload_flops(engine: LLMEngine, items: list[WorkItem]) -> float:
+    """Model FLOPs of a workload: linear layers, attention (QK and PV), and lm_head per sample."""
+    s = engine.model.shape
+    layer = engine.model.layers[0]
+    linear = sum(w.numel() for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+    total = 0.0
+    for it in items:
+        computed = len(it.prompt_token_ids) + it.max_tokens - 1
+        total += 2.0 * s.num_layers * linear * computed
+        total += 4.0 * s.num_layers * s.num_heads * s.head_dim * computed * (computed + 1) / 2
+        total += 2.0 * s.hidden_size * s.vocab_size * it.max_tokens
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=default_workload_dir())
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
+    ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    loaded = load_model(ModelSpec(path=args.model))
+    base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30)
+    mixed = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"))
+    short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
+    n_mixed, n_short = (8, 16) if args.quick else (32, 64)
+    results: dict = {"threads": base.threads(), "torch": torch.__version__, "policies": {}}
+    torch.set_num_threads(base.threads())
+
+    policies = {
+        "continuous": base,
+        "dynamic": base.replace(policy="dynamic", max_batch_size=8, max_wait_ms=50),
+        "static": base.replace(policy="static", static_batch_size=8, max_wait_ms=50),
+    }
+    for name, cfg in policies.items():
+        eng = LLMEngine(cfg, loaded=loaded)
+        results["policies"][name] = {
+            "mixed": run_workload(eng, mixed[:n_mixed]),
+            "short": run_workload(eng, short[:n_short]),
+        }
+        r = results["policies"][name]
+        print(
+            f"{name:>10}: mixed {r['mixed']['output_tok_per_s']:6.1f} tok/s {r['mixed']['requests_per_s']:.2f} req/s "
+            f"p50 {r['mixed']['e2e_p50_s']:.1f}s p99 {r['mixed']['e2e_p99_s']:.1f}s | "
+            f"short {r['short']['output_tok_per_s']:6.1f} tok/s {r['short']['requests_per_s']:.2f} req/s "
+            f"p50 {r['short']['e2e_p50_s']:.1f}s p99 {r['short']['e2e_p99_s']:.1f}s",
+            flush=True,
+        )
+        del eng
+
+    eng = LLMEngine(base, loaded=loaded)
+    results["decode_tok_per_s"] = {}
+    for running in (1, 8, 32, 64):
+        results["decode_tok_per_s"][running] = decode_rate(eng, mixed, running)
+        print(f"decode with {running:>2} running: {results['decode_tok_per_s'][running]:6.1f} tok/s", flush=True)
+    results["single_stream_tok_per_s"] = results["decode_tok_per_s"][1]
+
+    if not args.skip_full:
+        items = mixed[:16] if args.quick else mixed
+        gemm_before = gemm_gflops()
+        full = run_workload(eng, items)
+        gemm_after = gemm_gflops()
+        flops = workload_flops(eng, items)
+        achieved = flops / full["wall_s"] / 1e9
+        gemm = (gemm_before + gemm_after) / 2
+        results["flops"] = {
+            "requests": len(items),
+            "workload_tflop": flops / 1e12,
+            "wall_s": full["wall_s"],
+            "achieved_gflops": achieved,
+            "gemm_gflops": gemm,
+            "fraction_of_gemm": achieved / gemm,
+            "output_tok_per_s": full["output_tok_per_s"],
+        }
+        print(
+            f"whole mixed workload ({len(items)} requests): {flops / 1e12:.2f} TFLOP in {full['wall_s']:.1f}s = "
+            f"{achieved:.1f} GFLOP/s; 2048^3 fp32 GEMM {gemm:.1f} GFLOP/s -> {100 * achieved / gemm:.0f}%",
+            flush=True,
+        )
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
