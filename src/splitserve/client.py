@@ -1,0 +1,110 @@
+"""Python client for splitserve's Generation service, sync and asyncio.
+
+    from splitserve.client import Client
+    with Client("127.0.0.1:50051") as c:
+        for chunk in c.generate_stream("Hello", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterator
+
+import grpc
+
+from splitserve_proto.v1 import generation_pb2 as pb
+from splitserve_proto.v1 import generation_pb2_grpc
+
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    token_ids: list[int] | None = None,
+    request_id: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    priority: int = 0,
+) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    sp = req.sampling
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sp, name, value)
+    sp.stop.extend(stop or [])
+    sp.stop_token_ids.extend(stop_token_ids or [])
+    sp.min_tokens = min_tokens
+    sp.ignore_eos = ignore_eos
+    return req
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+
+    def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateResponse]:
+        return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout)
+
+    def abort(self, request_id: str) -> pb.AbortResponse:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id))
+
+    def get_request(self, request_id: str) -> pb.RequestInfo:
+        return self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+
+    async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout)
+        async for resp in call:
+            yield resp
+
+    async def abort(self, request_id: str) -> pb.AbortResponse:
+        return await self.stub.Abort(pb.AbortRequest(request_id=request_id))
+
+    async def get_request(self, request_id: str) -> pb.RequestInfo:
+        return await self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,1 @@
+"""Decode worker: adopts KV handed over by prefill workers and decodes with continuous batching."""

@@ -1,0 +1,257 @@
+"""The DecodeWorker service.
+
+Per request: the router opens ``Decode`` (a slot waits for the KV), a prefill worker
+calls ``PutKV`` with a handle (or ``PutKVStream`` with the bytes), the KV is validated
+and copied into the paged pool on the engine thread, and tokens flow back on the
+``Decode`` stream. A cancelled ``Decode`` aborts the sequence and frees its blocks;
+a ``PutKV`` for a request with no open slot is NOT_FOUND, so the producer frees its region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.errors import CapacityError
+from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
+from splitserve.engine.outputs import RequestOutput
+from splitserve.service import convert, grpc_server
+from splitserve.service.arena import ArenaReader
+from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound
+from splitserve.service.redis_state import Keys, WorkerInfo
+from splitserve.service.runner import EngineRunner
+from splitserve.service.settings import Settings, host_id
+from splitserve_proto.v1 import generation_pb2 as gen_pb
+from splitserve_proto.v1 import worker_pb2 as w_pb
+from splitserve_proto.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = w_pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
+@dataclass
+class Slot:
+    request_id: str
+    deadline: float
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    imported: bool = False
+    done: bool = False
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, settings: Settings, runner: EngineRunner, r: aioredis.Redis, keys: Keys, name: str):
+        self.s = settings
+        self.runner = runner
+        self.engine: LLMEngine = runner.engine
+        self.redis = r
+        self.keys = keys
+        self.name = name
+        self.host = host_id()
+        self.reader = ArenaReader(settings.shm_prefix)
+        self.slots: dict[str, Slot] = {}
+        self.capacity = asyncio.Event()  # set after steps that may have freed blocks
+        self.draining = False
+
+    # -- Decode -------------------------------------------------------------------------
+
+    async def Decode(self, request: w_pb.DecodeRequest, context):
+        rid = request.request_id
+        if not rid:
+            raise Invalid("request_id: must be set")
+        if self.draining:
+            from splitserve.service.errors import Unavailable
+
+            raise Unavailable("decode worker is draining")
+        if rid in self.slots:
+            raise AlreadyExists(f"request {rid!r} already has a decode stream here")
+        slot = Slot(rid, request.deadline_unix)
+        self.slots[rid] = slot
+        self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
+        try:
+            yield w_pb.DecodeEvent(accepted=True)
+            while True:
+                ev = await slot.events.get()
+                yield ev
+                if ev.finish_reason or ev.error:
+                    slot.done = True
+                    return
+        finally:
+            self.slots.pop(rid, None)
+            self.runner.sinks.pop(rid, None)
+            if slot.imported and not slot.done:  # the router went away: stop decoding, free the KV
+                self.runner.submit_nowait(lambda e: e.abort_request(rid))
+
+    def _on_output(self, slot: Slot, out: RequestOutput) -> None:
+        ev = w_pb.DecodeEvent(
+            token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
+        )
+        if out.finished:
+            ev.finish_reason = out.finish_reason or "error"
+            ev.timings.CopyFrom(gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms,
+                                               kv_transfer_ms=slot.transfer_ms))
+            if out.error:
+                ev.error = out.error
+        slot.events.put_nowait(ev)
+
+    # -- PutKV --------------------------------------------------------------------------
+
+    async def PutKV(self, request: w_pb.PutKVRequest, context):
+        slot = self._slot_for(request.sequence)
+        if request.sequence.finish_reason:
+            return await self._finished_at_prefill(slot, request.sequence)
+        h = request.handle
+        self._check_handle(request.sequence, h, transport="shm")
+        payload = self.reader.region(h.arena, h.offset, h.length)
+        return await self._adopt(slot, request.sequence, h, payload)
+
+    async def PutKVStream(self, request_iterator, context):
+        first = await anext(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise Invalid("header: the first chunk must carry the handle and sequence")
+        req = first.header
+        slot = self._slot_for(req.sequence)
+        if req.sequence.finish_reason:
+            return await self._finished_at_prefill(slot, req.sequence)
+        h = req.handle
+        self._check_handle(req.sequence, h, transport="grpc")
+        buf = bytearray(h.length)
+        got = 0
+        chunk = first
+        while True:
+            data = chunk.data
+            if got + len(data) > h.length:
+                raise Invalid(f"handle.length: received more than {h.length} bytes")
+            buf[got : got + len(data)] = data
+            got += len(data)
+            chunk = await anext(request_iterator, None)
+            if chunk is None:
+                break
+        if got != h.length:
+            raise Invalid(f"handle.length: {h.length} bytes announced, {got} received")
+        return await self._adopt(slot, req.sequence, h, memoryview(buf))
+
+    def _slot_for(self, seq: w_pb.SequenceState) -> Slot:
+        slot = self.slots.get(seq.request_id)
+        if slot is None:
+            raise NotFound(f"no decode stream open for request {seq.request_id!r} (cancelled, or never opened here)")
+        if slot.imported:
+            raise AlreadyExists(f"request {seq.request_id!r} already has its KV here")
+        return slot
+
+    def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:
+        """Every field against this worker's model before a byte is read."""
+        if h.transport != transport:
+            raise Invalid(f"handle.transport: {h.transport!r} sent to the {transport} endpoint")
+        if h.layout_version != LAYOUT_VERSION:
+            raise Invalid(f"handle.layout_version: {h.layout_version} is not supported (this worker reads {LAYOUT_VERSION})")
+        if h.dtype != "float32":
+            raise Invalid(f"handle.dtype: {h.dtype!r} is not float32")
+        if h.fingerprint != self.engine.fingerprint:
+            raise Invalid(f"handle.fingerprint: {h.fingerprint!r} is not this worker's model ({self.engine.fingerprint})")
+        if h.num_tokens < 1 or h.num_tokens != len(seq.token_ids) - 1:
+            raise Invalid(f"handle.num_tokens: {h.num_tokens} does not match the sequence ({len(seq.token_ids)} tokens)")
+        need = payload_nbytes(self.engine.model.shape, h.num_tokens)
+        if h.length != need:
+            raise Invalid(f"handle.length: {h.length} bytes, {h.num_tokens} tokens of KV are {need}")
+        if h.lease_deadline_unix and h.lease_deadline_unix < time.time():
+            raise Invalid("handle.lease_deadline_unix: the lease has expired")
+        if transport == "shm" and h.host_id != self.host:
+            raise Invalid(f"handle.host_id: {h.host_id!r} is another host; send the bytes with PutKVStream")
+
+    async def _finished_at_prefill(self, slot: Slot, seq: w_pb.SequenceState) -> w_pb.PutKVResponse:
+        out = list(seq.token_ids[seq.prompt_len :])
+        text = self.engine.tokenizer.decode(out) if self.engine.tokenizer else ""
+        slot.imported = True
+        slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out)))
+        return w_pb.PutKVResponse()
+
+    async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload) -> w_pb.PutKVResponse:
+        export = convert.export_from_pb(seq, h)
+        t0 = time.perf_counter()
+        deadline = h.lease_deadline_unix or (time.time() + 60)
+        while True:  # backpressure: wait for blocks rather than refuse
+            try:
+                await self.runner.submit(lambda e: e.import_kv(export, payload))
+                break
+            except CapacityError:
+                if time.time() > deadline:
+                    raise DeadlineExceeded("no free KV blocks before the handle's lease ran out") from None
+                if seq.request_id not in self.slots:
+                    raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks") from None
+                self.capacity.clear()
+                try:
+                    await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
+        if seq.request_id not in self.slots:  # cancelled while the KV was copied in
+            self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
+            raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")
+        slot.imported = True
+        slot.transfer_ms = (time.perf_counter() - t0) * 1000
+        slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        await self.redis.hset(self.keys.req(seq.request_id), mapping={"state": "decoding", "t_kv_done": time.time(),
+                                                                      "decode_worker": self.name})
+        return w_pb.PutKVResponse(transfer_ms=slot.transfer_ms)
+
+    # -- registry -----------------------------------------------------------------------
+
+    def info(self, address: str) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(
+            worker_id=self.name, role="decode", address=address, host_id=self.host,
+            running=e.num_running, waiting=e.num_waiting,
+            free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, pending=len(self.slots),
+        )
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    engine = await asyncio.to_thread(LLMEngine, settings.engine_config("decode"))
+    r = aioredis.from_url(settings.redis_url)
+    keys = Keys(settings.redis_prefix)
+    name = settings.worker_name("decode")
+    servicer_ref: list[DecodeServicer] = []
+    runner = EngineRunner(engine, loop, on_step=lambda: loop.call_soon_threadsafe(servicer_ref[0].capacity.set))
+    servicer = DecodeServicer(settings, runner, r, keys, name)
+    servicer_ref.append(servicer)
+    runner.start()
+    server = grpc_server.new_server()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
+    address = settings.address(port)
+    lease = 3 * settings.heartbeat_s
+
+    async def heartbeat():
+        while True:
+            info = servicer.info(address)
+            key = keys.worker("decode", name)
+            await r.hset(key, mapping=info.to_mapping() | {"updated": str(time.time())})
+            await r.pexpire(key, int(lease * 1000))
+            await asyncio.sleep(settings.heartbeat_s)
+
+    hb = asyncio.create_task(heartbeat())
+    log.info("decode worker %s serving on %s (model %s)", name, address, engine.model_name)
+    print(f"READY {address}", flush=True)
+    await stop.wait()
+    # Drain: no new streams, running sequences finish (up to drain_s), then stop.
+    servicer.draining = True
+    await grpc_server.set_not_serving(health, [SERVICE])
+    hb.cancel()
+    await r.delete(keys.worker("decode", name))
+    t_end = time.time() + settings.drain_s
+    while servicer.slots and time.time() < t_end:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    runner.stop()
+    servicer.reader.close()
+    await r.aclose()
+    log.info("decode worker %s stopped", name)

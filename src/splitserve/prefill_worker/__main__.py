@@ -1,0 +1,5 @@
+import sys
+
+from splitserve.prefill_worker.worker import main
+
+sys.exit(main())

@@ -1,0 +1,280 @@
+"""The prefill worker's loop: pull -> prefill -> export into the arena -> PutKV -> free, XACK.
+
+Pulling is the load balancer and the backpressure: jobs are read with XREADGROUP only
+when the arena has room, and a region stays allocated until the decode worker's
+PutKV returns, so a full decode pool stalls the arena, which stalls pulling, which
+lets the stream grow until the routers' admission refuses. Jobs left pending by a
+dead worker are claimed with XAUTOCLAIM after ``claim_idle_ms``; a live worker
+re-claims its own in-flight jobs on every heartbeat so they are never taken from it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import redis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.errors import EngineError
+from splitserve.engine.outputs import RequestOutput
+from splitserve.service import convert
+from splitserve.service.arena import Arena, ArenaFull
+from splitserve.service.grpc_server import OPTIONS
+from splitserve.service.process import parse_settings
+from splitserve.service.redis_state import DEQUEUE_LUA, GROUP, Job, Keys, WorkerInfo, ensure_group, heartbeat
+from splitserve.service.settings import Settings, host_id
+from splitserve_proto.v1 import worker_pb2 as w_pb
+from splitserve_proto.v1 import worker_pb2_grpc
+
+log = logging.getLogger("splitserve.prefill")
+HANDOFF_LEASE_S = 60.0
+
+
+@dataclass
+class InFlight:
+    job: Job
+    entry_id: str
+    t_start: float
+    t_end: float = 0.0
+
+
+class PrefillWorker:
+    def __init__(self, settings: Settings):
+        self.s = settings
+        self.engine = LLMEngine(settings.engine_config("prefill"))
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.keys = Keys(settings.redis_prefix)
+        self.name = settings.worker_name("prefill")
+        self.host = host_id()
+        self.arena = Arena(f"{settings.shm_prefix}{self.name}", settings.arena_bytes)
+        self.pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="handoff")
+        self.stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+        self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
+        self.lock = threading.Lock()
+        self.dequeue = self.redis.register_script(DEQUEUE_LUA)
+        self.stop = threading.Event()
+        self.address = ""
+        self._last_claim = 0.0
+
+    # -- pulling ------------------------------------------------------------------------
+
+    def pull(self) -> list[tuple[str, Job, bool]]:
+        """New jobs (and, every so often, jobs of dead workers); (entry id, job, first delivery)."""
+        out: list[tuple[str, Job, bool]] = []
+        now = time.monotonic()
+        if now - self._last_claim > self.s.claim_idle_ms / 4000:
+            self._last_claim = now
+            _, claimed, *_ = self.redis.xautoclaim(
+                self.keys.stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
+            )
+            for entry_id, fields in claimed:
+                if fields:
+                    out.append((entry_id.decode(), Job.from_json(fields[b"job"]), False))
+            if out:
+                log.info("claimed %d job(s) left by a dead prefill worker", len(out))
+        room = self.s.prefill_batch - len(out)
+        if room > 0:
+            block = 0 if (out or self.engine.has_unfinished()) else 200
+            resp = self.redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"}, count=room, block=block or None)
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    out.append((entry_id.decode(), Job.from_json(fields[b"job"]), True))
+        return out
+
+    def admit(self, entry_id: str, job: Job, first: bool) -> None:
+        if first:
+            self.dequeue(keys=[self.keys.admission], args=[len(job.token_ids)])
+        state = self.redis.hget(self.keys.req(job.request_id), "state")
+        if state is None or state.decode() in ("cancelled", "failed", "finished"):
+            self._ack(entry_id)  # cancelled while queued (or expired): skip it
+            return
+        if job.deadline_unix and job.deadline_unix < time.time():
+            self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": "deadline exceeded in queue"})
+            self._ack(entry_id)
+            return
+        if job.request_id in self.inflight:  # our own job, re-delivered: already in hand
+            return
+        t = time.time()
+        self.redis.hset(self.keys.req(job.request_id), mapping={"state": "prefilling", "t_prefill_start": t,
+                                                                 "prefill_worker": self.name})
+        try:
+            self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True)
+        except EngineError as e:
+            log.warning("job %s refused: %s", job.request_id, e)
+            self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": str(e)})
+            self._ack(entry_id)
+            return
+        with self.lock:
+            self.inflight[job.request_id] = InFlight(job, entry_id, t)
+
+    # -- after prefill ------------------------------------------------------------------
+
+    def on_output(self, out: RequestOutput) -> None:
+        if not out.finished:
+            return
+        fl = self.inflight.get(out.request_id)
+        if fl is None:
+            return
+        fl.t_end = time.time()
+        if out.finish_reason == "prefilled":
+            nbytes = self.engine.kv_nbytes(out.request_id)
+            try:
+                off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
+            except ArenaFull:
+                off = None  # bigger than the whole arena: send it from a private buffer
+            view = self.arena.view(off, nbytes) if off is not None else memoryview(bytearray(nbytes))
+            export = self.engine.export_kv(out.request_id, view)
+            self.engine.release(out.request_id)  # the KV now lives in the region
+            self.pool.submit(self._handoff, fl, export, off, view)
+        else:  # the first token already finished it (eos, stop, max_tokens=1)
+            seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
+            from splitserve.engine.kv_transfer import KVExport
+
+            export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "")
+            self.pool.submit(self._handoff, fl, export, None, None, out.finish_reason or "error")
+
+    def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "") -> None:
+        job = fl.job
+        seq = convert.sequence_to_pb(
+            export, finish_reason=finish_reason, queue_ms=(fl.t_start - job.t_admitted) * 1000,
+            prefill_ms=(fl.t_end - fl.t_start) * 1000, traceparent=job.traceparent,
+        )
+        try:
+            stub = self._stub(job.decode_address)
+            if finish_reason:
+                stub.PutKV(w_pb.PutKVRequest(sequence=seq), timeout=30)
+            else:
+                transport = self.s.kv_transport
+                if transport == "auto":
+                    transport = "shm" if job.decode_host_id == self.host and off is not None else "grpc"
+                if off is None:
+                    transport = "grpc"
+                handle = w_pb.KVHandle(
+                    arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=export.nbytes,
+                    num_tokens=export.num_tokens, layout_version=export.layout_version, dtype=export.dtype,
+                    fingerprint=export.fingerprint, producer=self.address, host_id=self.host,
+                    lease_deadline_unix=time.time() + HANDOFF_LEASE_S, transport=transport,
+                )
+                req = w_pb.PutKVRequest(sequence=seq, handle=handle)
+                if transport == "shm":
+                    stub.PutKV(req, timeout=HANDOFF_LEASE_S + 5)
+                else:
+                    stub.PutKVStream(self._chunks(req, view), timeout=HANDOFF_LEASE_S + 5)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
+                log.info("request %s was cancelled before its KV arrived", job.request_id)
+            else:
+                log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
+                self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": f"KV handoff: {e.details()}"})
+        except Exception:  # noqa: BLE001 - never lose the worker
+            log.exception("handoff of %s failed", job.request_id)
+        finally:
+            if view is not None:
+                view.release()
+            if off is not None:
+                self.arena.free(off)
+            self._ack(fl.entry_id)
+            with self.lock:
+                self.inflight.pop(job.request_id, None)
+            self.redis.hset(self.keys.req(job.request_id), "t_prefill_end", fl.t_end)
+
+    def _chunks(self, req: w_pb.PutKVRequest, view: memoryview):
+        step = self.s.kv_chunk_bytes
+        n = len(view)
+        yield w_pb.KVChunk(header=req, data=bytes(view[: min(step, n)]))
+        for i in range(step, n, step):
+            yield w_pb.KVChunk(data=bytes(view[i : i + step]))
+
+    def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        stub = self.stubs.get(address)
+        if stub is None:
+            stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(address, options=OPTIONS))
+            self.stubs[address] = stub
+        return stub
+
+    def _ack(self, entry_id: str) -> None:
+        with self.redis.pipeline() as p:
+            p.xack(self.keys.stream, GROUP, entry_id)
+            p.xdel(self.keys.stream, entry_id)
+            p.execute()
+
+    # -- loop ---------------------------------------------------------------------------
+
+    def heartbeat_loop(self) -> None:
+        lease = 3 * self.s.heartbeat_s
+        while not self.stop.wait(self.s.heartbeat_s):
+            try:
+                e = self.engine
+                heartbeat(self.redis, self.keys, WorkerInfo(
+                    worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
+                    running=len(self.inflight), waiting=e.num_waiting,
+                    free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
+                ), lease)
+                with self.lock:
+                    ids = [fl.entry_id for fl in self.inflight.values()]
+                if ids:  # keep our in-flight jobs ours: reset their idle time
+                    self.redis.xclaim(self.keys.stream, GROUP, self.name, 0, ids, justid=True)
+            except redis.RedisError as e:
+                log.warning("heartbeat failed: %s", e)
+
+    def run(self) -> None:
+        ensure_group(self.redis, self.keys)
+        threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
+        while not self.stop.is_set():
+            try:
+                for entry_id, job, first in self.pull():
+                    self.admit(entry_id, job, first)
+            except redis.RedisError as e:
+                log.warning("pulling jobs failed: %s", e)
+                time.sleep(0.5)
+                continue
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self.on_output(out)
+        self.pool.shutdown(wait=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill_worker %(levelname)s %(message)s")
+    try:
+        settings = parse_settings("prefill_worker", argv)
+        worker = PrefillWorker(settings)
+    except (ValueError, EngineError) as e:
+        print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)
+        return 2
+    server = grpc.server(cf.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    server.start()
+    worker.address = settings.address(port)
+    hs.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def on_signal(*_):
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log.info("prefill worker %s serving on %s, arena %s (%d MiB)", worker.name, worker.address, worker.arena.name,
+             settings.arena_bytes >> 20)
+    print(f"READY {worker.address}", flush=True)
+    try:
+        worker.run()
+    finally:
+        hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        worker.redis.delete(worker.keys.worker("prefill", worker.name))
+        worker.arena.close()
+        server.stop(grace=1.0)
+        log.info("prefill worker %s stopped", worker.name)
+    return 0

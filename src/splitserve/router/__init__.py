@@ -1,0 +1,1 @@
+"""Router: validates, tokenizes, admits through Redis, and relays tokens from a decode worker."""

@@ -1,0 +1,1 @@
+"""What the router and the workers share: settings, Redis state, the KV arena, gRPC plumbing."""

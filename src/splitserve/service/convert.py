@@ -1,0 +1,95 @@
+"""Protobuf <-> domain objects, at the edges only."""
+
+from __future__ import annotations
+
+import re
+
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.kv_transfer import KVExport
+from splitserve.engine.sampling import SamplingParams
+from splitserve_proto.v1 import generation_pb2 as gen_pb
+from splitserve_proto.v1 import worker_pb2 as w_pb
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens,
+        temperature=sp.temperature if sp.HasField("temperature") else 0.0,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        top_k=sp.top_k if sp.HasField("top_k") else 0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        min_tokens=sp.min_tokens,
+        ignore_eos=sp.ignore_eos,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
+    sp = gen_pb.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        sp.seed = p.seed
+    return sp
+
+
+def check_request_id(request_id: str) -> None:
+    if request_id and not _REQUEST_ID.match(request_id):
+        raise InvalidRequestError("request_id", "must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
+
+
+def input_of(req: gen_pb.GenerateRequest) -> tuple[str, object]:
+    """('prompt', str) | ('messages', list[dict]) | ('token_ids', list[int]); raises naming the field."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("input", "one of prompt, messages or token_ids is required")
+    if kind == "prompt":
+        if not req.prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return kind, req.prompt
+    if kind == "messages":
+        msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+        if not msgs:
+            raise InvalidRequestError("messages", "must not be empty")
+        for i, m in enumerate(msgs):
+            if not m["role"]:
+                raise InvalidRequestError(f"messages[{i}].role", "must be set")
+        return kind, msgs
+    ids = list(req.token_ids.ids)
+    if not ids:
+        raise InvalidRequestError("token_ids", "must not be empty")
+    return kind, ids
+
+
+def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float = 0.0, prefill_ms: float = 0.0,
+                   traceparent: str = "") -> w_pb.SequenceState:
+    return w_pb.SequenceState(
+        request_id=export.request_id,
+        prompt_len=export.prompt_len,
+        token_ids=export.token_ids,
+        sampling=sampling_to_pb(export.params),
+        generator_state=export.generator_state or b"",
+        finish_reason=finish_reason,
+        queue_ms=queue_ms,
+        prefill_ms=prefill_ms,
+        traceparent=traceparent,
+    )
+
+
+def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
+    return KVExport(
+        request_id=seq.request_id,
+        prompt_len=seq.prompt_len,
+        token_ids=list(seq.token_ids),
+        params=sampling_from_pb(seq.sampling, 16),
+        generator_state=seq.generator_state or None,
+        num_tokens=handle.num_tokens,
+        fingerprint=handle.fingerprint,
+        layout_version=handle.layout_version,
+        dtype=handle.dtype,
+        nbytes=handle.length,
+    )

@@ -1,0 +1,130 @@
+"""Domain errors -> gRPC status codes, in one interceptor per server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
+from splitserve.service.arena import BadHandle
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, metadata: tuple = ()):
+        super().__init__(message)
+        self.metadata = metadata
+
+
+class Refused(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(ServiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(ServiceError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class Invalid(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    if isinstance(exc, ServiceError):
+        return exc.code, str(exc), exc.metadata
+    if isinstance(exc, (InvalidRequestError, KVImportError, BadHandle)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ()
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+    if isinstance(exc, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
+        return exc.code(), exc.details() or "", ()
+    log.exception("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
+async def _abort(context, exc: BaseException):
+    code, message, metadata = status_for(exc)
+    if metadata:
+        context.set_trailing_metadata(metadata)
+    await context.abort(code, message)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler so a domain error becomes the right status, never a crash."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - mapped to a status
+                    if isinstance(e, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, e)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            inner_s = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for item in inner_s(request, context):
+                        yield item
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    if isinstance(e, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, e)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                try:
+                    return await inner_su(request_iterator, context)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    if isinstance(e, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, e)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

