@@ -37,3 +37,7 @@ $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
 	mkdir -p src/splitserve_proto/v1
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src $(PROTO_SRC)
 	touch src/splitserve_proto/__init__.py src/splitserve_proto/v1/__init__.py
+
+# Start the whole stack, show one streamed request, keep serving until Ctrl-C.
+run: install proto
+	$(VENV)/bin/splitserve up --demo

@@ -26,12 +26,133 @@ def _check_model(args) -> int:
     return 0
 
 
+def _state_file() -> str:
+    import os
+
+    from splitserve.engine.config import ModelSpec
+
+    return os.path.join(ModelSpec().cache_dir, "stack.json")
+
+
+def _up(args) -> int:
+    import json
+    import os
+    import signal
+    import threading
+
+    from splitserve.service.settings import Settings
+    from splitserve.stack import Stack
+
+    overrides = {"model": args.model, "policy": args.policy}
+    settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
+    stack = Stack(settings, prefill=args.prefill, decode=args.decode)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
+          f"{args.prefill} prefill worker(s), router ...", flush=True)
+    try:
+        stack.start()
+        print(f"splitserve is up: router at {stack.router_address}  (logs in {stack.run_dir})", flush=True)
+        with open(_state_file(), "w") as f:
+            json.dump({"router": stack.router_address, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
+                       "redis_prefix": stack.settings.redis_prefix}, f)
+        if args.demo:
+            _demo(stack.router_address)
+        if args.exit_after_demo:
+            return 0
+        print("serving; Ctrl-C to drain and stop", flush=True)
+        stop.wait()
+        print("\ndraining and stopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop()
+        try:
+            os.unlink(_state_file())
+        except FileNotFoundError:
+            pass
+        left = stack.shm_segments()
+        print(f"stopped; shared-memory segments left: {len(left)}", flush=True)
+
+
+def _demo(address: str) -> None:
+    from splitserve.client import Client
+
+    question = "Give me three short tips for writing clear Python code."
+    print(f"\ndemo request (chat, streamed): {question}\n", flush=True)
+    with Client(address) as c:
+        for chunk in c.generate_stream(messages=[{"role": "user", "content": question}], max_tokens=96):
+            print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                t = chunk.timings
+                print(f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt + "
+                      f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (queue "
+                      f"{t.queue_ms:.0f}, prefill {t.prefill_ms:.0f}, KV transfer {t.kv_transfer_ms:.1f}); "
+                      f"total {t.e2e_ms:.0f} ms]\n", flush=True)
+
+
+def _generate(args) -> int:
+    import json
+    import os
+
+    import grpc
+
+    from splitserve.client import Client
+
+    address = args.address
+    if not address:
+        if not os.path.isfile(_state_file()):
+            print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)
+            return 2
+        with open(_state_file()) as f:
+            address = json.load(f)["router"]
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+              stop=args.stop or None)
+    if args.chat:
+        kw["messages"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    with Client(address) as c:
+        try:
+            for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
+                print(chunk.text, end="", flush=True)
+                if chunk.finish_reason:
+                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens, "
+                          f"TTFT {chunk.timings.ttft_ms:.0f} ms]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check-model", help="load a model (converting and caching it) and describe it")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.set_defaults(func=_check_model)
+
+    p = sub.add_parser("up", help="start Redis, the workers and the router; Ctrl-C drains and stops")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
+    p.add_argument("--demo", action="store_true", help="send one streamed demo request once up")
+    p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=_generate)
     return parser
 
 

@@ -198,8 +198,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.imported = True
         slot.transfer_ms = (time.perf_counter() - t0) * 1000
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
-        await self.redis.hset(self.keys.req(seq.request_id), mapping={"state": "decoding", "t_kv_done": time.time(),
-                                                                      "decode_worker": self.name})
+        await self.redis.hset(self.keys.req(seq.request_id), mapping={
+            "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
+            "kv_transport": h.transport, "kv_bytes": h.length,
+        })
         return w_pb.PutKVResponse(transfer_ms=slot.transfer_ms)
 
     # -- registry -----------------------------------------------------------------------
@@ -239,7 +241,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await asyncio.sleep(settings.heartbeat_s)
 
     hb = asyncio.create_task(heartbeat())
-    log.info("decode worker %s serving on %s (model %s)", name, address, engine.model_name)
+    log.info("decode worker %s serving on %s (model %s, fingerprint %s)", name, address, engine.model_name,
+             engine.fingerprint)
     print(f"READY {address}", flush=True)
     await stop.wait()
     # Drain: no new streams, running sequences finish (up to drain_s), then stop.

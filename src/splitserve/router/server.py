@@ -304,6 +304,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             prefill_worker=m.get("prefill_worker", ""), decode_worker=m.get("decode_worker", ""),
             prompt_tokens=int(m.get("prompt_tokens", 0)), completion_tokens=int(m.get("completion_tokens", 0)),
             finish_reason=m.get("finish_reason", ""), error=m.get("error", ""),
+            kv_transport=m.get("kv_transport", ""), kv_bytes=int(m.get("kv_bytes", 0)),
         )
 
 

@@ -1,0 +1,56 @@
+"""Helpers for tests that run a real stack."""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.service.redis_state import Keys
+
+
+def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def workers(stack, role: str) -> list[dict]:
+    r = stack.redis()
+    out = []
+    for key in r.scan_iter(match=f"{stack.settings.redis_prefix}:worker:{role}:*"):
+        m = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+        if m:
+            out.append(m)
+    return out
+
+
+def kv_idle(stack) -> bool:
+    """Every decode worker holds no KV block and no slot; every prefill arena is empty."""
+    dec = workers(stack, "decode")
+    pre = workers(stack, "prefill")
+    if len(dec) != stack.n_decode or len(pre) < 1:
+        return False
+    if any(int(w["running"]) or int(w["waiting"]) or int(w["pending"]) for w in dec):
+        return False
+    capacity = stack.settings.kv_cache_bytes // (2 * 30 * 3 * 64 * 4 * stack.settings.block_size) * stack.settings.block_size
+    if any(int(w["free_kv_tokens"]) != capacity for w in dec):
+        return False
+    full_arena = stack.settings.arena_bytes // (2 * 30 * 3 * 64 * 4)
+    return all(int(w["running"]) == 0 and int(w["free_kv_tokens"]) == full_arena for w in pre)
+
+
+def keys_without_ttl(stack) -> list[str]:
+    r = stack.redis()
+    keys = Keys(stack.settings.redis_prefix)
+    allowed = {keys.stream, keys.admission}
+    bad = []
+    for key in r.scan_iter(match=f"{stack.settings.redis_prefix}:*"):
+        k = key.decode()
+        if k in allowed:
+            continue
+        if r.ttl(key) < 0:
+            bad.append(k)
+    return bad

@@ -1,0 +1,347 @@
+"""The disaggregated service as real processes: router, prefill and decode workers, Redis, gRPC."""
+
+import concurrent.futures as cf
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from service_helpers import keys_without_ttl, kv_idle, wait_for, workers
+from splitserve.client import Client
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling import SamplingParams
+from splitserve.service.settings import Settings
+from splitserve.stack import Stack
+
+BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
+            drain_s=3.0, claim_idle_ms=1500)
+
+
+def _start(**kw):
+    extra = {k: kw.pop(k) for k in ("prefill", "decode") if k in kw}
+    stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
+    return stack
+
+
+def _finish(stack):
+    """Leak checks, then stop; afterwards nothing may be left."""
+    try:
+        wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
+        assert keys_without_ttl(stack) == []
+    finally:
+        stack.stop()
+    assert all(p.popen.poll() is not None for p in stack.procs)
+    assert stack.redis_proc is None or stack.redis_proc.poll() is not None
+    assert stack.shm_segments() == []
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = _start(max_queue_requests=64, max_queue_tokens=1 << 20)
+    yield s
+    _finish(s)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with Client(stack.router_address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference_prompts(mixed_workload):
+    # 32 prompts of mixed lengths (cut so the suite stays quick), each with its own output length
+    items = mixed_workload[:32]
+    return [(it["prompt_token_ids"][: 40 + 7 * i], 4 + i % 9) for i, it in enumerate(items)]
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(smol_loaded, reference_prompts):
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20), loaded=smol_loaded)
+    return eng.generate([p for p, _ in reference_prompts],
+                        [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reference_prompts])
+
+
+def _concurrent_generate(address, prompts):
+    with Client(address) as c, cf.ThreadPoolExecutor(len(prompts)) as ex:
+        futs = [ex.submit(c.generate, token_ids=p, max_tokens=n, ignore_eos=True, timeout=300) for p, n in prompts]
+        return [f.result() for f in futs]
+
+
+def test_disaggregated_equals_in_process_over_shm(stack, reference_prompts, reference_outputs):
+    got = _concurrent_generate(stack.router_address, reference_prompts)
+    assert [list(r.token_ids) for r in got] == reference_outputs
+    with Client(stack.router_address) as c:
+        info = c.get_request(got[0].request_id)
+    assert info.kv_transport == "shm" and info.kv_bytes > 0
+    assert info.state == "finished"
+
+
+def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, reference_outputs):
+    s = _start(kv_transport="grpc", kv_chunk_bytes=256 << 10)
+    try:
+        got = _concurrent_generate(s.router_address, reference_prompts)
+        assert [list(r.token_ids) for r in got] == reference_outputs
+        with Client(s.router_address) as c:
+            assert c.get_request(got[-1].request_id).kv_transport == "grpc"
+    finally:
+        _finish(s)
+
+
+def test_unary_streaming_and_chat_forms(client, smol_loaded):
+    tok = smol_loaded.tokenizer
+    unary = client.generate("The three primary colors are", max_tokens=12)
+    chunks = list(client.generate_stream("The three primary colors are", max_tokens=12))
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text == tok.decode(list(unary.token_ids), skip_special_tokens=True)
+    assert len(chunks) >= 2 and chunks[-1].finish_reason == "length"
+    last = chunks[-1]
+    assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens == len(tok.encode("The three primary colors are"))
+    assert last.timings.ttft_ms > 0 and last.timings.prefill_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
+    chat = client.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=40)
+    assert chat.finish_reason == "eos" and "4" in chat.text
+    seeded = [client.generate("Once upon a time", max_tokens=10, temperature=0.9, seed=11).token_ids for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({}, "input"),
+        ({"prompt": "hi", "max_tokens": 0}, "sampling.max_tokens"),
+        ({"prompt": "hi", "max_tokens": 9000}, "sampling.max_tokens"),
+        ({"prompt": "hi", "temperature": -0.5}, "sampling.temperature"),
+        ({"prompt": "hi", "top_p": 0.0}, "sampling.top_p"),
+        ({"prompt": "hi", "top_p": 1.5}, "sampling.top_p"),
+        ({"prompt": "hi", "top_k": -1}, "sampling.top_k"),
+        ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "sampling.min_tokens"),
+        ({"token_ids": [1, 99999999]}, "token_ids"),
+        ({"messages": []}, "messages"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "hi", "request_id": "bad id with spaces"}, "request_id"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
+    prompt = kw.pop("prompt", None)
+    with pytest.raises(grpc.RpcError) as e:
+        if prompt is None and not kw.get("token_ids") and "messages" not in kw:
+            client.stub.Generate(__import__("splitserve_proto.v1.generation_pb2", fromlist=["x"]).GenerateRequest())
+        else:
+            client.generate(prompt, **kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_cancel_mid_stream_frees_everything(stack, client):
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    stream = client.generate_stream("Write a very long story about a lighthouse.", max_tokens=400, ignore_eos=True,
+                                    request_id="cancel-mid-stream")
+    got = 0
+    for chunk in stream:
+        got += len(chunk.token_ids)
+        if got >= 5:
+            stream.cancel()
+            break
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a mid-stream cancel")
+    assert wait_for(lambda: client.get_request("cancel-mid-stream").state == "cancelled")
+
+
+def test_abort_ends_the_stream_with_cancelled(stack, client):
+    results = []
+
+    def consume():
+        results.extend(client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
+                                              request_id="to-abort"))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_for(lambda: results, what="first tokens")
+    assert client.abort("to-abort").found
+    t.join(30)
+    assert results[-1].finish_reason == "cancelled"
+    assert sum(len(r.token_ids) for r in results) < 400
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after Abort")
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("never-existed")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _prefill_pids(stack):
+    return [p.popen.pid for p in stack.procs if p.name.startswith("prefill")]
+
+
+def _state(client, rid) -> str:
+    try:
+        return client.get_request(rid).state
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            return ""
+        raise
+
+
+def test_cancel_while_queued_is_never_prefilled(stack, client):
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGSTOP)  # nothing is pulled from the queue while stopped
+    try:
+        stream = client.generate_stream("A queued request", max_tokens=50, request_id="cancel-queued")
+        wait_for(lambda: _state(client, "cancel-queued") == "queued", what="request queued")
+        stream.cancel()
+        wait_for(lambda: _state(client, "cancel-queued") == "cancelled", what="cancelled state")
+    finally:
+        for pid in _prefill_pids(stack):
+            os.kill(pid, signal.SIGCONT)
+    time.sleep(1.0)  # the worker pulls the job and must skip it
+    info = client.get_request("cancel-queued")
+    assert info.state == "cancelled" and info.prefill_worker == ""
+    r = stack.redis()
+    assert r.xlen(stack.settings.redis_prefix + ":prefill") == 0  # skipped jobs are acked and deleted
+    wait_for(lambda: kv_idle(stack), what="KV idle")
+
+
+def test_deadline_exceeded(stack, client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("Tell me everything about the ocean.", max_tokens=500, ignore_eos=True, timeout=1.0,
+                        request_id="deadline")
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a deadline")
+
+
+@pytest.fixture
+def small_queue_stack():
+    s = _start(max_queue_requests=8, max_queue_tokens=1 << 20)
+    yield s
+    _finish(s)
+
+
+def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack):
+    stack = small_queue_stack
+    # With prefill stopped, the queue fills at 80% of 8 = 6 requests; the rest must be refused at once.
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGSTOP)
+    outcomes = []
+    lock = threading.Lock()
+
+    def one(i):
+        t = time.perf_counter()
+        try:
+            with Client(stack.router_address) as c:
+                r = c.generate(f"Flood request number {i}.", max_tokens=8, ignore_eos=True, timeout=120)
+            res = ("ok", time.perf_counter() - t, len(r.token_ids), None)
+        except grpc.RpcError as e:
+            md = dict(e.trailing_metadata() or ())
+            res = (e.code().name, time.perf_counter() - t, 0, md)
+        with lock:
+            outcomes.append(res)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sum(1 for o in outcomes if o[0] == "RESOURCE_EXHAUSTED") >= 34, timeout=60,
+             what="refusals while the queue is full")
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGCONT)
+    for t in threads:
+        t.join(120)
+    codes = [o[0] for o in outcomes]
+    assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
+    assert codes.count("ok") == 6 and codes.count("RESOURCE_EXHAUSTED") == 34
+    assert all(o[2] == 8 for o in outcomes if o[0] == "ok")  # every admitted request completed
+    refused = [o for o in outcomes if o[0] == "RESOURCE_EXHAUSTED"]
+    assert all(o[3].get("retry-after-ms") for o in refused)
+    assert sorted(o[1] for o in refused)[len(refused) // 2] < 1.0  # refusals are fast (median)
+    assert all(p.popen.poll() is None for p in stack.procs)
+
+
+def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
+    from splitserve.service import grpc_server
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    dec = workers(stack, "decode")[0]
+    ch = grpc.insecure_channel(dec["address"])
+    stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+    decode = stub.Decode(w.DecodeRequest(request_id="bad-handle", prompt_tokens=4))
+    assert next(decode).accepted
+    fp = LLMEngine.__new__(LLMEngine)  # only to name the type; the real fingerprint comes from a good run
+    good = client.generate("hello", max_tokens=2)
+    seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
+    seq.sampling.max_tokens = 4
+    arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
+    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=1,
+              dtype="float32", fingerprint=_fingerprint(stack), host_id=dec["host_id"], transport="shm")
+    cases = [
+        ({"arena": "splitserve-nonexistent"}, "handle.arena"),
+        ({"arena": "../../etc/passwd"}, "handle.arena"),
+        ({"offset": 1 << 40}, "outside arena"),
+        ({"fingerprint": "deadbeef"}, "handle.fingerprint"),
+        ({"layout_version": 7}, "handle.layout_version"),
+        ({"dtype": "bfloat16"}, "handle.dtype"),
+        ({"length": 12}, "handle.length"),
+        ({"num_tokens": 3}, "handle.num_tokens"),
+        ({"host_id": "elsewhere/ipc"}, "handle.host_id"),
+        ({"lease_deadline_unix": 1.0}, "lease"),
+    ]
+    for change, words in cases:
+        h = w.KVHandle(**{**ok, **change})
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
+        assert words in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # a handle for a request with no open stream
+        stub.PutKV(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
+                                  handle=w.KVHandle(**ok)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    decode.cancel()
+    ch.close()
+    again = client.generate("hello", max_tokens=2)
+    assert list(again.token_ids) == list(good.token_ids)
+    assert all(p.popen.poll() is None for p in stack.procs)
+
+
+def _fingerprint(stack) -> str:
+    import re
+
+    with open(stack.proc("decode-0").log_path) as f:
+        return re.search(r"fingerprint (\w+)", f.read()).group(1)
+
+
+def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
+    s = _start(prefill=2, claim_idle_ms=1500)
+    try:
+        r = s.redis()
+        stream, group = s.settings.redis_prefix + ":prefill", "prefill"
+        victim = s.proc("prefill-0")
+        os.kill(s.proc("prefill-1").popen.pid, signal.SIGSTOP)  # so the victim takes the jobs
+        results = {}
+
+        def run(i, p, n):
+            with Client(s.router_address) as c:
+                results[i] = c.generate(token_ids=p, max_tokens=n, ignore_eos=True, timeout=240)
+
+        prompts = reference_prompts[:10]
+        threads = [threading.Thread(target=run, args=(i, p, n)) for i, (p, n) in enumerate(prompts)]
+        for t in threads:
+            t.start()
+
+        def victim_has_jobs():
+            info = r.xpending(stream, group)
+            return any(c["name"].decode() == f"prefill-0-{s.stack_id}" and c["pending"] > 0
+                       for c in info.get("consumers", []))
+
+        wait_for(victim_has_jobs, timeout=60, what="jobs in flight on the victim")
+        victim.popen.kill()  # kill -9 with jobs in flight
+        victim.popen.wait()
+        os.kill(s.proc("prefill-1").popen.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(240)
+        assert len(results) == len(prompts)
+        assert all(len(results[i].token_ids) == n for i, (_, n) in enumerate(prompts))
+        assert r.xlen(stream) == 0
+    finally:
+        s.procs = [p for p in s.procs if p.name != "prefill-0"]  # gone; its arena is removed by stop()
+        s.n_prefill = 1
+        _finish(s)
