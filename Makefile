@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto test run bench bench-engine clean
+.PHONY: install proto test run bench bench-engine bench-handoff bench-service clean
 
 install: $(STAMP)
 
@@ -22,7 +22,14 @@ test: install proto
 bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --out bench-results/engine.json
 
-bench: bench-engine
+bench-handoff: install proto
+	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json
+
+bench-service: install proto
+	$(PY) -m splitserve.bench.service_bench --out bench-results/service.json
+
+# Long benchmarks live here, not in the tests.
+bench: bench-engine bench-handoff bench-service
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

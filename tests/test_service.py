@@ -345,3 +345,21 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
         s.procs = [p for p in s.procs if p.name != "prefill-0"]  # gone; its arena is removed by stop()
         s.n_prefill = 1
         _finish(s)
+
+
+def test_async_client_streams_and_generates(stack, client):
+    import asyncio
+
+    from splitserve.client import AsyncClient
+
+    async def go():
+        async with AsyncClient(stack.router_address) as ac:
+            chunks = [c async for c in ac.generate_stream("The sky is", max_tokens=6)]
+            unary = await ac.generate("The sky is", max_tokens=6)
+            info = await ac.get_request(unary.request_id)
+            return chunks, unary, info
+
+    chunks, unary, info = asyncio.run(go())
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert chunks[-1].finish_reason == unary.finish_reason == "length"
+    assert info.state == "finished" and info.completion_tokens == 6

@@ -180,7 +180,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         deadline = h.lease_deadline_unix or (time.time() + 60)
         while True:  # backpressure: wait for blocks rather than refuse
             try:
-                await self.runner.submit(lambda e: e.import_kv(export, payload))
+                first = await self.runner.submit(lambda e: e.import_kv(export, payload))
                 break
             except CapacityError:
                 if time.time() > deadline:
@@ -198,6 +198,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.imported = True
         slot.transfer_ms = (time.perf_counter() - t0) * 1000
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        if first is not None:  # the first token goes out now, not after the next decode step
+            self._on_output(slot, first)
         await self.redis.hset(self.keys.req(seq.request_id), mapping={
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,

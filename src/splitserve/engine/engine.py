@@ -316,8 +316,12 @@ class LLMEngine:
     def can_import(self, num_tokens: int) -> bool:
         return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
 
-    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes) -> None:
-        """Adopt a sequence exported by another engine; it continues as if it had never moved."""
+    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes) -> RequestOutput | None:
+        """Adopt a sequence exported by another engine; it continues as if it had never moved.
+
+        Returns the tokens it already has (the first token, sampled by the producer) so
+        the caller can send them at once instead of after the next step.
+        """
         if self.padded is not None:
             raise KVImportError("KV import needs the continuous policy")
         if export.request_id in self.seqs:
@@ -342,6 +346,7 @@ class LLMEngine:
         kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, 0, n), payload, n)
         seq.num_computed = n
         self.scheduler.add(seq)
+        return self._output(seq)
 
     # -- convenience ------------------------------------------------------------------------
 

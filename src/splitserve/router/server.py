@@ -163,7 +163,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             job = Job(
                 request_id=rid, token_ids=ids, sampling=sampling_to_dict(params), decode_worker=worker.worker_id,
                 decode_address=worker.address, decode_host_id=worker.host_id, deadline_unix=deadline,
-                traceparent="", t_received=t_recv, t_admitted=time.time(),
+                traceparent="", t_received=t_recv, t_admitted=time.time(), priority=request.priority,
             )
             ok, q, t = await self.admit_script(
                 keys=[self.keys.admission, self.keys.stream, self.keys.req(rid)],

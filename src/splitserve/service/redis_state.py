@@ -35,7 +35,7 @@ redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', n)
 local job = cjson.decode(ARGV[6])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
-           'decode_worker', job['decode_worker'], 't_received', job['t_received'])
+           'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 redis.call('XADD', KEYS[2], '*', 'job', ARGV[6])
 return {1, q + 1, t + n}
@@ -82,6 +82,7 @@ class Job:
     traceparent: str
     t_received: float
     t_admitted: float
+    priority: int = 0  # recorded; the prefill queue is FIFO for now
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

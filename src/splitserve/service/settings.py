@@ -25,7 +25,6 @@ class Settings:
     host: str = "127.0.0.1"  # bind address of this process's gRPC server
     port: int = 0  # 0 = pick a free port
     advertise: str = ""  # address other processes use to reach this one (default host:port)
-    metrics_port: int = 0  # reserved for Prometheus /metrics
     worker_id: str = ""  # default: role-hostname-pid
     threads: int = 0  # torch threads; 0 = every core
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
