@@ -11,13 +11,12 @@ GFLOP/s against a large fp32 GEMM measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
-from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, percentile
+from splitserve.bench.workload import write_results, WorkItem, default_workload_dir, load_workload, percentile
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.loader import load_model
@@ -166,10 +165,7 @@ def main(argv=None) -> int:
             f"{achieved:.1f} GFLOP/s; 2048^3 fp32 GEMM {gemm:.1f} GFLOP/s -> {100 * achieved / gemm:.0f}%",
             flush=True,
         )
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.out, results)
     return 0
 
 

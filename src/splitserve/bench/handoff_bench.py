@@ -11,7 +11,6 @@ the request's Decode stream and times PutKV (handle, shared memory) or PutKVStre
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import uuid
@@ -19,7 +18,7 @@ import uuid
 import grpc
 import numpy as np
 
-from splitserve.bench.workload import percentile
+from splitserve.bench.workload import write_results, percentile
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service import convert
@@ -119,10 +118,7 @@ def main(argv=None) -> int:
     finally:
         arena.close()
         stack.stop()
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.out, results)
     return 0
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import os
 import time
 
 from splitserve.bench.engine_bench import run_workload
-from splitserve.bench.workload import default_workload_dir, load_workload, percentile
+from splitserve.bench.workload import write_results, default_workload_dir, load_workload, percentile
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -93,10 +92,7 @@ def main(argv=None) -> int:
     print(f"light load ({args.light} requests one at a time): TTFT service p50 {percentile(svc_light, 50):.1f} ms, "
           f"in-process p50 {percentile(eng_light, 50):.1f} ms, added by the service path p50 "
           f"{results['ttft_added_p50_ms']:.1f} ms")
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    write_results(args.out, results)
     return 0
 
 

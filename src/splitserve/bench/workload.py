@@ -39,6 +39,15 @@ def default_workload_dir() -> str:
     return "shared/bench"
 
 
+def write_results(path: str | None, results: dict) -> None:
+    """Write a benchmark's results as JSON (no-op without a path)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+
+
 def percentile(values: list[float], p: float) -> float:
     """Linear-interpolated percentile (numpy's default), p in [0, 100]."""
     if not values:

@@ -58,6 +58,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.reader = ArenaReader(settings.shm_prefix)
         self.slots: dict[str, Slot] = {}
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
+        self._tasks: set[asyncio.Task] = set()
         self.draining = False
 
     # -- Decode -------------------------------------------------------------------------
@@ -200,11 +201,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
         if first is not None:  # the first token goes out now, not after the next decode step
             self._on_output(slot, first)
-        await self.redis.hset(self.keys.req(seq.request_id), mapping={
+        # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
+        self._background(self.redis.hset(self.keys.req(seq.request_id), mapping={
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        })
+        }))
         return w_pb.PutKVResponse(transfer_ms=slot.transfer_ms)
+
+    def _background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # -- registry -----------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class EngineConfig:
     # Compute.
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
+    small_gemm: bool = True  # matmuls of <= 8 rows through the weight-streaming C kernel (AVX2)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

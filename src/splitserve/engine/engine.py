@@ -45,6 +45,10 @@ class LLMEngine:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
                 self.model.attn_kernel = native.PagedAttention(lib, config.threads())
+        if config.small_gemm:
+            lib = native.load_small_gemm(config.model.cache_dir)
+            if lib is not None:
+                self.model.use_small_gemm(native.SmallGemm(lib, config.threads()))
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)

@@ -48,6 +48,7 @@ class Layer:
     ln2: torch.Tensor  # [H]
     w_gate_up: torch.Tensor  # [H, 2*I]
     w_down: torch.Tensor  # [I, H]
+    packed: dict[str, torch.Tensor] | None = None  # the same weights as [N/8, K, 8] for SmallGemm
 
 
 class LlamaModel:
@@ -84,6 +85,23 @@ class LlamaModel:
         self.rope_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [max_pos, D]
         self.fingerprint = _fingerprint(self.shape, cfg, sd)
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
+        self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def use_small_gemm(self, small_gemm) -> None:
+        """Route matmuls of <= 8 rows (decode with few sequences) to the weight-streaming kernel."""
+        for layer in self.layers:
+            layer.packed = {name: small_gemm.pack(getattr(layer, name)) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+        self.lm_head_packed = small_gemm.pack(self.lm_head)
+        self.small_gemm = small_gemm
+
+    def mm(self, x: torch.Tensor, layer: Layer | None, name: str) -> torch.Tensor:
+        """x @ W for one of a layer's weights (layer None: the lm_head)."""
+        w = self.lm_head if layer is None else getattr(layer, name)
+        if self.small_gemm is not None and 0 < x.shape[0] <= self.small_gemm.MAX_M:
+            packed = self.lm_head_packed if layer is None else layer.packed[name]
+            return self.small_gemm(x, packed, w.shape[1])
+        return torch.mm(x, w)
 
     def _layer(self, sd: dict, i: int) -> Layer:
         p = f"model.layers.{i}."
@@ -112,20 +130,22 @@ class LlamaModel:
     def qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h: [T, H] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rotary applied to q and k."""
         s = self.shape
-        qkv = torch.mm(h, layer.w_qkv) if layer.b_qkv is None else torch.addmm(layer.b_qkv, h, layer.w_qkv)
+        qkv = self.mm(h, layer, "w_qkv")
+        if layer.b_qkv is not None:
+            qkv = qkv + layer.b_qkv
         qkv = qkv.view(h.shape[0], s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk = qkv[:, : s.num_heads + s.num_kv_heads]
         qk = qk * cos + torch.roll(qk, s.head_dim // 2, dims=-1) * sin  # cos/sin: [T, 1, D]
         return qk[:, : s.num_heads], qk[:, s.num_heads :], qkv[:, s.num_heads + s.num_kv_heads :]
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        gu = torch.mm(x, layer.w_gate_up)
+        gu = self.mm(x, layer, "w_gate_up")
         inter = gu.shape[-1] // 2
-        return torch.mm(F.silu(gu[:, :inter]) * gu[:, inter:], layer.w_down)
+        return self.mm(F.silu(gu[:, :inter]) * gu[:, inter:], layer, "w_down")
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [S, H] final hidden states of the rows to sample -> [S, V]."""
-        return torch.mm(self.rms_norm(h, self.norm), self.lm_head)
+        return self.mm(self.rms_norm(h, self.norm), None, "lm_head")
 
     # -- ragged forward over the paged cache ---------------------------------------------------
 
@@ -146,7 +166,7 @@ class LlamaModel:
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
             kv[li, 1].index_copy_(0, batch.slot_mapping, v)
             attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
-            x = x + torch.mm(attn, layer.w_o)
+            x = x + self.mm(attn, layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         del T
         return self.logits(x[batch.logits_rows])
@@ -181,7 +201,7 @@ class LlamaModel:
                 scale=self.scaling,
                 enable_gqa=True,
             )
-            x = x + torch.mm(o.transpose(1, 2).reshape(B * L, -1), layer.w_o)
+            x = x + self.mm(o.transpose(1, 2).reshape(B * L, -1), layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         return self.logits(x.view(B, L, -1)[:, -1])
 

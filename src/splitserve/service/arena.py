@@ -18,6 +18,7 @@ import threading
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -35,7 +36,8 @@ class Arena:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # NOTE: MAP_POPULATE faults every page in now, not during a handoff's copy.
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted by offset
@@ -126,7 +128,7 @@ class ArenaReader:
                     raise BadHandle(f"handle.arena {name!r} is empty")
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ)
                 finally:
                     os.close(fd)
                 self._maps[name] = (st.st_ino, mm)

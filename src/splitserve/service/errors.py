@@ -71,6 +71,16 @@ async def _abort(context, exc: BaseException):
     await context.abort(code, message)
 
 
+async def _guarded(context, make_awaitable):
+    """Await the handler; a domain error becomes the right status."""
+    try:
+        return await make_awaitable()
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as e:  # noqa: BLE001 - mapped to a status
+        await _abort(context, e)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler so a domain error becomes the right status, never a crash."""
 
@@ -78,22 +88,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        des, ser = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
-                try:
-                    return await inner(request, context)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - mapped to a status
-                    if isinstance(e, grpc.aio.AbortError):
-                        raise
-                    await _abort(context, e)
+                return await _guarded(context, lambda: inner(request, context))
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
+        if handler.stream_unary:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                return await _guarded(context, lambda: inner_su(request_iterator, context))
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
@@ -101,30 +110,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for item in inner_s(request, context):
                         yield item
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
-                except Exception as e:  # noqa: BLE001
-                    if isinstance(e, grpc.aio.AbortError):
-                        raise
+                except Exception as e:  # noqa: BLE001 - mapped to a status
                     await _abort(context, e)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary:
-            inner_su = handler.stream_unary
-
-            async def stream_unary(request_iterator, context):
-                try:
-                    return await inner_su(request_iterator, context)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    if isinstance(e, grpc.aio.AbortError):
-                        raise
-                    await _abort(context, e)
-
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
         return handler

@@ -51,16 +51,74 @@ class PagedAttention:
 
 
 def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
-    src = os.path.join(_HERE, "paged_attention.c")
+    lib = _build("paged_attention", cache_dir)
+    if lib is None:
+        return None
+    fn = lib.paged_attention
+    fn.restype = ctypes.c_int
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [p, p, p, p, p, i, i, i, i, ctypes.c_float, p, i]
+    return lib
+
+
+class SmallGemm:
+    """out = x @ W for 1..8 rows, W pre-packed as [N/8, K, 8]; streams the weights once."""
+
+    MAX_M = 8
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int):
+        self.fn = lib.small_gemm
+        self.num_threads = num_threads
+
+    @staticmethod
+    def pack(w_kn):
+        """[K, N] -> [N/8, K, 8] (N padded to a multiple of 8 with zero columns)."""
+        import torch
+
+        K, N = w_kn.shape
+        pad = (-N) % 8
+        if pad:
+            w_kn = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1)
+        return w_kn.view(K, -1, 8).permute(1, 0, 2).contiguous()
+
+    def __call__(self, x, packed, n: int):
+        import torch
+
+        M, K = x.shape
+        if not x.is_contiguous():
+            x = x.contiguous()
+        n_pad = packed.shape[0] * 8
+        out = torch.empty(M, n_pad, dtype=torch.float32)
+        rc = self.fn(x.data_ptr(), packed.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
+        if rc != 0:
+            raise RuntimeError(f"small_gemm failed ({rc})")
+        return out if n_pad == n else out[:, :n]
+
+
+def load_small_gemm(cache_dir: str) -> ctypes.CDLL | None:
+    if "-mavx2" not in _flags():
+        return None  # the kernel is written with AVX2/FMA intrinsics
+    lib = _build("small_gemm", cache_dir)
+    if lib is None:
+        return None
+    fn = lib.small_gemm
+    fn.restype = ctypes.c_int
+    p = ctypes.c_void_p
+    fn.argtypes = [p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int]
+    return lib
+
+
+def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
+    src = os.path.join(_HERE, f"{name}.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: using the slower pure-torch attention")
+        log.warning("no C compiler found: %s falls back to pure torch", name)
         return None
     flags = _flags()
     with open(src, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir, "kernels")
-    so = os.path.join(out_dir, f"paged_attention-{key}.so")
+    so = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.isfile(so):
         os.makedirs(out_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
@@ -68,13 +126,7 @@ def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
         proc = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            log.warning("compiling the attention kernel failed, using pure torch: %s", proc.stderr.strip()[:500])
+            log.warning("compiling %s failed, using pure torch: %s", name, proc.stderr.strip()[:500])
             return None
         os.replace(tmp, so)
-    lib = ctypes.CDLL(so)
-    fn = lib.paged_attention
-    fn.restype = ctypes.c_int
-    p = ctypes.c_void_p
-    i = ctypes.c_int
-    fn.argtypes = [p, p, p, p, p, i, i, i, i, ctypes.c_float, p, i]
-    return lib
+    return ctypes.CDLL(so)

@@ -54,3 +54,26 @@ def test_engine_backends_agree(tiny_engine_factory):
     a = tiny_engine_factory(attention_backend="torch", max_num_batched_tokens=48).generate(prompts, params)
     b = tiny_engine_factory(attention_backend="native", max_num_batched_tokens=48).generate(prompts, params)
     assert a == b
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k, n", [(64, 96), (576, 963), (1536, 576)])
+def test_small_gemm_matches_mm(m, k, n):
+    lib = native.load_small_gemm(ModelSpec().cache_dir)
+    assert lib is not None, "the small-GEMM kernel must build on this (AVX2) machine"
+    sg = native.SmallGemm(lib, 2)
+    torch.manual_seed(m)
+    x, w = torch.randn(m, k), torch.randn(k, n)
+    torch.testing.assert_close(sg(x, sg.pack(w), n), x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):
+    from splitserve.engine.sampling import SamplingParams
+
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(9 + 4 * i)] for i in range(12)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    with_kernel = tiny_engine_factory(small_gemm=True)
+    assert with_kernel.model.small_gemm is not None
+    without = tiny_engine_factory(small_gemm=False)
+    assert without.model.small_gemm is None
+    assert with_kernel.generate(prompts, params) == without.generate(prompts, params)
