@@ -29,7 +29,7 @@ class EngineConfig:
     # Batching policy and its bounds.
     policy: Policy = "continuous"
     max_num_seqs: int = 64  # continuous: running sequences at most
-    max_num_batched_tokens: int = 512  # continuous: tokens per forward (prefill chunk budget)
+    max_num_batched_tokens: int = 2048  # continuous: tokens per forward (prefill chunk budget)
     max_batch_size: int = 8  # dynamic: rows per batch at most
     max_wait_ms: float = 50.0  # dynamic/static: how long a partial batch waits to fill
     static_batch_size: int = 8  # static: rows per batch, always (missing rows are padding)

@@ -120,8 +120,12 @@ def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
     out_dir = os.path.join(cache_dir, "kernels")
     so = os.path.join(out_dir, f"{name}-{key}.so")
     if not os.path.isfile(so):
-        os.makedirs(out_dir, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        except OSError as e:  # e.g. a read-only image whose baked kernels were built for other flags
+            log.warning("cannot build %s in %s (%s): falling back to pure torch", name, out_dir, e)
+            return None
         os.close(fd)
         proc = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
