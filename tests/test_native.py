@@ -1,6 +1,4 @@
-"""The native paged-attention kernel against the pure-torch path."""
-
-import os
+"""The native kernels (paged attention, small-M GEMM) against torch."""
 
 import pytest
 import torch

@@ -257,7 +257,6 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
 
 
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
-    from splitserve.service import grpc_server
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
 
@@ -266,7 +265,6 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     stub = worker_pb2_grpc.DecodeWorkerStub(ch)
     decode = stub.Decode(w.DecodeRequest(request_id="bad-handle", prompt_tokens=4))
     assert next(decode).accepted
-    fp = LLMEngine.__new__(LLMEngine)  # only to name the type; the real fingerprint comes from a good run
     good = client.generate("hello", max_tokens=2)
     seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
     seq.sampling.max_tokens = 4

@@ -97,11 +97,12 @@ class Stack:
 
     def _start_redis(self) -> str:
         sock = os.path.join(self.run_dir, "redis.sock")
-        self.redis_proc = subprocess.Popen(
-            [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", self.run_dir],
-            stdout=open(os.path.join(self.run_dir, "redis.log"), "wb"), stderr=subprocess.STDOUT,
-        )
+        with open(os.path.join(self.run_dir, "redis.log"), "wb") as out:  # the child keeps its own copy
+            self.redis_proc = subprocess.Popen(
+                [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
+                 "--save", "", "--appendonly", "no", "--dir", self.run_dir],
+                stdout=out, stderr=subprocess.STDOUT,
+            )
         import redis
 
         url = f"unix://{sock}"
@@ -119,8 +120,9 @@ class Stack:
         env.update({k: str(v) for k, v in extra_env.items()})
         env["PYTHONUNBUFFERED"] = "1"
         log_path = os.path.join(self.run_dir, f"{name}.log")
-        popen = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=open(log_path, "wb"),
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        with open(log_path, "wb") as out:  # the child keeps its own copy
+            popen = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc

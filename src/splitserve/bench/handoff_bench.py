@@ -11,7 +11,6 @@ the request's Decode stream and times PutKV (handle, shared memory) or PutKVStre
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import uuid
 
@@ -63,7 +62,6 @@ def main(argv=None) -> int:
     sizes = [int(x) for x in args.tokens.split(",")]
     settings = Settings.from_env(kv_cache_bytes=1 << 30, heartbeat_s=0.1)
     stack = Stack(settings, prefill=0, decode=1)
-    stack._wait_registered = lambda deadline: None  # no router traffic here
     stack.start()
     arena = Arena(f"{stack.settings.shm_prefix}bench-{uuid.uuid4().hex[:6]}", 256 << 20)
     results: dict = {"memcpy_gbps_before": memcpy_gbps(), "sizes": {}}

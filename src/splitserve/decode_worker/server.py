@@ -22,7 +22,7 @@ from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert, grpc_server
 from splitserve.service.arena import ArenaReader
-from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound
+from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable
 from splitserve.service.redis_state import Keys, WorkerInfo
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
@@ -68,8 +68,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not rid:
             raise Invalid("request_id: must be set")
         if self.draining:
-            from splitserve.service.errors import Unavailable
-
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")

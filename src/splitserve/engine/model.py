@@ -155,11 +155,9 @@ class LlamaModel:
 
         kv: [layers, 2, slots, Hkv, D], the paged cache (slot = block * block_size + offset).
         """
-        s = self.shape
         x = self.embed[batch.input_ids]  # [T, H]
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
-        T = x.shape[0]
         for li, layer in enumerate(self.layers):
             h = self.rms_norm(x, layer.ln1)
             q, k, v = self.qkv(layer, h, cos, sin)
@@ -168,7 +166,6 @@ class LlamaModel:
             attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
             x = x + self.mm(attn, layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
-        del T
         return self.logits(x[batch.logits_rows])
 
     # -- padded forward (static / dynamic batching) ----------------------------------------------

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError
+from splitserve.engine.kv_transfer import KVExport
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
@@ -137,8 +138,6 @@ class PrefillWorker:
             self.pool.submit(self._handoff, fl, export, off, view)
         else:  # the first token already finished it (eos, stop, max_tokens=1)
             seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
-            from splitserve.engine.kv_transfer import KVExport
-
             export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "")
             self.pool.submit(self._handoff, fl, export, None, None, out.finish_reason or "error")
 

@@ -196,12 +196,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 final = w_pb.DecodeEvent(finish_reason="cancelled")
                 yield rid, len(ids), final
             state = "cancelled" if final.finish_reason == "cancelled" else "finished"
-            await self._close(rid, state, final)
+            await self._mark(rid, state, final)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and rid in self.active and self.active[rid].aborted:
                 state = "cancelled"
                 yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled")
-                await self._close(rid, state, None)
+                await self._mark(rid, state)
                 return
             state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
             raise
@@ -211,25 +211,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if state in ("cancelled", "failed"):
                 await self._mark(rid, state)
 
-    async def _mark(self, rid: str, state: str) -> None:
-        key = self.keys.req(rid)
-        try:
-            async with self.redis.pipeline(transaction=False) as p:
-                p.hset(key, mapping={"state": state, "t_finished": time.time()})
-                p.expire(key, self.s.finished_ttl_s)
-                await p.execute()
-        except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
-            log.exception("could not record the end of %s", rid)
-
-    async def _close(self, rid: str, state: str, final) -> None:
+    async def _mark(self, rid: str, state: str, final=None) -> None:
+        """Record how a request ended (with its last decode event, if any); the hash then expires sooner."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
             mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason)
-        async with self.redis.pipeline(transaction=False) as p:
-            p.hset(key, mapping=mapping)
-            p.expire(key, self.s.finished_ttl_s)
-            await p.execute()
+        try:
+            async with self.redis.pipeline(transaction=False) as p:
+                p.hset(key, mapping=mapping)
+                p.expire(key, self.s.finished_ttl_s)
+                await p.execute()
+        except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
+            log.exception("could not record the end of %s", rid)
 
     def _timings(self, t0: float, t_first: float | None, ev) -> gen_pb.Timings:
         now = time.perf_counter()
