@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from splitserve.engine.errors import EngineError
@@ -26,17 +27,25 @@ def _check_model(args) -> int:
     return 0
 
 
-def _state_file() -> str:
-    import os
+def _state_file(name: str = "stack.json") -> str:
 
     from splitserve.engine.config import ModelSpec
 
-    return os.path.join(ModelSpec().cache_dir, "stack.json")
+    return os.path.join(ModelSpec().cache_dir, name)
+
+
+def _read_state(name: str = "stack.json") -> dict | None:
+    import json
+
+    path = _state_file(name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _up(args) -> int:
     import json
-    import os
     import signal
     import threading
 
@@ -54,9 +63,14 @@ def _up(args) -> int:
     try:
         stack.start()
         print(f"splitserve is up: router at {stack.router_address}  (logs in {stack.run_dir})", flush=True)
-        with open(_state_file(), "w") as f:
-            json.dump({"router": stack.router_address, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
-                       "redis_prefix": stack.settings.redis_prefix}, f)
+        state = {"router": stack.router_address, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
+                 "redis_prefix": stack.settings.redis_prefix, "trace_file": stack.settings.trace_file,
+                 "run_dir": stack.run_dir, "metrics": {p.name: p.metrics_address for p in stack.procs}}
+        for name in ("stack.json", "last-stack.json"):  # the last one outlives the stack, for `splitserve traces`
+            with open(_state_file(name), "w") as f:
+                json.dump(state, f)
+        if stack.settings.trace_file:
+            print(f"traces: {stack.settings.trace_file}  (splitserve traces)", flush=True)
         if args.demo:
             _demo(stack.router_address)
         if args.exit_after_demo:
@@ -93,7 +107,6 @@ def _demo(address: str) -> None:
 
 def _generate(args) -> int:
     import json
-    import os
 
     import grpc
 
@@ -126,6 +139,67 @@ def _generate(args) -> int:
     return 0
 
 
+def _traces(args) -> int:
+
+    from splitserve.observability import traceview
+
+    path = args.file
+    if not path:
+        state = _read_state() or _read_state("last-stack.json")
+        path = (state or {}).get("trace_file", "")
+    if not path or not os.path.isfile(path):
+        print("splitserve: error: no span file (pass --file, or start a stack with splitserve up; with an OTLP "
+              "endpoint set, traces go to your collector instead)", file=sys.stderr)
+        return 2
+    spans = traceview.load_spans(path)
+    traces = traceview.find(spans, request_id=args.request_id, last=args.last)
+    if not traces:
+        what = f"request {args.request_id!r}" if args.request_id else "any request"
+        print(f"splitserve: error: no trace for {what} in {path}", file=sys.stderr)
+        return 1
+    batches = traceview.linked_batches(spans)
+    print("\n\n".join(traceview.render(t, batches) for t in traces))
+    return 0
+
+
+def _status(args) -> int:
+    import time
+
+    import redis
+
+    from splitserve.service.redis_state import Keys, WorkerInfo
+
+    state = _read_state() or {}
+    url = args.redis_url or state.get("redis_url") or os.environ.get("REDIS_URL", "")
+    if not url:
+        print("splitserve: error: no --redis-url, no REDIS_URL and no running stack", file=sys.stderr)
+        return 2
+    keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
+    r = redis.Redis.from_url(url)
+    try:
+        q, t = [int(x or 0) for x in r.hmget(keys.admission, "requests", "tokens")]
+        stream = r.xlen(keys.stream)
+        workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=f"{keys.prefix}:worker:*")
+                   if (m := r.hgetall(k))]
+    except redis.RedisError as e:
+        print(f"splitserve: error: redis at {url}: {e}", file=sys.stderr)
+        return 1
+    if state.get("router"):
+        print(f"router        {state['router']}")
+    print(f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
+          f"(stream {stream} entries incl. in-flight)")
+    print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
+          f"{sum(w.role == 'decode' for w in workers)} decode")
+    hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} " \
+          f"{'free KV tok':>11} {'seen':>6}  metrics"
+    print(hdr)
+    now = time.time()
+    for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
+        print(f"  {w.role:8} {w.worker_id[:28]:28} {w.address:22} {w.running:7d} {w.waiting:7d} {w.pending:7d} "
+              f"{w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("traces", help="print a request's trace from the local span file as a timeline")
+    p.add_argument("request_id", nargs="?", default=None, help="request id (default: the last --last requests)")
+    p.add_argument("--last", type=int, default=1, help="how many of the latest requests (default 1)")
+    p.add_argument("--file", default="", help="OTLP-JSON span file (default: the running or last stack's)")
+    p.set_defaults(func=_traces)
+
+    p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")
+    p.add_argument("--redis-url", default="", help="default: the running stack's, or REDIS_URL")
+    p.add_argument("--prefix", default="", help="Redis key prefix (default: the stack's, or splitserve)")
+    p.set_defaults(func=_status)
     return parser
 
 

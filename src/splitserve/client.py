@@ -18,6 +18,13 @@ from splitserve_proto.v1 import generation_pb2_grpc
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 
 
+def _trace_metadata() -> tuple:
+    """The caller's current trace context, if it has one: the request joins the caller's trace."""
+    from splitserve.observability.tracing import inject
+
+    return tuple(inject())
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -60,10 +67,10 @@ class Client:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateResponse]:
-        return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout)
+        return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
     def abort(self, request_id: str) -> pb.AbortResponse:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id))
@@ -87,10 +94,10 @@ class AsyncClient:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
     async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout)
+        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
         async for resp in call:
             yield resp
 

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import resolve_folder
+from splitserve.observability.tracing import exporter_kind
 from splitserve.service.arena import SHM_DIR
 from splitserve.service.settings import Settings
 
@@ -38,6 +39,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: str
     address: str = ""
+    metrics_address: str = ""
 
 
 def redis_server_binary() -> str:
@@ -59,9 +61,11 @@ class Stack:
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
             base = base.replace(shm_prefix=f"splitserve-{self.stack_id}-")
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"splitserve-{self.stack_id}-")
+        if not base.trace_file and exporter_kind(trace_file="x") == "file":  # no OTLP endpoint, tracing not off
+            base = base.replace(trace_file=os.path.join(self.run_dir, "traces.jsonl"))
         self.settings = base
         self.n_prefill, self.n_decode = prefill, decode
-        self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"splitserve-{self.stack_id}-")
         self.prefill_env = prefill_env or {}
         self.decode_env = decode_env or {}
         self.redis_proc: subprocess.Popen | None = None
@@ -135,6 +139,8 @@ class Stack:
                 for line in f:
                     if line.startswith("READY "):
                         p.address = line.split()[1]
+                    elif line.startswith("METRICS "):
+                        p.metrics_address = line.split()[1]
             if p.address and self._healthy(p.address):
                 return
             time.sleep(0.1)

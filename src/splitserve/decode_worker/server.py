@@ -22,7 +22,9 @@ from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert, grpc_server
 from splitserve.service.arena import ArenaReader
-from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable
+from splitserve.observability import tracing
+from splitserve.observability.metrics import DecodeMetrics
+from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of
 from splitserve.service.redis_state import Keys, WorkerInfo
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
@@ -44,11 +46,18 @@ class Slot:
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
+    kv_done: float = 0.0  # unix time the KV was adopted
+    first_sent: bool = False
+    trace: tracing.rpc_span | None = None  # the Decode server span
+    decode_span: object = None  # KV adopted -> finished
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, settings: Settings, runner: EngineRunner, r: aioredis.Redis, keys: Keys, name: str):
+    def __init__(self, settings: Settings, runner: EngineRunner, r: aioredis.Redis, keys: Keys, name: str,
+                 metrics: DecodeMetrics | None = None):
         self.s = settings
+        self.metrics = metrics or DecodeMetrics()
+        self.metrics.streams.set_function(lambda: len(self.slots))
         self.runner = runner
         self.engine: LLMEngine = runner.engine
         self.redis = r
@@ -56,6 +65,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.name = name
         self.host = host_id()
         self.reader = ArenaReader(settings.shm_prefix)
+        self.warmed: set[str] = set()
         self.slots: dict[str, Slot] = {}
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self._tasks: set[asyncio.Task] = set()
@@ -72,50 +82,96 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
         slot = Slot(rid, request.deadline_unix)
-        self.slots[rid] = slot
-        self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
-        try:
-            yield w_pb.DecodeEvent(accepted=True)
-            while True:
-                ev = await slot.events.get()
-                yield ev
-                if ev.finish_reason or ev.error:
-                    slot.done = True
-                    return
-        finally:
-            self.slots.pop(rid, None)
-            self.runner.sinks.pop(rid, None)
-            if slot.imported and not slot.done:  # the router went away: stop decoding, free the KV
-                self.runner.submit_nowait(lambda e: e.abort_request(rid))
+        full = f"{SERVICE}/Decode"
+        with tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
+                              attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": rid,
+                                                                         "splitserve.decode_worker": self.name}) as rs:
+            slot.trace = rs
+            self.slots[rid] = slot
+            self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
+            try:
+                yield w_pb.DecodeEvent(accepted=True)
+                while True:
+                    ev = await slot.events.get()
+                    yield ev
+                    if ev.finish_reason or ev.error:
+                        slot.done = True
+                        return
+            finally:
+                self.slots.pop(rid, None)
+                self.runner.sinks.pop(rid, None)
+                if slot.imported and not slot.done:  # the router went away: stop decoding, free the KV
+                    self.runner.submit_nowait(lambda e: e.abort_request(rid))
+                    self.metrics.aborted.inc()
+                    self._end_decode_span(slot, "cancelled", None)
+
+    def _end_decode_span(self, slot: Slot, finish_reason: str, out: RequestOutput | None) -> None:
+        span, slot.decode_span = slot.decode_span, None
+        if span is None:
+            return
+        span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        if out is not None:
+            span.set_attribute("gen_ai.usage.output_tokens", out.num_output_tokens)
+            if out.error:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
+        span.end()
 
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
         )
-        if out.finished:
-            ev.finish_reason = out.finish_reason or "error"
+        if not slot.first_sent or out.finished:
             ev.timings.CopyFrom(gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms,
                                                kv_transfer_ms=slot.transfer_ms))
+        if not slot.first_sent:
+            slot.first_sent = True
+            ev.kv_done_unix = slot.kv_done
+        if out.finished:
+            ev.finish_reason = out.finish_reason or "error"
             if out.error:
                 ev.error = out.error
+            self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
 
     # -- PutKV --------------------------------------------------------------------------
 
+    def _put_span(self, method: str, seq: w_pb.SequenceState) -> tracing.rpc_span:
+        full = f"{SERVICE}/{method}"
+        return tracing.rpc_span(full, parent=tracing.context_of(seq.traceparent),
+                                attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": seq.request_id})
+
+    def _count_refusal(self, e: BaseException) -> None:
+        self.metrics.handoffs_refused.labels(code_of(e).name).inc()
+
     async def PutKV(self, request: w_pb.PutKVRequest, context):
-        slot = self._slot_for(request.sequence)
-        if request.sequence.finish_reason:
-            return await self._finished_at_prefill(slot, request.sequence)
-        h = request.handle
-        self._check_handle(request.sequence, h, transport="shm")
-        payload = self.reader.region(h.arena, h.offset, h.length)
-        return await self._adopt(slot, request.sequence, h, payload)
+        with self._put_span("PutKV", request.sequence) as ps:
+            try:
+                slot = self._slot_for(request.sequence)
+                if request.sequence.finish_reason:
+                    return await self._finished_at_prefill(slot, request.sequence)
+                h = request.handle
+                self._check_handle(request.sequence, h, transport="shm")
+                payload = self.reader.region(h.arena, h.offset, h.length)
+                return await self._adopt(slot, request.sequence, h, payload, ps)
+            except Exception as e:
+                self._count_refusal(e)
+                raise
 
     async def PutKVStream(self, request_iterator, context):
         first = await anext(request_iterator, None)
         if first is None or not first.HasField("header"):
+            self._count_refusal(Invalid(""))
             raise Invalid("header: the first chunk must carry the handle and sequence")
         req = first.header
+        with self._put_span("PutKVStream", req.sequence) as ps:
+            try:
+                return await self._put_stream(req, first, request_iterator, ps)
+            except Exception as e:
+                self._count_refusal(e)
+                raise
+
+    async def _put_stream(self, req: w_pb.PutKVRequest, first: w_pb.KVChunk, request_iterator,
+                          ps: tracing.rpc_span) -> w_pb.PutKVResponse:
         slot = self._slot_for(req.sequence)
         if req.sequence.finish_reason:
             return await self._finished_at_prefill(slot, req.sequence)
@@ -135,7 +191,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 break
         if got != h.length:
             raise Invalid(f"handle.length: {h.length} bytes announced, {got} received")
-        return await self._adopt(slot, req.sequence, h, memoryview(buf))
+        return await self._adopt(slot, req.sequence, h, memoryview(buf), ps)
 
     def _slot_for(self, seq: w_pb.SequenceState) -> Slot:
         slot = self.slots.get(seq.request_id)
@@ -170,12 +226,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         text = self.engine.tokenizer.decode(out) if self.engine.tokenizer else ""
         slot.imported = True
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        slot.kv_done = time.time()
+        if seq.prefill_end_unix:
+            slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
         self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out)))
         return w_pb.PutKVResponse()
 
-    async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload) -> w_pb.PutKVResponse:
+    async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,
+                     ps: tracing.rpc_span) -> w_pb.PutKVResponse:
         export = convert.export_from_pb(seq, h)
         t0 = time.perf_counter()
+        waits = 0
         deadline = h.lease_deadline_unix or (time.time() + 60)
         while True:  # backpressure: wait for blocks rather than refuse
             try:
@@ -186,6 +247,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     raise DeadlineExceeded("no free KV blocks before the handle's lease ran out") from None
                 if seq.request_id not in self.slots:
                     raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks") from None
+                waits += 1
                 self.capacity.clear()
                 try:
                     await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
@@ -195,8 +257,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
             raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")
         slot.imported = True
-        slot.transfer_ms = (time.perf_counter() - t0) * 1000
+        adopt_s = time.perf_counter() - t0
+        slot.kv_done = time.time()
+        # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
+        slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
+        self.metrics.kv_bytes.labels(h.transport).inc(h.length)
+        ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
+                                "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
+                                "splitserve.kv.adopt_ms": adopt_s * 1000})
+        slot.decode_span = tracing.tracer().start_span(
+            "decode", context=slot.trace.ctx if slot.trace else None,
+            attributes={"splitserve.request_id": seq.request_id, "splitserve.decode_worker": self.name},
+        )
         if first is not None:  # the first token goes out now, not after the next decode step
             self._on_output(slot, first)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
@@ -204,7 +278,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
         }))
-        return w_pb.PutKVResponse(transfer_ms=slot.transfer_ms)
+        return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
 
     def _background(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -212,6 +286,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         task.add_done_callback(self._tasks.discard)
 
     # -- registry -----------------------------------------------------------------------
+
+    async def warm_arenas(self) -> None:
+        """Map the arenas of prefill workers on this host before their first handoff."""
+        async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
+            arena, host = await self.redis.hmget(key, "arena", "host_id")
+            if arena and host and host.decode() == self.host and arena.decode() not in self.warmed:
+                if await asyncio.to_thread(self.reader.warm, arena.decode()):
+                    self.warmed.add(arena.decode())
 
     def info(self, address: str) -> WorkerInfo:
         e = self.engine
@@ -229,27 +311,39 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     keys = Keys(settings.redis_prefix)
     name = settings.worker_name("decode")
     servicer_ref: list[DecodeServicer] = []
-    runner = EngineRunner(engine, loop, on_step=lambda: loop.call_soon_threadsafe(servicer_ref[0].capacity.set))
-    servicer = DecodeServicer(settings, runner, r, keys, name)
+    metrics = DecodeMetrics()
+
+    def on_step():  # engine thread
+        metrics.observe_step(engine)
+        loop.call_soon_threadsafe(servicer_ref[0].capacity.set)
+
+    runner = EngineRunner(engine, loop, on_step=on_step)
+    servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
     runner.start()
     server = grpc_server.new_server()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
     address = settings.address(port)
+    metrics_port = metrics.serve(settings.host, settings.metrics_port)
     lease = 3 * settings.heartbeat_s
 
     async def heartbeat():
         while True:
             info = servicer.info(address)
+            if metrics_port:
+                info.metrics = f"{settings.host}:{metrics_port}"
             key = keys.worker("decode", name)
             await r.hset(key, mapping=info.to_mapping() | {"updated": str(time.time())})
             await r.pexpire(key, int(lease * 1000))
+            await servicer.warm_arenas()
             await asyncio.sleep(settings.heartbeat_s)
 
     hb = asyncio.create_task(heartbeat())
     log.info("decode worker %s serving on %s (model %s, fingerprint %s)", name, address, engine.model_name,
              engine.fingerprint)
+    if metrics_port:
+        print(f"METRICS {settings.host}:{metrics_port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
     # Drain: no new streams, running sequences finish (up to drain_s), then stop.
@@ -264,4 +358,5 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     runner.stop()
     servicer.reader.close()
     await r.aclose()
+    metrics.close()
     log.info("decode worker %s stopped", name)

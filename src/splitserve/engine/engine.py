@@ -174,6 +174,7 @@ class LLMEngine:
         tokens = sample(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
         stats.num_seqs = len(sched.scheduled)
+        stats.request_ids = [s.seq.request_id for s in sched.scheduled]
         stats.num_tokens = batch.num_tokens
         for s in sched.scheduled:
             if s.seq.num_computed == len(s.seq.token_ids) - 1 and s.num_tokens == 1:

@@ -88,7 +88,17 @@ def load_frontend(spec: ModelSpec):
     except Exception as e:
         raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
     _check_architecture(config.model_type, folder)
-    return _load_tokenizer(folder), config
+    return _load_tokenizer(folder), config, model_name(folder, config)
+
+
+def model_name(folder: str, config) -> str:
+    """What to report as the model's name: the GGUF's stem for a converted file, else the folder's."""
+    name = getattr(config, "_name_or_path", "") or os.path.basename(folder.rstrip("/"))
+    meta_path = os.path.join(folder, "splitserve.json")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            name = json.load(f).get("name", name)
+    return name
 
 
 def _check_architecture(model_type: str, where: str) -> None:
@@ -116,12 +126,7 @@ def _load_hf_folder(folder: str) -> LoadedModel:
         raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
     state_dict = _read_safetensors(folder)
     tokenizer = _load_tokenizer(folder)
-    name = getattr(config, "_name_or_path", "") or os.path.basename(folder.rstrip("/"))
-    meta_path = os.path.join(folder, "splitserve.json")
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            name = json.load(f).get("name", name)
-    return LoadedModel(name=name, config=config, state_dict=state_dict, tokenizer=tokenizer)
+    return LoadedModel(name=model_name(folder, config), config=config, state_dict=state_dict, tokenizer=tokenizer)
 
 
 def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:

@@ -44,3 +44,4 @@ class StepStats:
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
     finished: list[str] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # sequences in the forward

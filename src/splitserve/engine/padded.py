@@ -114,6 +114,7 @@ class PaddedBatcher:
         stats.forward_time_s = time.perf_counter() - t
         self.cur += ids.shape[1]
         stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), ids.numel(), padding
+        stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
 
 
         live = [i for i, a in enumerate(self.active) if a]

@@ -27,6 +27,8 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError
 from splitserve.engine.kv_transfer import KVExport
 from splitserve.engine.outputs import RequestOutput
+from splitserve.observability import tracing
+from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.grpc_server import OPTIONS
@@ -46,6 +48,8 @@ class InFlight:
     entry_id: str
     t_start: float
     t_end: float = 0.0
+    span: object = None  # this request's prefill span (batch spans link to it)
+    kv_span: object = None  # prefill done -> PutKV answered
 
 
 class PrefillWorker:
@@ -64,7 +68,11 @@ class PrefillWorker:
         self.dequeue = self.redis.register_script(DEQUEUE_LUA)
         self.stop = threading.Event()
         self.address = ""
+        self.metrics_address = ""
         self._last_claim = 0.0
+        self.metrics = PrefillMetrics()
+        self.metrics.arena_size.set(self.arena.size)
+        self.metrics.arena_used.set_function(lambda: self.arena.used_bytes)
 
     # -- pulling ------------------------------------------------------------------------
 
@@ -82,6 +90,7 @@ class PrefillWorker:
                     out.append((entry_id.decode(), Job.from_json(fields[b"job"]), False))
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
+                self.metrics.jobs.labels("claimed").inc(len(out))
         room = self.s.prefill_batch - len(out)
         if room > 0:
             block = 0 if (out or self.engine.has_unfinished()) else 200
@@ -95,16 +104,23 @@ class PrefillWorker:
         if first:
             self.dequeue(keys=[self.keys.admission], args=[len(job.token_ids)])
         state = self.redis.hget(self.keys.req(job.request_id), "state")
+        t = time.time()
+        parent = tracing.context_of(job.traceparent)
+        if first:
+            tracing.tracer().start_span("queue wait", context=parent, start_time=tracing.ns(job.t_admitted), attributes={
+                "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
+            }).end(end_time=tracing.ns(t))
         if state is None or state.decode() in ("cancelled", "failed", "finished"):
             self._ack(entry_id)  # cancelled while queued (or expired): skip it
+            self.metrics.jobs.labels("skipped_cancelled").inc()
             return
         if job.deadline_unix and job.deadline_unix < time.time():
             self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": "deadline exceeded in queue"})
             self._ack(entry_id)
+            self.metrics.jobs.labels("expired").inc()
             return
         if job.request_id in self.inflight:  # our own job, re-delivered: already in hand
             return
-        t = time.time()
         self.redis.hset(self.keys.req(job.request_id), mapping={"state": "prefilling", "t_prefill_start": t,
                                                                  "prefill_worker": self.name})
         try:
@@ -113,9 +129,14 @@ class PrefillWorker:
             log.warning("job %s refused: %s", job.request_id, e)
             self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": str(e)})
             self._ack(entry_id)
+            self.metrics.jobs.labels("failed").inc()
             return
+        span = tracing.tracer().start_span("prefill", context=parent, start_time=tracing.ns(t), attributes={
+            "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
+            "gen_ai.usage.input_tokens": len(job.token_ids),
+        })
         with self.lock:
-            self.inflight[job.request_id] = InFlight(job, entry_id, t)
+            self.inflight[job.request_id] = InFlight(job, entry_id, t, span=span)
 
     # -- after prefill ------------------------------------------------------------------
 
@@ -126,6 +147,13 @@ class PrefillWorker:
         if fl is None:
             return
         fl.t_end = time.time()
+        fl.span.end(end_time=tracing.ns(fl.t_end))
+        self.metrics.jobs.labels("prefilled").inc()
+        fl.kv_span = tracing.tracer().start_span(
+            "kv transfer", context=tracing.context_of(fl.job.traceparent), kind=tracing.SpanKind.CLIENT,
+            start_time=tracing.ns(fl.t_end), attributes={"splitserve.request_id": out.request_id,
+                                                         "server.address": fl.job.decode_address},
+        )
         if out.finish_reason == "prefilled":
             nbytes = self.engine.kv_nbytes(out.request_id)
             try:
@@ -145,8 +173,11 @@ class PrefillWorker:
         job = fl.job
         seq = convert.sequence_to_pb(
             export, finish_reason=finish_reason, queue_ms=(fl.t_start - job.t_admitted) * 1000,
-            prefill_ms=(fl.t_end - fl.t_start) * 1000, traceparent=job.traceparent,
+            prefill_ms=(fl.t_end - fl.t_start) * 1000, traceparent=tracing.traceparent_of(fl.kv_span),
         )
+        seq.prefill_end_unix = fl.t_end
+        span = fl.kv_span
+        transport = "none"
         try:
             stub = self._stub(job.decode_address)
             if finish_reason:
@@ -157,6 +188,8 @@ class PrefillWorker:
                     transport = "shm" if job.decode_host_id == self.host and off is not None else "grpc"
                 if off is None:
                     transport = "grpc"
+                span.set_attributes({"splitserve.kv.transport": transport, "splitserve.kv.bytes": export.nbytes,
+                                     "splitserve.kv.tokens": export.num_tokens})
                 handle = w_pb.KVHandle(
                     arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=export.nbytes,
                     num_tokens=export.num_tokens, layout_version=export.layout_version, dtype=export.dtype,
@@ -168,15 +201,25 @@ class PrefillWorker:
                     stub.PutKV(req, timeout=HANDOFF_LEASE_S + 5)
                 else:
                     stub.PutKVStream(self._chunks(req, view), timeout=HANDOFF_LEASE_S + 5)
+                secs = time.time() - fl.t_end
+                span.set_attribute("splitserve.kv.gbps", export.nbytes / max(secs, 1e-9) / 1e9)
+                self.metrics.kv_bytes.labels(transport).inc(export.nbytes)
+                self.metrics.kv_seconds.labels(transport).observe(secs)
+                self.metrics.kv_size.labels(transport).observe(export.nbytes)
+            span.set_attribute("rpc.grpc.status_code", 0)
         except grpc.RpcError as e:
+            span.set_attribute("rpc.grpc.status_code", e.code().value[0])
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
                 log.info("request %s was cancelled before its KV arrived", job.request_id)
             else:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": f"KV handoff: {e.details()}"})
-        except Exception:  # noqa: BLE001 - never lose the worker
+        except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
+            span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
         finally:
+            span.end()
             if view is not None:
                 view.release()
             if off is not None:
@@ -206,6 +249,20 @@ class PrefillWorker:
             p.xdel(self.keys.stream, entry_id)
             p.execute()
 
+    def _observe_step(self, t0: float) -> None:
+        """Metrics, and a batch span linked to the prefill span of every request it carried."""
+        self.metrics.observe_step(self.engine)
+        st = self.engine.last_stats
+        if not st.num_tokens or not tracing.enabled():
+            return
+        links = [tracing.Link(fl.span.get_span_context()) for rid in st.request_ids
+                 if (fl := self.inflight.get(rid)) is not None and fl.span is not None]
+        tracing.tracer().start_span("prefill batch", start_time=tracing.ns(t0), links=links, attributes={
+            "splitserve.prefill_worker": self.name, "splitserve.batch.sequences": st.num_seqs,
+            "splitserve.batch.tokens": st.num_tokens, "splitserve.batch.prefill_tokens": st.num_prefill_tokens,
+            "splitserve.batch.forward_ms": st.forward_time_s * 1000,
+        }).end(end_time=tracing.ns(t0 + st.step_time_s))
+
     # -- loop ---------------------------------------------------------------------------
 
     def heartbeat_loop(self) -> None:
@@ -217,6 +274,7 @@ class PrefillWorker:
                     worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
                     running=len(self.inflight), waiting=e.num_waiting,
                     free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
+                    metrics=self.metrics_address, arena=self.arena.name,
                 ), lease)
                 with self.lock:
                     ids = [fl.entry_id for fl in self.inflight.values()]
@@ -237,7 +295,10 @@ class PrefillWorker:
                 time.sleep(0.5)
                 continue
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                t0 = time.time()
+                outputs = self.engine.step()
+                self._observe_step(t0)
+                for out in outputs:
                     self.on_output(out)
         self.pool.shutdown(wait=True)
 
@@ -246,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill_worker %(levelname)s %(message)s")
     try:
         settings = parse_settings("prefill_worker", argv)
+        tracing.setup_tracing("prefill", settings.worker_name("prefill"), settings.trace_file)
         worker = PrefillWorker(settings)
     except (ValueError, EngineError) as e:
         print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)
@@ -258,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     server.start()
     worker.address = settings.address(port)
+    metrics_port = worker.metrics.serve(settings.host, settings.metrics_port)
+    worker.metrics_address = f"{settings.host}:{metrics_port}" if metrics_port else ""
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def on_signal(*_):
@@ -267,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     log.info("prefill worker %s serving on %s, arena %s (%d MiB)", worker.name, worker.address, worker.arena.name,
              settings.arena_bytes >> 20)
+    if metrics_port:
+        print(f"METRICS {worker.metrics_address}", flush=True)
     print(f"READY {worker.address}", flush=True)
     try:
         worker.run()
@@ -275,5 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.redis.delete(worker.keys.worker("prefill", worker.name))
         worker.arena.close()
         server.stop(grace=1.0)
+        worker.metrics.close()
+        tracing.shutdown_tracing()
         log.info("prefill worker %s stopped", worker.name)
     return 0

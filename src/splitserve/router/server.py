@@ -26,8 +26,10 @@ from splitserve.engine.loader import load_frontend
 from splitserve.engine.model import context_length
 from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.observability import tracing
+from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
-from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable
+from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of
 from splitserve.service.redis_state import ADMIT_LUA, FINAL_STATES, Job, Keys, WorkerInfo, sampling_to_dict
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
@@ -53,11 +55,10 @@ class Frontend:
     """What the router knows of the model: tokenizer, vocabulary, context."""
 
     def __init__(self, settings: Settings):
-        hf_tok, config = load_frontend(ModelSpec(path=settings.model or None, cache_dir=settings.cache_dir))
+        hf_tok, config, self.name = load_frontend(ModelSpec(path=settings.model or None, cache_dir=settings.cache_dir))
         self.tokenizer = Tokenizer(hf_tok) if hf_tok is not None else None
         self.vocab = config.vocab_size
         self.context = context_length(config)
-        self.name = getattr(config, "_name_or_path", "") or settings.model or "SmolLM2-135M-Instruct"
 
     def prompt_ids(self, req: gen_pb.GenerateRequest) -> list[int]:
         kind, value = convert.input_of(req)
@@ -76,7 +77,7 @@ class Frontend:
 
 
 class RouterServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, settings: Settings, frontend: Frontend, r: aioredis.Redis):
+    def __init__(self, settings: Settings, frontend: Frontend, r: aioredis.Redis, metrics: RouterMetrics | None = None):
         self.s = settings
         self.front = frontend
         self.redis = r
@@ -86,6 +87,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.sent: dict[str, int] = {}  # requests sent to each worker since the last registry read
         self.channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
         self.active: dict[str, Active] = {}
+        self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
+        self.metrics = metrics or RouterMetrics()
 
     # -- registry -----------------------------------------------------------------------
 
@@ -141,75 +144,132 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             metadata=(("retry-after-ms", str(hint)), ("grpc-retry-pushback-ms", str(hint))),
         )
 
-    async def _events(self, request: gen_pb.GenerateRequest, context):
+    async def _events(self, request: gen_pb.GenerateRequest, context, rs: tracing.rpc_span):
         """Yields (rid, prompt_tokens, DecodeEvent) for every decode event of the request."""
         t_recv = time.time()
-        rid, ids, params = self._validate(request)
-        frac = self.s.admit_fraction
-        q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
-        if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
-            raise self._refusal(q, t)  # fast path: no decode stream opened for a refusal
-        remaining = context.time_remaining()
-        deadline = t_recv + remaining if remaining is not None else 0.0
-        worker = self.pick(len(ids) + params.max_tokens)
+        m = self.metrics
+        adm = tracing.tracer().start_span("admission", context=rs.ctx)
+        try:
+            rid, ids, params = self._validate(request)
+            rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
+            frac = self.s.admit_fraction
+            q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
+            if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
+                raise self._refusal(q, t)  # fast path: no decode stream opened for a refusal
+            remaining = context.time_remaining()
+            deadline = t_recv + remaining if remaining is not None else 0.0
+            worker = self.pick(len(ids) + params.max_tokens)
+        except BaseException as e:
+            self._end_admission(adm, e)
+            raise
+        dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
+                               attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
+                               | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
         call = self.stub(worker.address).Decode(
-            w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline), timeout=remaining
+            w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline), timeout=remaining,
+            metadata=tracing.inject(dec.ctx),
         )
         state = "failed"
-        try:
-            first = await call.read()
-            if first is grpc.aio.EOF or not first.accepted:
-                raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
-            job = Job(
-                request_id=rid, token_ids=ids, sampling=sampling_to_dict(params), decode_worker=worker.worker_id,
-                decode_address=worker.address, decode_host_id=worker.host_id, deadline_unix=deadline,
-                traceparent="", t_received=t_recv, t_admitted=time.time(), priority=request.priority,
-            )
-            ok, q, t = await self.admit_script(
-                keys=[self.keys.admission, self.keys.stream, self.keys.req(rid)],
-                args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac, self.s.request_ttl_s,
-                      job.to_json()],
-            )
-            if ok == -1:
-                state = ""
-                raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
-            if ok == 0:
-                state = ""
-                raise self._refusal(int(q), int(t))
-            active = self.active[rid] = Active(call)
-            final = None
+        with dec:
             try:
-                while True:
-                    ev = await call.read()
-                    if ev is grpc.aio.EOF:
-                        raise Unavailable("decode stream ended without a finish")
-                    if ev.error:
-                        raise UpstreamError(f"decode failed: {ev.error}")
-                    yield rid, len(ids), ev
-                    if ev.finish_reason:
-                        final = ev
-                        break
-            except asyncio.CancelledError:
-                if not active.aborted:
-                    state = "cancelled"
+                try:
+                    first = await call.read()
+                    if first is grpc.aio.EOF or not first.accepted:
+                        raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
+                    t_admitted = time.time()
+                    job = Job(
+                        request_id=rid, token_ids=ids, sampling=sampling_to_dict(params),
+                        decode_worker=worker.worker_id, decode_address=worker.address,
+                        decode_host_id=worker.host_id, deadline_unix=deadline,
+                        traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
+                        priority=request.priority,
+                    )
+                    ok, q, t = await self.admit_script(
+                        keys=[self.keys.admission, self.keys.stream, self.keys.req(rid)],
+                        args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
+                              self.s.request_ttl_s, job.to_json()],
+                    )
+                    adm.set_attributes({"splitserve.queue.requests": int(q), "splitserve.queue.tokens": int(t),
+                                        "splitserve.admitted": ok == 1})
+                    if ok == -1:
+                        state = ""
+                        raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
+                    if ok == 0:
+                        state = ""
+                        raise self._refusal(int(q), int(t))
+                except BaseException as e:
+                    self._end_admission(adm, e)
                     raise
-                final = w_pb.DecodeEvent(finish_reason="cancelled")
-                yield rid, len(ids), final
-            state = "cancelled" if final.finish_reason == "cancelled" else "finished"
-            await self._mark(rid, state, final)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and rid in self.active and self.active[rid].aborted:
-                state = "cancelled"
-                yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled")
-                await self._mark(rid, state)
-                return
-            state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
-            raise
-        finally:
-            self.active.pop(rid, None)
-            call.cancel()
-            if state in ("cancelled", "failed"):
-                await self._mark(rid, state)
+                adm.end()
+                m.prompt_tokens.inc(len(ids))
+                active = self.active[rid] = Active(call)
+                final = None
+                try:
+                    while True:
+                        ev = await call.read()
+                        if ev is grpc.aio.EOF:
+                            raise Unavailable("decode stream ended without a finish")
+                        if ev.error:
+                            raise UpstreamError(f"decode failed: {ev.error}")
+                        if ev.kv_done_unix:
+                            ev.timings.admission_ms = (t_admitted - t_recv) * 1000
+                            ev.timings.first_token_ms = (time.time() - ev.kv_done_unix) * 1000
+                            self.first_parts[rid] = ev.timings
+                        yield rid, len(ids), ev
+                        if ev.finish_reason:
+                            final = ev
+                            break
+                except asyncio.CancelledError:
+                    if not active.aborted:
+                        state = "cancelled"
+                        raise
+                    final = w_pb.DecodeEvent(finish_reason="cancelled")
+                    yield rid, len(ids), final
+                state = "cancelled" if final.finish_reason == "cancelled" else "finished"
+                with tracing.tracer().start_span("finish", context=rs.ctx):
+                    await self._mark(rid, state, final)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED and rid in self.active and self.active[rid].aborted:
+                    state = "cancelled"
+                    yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled")
+                    await self._mark(rid, state)
+                    return
+                state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+                raise
+            finally:
+                self.active.pop(rid, None)
+                self.first_parts.pop(rid, None)
+                call.cancel()
+                if state in ("cancelled", "failed"):
+                    await self._mark(rid, state)
+
+    @staticmethod
+    def _end_admission(adm, e: BaseException) -> None:
+        code = code_of(e)
+        adm.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.CANCELLED:
+            adm.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{code.name}: {e}"[:300]))
+        adm.end()
+
+    def _genai_attributes(self, request, rid: str, ids: list[int], params: SamplingParams) -> dict:
+        kind = request.WhichOneof("input")
+        attrs = {
+            "splitserve.request_id": rid,
+            "gen_ai.operation.name": "chat" if kind == "messages" else "text_completion",
+            "gen_ai.system": "splitserve",
+            "gen_ai.request.model": self.front.name,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.usage.input_tokens": len(ids),
+        }
+        if params.top_k:
+            attrs["gen_ai.request.top_k"] = params.top_k
+        if params.seed is not None:
+            attrs["gen_ai.request.seed"] = params.seed
+        if request.priority:
+            attrs["splitserve.priority"] = request.priority
+        return attrs
 
     async def _mark(self, rid: str, state: str, final=None) -> None:
         """Record how a request ended (with its last decode event, if any); the hash then expires sooner."""
@@ -225,10 +285,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
             log.exception("could not record the end of %s", rid)
 
-    def _timings(self, t0: float, t_first: float | None, ev) -> gen_pb.Timings:
+    def _timings(self, rid: str, t0: float, t_first: float | None, ev) -> gen_pb.Timings:
         now = time.perf_counter()
         tm = gen_pb.Timings()
-        if ev is not None and ev.HasField("timings"):
+        first = self.first_parts.get(rid)
+        if first is not None:
+            tm.CopyFrom(first)
+        elif ev is not None and ev.HasField("timings"):
             tm.CopyFrom(ev.timings)
         tm.e2e_ms = (now - t0) * 1000
         if t_first is not None:
@@ -236,34 +299,83 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             tm.decode_ms = (now - t_first) * 1000
         return tm
 
+    def _server_span(self, method: str, context) -> tracing.rpc_span:
+        full = f"{SERVICE}/{method}"
+        return tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
+                                attributes=tracing.rpc_attributes(full))
+
+    def _record_end(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse) -> None:
+        t = resp.timings
+        rs.span.set_attributes({
+            "gen_ai.usage.output_tokens": resp.usage.completion_tokens,
+            "gen_ai.response.finish_reasons": [resp.finish_reason],
+            "splitserve.ttft_ms": t.ttft_ms, "splitserve.e2e_ms": t.e2e_ms,
+        })
+        if resp.finish_reason == "cancelled":
+            self.metrics.cancelled.labels("abort").inc()
+        self.metrics.observe_finished(t, resp.finish_reason, resp.usage.completion_tokens)
+
+    def _record_error(self, e: BaseException) -> None:
+        code = code_of(e)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.metrics.refused.labels("queue_full").inc()
+        elif code == grpc.StatusCode.CANCELLED:
+            self.metrics.cancelled.labels("client").inc()
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.metrics.cancelled.labels("deadline").inc()
+        else:
+            self.metrics.failed.labels(code.name).inc()
+
     async def GenerateStream(self, request, context):
         t0 = time.perf_counter()
         t_first = None
-        async for rid, n_prompt, ev in self._events(request, context):
-            resp = gen_pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text)
-            if t_first is None and ev.token_ids:
-                t_first = time.perf_counter()
-            if ev.finish_reason:
-                resp.finish_reason = ev.finish_reason
-                resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens))
-                resp.timings.CopyFrom(self._timings(t0, t_first, ev))
-            yield resp
+        self.metrics.in_flight.inc()
+        try:
+            with self._server_span("GenerateStream", context) as rs:
+                async for rid, n_prompt, ev in self._events(request, context, rs):
+                    resp = gen_pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text)
+                    if t_first is None and ev.token_ids:
+                        t_first = time.perf_counter()
+                        rs.span.add_event("first_token")
+                    if ev.finish_reason:
+                        resp.finish_reason = ev.finish_reason
+                        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt,
+                                                         completion_tokens=ev.completion_tokens))
+                        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
+                        self._record_end(rs, resp)
+                    yield resp
+        except BaseException as e:
+            self._record_error(e)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         t_first = None
         resp = gen_pb.GenerateResponse()
         text = []
-        async for rid, n_prompt, ev in self._events(request, context):
-            resp.request_id = rid
-            if t_first is None and ev.token_ids:
-                t_first = time.perf_counter()
-            resp.token_ids.extend(ev.token_ids)
-            text.append(ev.text)
-            if ev.finish_reason:
-                resp.finish_reason = ev.finish_reason
-                resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens))
-                resp.timings.CopyFrom(self._timings(t0, t_first, ev))
+        self.metrics.in_flight.inc()
+        try:
+            with self._server_span("Generate", context) as rs:
+                async for rid, n_prompt, ev in self._events(request, context, rs):
+                    resp.request_id = rid
+                    if t_first is None and ev.token_ids:
+                        t_first = time.perf_counter()
+                        rs.span.add_event("first_token")
+                    resp.token_ids.extend(ev.token_ids)
+                    text.append(ev.text)
+                    if ev.finish_reason:
+                        resp.finish_reason = ev.finish_reason
+                        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt,
+                                                         completion_tokens=ev.completion_tokens))
+                        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
+                        self._record_end(rs, resp)
+        except BaseException as e:
+            self._record_error(e)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
         resp.text = "".join(text)
         return resp
 
@@ -305,27 +417,38 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     frontend = await asyncio.to_thread(Frontend, settings)
     r = aioredis.from_url(settings.redis_url)
-    servicer = RouterServicer(settings, frontend, r)
+    metrics = RouterMetrics()
+    metrics.queue_limit_requests.set(int(settings.max_queue_requests * settings.admit_fraction))
+    metrics.queue_limit_tokens.set(int(settings.max_queue_tokens * settings.admit_fraction))
+    servicer = RouterServicer(settings, frontend, r, metrics)
     await servicer.refresh_workers()
     server = grpc_server.new_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
+    metrics_port = metrics.serve(settings.host, settings.metrics_port)
 
     async def refresh():
         while True:
             await asyncio.sleep(settings.heartbeat_s / 2)
             try:
                 await servicer.refresh_workers()
+                q, t = [int(x or 0) for x in await r.hmget(servicer.keys.admission, "requests", "tokens")]
+                metrics.queue_requests.set(q)
+                metrics.queue_tokens.set(t)
+                metrics.decode_workers.set(len(servicer.workers))
             except Exception as e:  # noqa: BLE001
                 log.warning("registry refresh failed: %s", e)
 
     task = asyncio.create_task(refresh())
     address = settings.address(port)
     log.info("router serving on %s", address)
+    if metrics_port:
+        print(f"METRICS {settings.host}:{metrics_port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
     await grpc_server.set_not_serving(health, [SERVICE])
     task.cancel()
     await server.stop(grace=settings.drain_s)  # in-flight requests finish, new ones are refused
     await r.aclose()
+    metrics.close()
     log.info("router stopped")

@@ -114,6 +114,22 @@ class ArenaReader:
         self._lock = threading.Lock()
 
     def region(self, name: str, offset: int, length: int) -> memoryview:
+        mm = self._map(name)
+        if offset < 0 or length <= 0 or offset + length > len(mm):
+            raise BadHandle(
+                f"handle.offset/length [{offset}, {offset + length}) is outside arena {name!r} ({len(mm)} bytes)"
+            )
+        return memoryview(mm)[offset : offset + length]
+
+    def warm(self, name: str) -> bool:
+        """Map an arena ahead of its first handoff (mapping and populating it costs tens of ms)."""
+        try:
+            self._map(name)
+            return True
+        except BadHandle:
+            return False
+
+    def _map(self, name: str) -> mmap.mmap:
         if not name.startswith(self.prefix) or not _NAME.match(name):
             raise BadHandle(f"handle.arena {name!r} is not a splitserve arena (prefix {self.prefix!r})")
         path = os.path.join(SHM_DIR, name)
@@ -133,12 +149,7 @@ class ArenaReader:
                     os.close(fd)
                 self._maps[name] = (st.st_ino, mm)
                 cached = self._maps[name]
-        mm = cached[1]
-        if offset < 0 or length <= 0 or offset + length > len(mm):
-            raise BadHandle(
-                f"handle.offset/length [{offset}, {offset + length}) is outside arena {name!r} ({len(mm)} bytes)"
-            )
-        return memoryview(mm)[offset : offset + length]
+        return cached[1]
 
     def close(self) -> None:
         with self._lock:

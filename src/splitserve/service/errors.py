@@ -49,6 +49,23 @@ class Invalid(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    """The status an exception leaves an RPC with (no logging: for spans and metrics)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, ServiceError):
+        return exc.code
+    if isinstance(exc, (InvalidRequestError, KVImportError, BadHandle)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code()
+    return grpc.StatusCode.INTERNAL
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     if isinstance(exc, ServiceError):
         return exc.code, str(exc), exc.metadata

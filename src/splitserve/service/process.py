@@ -9,6 +9,7 @@ import signal
 import sys
 
 from splitserve.engine.errors import EngineError
+from splitserve.observability.tracing import setup_tracing, shutdown_tracing
 from splitserve.service.settings import Settings
 
 
@@ -39,9 +40,12 @@ def run(role: str, main_coro, argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main_coro(settings, stop)
 
+    setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file)
     try:
         asyncio.run(runner())
     except EngineError as e:
         print(f"splitserve {role}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        shutdown_tracing()
     return 0

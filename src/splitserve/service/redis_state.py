@@ -116,6 +116,8 @@ class WorkerInfo:
     free_kv_tokens: int = 0
     pending: int = 0  # decode: streams waiting for their KV
     updated: float = 0.0
+    metrics: str = ""  # host:port of its /metrics
+    arena: str = ""  # prefill: its shared-memory arena (decode workers on its host map it ahead)
 
     def to_mapping(self) -> dict:
         return {k: str(v) for k, v in asdict(self).items()}
@@ -127,7 +129,7 @@ class WorkerInfo:
             worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"],
             running=int(m.get("running", 0)), waiting=int(m.get("waiting", 0)),
             free_kv_tokens=int(m.get("free_kv_tokens", 0)), pending=int(m.get("pending", 0)),
-            updated=float(m.get("updated", 0)),
+            updated=float(m.get("updated", 0)), metrics=m.get("metrics", ""), arena=m.get("arena", ""),
         )
 
 

@@ -29,6 +29,8 @@ class Settings:
     threads: int = 0  # torch threads; 0 = every core
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
+    metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
+    trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together

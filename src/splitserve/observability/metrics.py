@@ -1,0 +1,178 @@
+"""Prometheus metrics: one registry per process, served on ``/metrics``.
+
+Names follow vLLM's where one exists (``vllm:num_requests_running`` ->
+``splitserve_num_requests_running``, ``vllm:time_to_first_token_seconds`` ->
+``splitserve_time_to_first_token_seconds``, ...), with the ``splitserve_`` prefix and
+Prometheus' unit suffixes. The process's role is a target label of the scrape
+(Kubernetes pod/container), not a metric label, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+PART_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+BYTES_BUCKETS = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
+
+P = "splitserve_"
+
+
+class Metrics:
+    """Base: a registry of its own (so tests may build several) and the HTTP endpoint."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics; port 0 picks a free one, a negative port turns the endpoint off (returns 0)."""
+        if port < 0:
+            return 0
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def c(self, name, doc, labels=()):
+        return Counter(P + name, doc, labels, registry=self.registry)
+
+    def g(self, name, doc, labels=()):
+        return Gauge(P + name, doc, labels, registry=self.registry)
+
+    def h(self, name, doc, buckets, labels=()):
+        return Histogram(P + name, doc, labels, buckets=buckets, registry=self.registry)
+
+
+class RouterMetrics(Metrics):
+    def __init__(self):
+        super().__init__()
+        self.queue_requests = self.g("queue_requests", "Admitted requests not yet picked up by a prefill worker "
+                                                       "(all routers; from Redis)")
+        self.queue_tokens = self.g("queue_tokens", "Prompt tokens of the queued requests (all routers; from Redis)")
+        self.queue_limit_requests = self.g("queue_limit_requests", "Queued requests from which admission refuses")
+        self.queue_limit_tokens = self.g("queue_limit_tokens", "Queued prompt tokens from which admission refuses")
+        self.decode_workers = self.g("decode_workers", "Decode workers in the Redis registry")
+        self.in_flight = self.g("requests_in_flight", "Requests this router is serving now")
+        self.refused = self.c("requests_refused", "Admissions refused with RESOURCE_EXHAUSTED", ["reason"])
+        self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
+        self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
+        self.success = self.c("request_success", "Requests that finished, by finish reason", ["finished_reason"])
+        self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
+        self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)
+        self.tpot = self.h("time_per_output_token_seconds", "Mean time between output tokens, per request",
+                           TPOT_BUCKETS)
+        self.e2e = self.h("e2e_request_latency_seconds", "Request received -> last token sent", E2E_BUCKETS)
+        # TTFT split into contiguous parts.
+        self.admission_time = self.h("request_admission_time_seconds",
+                                     "TTFT part: received -> admitted (validate, tokenize, route, admit)", PART_BUCKETS)
+        self.queue_time = self.h("request_queue_time_seconds", "TTFT part: admitted -> picked up by prefill",
+                                 PART_BUCKETS)
+        self.prefill_time = self.h("request_prefill_time_seconds", "TTFT part: picked up -> prefill done",
+                                   PART_BUCKETS)
+        self.kv_transfer_time = self.h("request_kv_transfer_time_seconds",
+                                       "TTFT part: prefill done -> KV adopted by the decode worker", PART_BUCKETS)
+        self.first_token_time = self.h("request_first_token_time_seconds",
+                                       "TTFT part: KV adopted -> first token at the router", PART_BUCKETS)
+
+    def observe_finished(self, timings, finish_reason: str, completion_tokens: int) -> None:
+        self.success.labels(finish_reason or "unknown").inc()
+        self.generation_tokens.inc(completion_tokens)
+        if timings.ttft_ms:
+            self.ttft.observe(timings.ttft_ms / 1000)
+            for hist, ms in ((self.admission_time, timings.admission_ms), (self.queue_time, timings.queue_ms),
+                             (self.prefill_time, timings.prefill_ms), (self.kv_transfer_time, timings.kv_transfer_ms),
+                             (self.first_token_time, timings.first_token_ms)):
+                hist.observe(max(ms, 0.0) / 1000)
+        self.e2e.observe(timings.e2e_ms / 1000)
+        if completion_tokens > 1:
+            self.tpot.observe(timings.decode_ms / 1000 / (completion_tokens - 1))
+
+
+class EngineMetrics(Metrics):
+    """Per engine step, from the engine's StepStats; shared by prefill and decode workers."""
+
+    def __init__(self):
+        super().__init__()
+        self.running = self.g("num_requests_running", "Sequences in the engine's running batch")
+        self.waiting = self.g("num_requests_waiting", "Sequences waiting for the engine")
+        self.blocks_used = self.g("kv_cache_blocks_used", "KV cache blocks in use")
+        self.blocks_free = self.g("kv_cache_blocks_free", "KV cache blocks free")
+        self.kv_usage = self.g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.steps = self.c("engine_steps", "Engine steps (forwards) run")
+        self.step_seqs = self.h("iteration_sequences", "Sequences per engine step", SEQ_BUCKETS)
+        self.step_tokens = self.h("iteration_tokens", "Tokens computed per engine step (padding included)",
+                                  TOKEN_BUCKETS)
+        self.budget_use = self.h("iteration_token_budget_usage",
+                                 "Tokens per step / max_num_batched_tokens", RATIO_BUCKETS)
+        self.step_time = self.h("iteration_duration_seconds", "Engine step wall time", STEP_BUCKETS)
+        self.prefill_tokens = self.c("engine_prefill_tokens", "Prompt tokens computed by engine steps")
+        self.decode_tokens = self.c("engine_decode_tokens", "Decode tokens computed by engine steps")
+        self.preemptions = self.c("num_preemptions", "Sequences preempted (KV freed, to be recomputed)")
+        self.padding = self.c("padding_tokens", "Padding positions computed for nothing (static/dynamic batching)")
+        self.computed = self.c("computed_tokens", "Token positions computed, padding included")
+        self.padding_ratio = self.h("iteration_padding_ratio", "Padding / computed positions per step",
+                                    RATIO_BUCKETS)
+
+    def observe_step(self, engine) -> None:
+        s = engine.last_stats
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        used, free = s.kv_blocks_used, s.kv_blocks_free
+        self.blocks_used.set(used)
+        self.blocks_free.set(free)
+        self.kv_usage.set(used / max(1, used + free))
+        if s.num_preempted:
+            self.preemptions.inc(s.num_preempted)
+        if not s.num_tokens:
+            return
+        self.steps.inc()
+        self.step_seqs.observe(s.num_seqs)
+        self.step_tokens.observe(s.num_tokens)
+        self.budget_use.observe(min(1.0, s.num_tokens / max(1, engine.config.max_num_batched_tokens)))
+        self.step_time.observe(s.step_time_s)
+        self.prefill_tokens.inc(s.num_prefill_tokens)
+        self.decode_tokens.inc(s.num_decode_tokens)
+        self.computed.inc(s.num_tokens)
+        if s.policy != "continuous":
+            self.padding.inc(s.padding_tokens)
+            self.padding_ratio.observe(s.padding_tokens / s.num_tokens)
+
+
+class PrefillMetrics(EngineMetrics):
+    def __init__(self):
+        super().__init__()
+        self.jobs = self.c("prefill_jobs", "Jobs pulled from the queue, by outcome", ["outcome"])
+        self.kv_bytes = self.c("kv_transfer_bytes", "KV bytes handed to decode workers", ["transport"])
+        self.kv_seconds = self.h("kv_transfer_seconds", "KV handoff: prefill done -> PutKV answered",
+                                 PART_BUCKETS, ["transport"])
+        self.kv_size = self.h("kv_transfer_size_bytes", "KV bytes per handoff", BYTES_BUCKETS, ["transport"])
+        self.arena_used = self.g("arena_used_bytes", "Shared-memory arena bytes held by handoffs in flight")
+        self.arena_size = self.g("arena_size_bytes", "Shared-memory arena size")
+
+
+class DecodeMetrics(EngineMetrics):
+    def __init__(self):
+        super().__init__()
+        self.streams = self.g("decode_streams_open", "Decode streams open (waiting for KV or decoding)")
+        self.adopt_seconds = self.h("kv_adopt_seconds", "PutKV received -> KV in the paged pool (blocks waited "
+                                    "for included)", PART_BUCKETS, ["transport"])
+        self.kv_bytes = self.c("kv_received_bytes", "KV bytes adopted from prefill workers", ["transport"])
+        self.handoffs_refused = self.c("kv_handoffs_refused", "PutKV calls refused, by gRPC status", ["code"])
+        self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")

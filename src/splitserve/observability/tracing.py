@@ -1,0 +1,247 @@
+"""OpenTelemetry tracing, set up once per process from the standard ``OTEL_*`` variables.
+
+Where spans go:
+
+- ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``: nowhere (no SDK installed;
+  the API's no-op tracer costs nothing);
+- ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set: OTLP,
+  over gRPC unless ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or the traces variant) says
+  ``http/protobuf``;
+- otherwise ``SPLITSERVE_TRACE_FILE`` (``splitserve up`` sets one per stack): OTLP-JSON,
+  one ``ExportTraceServiceRequest`` per line, appended by every process of the stack;
+- otherwise ``OTEL_TRACES_EXPORTER=console`` prints spans; anything else: no tracing.
+
+Sampling (``OTEL_TRACES_SAMPLER``/``_ARG``), resource attributes
+(``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``) and batching (``OTEL_BSP_*``) are
+the SDK's own. Context crosses processes as W3C ``traceparent``: in gRPC metadata, in
+the Redis job and in the KV handoff's ``SequenceState``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+log = logging.getLogger(__name__)
+
+# The OTEL_* variables this code (and the SDK it configures) reads; the deploy tests
+# accept these in manifests.
+OTEL_ENV = (
+    "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_INSECURE",
+    "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_PROPAGATORS", "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_EXPORT_TIMEOUT",
+)
+TRACER_NAME = "splitserve"
+
+_provider = None
+_lock = threading.Lock()
+
+__all__ = ["Link", "SpanKind", "Status", "StatusCode", "setup_tracing", "shutdown_tracing", "tracer", "inject",
+           "extract", "traceparent_of", "context_of", "ns", "enabled"]
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def exporter_kind(environ=None, trace_file: str = "") -> str:
+    """otlp-grpc, otlp-http, file, console or none."""
+    env = os.environ if environ is None else environ
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if _truthy(env.get("OTEL_SDK_DISABLED")) or names == ["none"]:
+        return "none"
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        proto = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+        return "otlp-http" if proto.startswith("http") else "otlp-grpc"
+    if trace_file:
+        return "file"
+    if "console" in names:
+        return "console"
+    return "none"
+
+
+def setup_tracing(role: str, instance: str = "", trace_file: str = "") -> str:
+    """Install the SDK for this process (once); returns the exporter kind in use."""
+    global _provider
+    with _lock:
+        if _provider is not None:
+            return "already"
+        kind = exporter_kind(trace_file=trace_file)
+        if kind == "none":
+            return kind
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+        attrs = {"splitserve.role": role}
+        if instance:
+            attrs["service.instance.id"] = instance
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            attrs["service.name"] = f"splitserve-{role}"
+        provider = TracerProvider(resource=Resource.create(attrs))
+        if kind == "otlp-grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            exporter = OTLPSpanExporter()
+        elif kind == "otlp-http":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            exporter = OTLPSpanExporter()
+        elif kind == "file":
+            exporter = JsonFileSpanExporter(trace_file)
+        else:
+            exporter = ConsoleSpanExporter()
+        delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else (500 if kind == "file" else None)
+        provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay))
+        trace.set_tracer_provider(provider)
+        _provider = provider
+        log.info("tracing: %s%s", kind, f" -> {trace_file}" if kind == "file" else "")
+        return kind
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the exporter (call on the way out)."""
+    global _provider
+    with _lock:
+        if _provider is not None:
+            _provider.shutdown()
+            _provider = None
+
+
+def enabled() -> bool:
+    return _provider is not None
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME)
+
+
+# -- propagation ----------------------------------------------------------------------------
+
+
+def inject(ctx=None) -> list[tuple[str, str]]:
+    """The context (default: current) as gRPC metadata pairs."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return list(carrier.items())
+
+
+def extract(metadata) -> otel_context.Context:
+    """A context from gRPC invocation metadata (pairs or a dict)."""
+    carrier = dict(metadata or ())
+    return propagate.extract(carrier)
+
+
+def traceparent_of(span) -> str:
+    """The W3C traceparent of a span ('' when not recording)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def context_of(traceparent: str) -> otel_context.Context:
+    return propagate.extract({"traceparent": traceparent} if traceparent else {})
+
+
+def ns(unix_seconds: float) -> int:
+    return int(unix_seconds * 1e9)
+
+
+# -- the local span file ------------------------------------------------------------------------
+
+
+def _hex_ids(obj):
+    """OTLP-JSON wants trace and span ids as hex, protobuf's JSON mapping gives base64."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str):
+                obj[k] = base64.b64decode(v).hex()
+            else:
+                _hex_ids(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _hex_ids(v)
+    return obj
+
+
+class JsonFileSpanExporter:
+    """Appends OTLP-JSON lines to a file shared by every process of a stack (O_APPEND, one write per batch)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def export(self, spans):
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            doc = _hex_ids(MessageToDict(encode_spans(spans)))
+            os.write(self._fd, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
+            return SpanExportResult.SUCCESS
+        except Exception:  # noqa: BLE001 - losing spans must not lose the process
+            log.exception("writing spans to %s failed", self.path)
+            return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+# -- RPC spans ----------------------------------------------------------------------------------
+
+# Server spans: these codes are the server's fault (OpenTelemetry's RPC conventions);
+# the others (cancelled, invalid argument, resource exhausted, ...) leave the status unset.
+SERVER_FAULTS = {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+
+
+def rpc_attributes(full_method: str) -> dict:
+    service, _, method = full_method.lstrip("/").partition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+
+
+class rpc_span:
+    """A span for one RPC that is never made the current span (it lives across the
+    yields of async generators): children get ``.ctx`` explicitly. On the way out it
+    records ``rpc.grpc.status_code`` and, for server faults, an error status."""
+
+    def __init__(self, name: str, *, kind=SpanKind.SERVER, parent=None, attributes=None, start_time=None):
+        self.span = tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time)
+        self.ctx = trace.set_span_in_context(self.span)
+        self.code = None  # set by the body to override the exception mapping
+
+    def __enter__(self) -> "rpc_span":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        from splitserve.service.errors import code_of
+
+        span = self.span
+        if exc is not None and not isinstance(exc, GeneratorExit):
+            code = code_of(exc)
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code.name in SERVER_FAULTS or self.span.kind != SpanKind.SERVER:
+                if code.name != "CANCELLED":
+                    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {exc}"[:300]))
+            if code.name == "CANCELLED":
+                span.add_event("cancelled")
+        elif isinstance(exc, GeneratorExit):  # the client went away between messages
+            span.set_attribute("rpc.grpc.status_code", 1)
+            span.add_event("cancelled")
+        else:
+            span.set_attribute("rpc.grpc.status_code", 0)
+        span.end()

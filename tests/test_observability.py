@@ -1,0 +1,261 @@
+"""Traces and metrics through the real stack: one trace per request, TTFT parts, /metrics."""
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service_helpers import kv_idle, wait_for
+from splitserve.client import Client
+from splitserve.engine.sampling import SamplingParams
+from splitserve.observability import traceview
+from splitserve.observability.metrics import EngineMetrics
+from splitserve.observability.tracing import exporter_kind
+from splitserve.service.settings import Settings
+from splitserve.stack import Stack
+
+BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
+            drain_s=3.0)
+
+ROUTER_METRICS = {
+    "splitserve_queue_requests", "splitserve_queue_tokens", "splitserve_requests_refused",
+    "splitserve_requests_cancelled", "splitserve_request_success", "splitserve_time_to_first_token_seconds",
+    "splitserve_time_per_output_token_seconds", "splitserve_e2e_request_latency_seconds",
+    "splitserve_request_admission_time_seconds", "splitserve_request_queue_time_seconds",
+    "splitserve_request_prefill_time_seconds", "splitserve_request_kv_transfer_time_seconds",
+    "splitserve_request_first_token_time_seconds", "splitserve_prompt_tokens", "splitserve_generation_tokens",
+}
+ENGINE_METRICS = {
+    "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",
+    "splitserve_kv_cache_blocks_free", "splitserve_kv_cache_usage_perc", "splitserve_iteration_sequences",
+    "splitserve_iteration_tokens", "splitserve_iteration_token_budget_usage", "splitserve_iteration_duration_seconds",
+    "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps",
+}
+PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
+                                    "splitserve_prefill_jobs", "splitserve_arena_used_bytes"}
+DECODE_METRICS = ENGINE_METRICS | {"splitserve_kv_received_bytes", "splitserve_kv_adopt_seconds",
+                                   "splitserve_decode_streams_open", "splitserve_decode_aborted"}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack(Settings.from_env(**BASE)).start()
+    yield s
+    s.stop()
+    assert s.shm_segments() == []
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Sample name (with labels) -> value."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def families(address: str) -> set[str]:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    return {f.name for f in text_string_to_metric_families(text)}
+
+
+def trace_of(stack, rid: str, need: set[str]) -> list[traceview.Span]:
+    """Wait until the span file holds the request's spans named in ``need``."""
+    def ready():
+        if not os.path.exists(stack.settings.trace_file):
+            return None
+        spans = traceview.load_spans(stack.settings.trace_file)
+        ids = {s.trace_id for s in spans if s.attrs.get("splitserve.request_id") == rid}
+        if len(ids) != 1:
+            return None
+        trace = [s for s in spans if s.trace_id in ids]
+        return trace if need <= {s.name for s in trace} else None
+
+    return wait_for(ready, timeout=20, what=f"spans of {rid}")
+
+
+def test_one_streamed_request_is_one_trace_correctly_parented(stack):
+    with Client(stack.router_address) as c:
+        chunks = list(c.generate_stream("The three primary colors are", max_tokens=12, request_id="traced-1"))
+    assert chunks[-1].finish_reason
+    gen = "splitserve.v1.Generation/GenerateStream"
+    dec = "splitserve.v1.DecodeWorker/Decode"
+    put = "splitserve.v1.DecodeWorker/PutKV"
+    need = {gen, "admission", dec, "queue wait", "prefill", "kv transfer", put, "decode", "finish"}
+    spans = trace_of(stack, "traced-1", need)
+    # Every span of the request is in one trace; no other trace carries the request id.
+    all_spans = traceview.load_spans(stack.settings.trace_file)
+    assert len({s.trace_id for s in all_spans if s.attrs.get("splitserve.request_id") == "traced-1"}) == 1
+    services = {s.service.split("[")[0] for s in spans}
+    assert {"splitserve-router", "splitserve-prefill", "splitserve-decode"} <= services
+
+    def one(name, service):
+        found = [s for s in spans if s.name == name and s.service.startswith(service)]
+        assert len(found) == 1, (name, service, found)
+        return found[0]
+
+    root = one(gen, "splitserve-router")
+    assert root.parent_id == "" and root.kind == "server"
+    dec_client = one(dec, "splitserve-router")
+    dec_server = one(dec, "splitserve-decode")
+    kv = one("kv transfer", "splitserve-prefill")
+    parents = {
+        "admission": root, "queue wait": root, "prefill": root, "finish": root,
+        (dec, "splitserve-router"): root, (dec, "splitserve-decode"): dec_client,
+        (put, "splitserve-decode"): kv, ("decode", "splitserve-decode"): dec_server,
+        ("kv transfer", "splitserve-prefill"): root,
+    }
+    for key, parent in parents.items():
+        name, service = key if isinstance(key, tuple) else (key, "splitserve")
+        assert one(name, service).parent_id == parent.span_id, key
+    assert dec_client.kind == "client" and dec_server.kind == "server" and kv.kind == "client"
+    # GenAI attributes on the request span.
+    assert root.attrs["gen_ai.operation.name"] == "text_completion"
+    assert root.attrs["gen_ai.request.model"].startswith("SmolLM2-135M-Instruct")
+    assert root.attrs["gen_ai.request.max_tokens"] == 12
+    assert root.attrs["gen_ai.usage.input_tokens"] == chunks[-1].usage.prompt_tokens
+    assert root.attrs["gen_ai.usage.output_tokens"] == chunks[-1].usage.completion_tokens
+    assert root.attrs["gen_ai.response.finish_reasons"] == [chunks[-1].finish_reason]
+    assert root.attrs["rpc.grpc.status_code"] == 0
+    assert one(put, "splitserve-decode").attrs["splitserve.kv.transport"] == "shm"
+    assert kv.attrs["splitserve.kv.bytes"] > 0
+    # The prefill batch that carried the request links to its prefill span.
+    prefill = one("prefill", "splitserve-prefill")
+    batches = [s for s in all_spans if s.name == "prefill batch" and any(sid == prefill.span_id for _, sid in s.links)]
+    assert batches and batches[0].trace_id != root.trace_id
+    # Health checks are not traced.
+    assert not any("Health" in s.name for s in all_spans)
+
+
+def test_ttft_parts_add_up_to_the_measured_ttft(stack):
+    with Client(stack.router_address) as c:
+        for i in range(3):  # a warm path, then measure
+            last = list(c.generate_stream(f"Tell me a fact about the number {i}.", max_tokens=4,
+                                          request_id=f"ttft-{i}"))[-1]
+    t = last.timings
+    parts = [t.admission_ms, t.queue_ms, t.prefill_ms, t.kv_transfer_ms, t.first_token_ms]
+    assert all(p > 0 for p in parts), parts
+    assert abs(sum(parts) - t.ttft_ms) <= 0.1 * t.ttft_ms, (parts, t.ttft_ms)
+    # The spans tell the same story as the timings.
+    spans = trace_of(stack, "ttft-2", {"queue wait", "prefill"})
+    by = {s.name: s for s in spans}
+    assert by["queue wait"].duration_ms == pytest.approx(t.queue_ms, abs=1.0)
+    assert by["prefill"].duration_ms == pytest.approx(t.prefill_ms, abs=1.0)
+
+
+def test_every_process_exposes_its_metrics_and_they_move(stack):
+    router, prefill, decode = (stack.proc(n).metrics_address for n in ("router", "prefill-0", "decode-0"))
+    assert ROUTER_METRICS <= families(router)
+    assert PREFILL_METRICS <= families(prefill)
+    assert DECODE_METRICS <= families(decode)
+    before = [scrape(a) for a in (router, prefill, decode)]
+    with Client(stack.router_address) as c:
+        for i in range(2):
+            c.generate(f"Name a fruit that starts with the letter {'AB'[i]}.", max_tokens=6, ignore_eos=True)
+    wait_for(lambda: kv_idle(stack), what="idle")
+    r, p, d = [scrape(a) for a in (router, prefill, decode)]
+    moved = {
+        "router": [(before[0], r, k) for k in ("splitserve_request_success_total{finished_reason=length}",
+                                               "splitserve_time_to_first_token_seconds_count",
+                                               "splitserve_request_prefill_time_seconds_count",
+                                               "splitserve_generation_tokens_total")],
+        "prefill": [(before[1], p, k) for k in ("splitserve_prefill_jobs_total{outcome=prefilled}",
+                                                "splitserve_kv_transfer_bytes_total{transport=shm}",
+                                                "splitserve_engine_steps_total", "splitserve_iteration_tokens_count")],
+        "decode": [(before[2], d, k) for k in ("splitserve_kv_received_bytes_total{transport=shm}",
+                                               "splitserve_engine_decode_tokens_total",
+                                               "splitserve_iteration_sequences_count")],
+    }
+    for role, checks in moved.items():
+        for old, new, key in checks:
+            assert new.get(key, 0) > old.get(key, 0), (role, key, old.get(key), new.get(key))
+    assert r["splitserve_generation_tokens_total"] - before[0].get("splitserve_generation_tokens_total", 0) == 12
+    assert d["splitserve_kv_cache_blocks_used"] == 0 and d["splitserve_kv_cache_blocks_free"] > 0
+
+
+def test_a_cancelled_request_ends_its_trace_cancelled(stack):
+    before = scrape(stack.proc("router").metrics_address)
+    with Client(stack.router_address) as c:
+        stream = c.generate_stream("Write a long story about a lighthouse keeper.", max_tokens=300, ignore_eos=True,
+                                   request_id="traced-cancel")
+        for got, _ in enumerate(stream):
+            if got >= 3:
+                stream.cancel()
+                break
+    spans = trace_of(stack, "traced-cancel", {"splitserve.v1.Generation/GenerateStream", "decode"})
+    root = next(s for s in spans if s.name == "splitserve.v1.Generation/GenerateStream")
+    assert traceview.status_of(root) == "CANCELLED"
+    assert "cancelled" in [name for _, name in root.events]
+    decode = next(s for s in spans if s.name == "decode")
+    assert decode.attrs["gen_ai.response.finish_reasons"] == ["cancelled"]
+    wait_for(lambda: kv_idle(stack), what="KV freed")
+    after = scrape(stack.proc("router").metrics_address)
+    key = "splitserve_requests_cancelled_total{reason=client}"
+    assert after[key] == before.get(key, 0) + 1
+    assert scrape(stack.proc("decode-0").metrics_address)["splitserve_decode_aborted_total"] >= 1
+
+
+def test_traces_and_status_commands(stack):
+    with Client(stack.router_address) as c:
+        c.generate("Hello there!", max_tokens=3, request_id="cli-1")
+    trace_of(stack, "cli-1", {"decode", "kv transfer"})
+    exe = [sys.executable, "-m", "splitserve.cli"]
+    out = subprocess.run([*exe, "traces", "cli-1", "--file", stack.settings.trace_file], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "request cli-1" in lines[0]
+    order = [next(i for i, ln in enumerate(lines) if name in ln)
+             for name in ("Generation/Generate ", "admission", "queue wait", "prefill [", "kv transfer", "PutKV")]
+    assert order == sorted(order)
+    assert any("~ prefill batch" in ln for ln in lines)
+    missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "no trace for request 'no-such-request'" in missing.stderr
+    st = subprocess.run([*exe, "status", "--redis-url", stack.settings.redis_url, "--prefix",
+                         stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0, st.stderr
+    assert "1 prefill, 1 decode" in st.stdout
+    assert stack.proc("decode-0").metrics_address in st.stdout
+
+
+def test_padding_waste_is_counted_for_static_batching(tiny_engine_factory):
+    eng = tiny_engine_factory(policy="static", static_batch_size=4, max_wait_ms=0)
+    m = EngineMetrics()
+    for i, n in enumerate((3, 9, 17)):
+        eng.add_request(f"r{i}", list(range(5, 5 + n)), SamplingParams(max_tokens=4 + i, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        m.observe_step(eng)
+    get = m.registry.get_sample_value
+    assert get("splitserve_padding_tokens_total") > 0
+    assert get("splitserve_computed_tokens_total") > get("splitserve_padding_tokens_total")
+    assert get("splitserve_iteration_padding_ratio_count") == get("splitserve_engine_steps_total") > 0
+
+
+def test_exporter_is_chosen_from_the_standard_variables():
+    assert exporter_kind({}, trace_file="") == "none"
+    assert exporter_kind({}, trace_file="/tmp/x") == "file"
+    assert exporter_kind({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, trace_file="/tmp/x") == "otlp-grpc"
+    assert exporter_kind({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces",
+                          "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == "otlp-http"
+    assert exporter_kind({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}) == "none"
+    assert exporter_kind({"OTEL_SDK_DISABLED": "true"}, trace_file="/tmp/x") == "none"
+    assert exporter_kind({"OTEL_TRACES_EXPORTER": "console"}) == "console"
+
+
+def test_span_file_is_otlp_json_with_hex_ids(stack):
+    import json
+
+    with open(stack.settings.trace_file) as f:
+        doc = json.loads(f.readline())
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert len(span["traceId"]) == 32 and int(span["traceId"], 16) > 0
+    assert len(span["spanId"]) == 16
+    assert time.time() * 1e9 - int(span["startTimeUnixNano"]) < 3600e9
