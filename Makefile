@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service clean
+.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg clean
 
 install: $(STAMP)
 
@@ -40,8 +40,21 @@ bench-handoff: install proto
 bench-service: install proto
 	$(PY) -m splitserve.bench.service_bench --out bench-results/service.json
 
+bench-tracing: install proto
+	$(PY) -m splitserve.bench.tracing_bench --out bench-results/tracing.json
+
+# splitserve bench on workload_mixed: policies at one Poisson rate, the knee, colocated vs disaggregated.
+bench-policies: install proto
+	$(VENV)/bin/splitserve bench --compare static,dynamic,continuous --rate 0.5 --requests 48 --no-progress --out bench-results/policies
+
+bench-sweep: install proto
+	$(VENV)/bin/splitserve bench --sweep --max-concurrency 32 --requests 24 --no-progress --out bench-results/sweep
+
+bench-disagg: install proto
+	$(VENV)/bin/splitserve bench --compare colocated,disaggregated --rate 1.0 --requests 48 --no-progress --out bench-results/disagg
+
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service
+bench: bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

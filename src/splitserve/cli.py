@@ -53,13 +53,16 @@ def _up(args) -> int:
     from splitserve.stack import Stack
 
     overrides = {"model": args.model, "policy": args.policy}
+    if args.colocated or args.policy in ("static", "dynamic"):  # padded batching prefills in the decode engine
+        overrides["mode"] = "colocated"
     settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
-    stack = Stack(settings, prefill=args.prefill, decode=args.decode)
+    n_prefill = 0 if settings.mode == "colocated" else args.prefill
+    stack = Stack(settings, prefill=n_prefill, decode=args.decode)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
-          f"{args.prefill} prefill worker(s), router ...", flush=True)
+          f"{n_prefill} prefill worker(s), router ...", flush=True)
     try:
         stack.start()
         print(f"splitserve is up: router at {stack.router_address}  (logs in {stack.run_dir})", flush=True)
@@ -212,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
+    p.add_argument("--colocated", action="store_true",
+                   help="no prefill workers: decode workers prefill prompts themselves (chunked prefill)")
     p.add_argument("--demo", action="store_true", help="send one streamed demo request once up")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_up)
@@ -227,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=_generate)
+
+    from splitserve.bench.cli import add_parser as add_bench
+
+    add_bench(sub)
 
     p = sub.add_parser("traces", help="print a request's trace from the local span file as a timeline")
     p.add_argument("request_id", nargs="?", default=None, help="request id (default: the last --last requests)")

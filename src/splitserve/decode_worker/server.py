@@ -47,6 +47,7 @@ class Slot:
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     kv_done: float = 0.0  # unix time the KV was adopted
+    prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
@@ -90,6 +91,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.slots[rid] = slot
             self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
             try:
+                if request.prompt_token_ids:
+                    await self._prefill_here(slot, request)
                 yield w_pb.DecodeEvent(accepted=True)
                 while True:
                     ev = await slot.events.get()
@@ -104,6 +107,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.runner.submit_nowait(lambda e: e.abort_request(rid))
                     self.metrics.aborted.inc()
                     self._end_decode_span(slot, "cancelled", None)
+
+    async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest) -> None:
+        """Colocated mode: this engine prefills the prompt (chunked, inside continuous batching)."""
+        ids = list(request.prompt_token_ids)
+        params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
+        t0 = time.time()
+        slot.decode_span = tracing.tracer().start_span(
+            "decode", context=slot.trace.ctx if slot.trace else None,
+            attributes={"splitserve.request_id": slot.request_id, "splitserve.decode_worker": self.name,
+                        "splitserve.colocated": True, "gen_ai.usage.input_tokens": len(ids)},
+        )
+        await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params))
+        slot.imported = True
+        slot.prefill_start = t0
 
     def _end_decode_span(self, slot: Slot, finish_reason: str, out: RequestOutput | None) -> None:
         span, slot.decode_span = slot.decode_span, None
@@ -125,6 +142,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                kv_transfer_ms=slot.transfer_ms))
         if not slot.first_sent:
             slot.first_sent = True
+            if slot.prefill_start:  # colocated: the engine's own prefill produced this token
+                slot.kv_done = time.time()
+                slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
+                ev.timings.prefill_ms = slot.prefill_ms
             ev.kv_done_unix = slot.kv_done
         if out.finished:
             ev.finish_reason = out.finish_reason or "error"

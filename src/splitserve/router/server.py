@@ -30,7 +30,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of
-from splitserve.service.redis_state import ADMIT_LUA, FINAL_STATES, Job, Keys, WorkerInfo, sampling_to_dict
+from splitserve.service.redis_state import ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, Job, Keys, WorkerInfo, sampling_to_dict
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -83,6 +83,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.redis = r
         self.keys = Keys(settings.redis_prefix)
         self.admit_script = r.register_script(ADMIT_LUA)
+        self.dequeue_script = r.register_script(DEQUEUE_LUA)
+        self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.sent: dict[str, int] = {}  # requests sent to each worker since the last registry read
         self.channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
@@ -165,11 +167,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
-        call = self.stub(worker.address).Decode(
-            w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline), timeout=remaining,
-            metadata=tracing.inject(dec.ctx),
-        )
+        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline)
+        if self.colocated:  # the decode worker prefills it itself; the queue counts it until its first token
+            dreq.prompt_token_ids.extend(ids)
+            dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
+        call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
         state = "failed"
+        queued = False
         with dec:
             try:
                 try:
@@ -187,8 +191,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     ok, q, t = await self.admit_script(
                         keys=[self.keys.admission, self.keys.stream, self.keys.req(rid)],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json()],
+                              self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1],
                     )
+                    queued = self.colocated and ok == 1
                     adm.set_attributes({"splitserve.queue.requests": int(q), "splitserve.queue.tokens": int(t),
                                         "splitserve.admitted": ok == 1})
                     if ok == -1:
@@ -211,6 +216,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             raise Unavailable("decode stream ended without a finish")
                         if ev.error:
                             raise UpstreamError(f"decode failed: {ev.error}")
+                        if queued and (ev.token_ids or ev.finish_reason):
+                            queued = False
+                            await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
                         if ev.kv_done_unix:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.kv_done_unix) * 1000
@@ -240,6 +248,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 self.active.pop(rid, None)
                 self.first_parts.pop(rid, None)
                 call.cancel()
+                if queued:
+                    await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
                 if state in ("cancelled", "failed"):
                     await self._mark(rid, state)
 

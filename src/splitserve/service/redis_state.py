@@ -19,7 +19,8 @@ from splitserve.engine.sampling import SamplingParams
 GROUP = "prefill"
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
-# KEYS: admission, stream, request hash.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json.
+# KEYS: admission, stream, request hash.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
+# queue the job (0 in colocated mode: the decode worker prefills it itself).
 ADMIT_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {-1, 0, 0}
@@ -37,11 +38,13 @@ local job = cjson.decode(ARGV[6])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
            'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
-redis.call('XADD', KEYS[2], '*', 'job', ARGV[6])
+if ARGV[7] ~= '0' then
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6])
+end
 return {1, q + 1, t + n}
 """
 
-# A prefill worker took a job off the queue (first delivery only).
+# A prefill worker took a job off the queue (first delivery only); colocated: the first token came.
 DEQUEUE_LUA = """
 redis.call('HINCRBY', KEYS[1], 'requests', -1)
 redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))

@@ -31,6 +31,7 @@ class Settings:
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
+    mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
@@ -58,8 +59,13 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy != "continuous" and self.mode != "colocated":
+            raise ValueError(f"policy {self.policy} batches prefill with decode in one engine: it needs mode colocated "
+                             f"(KV handed over by prefill workers joins a continuous batch only)")
         if not 0 < self.admit_fraction <= 1:
             raise ValueError(f"admit_fraction must be in (0, 1], got {self.admit_fraction}")
         for name in ("max_queue_requests", "max_queue_tokens", "prefill_batch", "prefill_token_budget",

@@ -1,0 +1,333 @@
+"""``splitserve bench``: drive a stack over gRPC and report latency, throughput and goodput.
+
+    splitserve bench --rate 0.5 --requests 64                  # open loop, Poisson, own stack
+    splitserve bench --address HOST:PORT --concurrency 1,4,16  # closed loop against a running router
+    splitserve bench --sweep --max-concurrency 64              # find the knee
+    splitserve bench --compare static,dynamic,continuous --rate 0.5
+    splitserve bench --compare colocated,disaggregated --rate 1.0
+
+Without ``--address`` it starts a stack (embedded Redis, router, workers) per variant and
+stops it afterwards. Results go to ``--out`` (results.json and PNG plots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+
+from splitserve.bench import loadgen
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload
+
+POLICIES = ("static", "dynamic", "continuous")
+MODES = ("colocated", "disaggregated")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="load generator: latency, throughput, goodput, sweeps and comparisons",
+                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--address", default="", help="a running router (default: start a stack per variant)")
+    p.add_argument("--workload", default="", help="JSONL workload (default: shared/bench/workload_mixed.jsonl)")
+    p.add_argument("--input-len", default="", help="synthetic prompts instead: N or LO-HI (uniform) tokens")
+    p.add_argument("--output-len", default="64", help="synthetic output tokens: N or LO-HI (default 64)")
+    p.add_argument("--vocab", type=int, default=0, help="synthetic token ids below this (default: the model's)")
+    p.add_argument("--requests", type=int, default=64, help="requests per run (default 64; 0 = the whole file)")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent first, one at a time, not counted")
+    p.add_argument("--seed", type=int, default=0)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", default="", help="open loop: Poisson arrivals, requests/s (comma list)")
+    load.add_argument("--concurrency", default="", help="closed loop: concurrent clients (comma list)")
+    p.add_argument("--sweep", action="store_true", help="closed-loop concurrency sweep 1,2,4,... to find the knee")
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--knee-factor", type=float, default=1.5)
+    p.add_argument("--compare", default="", help="static,dynamic,continuous or colocated,disaggregated")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="goodput: TTFT limit")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="goodput: time-per-output-token limit")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request deadline, seconds")
+    # a stack of our own
+    p.add_argument("--model", default=None)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--mode", default=None, choices=MODES)
+    p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--out", default="bench-results/bench", help="folder for results.json and plots")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=main)
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def _length(spec: str, rng: random.Random) -> int:
+    if "-" in spec:
+        lo, hi = (int(x) for x in spec.split("-", 1))
+        return rng.randint(lo, hi)
+    return int(spec)
+
+
+def make_items(args, vocab: int) -> list[WorkItem]:
+    rng = random.Random(args.seed)
+    if args.input_len:
+        n = args.requests or 64
+        return [WorkItem(f"synthetic-{i}", "", [rng.randrange(10, vocab) for _ in range(_length(args.input_len, rng))],
+                         _length(args.output_len, rng)) for i in range(n + args.warmup)]
+    path = args.workload or os.path.join(default_workload_dir(), "workload_mixed.jsonl")
+    items = load_workload(path)
+    if not items:
+        raise ValueError(f"workload {path} is empty")
+    want = (args.requests or len(items)) + args.warmup
+    return [items[i % len(items)] for i in range(want)]
+
+
+# -- stacks -------------------------------------------------------------------------------------
+
+
+class Target:
+    """A running router: the one given, or a stack started (and later stopped) here."""
+
+    def __init__(self, args, variant: str = ""):
+        self.args, self.variant, self.stack = args, variant, None
+        self.address = args.address
+
+    def __enter__(self) -> "Target":
+        if self.address:
+            return self
+        from splitserve.service.settings import Settings
+        from splitserve.stack import Stack
+
+        over = {"model": self.args.model, "policy": self.args.policy, "mode": self.args.mode,
+                "max_queue_requests": 1 << 16, "max_queue_tokens": 1 << 26}
+        prefill = self.args.prefill
+        if self.variant in POLICIES:  # padded policies batch prefill with decode: one engine does both
+            over.update(policy=self.variant, mode="colocated")
+        elif self.variant in MODES:
+            over.update(mode=self.variant)
+        if over.get("policy") in ("static", "dynamic"):
+            over["mode"] = "colocated"
+        if over.get("mode") == "colocated":
+            prefill = 0
+        settings = Settings.from_env(**{k: v for k, v in over.items() if v is not None})
+        print(f"starting a stack ({settings.mode}, policy {settings.policy}, {prefill} prefill + "
+              f"{self.args.decode} decode)", file=sys.stderr, flush=True)
+        self.stack = Stack(settings, prefill=prefill, decode=self.args.decode).start()
+        self.address = self.stack.router_address
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+
+
+def model_vocab(args) -> int:
+    if args.vocab:
+        return args.vocab
+    from splitserve.engine.config import ModelSpec
+    from splitserve.engine.loader import load_frontend
+
+    _, config, _ = load_frontend(ModelSpec(path=args.model))
+    return config.vocab_size
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def _progress(args, total: int, desc: str):
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec) -> dict:
+    warm, measured = items[: args.warmup], items[args.warmup:]
+    if warm:
+        asyncio.run(loadgen.warm_up(address, warm))
+    bar = _progress(args, len(measured), spec.label or f"{spec.mode}={spec.value:g}")
+    try:
+        results, wall = asyncio.run(loadgen.run(address, measured, spec, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    ms = lambda x: None if x is None else x / 1000  # noqa: E731
+    summary = loadgen.summarize(results, wall, ms(args.ttft_slo_ms), ms(args.tpot_slo_ms))
+    summary.update(label=spec.label, load={"mode": spec.mode, "value": spec.value}, variant=spec.extra)
+    summary["requests"] = loadgen.results_as_dicts(results)
+    return summary
+
+
+def _specs(args) -> list[loadgen.RunSpec]:
+    if args.rate:
+        return [loadgen.RunSpec("rate", float(v), args.seed, args.timeout, f"rate={v}") for v in args.rate.split(",")]
+    conc = args.concurrency or "8"
+    return [loadgen.RunSpec("concurrency", float(v), args.seed, args.timeout, f"concurrency={v}")
+            for v in conc.split(",")]
+
+
+def main(args) -> int:
+    try:
+        vocab = model_vocab(args) if args.input_len else 0
+        items = make_items(args, vocab)
+    except (OSError, ValueError) as e:
+        print(f"splitserve bench: error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    if args.compare:
+        variants = [v.strip() for v in args.compare.split(",") if v.strip()]
+        bad = [v for v in variants if v not in POLICIES + MODES]
+        if bad or len(variants) < 2:
+            print(f"splitserve bench: error: --compare takes two or more of {', '.join(POLICIES + MODES)}",
+                  file=sys.stderr)
+            return 2
+        if args.address:
+            print("splitserve bench: error: --compare starts its own stacks; drop --address", file=sys.stderr)
+            return 2
+        report = {"kind": "compare", "variants": {}}
+        spec = _specs(args)[0]
+        for v in variants:
+            with Target(args, v) as t:
+                spec.label = v
+                report["variants"][v] = one_run(args, t.address, items, spec)
+        print(compare_table(report))
+        plot_compare(report, os.path.join(args.out, "compare.png"))
+    elif args.sweep:
+        report = {"kind": "sweep", "points": []}
+        with Target(args) as t:
+            c = 1
+            while c <= args.max_concurrency:
+                spec = loadgen.RunSpec("concurrency", c, args.seed, args.timeout, f"concurrency={c}")
+                report["points"].append(one_run(args, t.address, items, spec))
+                c *= 2
+        pts = [(p["load"]["value"], p["e2e_s"]["p99"]) for p in report["points"]]
+        knee, degraded = loadgen.find_knee(pts, args.knee_factor)
+        report.update(knee=knee, degraded_at=degraded, rule=loadgen.KNEE_RULE.format(factor=args.knee_factor))
+        print(runs_table(report["points"]))
+        print(f"\n{report['rule']}\nknee: concurrency {knee}" +
+              (f"; p99 degrades at {degraded:g}" if degraded else "; no degradation up to the largest tried"))
+        plot_runs(report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"), knee)
+        plot_runs(report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png"))
+    else:
+        report = {"kind": "runs", "points": []}
+        with Target(args) as t:
+            for spec in _specs(args):
+                report["points"].append(one_run(args, t.address, items, spec))
+        print(runs_table(report["points"]))
+        plot_runs(report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png"))
+        if report["points"][0]["load"]["mode"] == "concurrency":
+            plot_runs(report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"))
+    path = os.path.join(args.out, "results.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=lambda x: None)
+    print(f"\nresults: {path}; plots in {args.out}")
+    failed = sum(sum(p["errors"].values()) for p in _all_points(report))
+    return 1 if failed and not any(p["succeeded"] for p in _all_points(report)) else 0
+
+
+def _all_points(report: dict) -> list[dict]:
+    return list(report["variants"].values()) if report["kind"] == "compare" else report["points"]
+
+
+# -- tables and plots ---------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.0f}"
+
+
+def runs_table(points: list[dict]) -> str:
+    head = (f"{'load':>16} {'ok/sent':>8} {'req/s':>7} {'tok/s':>7} {'goodput':>8} | "
+            f"{'TTFT p50':>8} {'p90':>6} {'p99':>6} {'p99.9':>6} | {'TPOT p50':>8} {'p99':>6} | "
+            f"{'E2E p50':>8} {'p90':>6} {'p99':>7} {'p99.9':>7}  (ms)  errors")
+    rows = [head]
+    for p in points:
+        t, o, e = p["ttft_s"], p["tpot_s"], p["e2e_s"]
+        rows.append(f"{p['label']:>16} {p['succeeded']:>3}/{p['sent']:<4} {p['request_throughput']:7.2f} "
+                    f"{p['output_throughput']:7.1f} {p['goodput']:8.2f} | {_ms(t['p50']):>8} {_ms(t['p90']):>6} "
+                    f"{_ms(t['p99']):>6} {_ms(t['p99.9']):>6} | {_ms(o['p50']):>8} {_ms(o['p99']):>6} | "
+                    f"{_ms(e['p50']):>8} {_ms(e['p90']):>6} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7}        "
+                    f"{p['errors'] or ''}")
+    return "\n".join(rows)
+
+
+def compare_table(report: dict) -> str:
+    vs = report["variants"]
+    names = list(vs)
+    base = vs[names[0]]
+    rows = [f"{'variant':>14} {'req/s':>7} {'tok/s':>7} {'x ' + names[0]:>10} | {'E2E p50':>8} {'p99':>7} "
+            f"{'p99.9':>7} {'p99 vs ' + names[0]:>12} | {'TTFT p99':>8} {'TPOT p99':>8}  (ms)"]
+    for name, p in vs.items():
+        e = p["e2e_s"]
+        ratio = p["output_throughput"] / base["output_throughput"] if base["output_throughput"] else float("nan")
+        p99_ratio = base["e2e_s"]["p99"] / e["p99"] if e["p99"] else float("nan")
+        rows.append(f"{name:>14} {p['request_throughput']:7.2f} {p['output_throughput']:7.1f} {ratio:9.2f}x | "
+                    f"{_ms(e['p50']):>8} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7} {p99_ratio:11.2f}x | "
+                    f"{_ms(p['ttft_s']['p99']):>8} {_ms(p['tpot_s']['p99']):>8}")
+    rows.append(f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
+                f"higher is better)")
+    return "\n".join(rows)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_runs(points: list[dict], x: str, path: str, knee: float | None = None) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p["load"]["value"] if x == "concurrency" else p["request_throughput"] for p in points]
+    for key, label, style in (("e2e_s", "E2E", "-"), ("ttft_s", "TTFT", "--")):
+        for pct, marker in (("p50", "o"), ("p99", "s")):
+            ax.plot(xs, [p[key][pct] for p in points], style, marker=marker, label=f"{label} {pct}")
+    if x == "concurrency":
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients (closed loop)")
+        if knee is not None:
+            ax.axvline(knee, color="grey", linestyle=":", label=f"knee ({knee:g})")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [p["output_throughput"] for p in points], color="black", alpha=0.4, marker="^",
+                 label="output tok/s")
+        ax2.set_ylabel("output tokens/s")
+        ax2.legend(loc="lower right", fontsize=8)
+    else:
+        ax.set_xlabel("throughput (requests/s)")
+    ax.set_yscale("log")
+    ax.set_ylabel("latency (s)")
+    ax.set_title(f"latency vs {x}")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_compare(report: dict, path: str) -> None:
+    plt = _plt()
+    vs = report["variants"]
+    names = list(vs)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    a1.bar(names, [vs[n]["output_throughput"] for n in names], color="tab:blue")
+    a1.set_ylabel("output tokens/s")
+    a1.set_title("throughput")
+    width = 0.2
+    metrics = [("e2e_s", "p50"), ("e2e_s", "p99"), ("e2e_s", "p99.9"), ("ttft_s", "p99"), ("tpot_s", "p99")]
+    for j, (key, pct) in enumerate(metrics):
+        a2.bar([i + (j - 2) * width * 0.8 for i in range(len(names))], [vs[n][key][pct] for n in names],
+               width * 0.8, label=f"{key[:-2].upper()} {pct}")
+    a2.set_xticks(range(len(names)), names)
+    a2.set_yscale("log")
+    a2.set_ylabel("seconds")
+    a2.set_title("latency")
+    a2.legend(fontsize=8)
+    load = vs[names[0]]["load"]
+    fig.suptitle(f"same workload, {load['mode']} {load['value']:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,119 @@
+"""splitserve bench: the figures are computed right, and every request sent is accounted for."""
+
+import asyncio
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.bench import loadgen
+from splitserve.bench.workload import WorkItem
+from splitserve.service.settings import Settings
+from splitserve.stack import Stack
+
+
+def _result(i, ttft, e2e, n, ok=True, code="OK"):
+    return loadgen.Result(i, ok, code, 10, n if ok else 0, 0.0, ttft if ok else math.nan, e2e if ok else math.nan)
+
+
+def test_percentiles_match_hand_computed_values():
+    # 1..100 ms: linear interpolation between closest ranks (numpy's default).
+    vals = [i / 1000 for i in range(1, 101)]
+    p = loadgen.pcts(vals)
+    assert p["p50"] == pytest.approx(0.0505)
+    assert p["p90"] == pytest.approx(0.0901)
+    assert p["p99"] == pytest.approx(0.09901)
+    assert p["p99.9"] == pytest.approx(0.099901)
+    assert p["mean"] == pytest.approx(0.0505)
+    # Order does not matter and NaNs (failed requests) are left out.
+    shuffled = vals[:]
+    random.Random(1).shuffle(shuffled)
+    assert loadgen.pcts(shuffled + [math.nan]) == pytest.approx(p)
+    assert loadgen.pcts([0.2])["p99.9"] == 0.2
+
+
+def test_goodput_counts_requests_meeting_both_limits():
+    results = [
+        _result(0, ttft=0.1, e2e=1.1, n=11),   # TPOT 0.1: good
+        _result(1, ttft=0.3, e2e=1.3, n=11),   # TTFT over
+        _result(2, ttft=0.1, e2e=3.1, n=11),   # TPOT 0.3: over
+        _result(3, ttft=0.2, e2e=0.2, n=1),    # one token: TPOT not defined, TTFT ok: good
+        _result(4, 0, 0, 0, ok=False, code="RESOURCE_EXHAUSTED"),
+        _result(5, 0, 0, 0, ok=False, code="RESOURCE_EXHAUSTED"),
+        _result(6, 0, 0, 0, ok=False, code="DEADLINE_EXCEEDED"),
+    ]
+    s = loadgen.summarize(results, wall_s=2.0, ttft_slo_s=0.25, tpot_slo_s=0.2)
+    assert s["sent"] == 7 and s["succeeded"] == 4
+    assert s["errors"] == {"RESOURCE_EXHAUSTED": 2, "DEADLINE_EXCEEDED": 1}
+    assert s["good_requests"] == 2 and s["goodput"] == pytest.approx(1.0)
+    assert s["request_throughput"] == pytest.approx(2.0)
+    assert s["output_throughput"] == pytest.approx(34 / 2)
+    assert s["tpot_s"]["p50"] == pytest.approx(0.1)  # TPOTs 0.1, 0.1, 0.3
+    no_slo = loadgen.summarize(results, wall_s=2.0)
+    assert no_slo["good_requests"] == 4
+
+
+def test_knee_rule():
+    pts = [(1, 1.0), (2, 1.1), (4, 1.4), (8, 1.6), (16, 3.0)]
+    assert loadgen.find_knee(pts, 1.5) == (4, 8)
+    assert loadgen.find_knee(pts, 5.0) == (16, None)
+    assert loadgen.find_knee([], 1.5) == (None, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model_dir):
+    settings = Settings.from_env(model=tiny_model_dir, heartbeat_s=0.25, drain_s=3.0, kv_cache_bytes=64 << 20,
+                                 prefill_kv_cache_bytes=64 << 20, arena_bytes=32 << 20, max_queue_requests=5,
+                                 admit_fraction=1.0, max_num_seqs=4)
+    with Stack(settings) as stack:
+        yield stack
+    assert stack.shm_segments() == []
+
+
+def _items(n, seed=0):
+    rng = random.Random(seed)
+    return [WorkItem(f"t{i}", "", [rng.randrange(10, 500) for _ in range(rng.randint(4, 40))], rng.randint(2, 12))
+            for i in range(n)]
+
+
+def test_every_request_is_accounted_for_under_overload(tiny_stack):
+    """An open loop far beyond a 5-request queue: each request ends once, as a success or its status."""
+    items = _items(60, seed=1)
+    results, wall = asyncio.run(loadgen.run(tiny_stack.router_address, items, loadgen.RunSpec("rate", 2000.0)))
+    assert sorted(r.index for r in results) == list(range(60))
+    s = loadgen.summarize(results, wall)
+    assert s["sent"] == 60 and s["succeeded"] + sum(s["errors"].values()) == 60
+    assert s["errors"].get("RESOURCE_EXHAUSTED", 0) > 0, s["errors"]
+    assert set(s["errors"]) == {"RESOURCE_EXHAUSTED"}
+    for r in results:
+        if r.ok:  # every success got exactly the tokens it asked for (EOS ignored)
+            assert r.output_tokens == items[r.index].max_tokens and 0 < r.ttft_s <= r.e2e_s
+
+
+def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
+    out = tmp_path / "b"
+    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--address", tiny_stack.router_address,
+           "--input-len", "4-30", "--output-len", "2-9", "--vocab", "500", "--requests", "10", "--warmup", "1",
+           "--concurrency", "1,3", "--ttft-slo-ms", "5000", "--tpot-slo-ms", "5000", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    assert [p["label"] for p in report["points"]] == ["concurrency=1", "concurrency=3"]
+    for p in report["points"]:
+        assert p["sent"] == 10 and p["succeeded"] == 10 and p["errors"] == {}
+        assert sorted(r["index"] for r in p["requests"]) == list(range(10))
+        assert p["good_requests"] == 10
+        assert p["output_tokens"] == sum(r["output_tokens"] for r in p["requests"])
+    assert (out / "latency_vs_throughput.png").stat().st_size > 1000
+    assert (out / "latency_vs_concurrency.png").stat().st_size > 1000
+    assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout
+
+
+def test_bench_rejects_a_bad_compare():
+    run = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--compare", "static,fast"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SPLITSERVE_BENCH_DIR": "/nonexistent"})
+    assert run.returncode == 2
