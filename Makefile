@@ -48,7 +48,7 @@ bench-policies: install proto
 	$(VENV)/bin/splitserve bench --compare static,dynamic,continuous --rate 0.5 --requests 48 --no-progress --out bench-results/policies
 
 bench-sweep: install proto
-	$(VENV)/bin/splitserve bench --sweep --max-concurrency 32 --requests 24 --no-progress --out bench-results/sweep
+	$(VENV)/bin/splitserve bench --sweep --max-concurrency 16 --requests 32 --no-progress --out bench-results/sweep
 
 bench-disagg: install proto
 	$(VENV)/bin/splitserve bench --compare colocated,disaggregated --rate 1.0 --requests 48 --no-progress --out bench-results/disagg

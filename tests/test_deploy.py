@@ -10,6 +10,8 @@ import subprocess
 import pytest
 import yaml
 
+from splitserve.observability.metrics import DecodeMetrics
+from splitserve.observability.tracing import OTEL_ENV
 from splitserve.service.settings import Settings, env_name
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -83,15 +85,46 @@ def test_keda_objects_are_well_formed(rendered):
     auths = {d["metadata"]["name"] for d in docs if d["kind"] == "TriggerAuthentication"}
     secrets_used = {r["name"] for d in docs if d["kind"] == "TriggerAuthentication" for r in d["spec"]["secretTargetRef"]}
     assert secrets_used == {"splitserve-redis"}
+    exported = {m.name for m in DecodeMetrics().registry.collect()}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    scaled_on = set()
     for so in (d for d in docs if d["kind"] == "ScaledObject"):
         assert so["apiVersion"] == "keda.sh/v1alpha1"
-        assert so["spec"]["scaleTargetRef"]["name"] in names
+        target = so["spec"]["scaleTargetRef"]["name"]
+        assert target in names
+        containers = {c["name"] for c in deployments[target]["spec"]["template"]["spec"]["containers"]}
         types = {t["type"] for t in so["spec"]["triggers"]}
-        assert "redis-streams" in types
+        # Prefill scales on the queue's backlog, decode on its running sequences.
+        assert ("redis-streams" in types) == ("prefill" in containers), (target, types)
+        assert ("prometheus" in types) == ("decode" in containers), (target, types)
         for t in so["spec"]["triggers"]:
             if t["type"] == "redis-streams":
                 assert t["metadata"]["stream"] == "splitserve:prefill" and t["metadata"]["consumerGroup"] == "prefill"
                 assert t["authenticationRef"]["name"] in auths
+                scaled_on.add("prefill")
+            if t["type"] == "prometheus":
+                metric = re.match(r"\w+\((\w+)\{", t["metadata"]["query"]).group(1)
+                assert metric == "splitserve_num_requests_running" and metric in exported
+                assert 'container="decode"' in t["metadata"]["query"] and float(t["metadata"]["threshold"]) > 0
+                scaled_on.add("decode")
+    assert scaled_on == {"prefill", "decode"}
+
+
+def test_every_process_exposes_metrics_and_sends_traces(rendered):
+    _, docs, _ = rendered
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http")
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        ports = [p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])]
+        assert len(ports) == len(set(ports)), d["metadata"]["name"]
+        for c in pod["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            port = int(env["SPLITSERVE_METRICS_PORT"])
+            assert port in [p["containerPort"] for p in c["ports"]], (d["metadata"]["name"], c["name"])
+            assert f"k8s.container.name={c['name']}" in env["OTEL_RESOURCE_ATTRIBUTES"]
 
 
 def test_checkov_reports_no_unsuppressed_failure(rendered):
@@ -118,7 +151,7 @@ def test_checkov_dockerfile():
 
 def _code_env_names() -> set[str]:
     names = {env_name(f.name) for f in __import__("dataclasses").fields(Settings)}
-    return names | {"REDIS_URL"}
+    return names | {"REDIS_URL"} | set(OTEL_ENV)
 
 
 def test_every_env_var_set_is_read_by_the_code(rendered):
