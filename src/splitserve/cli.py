@@ -49,11 +49,11 @@ def _up(args) -> int:
     import signal
     import threading
 
-    from splitserve.service.settings import Settings
+    from splitserve.service.settings import Settings, needs_colocated
     from splitserve.stack import Stack
 
     overrides = {"model": args.model, "policy": args.policy}
-    if args.colocated or args.policy in ("static", "dynamic"):  # padded batching prefills in the decode engine
+    if args.colocated or needs_colocated(args.policy or ""):
         overrides["mode"] = "colocated"
     settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
     n_prefill = 0 if settings.mode == "colocated" else args.prefill

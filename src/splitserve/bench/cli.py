@@ -95,17 +95,17 @@ class Target:
     def __enter__(self) -> "Target":
         if self.address:
             return self
-        from splitserve.service.settings import Settings
+        from splitserve.service.settings import Settings, needs_colocated
         from splitserve.stack import Stack
 
         over = {"model": self.args.model, "policy": self.args.policy, "mode": self.args.mode,
                 "max_queue_requests": 1 << 16, "max_queue_tokens": 1 << 26}
         prefill = self.args.prefill
-        if self.variant in POLICIES:  # padded policies batch prefill with decode: one engine does both
+        if self.variant in POLICIES:  # compared on equal terms: one engine prefills and decodes
             over.update(policy=self.variant, mode="colocated")
         elif self.variant in MODES:
             over.update(mode=self.variant)
-        if over.get("policy") in ("static", "dynamic"):
+        if needs_colocated(over.get("policy") or ""):
             over["mode"] = "colocated"
         if over.get("mode") == "colocated":
             prefill = 0

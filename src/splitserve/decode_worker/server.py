@@ -113,14 +113,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ids = list(request.prompt_token_ids)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         t0 = time.time()
-        slot.decode_span = tracing.tracer().start_span(
-            "decode", context=slot.trace.ctx if slot.trace else None,
-            attributes={"splitserve.request_id": slot.request_id, "splitserve.decode_worker": self.name,
-                        "splitserve.colocated": True, "gen_ai.usage.input_tokens": len(ids)},
-        )
+        self._start_decode_span(slot, {"splitserve.colocated": True, "gen_ai.usage.input_tokens": len(ids)})
         await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params))
         slot.imported = True
         slot.prefill_start = t0
+
+    def _start_decode_span(self, slot: Slot, extra: dict | None = None) -> None:
+        """The request's time here after its KV exists (adopted, or about to be prefilled here) until it ends."""
+        slot.decode_span = tracing.tracer().start_span(
+            "decode", context=slot.trace.ctx if slot.trace else None,
+            attributes={"splitserve.request_id": slot.request_id, "splitserve.decode_worker": self.name} | (extra or {}),
+        )
 
     def _end_decode_span(self, slot: Slot, finish_reason: str, out: RequestOutput | None) -> None:
         span, slot.decode_span = slot.decode_span, None
@@ -288,10 +291,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
                                 "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
                                 "splitserve.kv.adopt_ms": adopt_s * 1000})
-        slot.decode_span = tracing.tracer().start_span(
-            "decode", context=slot.trace.ctx if slot.trace else None,
-            attributes={"splitserve.request_id": seq.request_id, "splitserve.decode_worker": self.name},
-        )
+        self._start_decode_span(slot)
         if first is not None:  # the first token goes out now, not after the next decode step
             self._on_output(slot, first)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.

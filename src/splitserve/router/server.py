@@ -314,7 +314,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
                                 attributes=tracing.rpc_attributes(full))
 
-    def _record_end(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse) -> None:
+    def _finish(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, rid: str, n_prompt: int, ev,
+                t0: float, t_first: float | None) -> None:
+        """The last message's finish reason, usage and timings; recorded on the span and in the metrics."""
+        resp.finish_reason = ev.finish_reason
+        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens))
+        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
         t = resp.timings
         rs.span.set_attributes({
             "gen_ai.usage.output_tokens": resp.usage.completion_tokens,
@@ -348,11 +353,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         t_first = time.perf_counter()
                         rs.span.add_event("first_token")
                     if ev.finish_reason:
-                        resp.finish_reason = ev.finish_reason
-                        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt,
-                                                         completion_tokens=ev.completion_tokens))
-                        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
-                        self._record_end(rs, resp)
+                        self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
                     yield resp
         except BaseException as e:
             self._record_error(e)
@@ -376,11 +377,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     resp.token_ids.extend(ev.token_ids)
                     text.append(ev.text)
                     if ev.finish_reason:
-                        resp.finish_reason = ev.finish_reason
-                        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt,
-                                                         completion_tokens=ev.completion_tokens))
-                        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
-                        self._record_end(rs, resp)
+                        self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
         except BaseException as e:
             self._record_error(e)
             raise

@@ -67,18 +67,18 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """Status, message and trailing metadata for an exception; unexpected ones are logged."""
+    code = code_of(exc)
     if isinstance(exc, ServiceError):
-        return exc.code, str(exc), exc.metadata
-    if isinstance(exc, (InvalidRequestError, KVImportError, BadHandle)):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
-    if isinstance(exc, CapacityError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ()
+        return code, str(exc), exc.metadata
     if isinstance(exc, asyncio.TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+        return code, "deadline exceeded", ()
     if isinstance(exc, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
-        return exc.code(), exc.details() or "", ()
-    log.exception("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+        return code, exc.details() or "", ()
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+        return code, f"internal error: {type(exc).__name__}: {exc}", ()
+    return code, str(exc), ()
 
 
 async def _abort(context, exc: BaseException):

@@ -63,7 +63,7 @@ class Settings:
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.policy != "continuous" and self.mode != "colocated":
+        if needs_colocated(self.policy) and self.mode != "colocated":
             raise ValueError(f"policy {self.policy} batches prefill with decode in one engine: it needs mode colocated "
                              f"(KV handed over by prefill workers joins a continuous batch only)")
         if not 0 < self.admit_fraction <= 1:
@@ -117,6 +117,11 @@ class Settings:
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size,
                             num_threads=self.threads)
+
+
+def needs_colocated(policy: str) -> bool:
+    """Padded policies batch prefill with decode in one engine: no KV comes from prefill workers."""
+    return policy in ("static", "dynamic")
 
 
 def env_name(field_name: str) -> str:
