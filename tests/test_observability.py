@@ -139,9 +139,11 @@ def test_ttft_parts_add_up_to_the_measured_ttft(stack):
             last = list(c.generate_stream(f"Tell me a fact about the number {i}.", max_tokens=4,
                                           request_id=f"ttft-{i}"))[-1]
     t = last.timings
-    parts = [t.admission_ms, t.queue_ms, t.prefill_ms, t.kv_transfer_ms, t.first_token_ms]
+    parts = [t.admission_ms, t.queue_ms, t.prefill_ms, t.first_token_ms]
     assert all(p > 0 for p in parts), parts
     assert abs(sum(parts) - t.ttft_ms) <= 0.1 * t.ttft_ms, (parts, t.ttft_ms)
+    # The KV handoff runs alongside the first token's trip: measured, but not a TTFT part.
+    assert t.kv_transfer_ms > 0, t
     # The spans tell the same story as the timings.
     spans = trace_of(stack, "ttft-2", {"queue wait", "prefill"})
     by = {s.name: s for s in spans}

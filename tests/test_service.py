@@ -293,6 +293,19 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         stub.PutKV(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
                                   handle=w.KVHandle(**ok)), timeout=10)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # FirstToken: checked like PutKV; a token is relayed once, a repeat is ignored.
+    for req, field in ((w.FirstTokenRequest(token_ids=[5]), "request_id"),
+                       (w.FirstTokenRequest(request_id="bad-handle"), "token_ids")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.FirstToken(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.FirstToken(w.FirstTokenRequest(request_id="nobody", token_ids=[5]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.FirstToken(w.FirstTokenRequest(request_id="bad-handle", token_ids=[5], text="x", prefill_ms=3.0), timeout=10)
+    stub.FirstToken(w.FirstTokenRequest(request_id="bad-handle", token_ids=[6], text="y"), timeout=10)
+    ev = next(decode)
+    assert list(ev.token_ids) == [5] and ev.text == "x" and ev.timings.prefill_ms == 3.0 and ev.first_token_unix > 0
     decode.cancel()
     ch.close()
     again = client.generate("hello", max_tokens=2)

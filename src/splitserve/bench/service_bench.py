@@ -1,11 +1,14 @@
-"""The full service against the in-process engine on the same requests.
+"""The full service against the in-process engine on the same requests, side by side.
 
-    python -m splitserve.bench.service_bench [--requests 32] [--light 8] [--out results.json]
+    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--out results.json]
 
 Throughput: the first N requests of workload_mixed.jsonl, all submitted at once, greedy,
 exactly max_tokens each, through the stack (router + 1 prefill + 1 decode worker) and
-through one in-process engine. Light load: one request at a time; the TTFT the service
-path adds is the median of (service TTFT - in-process TTFT) over the same prompts.
+through one in-process engine, alternated for --rounds rounds; the ratio is the median
+of the per-round ratios. Light load: one request at a time, each prompt sent through
+the service and then through the in-process engine; the TTFT the service path adds is
+the median of the paired differences. The stack stays up (idle) while the in-process
+engine runs, so both see the same machine.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import statistics
 import time
 
 from splitserve.bench.engine_bench import run_workload
@@ -38,16 +42,16 @@ def service_run(address: str, items) -> dict:
             "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50)}
 
 
-def light_ttft_service(address: str, items) -> list[float]:
-    out = []
-    with Client(address) as c:
-        for it in items:
-            t = time.perf_counter()
-            for chunk in c.generate_stream(token_ids=it.prompt_token_ids, max_tokens=2, ignore_eos=True):
-                if chunk.token_ids:
-                    out.append((time.perf_counter() - t) * 1000)
-                    break
-    return out
+def light_ttft_service(client: Client, it) -> tuple[float, object]:
+    """Client-side TTFT of one streamed request, and the last message's timings."""
+    t = time.perf_counter()
+    first = None
+    last = None
+    for chunk in client.generate_stream(token_ids=it.prompt_token_ids, max_tokens=2, ignore_eos=True):
+        if chunk.token_ids and first is None:
+            first = (time.perf_counter() - t) * 1000
+        last = chunk
+    return first, last.timings
 
 
 def light_ttft_engine(engine: LLMEngine, items) -> list[float]:
@@ -68,30 +72,51 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=default_workload_dir())
     ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--light", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--light", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), args.requests)
-    results: dict = {"requests": len(items)}
+    items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, args.light))
+    heavy = items[: args.requests]
+    results: dict = {"requests": len(heavy), "rounds": []}
     settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24)
     with Stack(settings) as stack:
+        engine = LLMEngine(EngineConfig(num_threads=args.threads))
         service_run(stack.router_address, items[:2])  # warm-up
-        results["service"] = service_run(stack.router_address, items)
-        svc_light = light_ttft_service(stack.router_address, items[: args.light])
-    engine = LLMEngine(EngineConfig(num_threads=args.threads))
-    run_workload(engine, items[:2])
-    results["in_process"] = run_workload(engine, items)
-    eng_light = light_ttft_engine(engine, items[: args.light])
-    ratio = results["service"]["output_tok_per_s"] / results["in_process"]["output_tok_per_s"]
-    added = [s - e for s, e in zip(svc_light, eng_light)]
-    results.update(throughput_ratio=ratio, light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light,
-                   ttft_added_p50_ms=percentile(added, 50))
-    print(f"mixed, first {len(items)} requests at once: service {results['service']['output_tok_per_s']:.1f} tok/s, "
-          f"in-process {results['in_process']['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f}")
-    print(f"light load ({args.light} requests one at a time): TTFT service p50 {percentile(svc_light, 50):.1f} ms, "
-          f"in-process p50 {percentile(eng_light, 50):.1f} ms, added by the service path p50 "
-          f"{results['ttft_added_p50_ms']:.1f} ms")
+        run_workload(engine, items[:2])
+        for r in range(args.rounds if args.requests else 0):
+            svc = service_run(stack.router_address, heavy)
+            eng = run_workload(engine, heavy)
+            ratio = svc["output_tok_per_s"] / eng["output_tok_per_s"]
+            results["rounds"].append({"service": svc, "in_process": eng, "throughput_ratio": ratio})
+            print(f"round {r + 1}: mixed, first {len(heavy)} requests at once: service {svc['output_tok_per_s']:.1f} "
+                  f"tok/s, in-process {eng['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f}", flush=True)
+        svc_light, eng_light, parts = [], [], []
+        with Client(stack.router_address) as c:
+            light_ttft_service(c, items[0])  # warm path
+            light_ttft_engine(engine, items[:1])
+            for it in items[: args.light]:
+                ttft, timings = light_ttft_service(c, it)
+                svc_light.append(ttft)
+                eng_light.append(light_ttft_engine(engine, [it])[0])
+                parts.append({k: getattr(timings, k) for k in ("admission_ms", "queue_ms", "prefill_ms",
+                                                                "first_token_ms", "kv_transfer_ms", "ttft_ms")})
+    if results["rounds"]:
+        results["throughput_ratio"] = statistics.median(r["throughput_ratio"] for r in results["rounds"])
+        print(f"throughput ratio, median of {len(results['rounds'])} rounds: {results['throughput_ratio']:.2f}")
+    if svc_light:
+        added = [s - e for s, e in zip(svc_light, eng_light)]
+        outside = [s - p["prefill_ms"] for s, p in zip(svc_light, parts)]
+        results.update(light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light, light_parts=parts,
+                       ttft_added_ms=added, ttft_added_p50_ms=percentile(added, 50),
+                       outside_prefill_p50_ms=percentile(outside, 50))
+        med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        print(f"light load ({len(svc_light)} requests one at a time, each then in-process): TTFT service p50 "
+              f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
+              f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired)")
+        print(f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     write_results(args.out, results)
     return 0
 

@@ -1,7 +1,8 @@
 """The DecodeWorker service.
 
 Per request: the router opens ``Decode`` (a slot waits for the KV), a prefill worker
-calls ``PutKV`` with a handle (or ``PutKVStream`` with the bytes), the KV is validated
+sends the token it sampled with ``FirstToken`` (relayed at once) and then calls
+``PutKV`` with a handle (or ``PutKVStream`` with the bytes), the KV is validated
 and copied into the paged pool on the engine thread, and tokens flow back on the
 ``Decode`` stream. A cancelled ``Decode`` aborts the sequence and frees its blocks;
 a ``PutKV`` for a request with no open slot is NOT_FOUND, so the producer frees its region.
@@ -47,6 +48,7 @@ class Slot:
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     kv_done: float = 0.0  # unix time the KV was adopted
+    first_token_at: float = 0.0  # unix time the first token was sampled
     prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
     trace: tracing.rpc_span | None = None  # the Decode server span
@@ -146,16 +148,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not slot.first_sent:
             slot.first_sent = True
             if slot.prefill_start:  # colocated: the engine's own prefill produced this token
-                slot.kv_done = time.time()
+                slot.kv_done = slot.first_token_at = time.time()
                 slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
                 ev.timings.prefill_ms = slot.prefill_ms
             ev.kv_done_unix = slot.kv_done
+            ev.first_token_unix = slot.first_token_at or slot.kv_done
         if out.finished:
             ev.finish_reason = out.finish_reason or "error"
             if out.error:
                 ev.error = out.error
             self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
+
+    # -- FirstToken ---------------------------------------------------------------------
+
+    async def FirstToken(self, request: w_pb.FirstTokenRequest, context):
+        """The token prefill sampled, ahead of its KV: it goes to the client now."""
+        if not request.request_id:
+            raise Invalid("request_id: must be set")
+        if not request.token_ids:
+            raise Invalid("token_ids: the first token must be given")
+        slot = self.slots.get(request.request_id)
+        if slot is None:
+            raise NotFound(f"no decode stream open for request {request.request_id!r} (cancelled, or never opened here)")
+        if slot.first_sent or slot.done:  # the KV got here first and its token went out already
+            return w_pb.FirstTokenResponse()
+        slot.first_sent = True
+        slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
+        slot.first_token_at = request.prefill_end_unix or time.time()
+        slot.events.put_nowait(w_pb.DecodeEvent(
+            token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
+            timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
+            first_token_unix=slot.first_token_at,
+        ))
+        return w_pb.FirstTokenResponse()
 
     # -- PutKV --------------------------------------------------------------------------
 
@@ -251,6 +277,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.imported = True
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
         slot.kv_done = time.time()
+        slot.first_token_at = seq.prefill_end_unix or slot.kv_done
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
         self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out)))
@@ -286,13 +313,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
         slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        slot.first_token_at = slot.first_token_at or seq.prefill_end_unix
         self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
         self.metrics.kv_bytes.labels(h.transport).inc(h.length)
         ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
                                 "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
                                 "splitserve.kv.adopt_ms": adopt_s * 1000})
         self._start_decode_span(slot)
-        if first is not None:  # the first token goes out now, not after the next decode step
+        if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
             self._on_output(slot, first)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
         self._background(self.redis.hset(self.keys.req(seq.request_id), mapping={

@@ -87,9 +87,10 @@ class RouterMetrics(Metrics):
         self.prefill_time = self.h("request_prefill_time_seconds", "TTFT part: picked up -> prefill done",
                                    PART_BUCKETS)
         self.kv_transfer_time = self.h("request_kv_transfer_time_seconds",
-                                       "TTFT part: prefill done -> KV adopted by the decode worker", PART_BUCKETS)
+                                       "Prefill done -> KV adopted by the decode worker (alongside the "
+                                       "first token's trip, not part of TTFT)", PART_BUCKETS)
         self.first_token_time = self.h("request_first_token_time_seconds",
-                                       "TTFT part: KV adopted -> first token at the router", PART_BUCKETS)
+                                       "TTFT part: prefill done -> first token at the router", PART_BUCKETS)
 
     def observe_finished(self, timings, finish_reason: str, completion_tokens: int) -> None:
         self.success.labels(finish_reason or "unknown").inc()

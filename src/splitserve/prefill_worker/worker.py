@@ -33,7 +33,7 @@ from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.grpc_server import OPTIONS
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import DEQUEUE_LUA, GROUP, Job, Keys, WorkerInfo, ensure_group, heartbeat
+from splitserve.service.redis_state import GROUP, PICKUP_LUA, Job, Keys, WorkerInfo, ensure_group, heartbeat
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
@@ -65,7 +65,7 @@ class PrefillWorker:
         self.stubs: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.lock = threading.Lock()
-        self.dequeue = self.redis.register_script(DEQUEUE_LUA)
+        self.pickup = self.redis.register_script(PICKUP_LUA)
         self.stop = threading.Event()
         self.address = ""
         self.metrics_address = ""
@@ -101,28 +101,23 @@ class PrefillWorker:
         return out
 
     def admit(self, entry_id: str, job: Job, first: bool) -> None:
-        if first:
-            self.dequeue(keys=[self.keys.admission], args=[len(job.token_ids)])
-        state = self.redis.hget(self.keys.req(job.request_id), "state")
+        if not first and job.request_id in self.inflight:  # our own job, re-delivered: already in hand
+            return
+        # One round trip: leave the admission counts (new deliveries), check the request is
+        # still wanted and in time, and mark it prefilling.
+        outcome = self.pickup(keys=[self.keys.admission, self.keys.req(job.request_id)],
+                              args=[len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0])
+        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         t = time.time()
         parent = tracing.context_of(job.traceparent)
         if first:
             tracing.tracer().start_span("queue wait", context=parent, start_time=tracing.ns(job.t_admitted), attributes={
                 "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
             }).end(end_time=tracing.ns(t))
-        if state is None or state.decode() in ("cancelled", "failed", "finished"):
-            self._ack(entry_id)  # cancelled while queued (or expired): skip it
-            self.metrics.jobs.labels("skipped_cancelled").inc()
+        if outcome != "prefilling":
+            self._ack(entry_id)  # cancelled while queued, finished, or expired: skip it
+            self.metrics.jobs.labels("expired" if outcome == "expired" else "skipped_cancelled").inc()
             return
-        if job.deadline_unix and job.deadline_unix < time.time():
-            self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": "deadline exceeded in queue"})
-            self._ack(entry_id)
-            self.metrics.jobs.labels("expired").inc()
-            return
-        if job.request_id in self.inflight:  # our own job, re-delivered: already in hand
-            return
-        self.redis.hset(self.keys.req(job.request_id), mapping={"state": "prefilling", "t_prefill_start": t,
-                                                                 "prefill_worker": self.name})
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True)
         except EngineError as e:
@@ -155,6 +150,12 @@ class PrefillWorker:
                                                          "server.address": fl.job.decode_address},
         )
         if out.finish_reason == "prefilled":
+            # The token goes out ahead of the KV: its copies (export, import) are off the TTFT path.
+            fut = self._first_token(fl, out)
+            try:
+                fut.result(timeout=0.05)
+            except Exception:
+                pass
             nbytes = self.engine.kv_nbytes(out.request_id)
             try:
                 off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
@@ -168,6 +169,21 @@ class PrefillWorker:
             seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
             export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "")
             self.pool.submit(self._handoff, fl, export, None, None, out.finish_reason or "error")
+
+    def _first_token(self, fl: InFlight, out: RequestOutput) -> None:
+        """Sent without waiting: gRPC's own threads carry it while the KV is exported."""
+        job = fl.job
+        fut = self._stub(job.decode_address).FirstToken.future(w_pb.FirstTokenRequest(
+            request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
+            queue_ms=(fl.t_start - job.t_admitted) * 1000, prefill_ms=(fl.t_end - fl.t_start) * 1000,
+            prefill_end_unix=fl.t_end,
+        ), timeout=HANDOFF_LEASE_S)
+
+        def done(f) -> None:  # a failure here is reported (and handled) by the KV handoff that follows
+            if f.exception() is not None:
+                log.debug("first token of %s not sent: %s", job.request_id, f.exception())
+        fut.add_done_callback(done)
+        return fut
 
     def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "") -> None:
         job = fl.job
@@ -249,14 +265,19 @@ class PrefillWorker:
             p.xdel(self.keys.stream, entry_id)
             p.execute()
 
-    def _observe_step(self, t0: float) -> None:
+    def _batch_links(self) -> list:
+        """Links to the prefill span of every request the last step carried."""
+        if not tracing.enabled():
+            return []
+        return [tracing.Link(fl.span.get_span_context()) for rid in self.engine.last_stats.request_ids
+                if (fl := self.inflight.get(rid)) is not None and fl.span is not None]
+
+    def _observe_step(self, t0: float, links: list) -> None:
         """Metrics, and a batch span linked to the prefill span of every request it carried."""
         self.metrics.observe_step(self.engine)
         st = self.engine.last_stats
         if not st.num_tokens or not tracing.enabled():
             return
-        links = [tracing.Link(fl.span.get_span_context()) for rid in st.request_ids
-                 if (fl := self.inflight.get(rid)) is not None and fl.span is not None]
         tracing.tracer().start_span("prefill batch", start_time=tracing.ns(t0), links=links, attributes={
             "splitserve.prefill_worker": self.name, "splitserve.batch.sequences": st.num_seqs,
             "splitserve.batch.tokens": st.num_tokens, "splitserve.batch.prefill_tokens": st.num_prefill_tokens,
@@ -297,9 +318,10 @@ class PrefillWorker:
             while self.engine.has_unfinished():
                 t0 = time.time()
                 outputs = self.engine.step()
-                self._observe_step(t0)
-                for out in outputs:
+                links = self._batch_links()  # before the handoffs drop their requests
+                for out in outputs:  # first: the first tokens go out before the bookkeeping
                     self.on_output(out)
+                self._observe_step(t0, links)
         self.pool.shutdown(wait=True)
 
 

@@ -90,6 +90,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
+        self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.metrics = metrics or RouterMetrics()
 
     # -- registry -----------------------------------------------------------------------
@@ -138,6 +139,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         return request.request_id or uuid.uuid4().hex, ids, params
 
+    def _queue_may_be_full(self, tokens: int) -> bool:
+        """False when this router saw the queue under half its refusal bound in the last 10 seconds.
+
+        The admission script decides either way; this only spares light load the read that
+        lets a flood be refused before a decode stream is opened.
+        """
+        q, t, when = self.queue_seen
+        if time.monotonic() - when > 10.0:
+            return True
+        frac = self.s.admit_fraction / 2
+        return q + 1 > self.s.max_queue_requests * frac or t + tokens > self.s.max_queue_tokens * frac
+
     def _refusal(self, q: int, t: int) -> Refused:
         hint = self.s.retry_after_ms
         return Refused(
@@ -155,9 +168,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             rid, ids, params = self._validate(request)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             frac = self.s.admit_fraction
-            q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
-            if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
-                raise self._refusal(q, t)  # fast path: no decode stream opened for a refusal
+            if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
+                q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
+                self.queue_seen = (q, t, time.monotonic())
+                if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
+                    raise self._refusal(q, t)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
             worker = self.pick(len(ids) + params.max_tokens)
@@ -194,6 +209,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                               self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1],
                     )
                     queued = self.colocated and ok == 1
+                    self.queue_seen = (int(q), int(t), time.monotonic())
                     adm.set_attributes({"splitserve.queue.requests": int(q), "splitserve.queue.tokens": int(t),
                                         "splitserve.admitted": ok == 1})
                     if ok == -1:
@@ -219,9 +235,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if queued and (ev.token_ids or ev.finish_reason):
                             queued = False
                             await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
-                        if ev.kv_done_unix:
+                        if ev.first_token_unix:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
-                            ev.timings.first_token_ms = (time.time() - ev.kv_done_unix) * 1000
+                            ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
                         yield rid, len(ids), ev
                         if ev.finish_reason:
@@ -301,6 +317,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         first = self.first_parts.get(rid)
         if first is not None:
             tm.CopyFrom(first)
+            if ev is not None and ev.timings.kv_transfer_ms:  # the KV may land after the first token went out
+                tm.kv_transfer_ms = ev.timings.kv_transfer_ms
         elif ev is not None and ev.HasField("timings"):
             tm.CopyFrom(ev.timings)
         tm.e2e_ms = (now - t0) * 1000

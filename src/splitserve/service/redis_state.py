@@ -51,6 +51,28 @@ redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
 return 1
 """
 
+# A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
+# 1 if this is the job's first delivery (it leaves the admission counts), now, worker name,
+# deadline (unix, 0 = none). Returns "prefilling", "expired" (marked failed), or the
+# final state / "" of a request that is no longer wanted.
+PICKUP_LUA = """
+if ARGV[2] == '1' then
+  redis.call('HINCRBY', KEYS[1], 'requests', -1)
+  redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
+end
+local state = redis.call('HGET', KEYS[2], 'state')
+if not state or state == 'cancelled' or state == 'failed' or state == 'finished' then
+  return state or ''
+end
+local deadline = tonumber(ARGV[5])
+if deadline > 0 and deadline < tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[2], 'state', 'failed', 'error', 'deadline exceeded in queue')
+  return 'expired'
+end
+redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], 'prefill_worker', ARGV[4])
+return 'prefilling'
+"""
+
 ACTIVE_STATES = ("queued", "prefilling", "decoding")
 FINAL_STATES = ("finished", "cancelled", "failed")
 
