@@ -103,8 +103,9 @@ def _demo(address: str) -> None:
             if chunk.finish_reason:
                 t = chunk.timings
                 print(f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt + "
-                      f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (queue "
-                      f"{t.queue_ms:.0f}, prefill {t.prefill_ms:.0f}, KV transfer {t.kv_transfer_ms:.1f}); "
+                      f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (admission "
+                      f"{t.admission_ms:.1f}, queue {t.queue_ms:.1f}, prefill {t.prefill_ms:.0f}, first token "
+                      f"{t.first_token_ms:.1f}; KV transfer alongside {t.kv_transfer_ms:.1f}); "
                       f"total {t.e2e_ms:.0f} ms]\n", flush=True)
 
 
