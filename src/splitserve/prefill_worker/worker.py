@@ -51,6 +51,14 @@ class InFlight:
     span: object = None  # this request's prefill span (batch spans link to it)
     kv_span: object = None  # prefill done -> PutKV answered
 
+    @property
+    def queue_ms(self) -> float:
+        return (self.t_start - self.job.t_admitted) * 1000
+
+    @property
+    def prefill_ms(self) -> float:
+        return (self.t_end - self.t_start) * 1000
+
 
 class PrefillWorker:
     def __init__(self, settings: Settings):
@@ -172,13 +180,12 @@ class PrefillWorker:
             export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "")
             self.pool.submit(self._handoff, fl, export, None, None, out.finish_reason or "error")
 
-    def _first_token(self, fl: InFlight, out: RequestOutput) -> None:
-        """Sent without waiting: gRPC's own threads carry it while the KV is exported."""
+    def _first_token(self, fl: InFlight, out: RequestOutput) -> grpc.Future:
+        """Start sending the first token; gRPC's own threads carry it while the caller exports the KV."""
         job = fl.job
         fut = self._stub(job.decode_address).FirstToken.future(w_pb.FirstTokenRequest(
             request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
-            queue_ms=(fl.t_start - job.t_admitted) * 1000, prefill_ms=(fl.t_end - fl.t_start) * 1000,
-            prefill_end_unix=fl.t_end,
+            queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
         ), timeout=HANDOFF_LEASE_S)
 
         def done(f) -> None:  # a failure here is reported (and handled) by the KV handoff that follows
@@ -190,8 +197,8 @@ class PrefillWorker:
     def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "") -> None:
         job = fl.job
         seq = convert.sequence_to_pb(
-            export, finish_reason=finish_reason, queue_ms=(fl.t_start - job.t_admitted) * 1000,
-            prefill_ms=(fl.t_end - fl.t_start) * 1000, traceparent=tracing.traceparent_of(fl.kv_span),
+            export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
+            traceparent=tracing.traceparent_of(fl.kv_span),
         )
         seq.prefill_end_unix = fl.t_end
         span = fl.kv_span
