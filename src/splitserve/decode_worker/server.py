@@ -48,7 +48,7 @@ class Slot:
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
     kv_done: float = 0.0  # unix time the KV was adopted
-    first_token_at: float = 0.0  # unix time the first token was sampled
+    first_token_at: float = 0.0  # unix time the first token was sampled (0: unknown, use kv_done)
     prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
     trace: tracing.rpc_span | None = None  # the Decode server span
@@ -151,7 +151,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 slot.kv_done = slot.first_token_at = time.time()
                 slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
                 ev.timings.prefill_ms = slot.prefill_ms
-            ev.kv_done_unix = slot.kv_done
             ev.first_token_unix = slot.first_token_at or slot.kv_done
         if out.finished:
             ev.finish_reason = out.finish_reason or "error"
@@ -277,7 +276,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.imported = True
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
         slot.kv_done = time.time()
-        slot.first_token_at = seq.prefill_end_unix or slot.kv_done
+        slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
         self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out)))
@@ -313,7 +312,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
         slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
         slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
-        slot.first_token_at = slot.first_token_at or seq.prefill_end_unix
+        slot.first_token_at = seq.prefill_end_unix
         self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
         self.metrics.kv_bytes.labels(h.transport).inc(h.length)
         ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
