@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import yaml
 
+from splitserve.service.redis_state import Keys
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.observability.tracing import OTEL_ENV
 from splitserve.service.settings import Settings, env_name
@@ -87,7 +88,7 @@ def test_keda_objects_are_well_formed(rendered):
     assert secrets_used == {"splitserve-redis"}
     exported = {m.name for m in DecodeMetrics().registry.collect()}
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    scaled_on = set()
+    scaled_on, streams = set(), set()
     for so in (d for d in docs if d["kind"] == "ScaledObject"):
         assert so["apiVersion"] == "keda.sh/v1alpha1"
         target = so["spec"]["scaleTargetRef"]["name"]
@@ -99,8 +100,9 @@ def test_keda_objects_are_well_formed(rendered):
         assert ("prometheus" in types) == ("decode" in containers), (target, types)
         for t in so["spec"]["triggers"]:
             if t["type"] == "redis-streams":
-                assert t["metadata"]["stream"] == "splitserve:prefill" and t["metadata"]["consumerGroup"] == "prefill"
+                assert t["metadata"]["consumerGroup"] == "prefill"
                 assert t["authenticationRef"]["name"] in auths
+                streams.add(t["metadata"]["stream"])
                 scaled_on.add("prefill")
             if t["type"] == "prometheus":
                 metric = re.match(r"\w+\((\w+)\{", t["metadata"]["query"]).group(1)
@@ -108,6 +110,7 @@ def test_keda_objects_are_well_formed(rendered):
                 assert 'container="decode"' in t["metadata"]["query"] and float(t["metadata"]["threshold"]) > 0
                 scaled_on.add("decode")
     assert scaled_on == {"prefill", "decode"}
+    assert streams == set(Keys("splitserve").streams)  # every priority class's backlog counts
 
 
 def test_every_process_exposes_metrics_and_sends_traces(rendered):
@@ -194,3 +197,16 @@ def test_yamllint_is_clean():
     out = subprocess.run([_tool("yamllint"), "-s", "-c", str(REPO / ".yamllint"), str(REPO / "deploy")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_readme_lists_every_setting_with_its_default():
+    import dataclasses
+
+    readme = (REPO / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(SPLITSERVE_\w+)` \| `([^`]*)` \|", readme, re.M)}
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        name = env_name(f.name)
+        assert name in rows, f"{name} is not in the README's settings table"
+        if f.name not in ("cache_dir",):  # a path that depends on the machine
+            assert rows[name] == str(getattr(defaults, f.name)), (name, rows[name])

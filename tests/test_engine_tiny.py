@@ -124,6 +124,17 @@ def test_prefill_chunks_under_a_small_token_budget(tiny_engine_factory):
     assert [got[f"gen-{i}"] for i in range(4)] == want
 
 
+def test_waiting_requests_run_by_priority_then_arrival(tiny_engine_factory):
+    eng = tiny_engine_factory(max_num_seqs=1)  # one at a time: the finish order is the schedule's order
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for rid, prio in [("low", 1), ("a", 0), ("b", 0), ("high", -1), ("c", 0), ("urgent", -5), ("low2", 1)]:
+        eng.add_request(rid, _prompts(1, seed=len(rid))[0], params, priority=prio)
+    order = []
+    while eng.has_unfinished():
+        order += [out.request_id for out in eng.step() if out.finished]
+    assert order == ["urgent", "high", "a", "b", "c", "low", "low2"]
+
+
 def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     a, b = tiny_engine_factory(), tiny_engine_factory()
     prompt = _prompts(1, seed=6)[0]

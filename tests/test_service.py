@@ -220,39 +220,55 @@ def small_queue_stack():
 def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack):
     stack = small_queue_stack
     # With prefill stopped, the queue fills at 80% of 8 = 6 requests; the rest must be refused at once.
+    # High priority (< 0) may use the headroom up to the bound itself, and is prefilled first.
     for pid in _prefill_pids(stack):
         os.kill(pid, signal.SIGSTOP)
-    outcomes = []
+    outcomes = {}
     lock = threading.Lock()
 
-    def one(i):
+    def one(rid, priority=0):
         t = time.perf_counter()
         try:
             with Client(stack.router_address) as c:
-                r = c.generate(f"Flood request number {i}.", max_tokens=8, ignore_eos=True, timeout=120)
+                r = c.generate(f"Flood request {rid}.", max_tokens=8, ignore_eos=True, timeout=120,
+                               request_id=rid, priority=priority)
             res = ("ok", time.perf_counter() - t, len(r.token_ids), None)
         except grpc.RpcError as e:
             md = dict(e.trailing_metadata() or ())
             res = (e.code().name, time.perf_counter() - t, 0, md)
         with lock:
-            outcomes.append(res)
+            outcomes[rid] = res
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
+    def codes(prefix):
+        with lock:
+            return [o[0] for rid, o in outcomes.items() if rid.startswith(prefix)]
+
+    threads = [threading.Thread(target=one, args=(f"normal-{i}",)) for i in range(40)]
     for t in threads:
         t.start()
-    wait_for(lambda: sum(1 for o in outcomes if o[0] == "RESOURCE_EXHAUSTED") >= 34, timeout=60,
+    wait_for(lambda: codes("normal").count("RESOURCE_EXHAUSTED") >= 34, timeout=60,
              what="refusals while the queue is full")
+    high = [threading.Thread(target=one, args=(f"high-{i}", -1)) for i in range(3)]
+    for t in high:
+        t.start()
+    wait_for(lambda: codes("high").count("RESOURCE_EXHAUSTED") >= 1, timeout=60, what="a refusal at the bound")
     for pid in _prefill_pids(stack):
         os.kill(pid, signal.SIGCONT)
-    for t in threads:
+    for t in threads + high:
         t.join(120)
-    codes = [o[0] for o in outcomes]
-    assert set(codes) <= {"ok", "RESOURCE_EXHAUSTED"}
-    assert codes.count("ok") == 6 and codes.count("RESOURCE_EXHAUSTED") == 34
-    assert all(o[2] == 8 for o in outcomes if o[0] == "ok")  # every admitted request completed
-    refused = [o for o in outcomes if o[0] == "RESOURCE_EXHAUSTED"]
+    assert set(codes("")) <= {"ok", "RESOURCE_EXHAUSTED"}
+    assert codes("normal").count("ok") == 6 and codes("normal").count("RESOURCE_EXHAUSTED") == 34
+    assert codes("high").count("ok") == 2 and codes("high").count("RESOURCE_EXHAUSTED") == 1
+    assert all(o[2] == 8 for o in outcomes.values() if o[0] == "ok")  # every admitted request completed
+    refused = [o for o in outcomes.values() if o[0] == "RESOURCE_EXHAUSTED"]
     assert all(o[3].get("retry-after-ms") for o in refused)
     assert sorted(o[1] for o in refused)[len(refused) // 2] < 1.0  # refusals are fast (median)
+    # The high jobs were pulled before the normal ones still in the queue. At most one normal
+    # job may go first: a read that was blocked when the worker stopped takes the first one.
+    with Client(stack.router_address) as c:
+        start = {rid: c.get_request(rid).timestamps["prefill_start"] for rid, o in outcomes.items() if o[0] == "ok"}
+    first_high = min(t for rid, t in start.items() if rid.startswith("high"))
+    assert sum(t < first_high for rid, t in start.items() if rid.startswith("normal")) <= 1, start
     assert all(p.popen.poll() is None for p in stack.procs)
 
 

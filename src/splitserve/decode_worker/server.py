@@ -116,7 +116,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         t0 = time.time()
         self._start_decode_span(slot, {"splitserve.colocated": True, "gen_ai.usage.input_tokens": len(ids)})
-        await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params))
+        await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
         slot.imported = True
         slot.prefill_start = t0
 

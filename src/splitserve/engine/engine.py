@@ -101,12 +101,14 @@ class LLMEngine:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        priority: int = 0,
     ) -> None:
         if request_id in self.seqs or request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
         self.validate(prompt_token_ids, params)
         seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
         seq.prefill_only = prefill_only and self.padded is None
+        seq.priority = priority
         if self.padded is not None:
             self.padded.add(seq)
         else:

@@ -48,7 +48,12 @@ class ContinuousScheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq behind every waiting one of its priority or a more urgent (lower) one."""
+        if not self.waiting or self.waiting[-1].priority <= seq.priority:
+            self.waiting.append(seq)
+            return
+        i = next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority)
+        self.waiting.insert(i, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -35,6 +35,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     prefill_only: bool = False  # prefill worker: park the KV for export after the first token
+    priority: int = 0  # lower is scheduled first (continuous policy); FIFO within one value
     detok: object | None = None  # IncrementalDetokenizer when the engine has a tokenizer
     text: str = ""  # output text so far (stop strings are searched here)
     emitted_chars: int = 0  # how much of ``text`` has been handed out

@@ -3,7 +3,8 @@
 Pulling is the load balancer and the backpressure: jobs are read with XREADGROUP only
 when the arena has room, and a region stays allocated until the decode worker's
 PutKV returns, so a full decode pool stalls the arena, which stalls pulling, which
-lets the stream grow until the routers' admission refuses. Jobs left pending by a
+lets the stream grow until the routers' admission refuses. There is one stream per
+priority class; each pull takes from the high one first and the low one last. Jobs left pending by a
 dead worker are claimed with XAUTOCLAIM after ``claim_idle_ms``; a live worker
 re-claims its own in-flight jobs on every heartbeat so they are never taken from it.
 """
@@ -45,6 +46,7 @@ HANDOFF_LEASE_S = 60.0
 @dataclass
 class InFlight:
     job: Job
+    stream: str
     entry_id: str
     t_start: float
     t_end: float = 0.0
@@ -84,31 +86,39 @@ class PrefillWorker:
 
     # -- pulling ------------------------------------------------------------------------
 
-    def pull(self) -> list[tuple[str, Job, bool]]:
-        """New jobs (and, every so often, jobs of dead workers); (entry id, job, first delivery)."""
-        out: list[tuple[str, Job, bool]] = []
+    def pull(self) -> list[tuple[str, str, Job, bool]]:
+        """New jobs, high priority first (and, every so often, jobs of dead workers).
+
+        Returns (stream, entry id, job, first delivery) in the order to prefill them.
+        """
+        out: list[tuple[str, str, Job, bool]] = []
         now = time.monotonic()
         if now - self._last_claim > self.s.claim_idle_ms / 4000:
             self._last_claim = now
-            _, claimed, *_ = self.redis.xautoclaim(
-                self.keys.stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
-            )
-            for entry_id, fields in claimed:
-                if fields:
-                    out.append((entry_id.decode(), Job.from_json(fields[b"job"]), False))
+            for stream in self.keys.streams:
+                _, claimed, *_ = self.redis.xautoclaim(
+                    stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
+                )
+                out += [(stream, entry_id.decode(), Job.from_json(fields[b"job"]), False)
+                        for entry_id, fields in claimed if fields]
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
-        room = self.s.prefill_batch - len(out)
-        if room > 0:
-            block = 0 if (out or self.engine.has_unfinished()) else 200
-            resp = self.redis.xreadgroup(GROUP, self.name, {self.keys.stream: ">"}, count=room, block=block or None)
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    out.append((entry_id.decode(), Job.from_json(fields[b"job"]), True))
+        for stream in self.keys.streams:  # in priority order, without waiting
+            if len(out) >= self.s.prefill_batch:
+                break
+            out += self._read({stream: ">"}, self.s.prefill_batch - len(out), None)
+        if not out and not self.engine.has_unfinished():  # idle: wait for a job in any class
+            got = self._read({stream: ">" for stream in self.keys.streams}, self.s.prefill_batch, 200)
+            out = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
         return out
 
-    def admit(self, entry_id: str, job: Job, first: bool) -> None:
+    def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
+        resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
+        return [(stream.decode(), entry_id.decode(), Job.from_json(fields[b"job"]), True)
+                for stream, entries in resp or [] for entry_id, fields in entries]
+
+    def admit(self, stream: str, entry_id: str, job: Job, first: bool) -> None:
         if not first and job.request_id in self.inflight:  # our own job, re-delivered: already in hand
             return
         # One round trip: leave the admission counts (new deliveries), check the request is
@@ -123,15 +133,16 @@ class PrefillWorker:
                 "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
             }).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
-            self._ack(entry_id)  # cancelled while queued, finished, or expired: skip it
+            self._ack(stream, entry_id)  # cancelled while queued, finished, or expired: skip it
             self.metrics.jobs.labels("expired" if outcome == "expired" else "skipped_cancelled").inc()
             return
         try:
-            self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True)
+            self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
+                                    priority=job.priority)
         except EngineError as e:
             log.warning("job %s refused: %s", job.request_id, e)
             self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": str(e)})
-            self._ack(entry_id)
+            self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
             return
         span = tracing.tracer().start_span("prefill", context=parent, start_time=tracing.ns(t), attributes={
@@ -139,7 +150,7 @@ class PrefillWorker:
             "gen_ai.usage.input_tokens": len(job.token_ids),
         })
         with self.lock:
-            self.inflight[job.request_id] = InFlight(job, entry_id, t, span=span)
+            self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span)
 
     # -- after prefill ------------------------------------------------------------------
 
@@ -249,7 +260,7 @@ class PrefillWorker:
                 view.release()
             if off is not None:
                 self.arena.free(off)
-            self._ack(fl.entry_id)
+            self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
             self.redis.hset(self.keys.req(job.request_id), "t_prefill_end", fl.t_end)
@@ -268,10 +279,10 @@ class PrefillWorker:
             self.stubs[address] = stub
         return stub
 
-    def _ack(self, entry_id: str) -> None:
+    def _ack(self, stream: str, entry_id: str) -> None:
         with self.redis.pipeline() as p:
-            p.xack(self.keys.stream, GROUP, entry_id)
-            p.xdel(self.keys.stream, entry_id)
+            p.xack(stream, GROUP, entry_id)
+            p.xdel(stream, entry_id)
             p.execute()
 
     def _batch_links(self) -> list:
@@ -307,9 +318,10 @@ class PrefillWorker:
                     metrics=self.metrics_address, arena=self.arena.name,
                 ), lease)
                 with self.lock:
-                    ids = [fl.entry_id for fl in self.inflight.values()]
-                if ids:  # keep our in-flight jobs ours: reset their idle time
-                    self.redis.xclaim(self.keys.stream, GROUP, self.name, 0, ids, justid=True)
+                    held = [(fl.stream, fl.entry_id) for fl in self.inflight.values()]
+                for stream in {st for st, _ in held}:  # keep our in-flight jobs ours: reset their idle time
+                    ids = [entry_id for st, entry_id in held if st == stream]
+                    self.redis.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
 
@@ -318,8 +330,8 @@ class PrefillWorker:
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
         while not self.stop.is_set():
             try:
-                for entry_id, job, first in self.pull():
-                    self.admit(entry_id, job, first)
+                for stream, entry_id, job, first in self.pull():
+                    self.admit(stream, entry_id, job, first)
             except redis.RedisError as e:
                 log.warning("pulling jobs failed: %s", e)
                 time.sleep(0.5)

@@ -151,10 +151,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         frac = self.s.admit_fraction / 2
         return q + 1 > self.s.max_queue_requests * frac or t + tokens > self.s.max_queue_tokens * frac
 
-    def _refusal(self, q: int, t: int) -> Refused:
+    def _refusal(self, q: int, t: int, frac: float) -> Refused:
         hint = self.s.retry_after_ms
         return Refused(
-            f"queue is full ({q} requests, {t} tokens queued; refusing from {self.s.admit_fraction:.0%} of "
+            f"queue is full ({q} requests, {t} tokens queued; refusing from {frac:.0%} of "
             f"{self.s.max_queue_requests} requests / {self.s.max_queue_tokens} tokens); retry after {hint} ms",
             metadata=(("retry-after-ms", str(hint)), ("grpc-retry-pushback-ms", str(hint))),
         )
@@ -167,12 +167,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         try:
             rid, ids, params = self._validate(request)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
-            frac = self.s.admit_fraction
+            # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
+            frac = 1.0 if request.priority < 0 else self.s.admit_fraction
             if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
                 q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
                 self.queue_seen = (q, t, time.monotonic())
                 if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
-                    raise self._refusal(q, t)
+                    raise self._refusal(q, t, frac)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
             worker = self.pick(len(ids) + params.max_tokens)
@@ -186,6 +187,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if self.colocated:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
+            dreq.priority = request.priority
         call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
         state = "failed"
         queued = False
@@ -204,7 +206,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         priority=request.priority,
                     )
                     ok, q, t = await self.admit_script(
-                        keys=[self.keys.admission, self.keys.stream, self.keys.req(rid)],
+                        keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid)],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
                               self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1],
                     )
@@ -217,7 +219,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
                     if ok == 0:
                         state = ""
-                        raise self._refusal(int(q), int(t))
+                        raise self._refusal(int(q), int(t), frac)
                 except BaseException as e:
                     self._end_admission(adm, e)
                     raise

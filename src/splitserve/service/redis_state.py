@@ -2,6 +2,8 @@
 
 Keys (all under one prefix):
   {p}:prefill            stream of prefill jobs, consumer group "prefill"  (persistent)
+  {p}:prefill:high       the same for priority < 0 (pulled first)            (persistent)
+  {p}:prefill:low        the same for priority > 0 (pulled last)             (persistent)
   {p}:admission          hash: requests, tokens queued (admitted, not yet pulled) (persistent)
   {p}:req:{id}           hash per request; TTL while active, shorter TTL after completion
   {p}:worker:{role}:{id} registry entry; TTL = heartbeat lease
@@ -81,7 +83,14 @@ class Keys:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.stream = f"{prefix}:prefill"
+        self.high = f"{prefix}:prefill:high"
+        self.low = f"{prefix}:prefill:low"
+        self.streams = (self.high, self.stream, self.low)  # the order prefill workers pull in
         self.admission = f"{prefix}:admission"
+
+    def stream_for(self, priority: int) -> str:
+        """Lower values are served first (vLLM's convention): < 0 high, 0 normal, > 0 low."""
+        return self.high if priority < 0 else self.low if priority > 0 else self.stream
 
     def req(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
@@ -107,7 +116,7 @@ class Job:
     traceparent: str
     t_received: float
     t_admitted: float
-    priority: int = 0  # recorded; the prefill queue is FIFO for now
+    priority: int = 0  # < 0 high, 0 normal, > 0 low: picks the stream (Keys.stream_for)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -171,11 +180,12 @@ def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
 def ensure_group(r, keys: Keys) -> None:
     import redis
 
-    try:
-        r.xgroup_create(keys.stream, GROUP, id="0", mkstream=True)
-    except redis.ResponseError as e:
-        if "BUSYGROUP" not in str(e):
-            raise
+    for stream in keys.streams:
+        try:
+            r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
 
 
 def now() -> float:

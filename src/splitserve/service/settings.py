@@ -2,7 +2,7 @@
 
 Every setting has an environment variable (``SPLITSERVE_*``) and a default; the
 ``splitserve up`` supervisor passes them down to the processes it starts. The
-README's settings table is generated from ``SETTINGS`` below.
+README's settings table lists every field below with its default (tests/test_deploy.py checks).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Settings:
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
-    admit_fraction: float = 0.8  # refuse from this fraction of the bounds
+    admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
     default_max_tokens: int = 16
     request_ttl_s: int = 3600  # request hash expiry while active
