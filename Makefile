@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg clean
+.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -53,8 +53,11 @@ bench-sweep: install proto
 bench-disagg: install proto
 	$(VENV)/bin/splitserve bench --compare colocated,disaggregated --rate 1.0 --requests 48 --no-progress --out bench-results/disagg
 
+bench-priority: install proto
+	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
+
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg
+bench: bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg bench-priority
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

@@ -98,7 +98,8 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
     out = tmp_path / "b"
     cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--address", tiny_stack.router_address,
            "--input-len", "4-30", "--output-len", "2-9", "--vocab", "500", "--requests", "10", "--warmup", "1",
-           "--concurrency", "1,3", "--ttft-slo-ms", "5000", "--tpot-slo-ms", "5000", "--out", str(out)]
+           "--concurrency", "1,3", "--ttft-slo-ms", "5000", "--tpot-slo-ms", "5000", "--high-priority", "0.3",
+           "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
@@ -108,9 +109,15 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
         assert sorted(r["index"] for r in p["requests"]) == list(range(10))
         assert p["good_requests"] == 10
         assert p["output_tokens"] == sum(r["output_tokens"] for r in p["requests"])
+        high = [r["index"] for r in p["requests"] if r["priority"] == -1]
+        assert len(high) == 3 and {r["priority"] for r in p["requests"]} == {-1, 0}
+        classes = p["by_priority"]
+        assert set(classes) == {"high", "normal"}
+        assert (classes["high"]["sent"], classes["normal"]["sent"]) == (3, 7)
+        assert classes["high"]["ttft_s"]["p50"] > 0 and classes["normal"]["e2e_s"]["p99"] > 0
     assert (out / "latency_vs_throughput.png").stat().st_size > 1000
     assert (out / "latency_vs_concurrency.png").stat().st_size > 1000
-    assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout
+    assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout and "priority high" in run.stdout
 
 
 def test_bench_rejects_a_bad_compare():

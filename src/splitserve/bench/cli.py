@@ -12,6 +12,7 @@ stops it afterwards. Results go to ``--out`` (results.json and PNG plots).
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import json
 import math
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests per run (default 64; 0 = the whole file)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent first, one at a time, not counted")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--high-priority", type=float, default=0.0,
+                   help="fraction of the measured requests sent with priority -1 (seeded); latency is also "
+                        "reported per priority class")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", default="", help="open loop: Poisson arrivals, requests/s (comma list)")
     load.add_argument("--concurrency", default="", help="closed loop: concurrent clients (comma list)")
@@ -80,6 +84,13 @@ def make_items(args, vocab: int) -> list[WorkItem]:
         raise ValueError(f"workload {path} is empty")
     want = (args.requests or len(items)) + args.warmup
     return [items[i % len(items)] for i in range(want)]
+
+
+def mark_high_priority(items: list[WorkItem], warmup: int, fraction: float, seed: int) -> list[WorkItem]:
+    """round(fraction * measured) of the measured items, chosen with the seed, get priority -1."""
+    measured = range(warmup, len(items))
+    chosen = set(random.Random(seed + 1).sample(measured, round(fraction * len(measured))))
+    return [dataclasses.replace(it, priority=-1) if i in chosen else it for i, it in enumerate(items)]
 
 
 # -- stacks -------------------------------------------------------------------------------------
@@ -171,6 +182,10 @@ def main(args) -> int:
     try:
         vocab = model_vocab(args) if args.input_len else 0
         items = make_items(args, vocab)
+        if not 0 <= args.high_priority <= 1:
+            raise ValueError(f"--high-priority must be a fraction in [0, 1], got {args.high_priority}")
+        if args.high_priority:
+            items = mark_high_priority(items, args.warmup, args.high_priority, args.seed)
     except (OSError, ValueError) as e:
         print(f"splitserve bench: error: {e}", file=sys.stderr)
         return 2
@@ -249,6 +264,11 @@ def runs_table(points: list[dict]) -> str:
                     f"{_ms(t['p99']):>6} {_ms(t['p99.9']):>6} | {_ms(o['p50']):>8} {_ms(o['p99']):>6} | "
                     f"{_ms(e['p50']):>8} {_ms(e['p90']):>6} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7}        "
                     f"{p['errors'] or ''}")
+        for name, c in p.get("by_priority", {}).items():
+            t, e = c["ttft_s"], c["e2e_s"]
+            rows.append(f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | {_ms(t['p50']):>8} "
+                        f"{_ms(t['p90']):>6} {_ms(t['p99']):>6} {_ms(t['p99.9']):>6} | {'':>15} | {_ms(e['p50']):>8} "
+                        f"{_ms(e['p90']):>6} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7}")
     return "\n".join(rows)
 
 

@@ -33,6 +33,7 @@ class Result:
     t_sent: float = 0.0  # seconds since the run started
     ttft_s: float = float("nan")
     e2e_s: float = float("nan")
+    priority: int = 0
 
     @property
     def tpot_s(self) -> float:
@@ -56,12 +57,12 @@ class RunSpec:
 
 
 async def _one(client: AsyncClient, i: int, item: WorkItem, t_run: float, timeout: float) -> Result:
-    res = Result(i, False, "UNKNOWN", len(item.prompt_token_ids))
+    res = Result(i, False, "UNKNOWN", len(item.prompt_token_ids), priority=item.priority)
     t0 = time.perf_counter()
     res.t_sent = t0 - t_run
     try:
         async for chunk in client.generate_stream(token_ids=item.prompt_token_ids, max_tokens=item.max_tokens,
-                                                  ignore_eos=True, timeout=timeout):
+                                                  ignore_eos=True, priority=item.priority, timeout=timeout):
             if chunk.token_ids and math.isnan(res.ttft_s):
                 res.ttft_s = time.perf_counter() - t0
             res.output_tokens += len(chunk.token_ids)
@@ -147,7 +148,7 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
 
     n_good = sum(1 for r in ok if good(r))
     out_tokens = sum(r.output_tokens for r in ok)
-    return {
+    out = {
         "sent": len(results), "succeeded": len(ok), "errors": errors,
         "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
@@ -160,6 +161,17 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
         "good_requests": n_good,
         "goodput": n_good / wall_s if wall_s > 0 else 0.0,
     }
+    if any(r.priority for r in results):  # latency by priority class
+        out["by_priority"] = {}
+        for name, members in (("high", [r for r in results if r.priority < 0]),
+                              ("normal", [r for r in results if r.priority == 0]),
+                              ("low", [r for r in results if r.priority > 0])):
+            if members:
+                done = [r for r in members if r.ok]
+                out["by_priority"][name] = {"sent": len(members), "succeeded": len(done),
+                                            "ttft_s": pcts([r.ttft_s for r in done]),
+                                            "e2e_s": pcts([r.e2e_s for r in done])}
+    return out
 
 
 KNEE_RULE = ("knee = the highest concurrency whose p99 end-to-end latency is at most {factor:g}x the p99 at the "

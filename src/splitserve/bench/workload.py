@@ -14,6 +14,7 @@ class WorkItem:
     prompt: str
     prompt_token_ids: list[int]
     max_tokens: int
+    priority: int = 0  # sent as GenerateRequest.priority (lower is served first)
 
 
 def load_workload(path: str, limit: int | None = None) -> list[WorkItem]:
