@@ -19,6 +19,7 @@ import grpc
 
 from splitserve.bench.workload import WorkItem, percentile
 from splitserve.client import AsyncClient
+from splitserve.service.redis_state import PRIORITY_CLASSES, priority_class
 
 PCTS = (50, 90, 99, 99.9)
 
@@ -163,9 +164,8 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
     }
     if any(r.priority for r in results):  # latency by priority class
         out["by_priority"] = {}
-        for name, members in (("high", [r for r in results if r.priority < 0]),
-                              ("normal", [r for r in results if r.priority == 0]),
-                              ("low", [r for r in results if r.priority > 0])):
+        for name in PRIORITY_CLASSES:
+            members = [r for r in results if priority_class(r.priority) == name]
             if members:
                 done = [r for r in members if r.ok]
                 out["by_priority"][name] = {"sent": len(members), "succeeded": len(done),

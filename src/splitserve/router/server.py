@@ -30,7 +30,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of
-from splitserve.service.redis_state import ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, Job, Keys, WorkerInfo, sampling_to_dict
+from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, Job, Keys, WorkerInfo, priority_class,
+                                           sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -168,7 +169,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             rid, ids, params = self._validate(request)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
-            frac = 1.0 if request.priority < 0 else self.s.admit_fraction
+            frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
             if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
                 q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
                 self.queue_seen = (q, t, time.monotonic())

@@ -75,6 +75,14 @@ redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], '
 return 'prefilling'
 """
 
+PRIORITY_CLASSES = ("high", "normal", "low")  # the order prefill workers pull in
+
+
+def priority_class(priority: int) -> str:
+    """Lower values are served first (vLLM's convention): < 0 high, 0 normal, > 0 low."""
+    return "high" if priority < 0 else "low" if priority > 0 else "normal"
+
+
 ACTIVE_STATES = ("queued", "prefilling", "decoding")
 FINAL_STATES = ("finished", "cancelled", "failed")
 
@@ -82,15 +90,13 @@ FINAL_STATES = ("finished", "cancelled", "failed")
 class Keys:
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self.stream = f"{prefix}:prefill"
-        self.high = f"{prefix}:prefill:high"
-        self.low = f"{prefix}:prefill:low"
-        self.streams = (self.high, self.stream, self.low)  # the order prefill workers pull in
+        self.stream = f"{prefix}:prefill"  # normal priority
+        self.by_class = {c: self.stream if c == "normal" else f"{self.stream}:{c}" for c in PRIORITY_CLASSES}
+        self.streams = tuple(self.by_class.values())  # in PRIORITY_CLASSES order: the order workers pull in
         self.admission = f"{prefix}:admission"
 
     def stream_for(self, priority: int) -> str:
-        """Lower values are served first (vLLM's convention): < 0 high, 0 normal, > 0 low."""
-        return self.high if priority < 0 else self.low if priority > 0 else self.stream
+        return self.by_class[priority_class(priority)]
 
     def req(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
