@@ -272,6 +272,45 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
+def test_high_priority_joins_a_running_prefill_batch_at_the_next_forward(mixed_workload):
+    # One 64-token chunk per forward: the 8 normal prompts of 192 tokens take 24 forwards.
+    stack = _start(prefill_token_budget=64, max_queue_requests=64, max_queue_tokens=1 << 20)
+    try:
+        ids = [t for it in mixed_workload[:4] for t in it["prompt_token_ids"]]
+        prompts = {f"normal-{i}": ids[i * 50 : i * 50 + 192] for i in range(8)} | {"high": ids[500:692]}
+        done = {}
+
+        def one(rid, priority=0):
+            with Client(stack.router_address) as c:
+                done[rid] = c.generate(token_ids=prompts[rid], max_tokens=2, ignore_eos=True, timeout=120,
+                                       request_id=rid, priority=priority)
+
+        with Client(stack.router_address) as c:
+            for pid in _prefill_pids(stack):
+                os.kill(pid, signal.SIGSTOP)
+            normal = [threading.Thread(target=one, args=(rid,)) for rid in prompts if rid != "high"]
+            try:
+                for t in normal:
+                    t.start()
+                wait_for(lambda: all(_state(c, f"normal-{i}") == "queued" for i in range(8)), what="8 queued")
+            finally:
+                for pid in _prefill_pids(stack):
+                    os.kill(pid, signal.SIGCONT)
+            # The worker holds all 8 (PREFILL_BATCH) once it has pulled them.
+            wait_for(lambda: all(_state(c, f"normal-{i}") != "queued" for i in range(8)), what="8 pulled")
+            high = threading.Thread(target=one, args=("high", -1))
+            high.start()
+            for t in normal + [high]:
+                t.join(120)
+            assert sorted(done) == sorted(prompts) and all(len(r.token_ids) == 2 for r in done.values())
+            end = {rid: c.get_request(rid).timestamps["prefill_end"] for rid in prompts}
+        # Pulled between two forwards of the running batch and scheduled ahead of the held
+        # jobs not yet started; draining the batch first would have put it after all 8.
+        assert sum(end[rid] > end["high"] for rid in prompts if rid != "high") >= 3, end
+    finally:
+        _finish(stack)
+
+
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc

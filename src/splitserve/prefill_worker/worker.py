@@ -1,4 +1,5 @@
-"""The prefill worker's loop: pull -> prefill -> export into the arena -> PutKV -> free, XACK.
+"""The prefill worker's loop: pull -> one forward -> for each finished prompt: first token,
+export into the arena, PutKV, free, XACK -> pull again (jobs join between forwards).
 
 Pulling is the load balancer and the backpressure: jobs are read with XREADGROUP only
 when the arena has room, and a region stays allocated until the decode worker's
@@ -89,6 +90,9 @@ class PrefillWorker:
     def pull(self) -> list[tuple[str, str, Job, bool]]:
         """New jobs, high priority first (and, every so often, jobs of dead workers).
 
+        Tops the engine up to ``prefill_batch`` jobs held (waiting or mid-prefill), so a job
+        that arrives while a batch runs joins it at the next forward; one of higher
+        priority is scheduled ahead of the held jobs not yet started.
         Returns (stream, entry id, job, first delivery) in the order to prefill them.
         """
         out: list[tuple[str, str, Job, bool]] = []
@@ -104,10 +108,11 @@ class PrefillWorker:
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
+        room = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running
         for stream in self.keys.streams:  # in priority order, without waiting
-            if len(out) >= self.s.prefill_batch:
+            if len(out) >= room:
                 break
-            out += self._read({stream: ">"}, self.s.prefill_batch - len(out), None)
+            out += self._read({stream: ">"}, room - len(out), None)
         if not out and not self.engine.has_unfinished():  # idle: wait for a job in any class
             got = self._read({stream: ">" for stream in self.keys.streams}, self.s.prefill_batch, 200)
             out = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
@@ -336,7 +341,7 @@ class PrefillWorker:
                 log.warning("pulling jobs failed: %s", e)
                 time.sleep(0.5)
                 continue
-            while self.engine.has_unfinished():
+            if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
                 t0 = time.time()
                 outputs = self.engine.step()
                 links = self._batch_links()  # before the handoffs drop their requests

@@ -41,8 +41,8 @@ class Settings:
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
     # Prefill worker
-    prefill_batch: int = 8  # jobs pulled per XREADGROUP
-    prefill_token_budget: int = 2048  # tokens per prefill forward (chunking)
+    prefill_batch: int = 8  # jobs a prefill worker holds at once (pulled, not yet prefilled)
+    prefill_token_budget: int = 2048  # tokens per prefill forward (chunking); jobs join between forwards
     arena_bytes: int = 256 << 20  # shared-memory arena for KV regions
     kv_transport: str = "auto"  # auto (shm on the same host, else grpc), shm, grpc
     kv_chunk_bytes: int = 1 << 20  # gRPC bytes transport chunk size
