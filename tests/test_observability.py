@@ -227,6 +227,21 @@ def test_traces_and_status_commands(stack):
     assert stack.proc("decode-0").metrics_address in st.stdout
 
 
+def test_generate_command_streams_and_names_the_bad_field(stack):
+    exe = [sys.executable, "-m", "splitserve.cli", "generate", "--address", stack.router_address]
+    out = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
+                          "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with Client(stack.router_address) as c:
+        info = c.get_request("cli-gen")
+        ref = c.generate("The capital of France is", max_tokens=5)
+    assert out.stdout == ref.text and ref.text
+    assert info.state == "finished" and f"[{info.finish_reason}, {info.completion_tokens} tokens" in out.stderr
+    assert stack.redis().hget(f"{stack.settings.redis_prefix}:req:cli-gen", "priority") == b"-1"
+    bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
+
+
 def test_padding_waste_is_counted_for_static_batching(tiny_engine_factory):
     eng = tiny_engine_factory(policy="static", static_batch_size=4, max_wait_ms=0)
     m = EngineMetrics()

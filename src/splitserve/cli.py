@@ -123,8 +123,8 @@ def _generate(args) -> int:
             return 2
         with open(_state_file()) as f:
             address = json.load(f)["router"]
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-              stop=args.stop or None)
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -229,8 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
+    p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
+    p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=_generate)
 
