@@ -182,7 +182,7 @@ def _status(args) -> int:
     r = redis.Redis.from_url(url)
     try:
         q, t = [int(x or 0) for x in r.hmget(keys.admission, "requests", "tokens")]
-        stream = sum(r.xlen(k) for k in keys.streams)
+        by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
         workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=f"{keys.prefix}:worker:*")
                    if (m := r.hgetall(k))]
     except redis.RedisError as e:
@@ -191,7 +191,7 @@ def _status(args) -> int:
     if state.get("router"):
         print(f"router        {state['router']}")
     print(f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
-          f"(streams {stream} entries incl. in-flight)")
+          f"(stream entries incl. in-flight: " + ", ".join(f"{c} {n}" for c, n in by_class.items()) + ")")
     print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
           f"{sum(w.role == 'decode' for w in workers)} decode")
     hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} " \
