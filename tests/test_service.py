@@ -272,12 +272,14 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
-def test_high_priority_joins_a_running_prefill_batch_at_the_next_forward(mixed_workload):
-    # One 64-token chunk per forward: the 8 normal prompts of 192 tokens take 24 forwards.
-    stack = _start(prefill_token_budget=64, max_queue_requests=64, max_queue_tokens=1 << 20)
+def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_forward(mixed_workload):
+    # 256-token forwards, 320-token prompts: a worker holding its token budget of work holds
+    # at most two prompts (the one finishing and the next), and pulls again at every forward.
+    stack = _start(prefill_token_budget=256, prefill_batch=32, max_queue_requests=64, max_queue_tokens=1 << 20)
     try:
-        ids = [t for it in mixed_workload[:4] for t in it["prompt_token_ids"]]
-        prompts = {f"normal-{i}": ids[i * 50 : i * 50 + 192] for i in range(8)} | {"high": ids[500:692]}
+        ids = [t for it in mixed_workload[:6] for t in it["prompt_token_ids"]]
+        assert len(ids) >= 900
+        prompts = {f"normal-{i}": ids[i * 50 : i * 50 + 320] for i in range(8)} | {"high": ids[560:880]}
         done = {}
 
         def one(rid, priority=0):
@@ -296,17 +298,22 @@ def test_high_priority_joins_a_running_prefill_batch_at_the_next_forward(mixed_w
             finally:
                 for pid in _prefill_pids(stack):
                     os.kill(pid, signal.SIGCONT)
-            # The worker holds all 8 (PREFILL_BATCH) once it has pulled them.
-            wait_for(lambda: all(_state(c, f"normal-{i}") != "queued" for i in range(8)), what="8 pulled")
+            # The high job arrives once the worker is busy with the normal ones.
+            wait_for(lambda: any(_state(c, f"normal-{i}") != "queued" for i in range(8)), interval=0.01,
+                     what="a normal job pulled")
             high = threading.Thread(target=one, args=("high", -1))
             high.start()
             for t in normal + [high]:
                 t.join(120)
             assert sorted(done) == sorted(prompts) and all(len(r.token_ids) == 2 for r in done.values())
-            end = {rid: c.get_request(rid).timestamps["prefill_end"] for rid in prompts}
-        # Pulled between two forwards of the running batch and scheduled ahead of the held
-        # jobs not yet started; draining the batch first would have put it after all 8.
-        assert sum(end[rid] > end["high"] for rid in prompts if rid != "high") >= 3, end
+            ts = {rid: c.get_request(rid).timestamps for rid in prompts}
+        # Held at once: picked up and not yet prefilled. Pulling by job count alone took all 8.
+        held = max(sum(t["prefill_start"] <= s["prefill_start"] < t["prefill_end"] for t in ts.values())
+                   for s in ts.values())
+        assert held <= 3, ts
+        # Pulled at the next forward, ahead of the normal jobs still in the stream.
+        end = {rid: t["prefill_end"] for rid, t in ts.items()}
+        assert sum(end[rid] > end["high"] for rid in prompts if rid != "high") >= 5, end
     finally:
         _finish(stack)
 

@@ -147,6 +147,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + (self.padded.num_waiting if self.padded else 0)
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute for the sequences held (waiting or running): the work in hand."""
+        return sum(seq.num_pending for seq in self.seqs.values())
+
     # -- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -1,13 +1,15 @@
 """The prefill worker's loop: pull -> one forward -> for each finished prompt: first token,
 export into the arena, PutKV, free, XACK -> pull again (jobs join between forwards).
 
-Pulling is the load balancer and the backpressure: jobs are read with XREADGROUP only
-when the arena has room, and a region stays allocated until the decode worker's
-PutKV returns, so a full decode pool stalls the arena, which stalls pulling, which
-lets the stream grow until the routers' admission refuses. There is one stream per
-priority class; each pull takes from the high one first and the low one last. Jobs left pending by a
-dead worker are claimed with XAUTOCLAIM after ``claim_idle_ms``; a live worker
-re-claims its own in-flight jobs on every heartbeat so they are never taken from it.
+Pulling is the load balancer and the backpressure. A worker reads jobs with XREADGROUP
+up to its token budget, about one forward's work; the rest waits in the stream for
+whichever worker is free first. Exporting a KV waits for arena room, and a region stays
+allocated until the decode worker's PutKV returns, so a full decode pool stalls the
+arena, which stalls pulling, which lets the stream grow until the routers' admission
+refuses. There is one stream per priority class; each pull takes from the high one
+first and the low one last. Jobs left pending by a dead worker are claimed with
+XAUTOCLAIM after ``claim_idle_ms``; a live worker re-claims its own in-flight jobs on
+every heartbeat so they are never taken from it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.grpc_server import OPTIONS
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import GROUP, PICKUP_LUA, Job, Keys, WorkerInfo, ensure_group, heartbeat
+from splitserve.service.redis_state import GROUP, PICKUP_LUA, PULL_LUA, Job, Keys, WorkerInfo, ensure_group, heartbeat
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
@@ -77,6 +79,7 @@ class PrefillWorker:
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.lock = threading.Lock()
         self.pickup = self.redis.register_script(PICKUP_LUA)
+        self.pull_script = self.redis.register_script(PULL_LUA)
         self.stop = threading.Event()
         self.address = ""
         self.metrics_address = ""
@@ -90,9 +93,12 @@ class PrefillWorker:
     def pull(self) -> list[tuple[str, str, Job, bool]]:
         """New jobs, high priority first (and, every so often, jobs of dead workers).
 
-        Tops the engine up to ``prefill_batch`` jobs held (waiting or mid-prefill), so a job
-        that arrives while a batch runs joins it at the next forward; one of higher
-        priority is scheduled ahead of the held jobs not yet started.
+        Tops the engine up to its token budget: jobs are pulled while the prompt tokens still
+        to prefill are under ``prefill_token_budget`` (the last one may pass it; the engine
+        chunks it) and fewer than ``prefill_batch`` jobs are held. So a worker holds about one
+        forward's work and leaves the rest in the stream for the next free worker, a job that
+        arrives while a forward runs joins at the next one, and one of higher priority is
+        scheduled ahead of the held jobs not yet started.
         Returns (stream, entry id, job, first delivery) in the order to prefill them.
         """
         out: list[tuple[str, str, Job, bool]] = []
@@ -108,14 +114,16 @@ class PrefillWorker:
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
-        room = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running
-        for stream in self.keys.streams:  # in priority order, without waiting
-            if len(out) >= room:
-                break
-            out += self._read({stream: ">"}, room - len(out), None)
         if not out and not self.engine.has_unfinished():  # idle: wait for a job in any class
-            got = self._read({stream: ">" for stream in self.keys.streams}, self.s.prefill_batch, 200)
+            got = self._read({stream: ">" for stream in self.keys.streams}, 1, 200)
             out = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
+            if not out:
+                return out
+        jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(out)
+        tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in out)
+        if jobs > 0 and tokens > 0:
+            got = self.pull_script(keys=list(self.keys.streams), args=[GROUP, self.name, jobs, tokens])
+            out += [(stream.decode(), entry_id.decode(), Job.from_json(job), True) for stream, entry_id, job in got]
         return out
 
     def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:

@@ -75,6 +75,33 @@ redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], '
 return 'prefilling'
 """
 
+# A prefill worker tops itself up: new jobs, one at a time and in priority order, until it
+# holds ARGV[3] jobs or ARGV[4] more prompt tokens (the last job may pass the token room;
+# the engine chunks it). One round trip for the whole top-up. KEYS: the streams, in the
+# order to pull them. ARGV: group, consumer, job room, token room.
+# Returns {stream, entry id, job json} per job.
+PULL_LUA = """
+local out = {}
+local jobs, tokens = 0, 0
+local max_jobs, max_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
+for _, stream in ipairs(KEYS) do
+  while jobs < max_jobs and tokens < max_tokens do
+    local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', stream, '>')
+    if not got then break end
+    local entry = got[1][2][1]
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'job' then
+        out[#out + 1] = {stream, entry[1], fields[i + 1]}
+        tokens = tokens + #cjson.decode(fields[i + 1])['token_ids']
+      end
+    end
+    jobs = jobs + 1
+  end
+end
+return out
+"""
+
 PRIORITY_CLASSES = ("high", "normal", "low")  # the order prefill workers pull in
 
 

@@ -41,7 +41,7 @@ class Settings:
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
     # Prefill worker
-    prefill_batch: int = 8  # jobs a prefill worker holds at once (pulled, not yet prefilled)
+    prefill_batch: int = 32  # most jobs a prefill worker holds at once; its token budget usually binds first
     prefill_token_budget: int = 2048  # tokens per prefill forward (chunking); jobs join between forwards
     arena_bytes: int = 256 << 20  # shared-memory arena for KV regions
     kv_transport: str = "auto"  # auto (shm on the same host, else grpc), shm, grpc
