@@ -318,6 +318,67 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
         _finish(stack)
 
 
+def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
+    # A decode pool of 64 blocks (1024 tokens); a 480-token "hog" decodes in it, leaving 33
+    # blocks, and every other prompt (560 tokens) needs 36, so their handoffs wait for blocks.
+    kv_per_token = 30 * 2 * 3 * 64 * 4
+    stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, arena_bytes=256 << 20, max_queue_requests=64,
+                   max_queue_tokens=1 << 20)
+    try:
+        ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
+        assert len(ids) >= 1000
+        prompts = {f"normal-{i}": ids[40 * i : 40 * i + 560] for i in range(4)} | {"high": ids[400:960]}
+        first, done = {}, {}
+
+        def one(rid, priority=0):
+            with Client(stack.router_address) as c:
+                for r in c.generate_stream(token_ids=prompts[rid], max_tokens=2, ignore_eos=True, timeout=120,
+                                           request_id=rid, priority=priority):
+                    first.setdefault(rid, time.time())
+                    if r.finish_reason:
+                        done[rid] = r.finish_reason
+
+        with Client(stack.router_address) as c:
+            hog = c.generate_stream(token_ids=ids[:480], max_tokens=540, ignore_eos=True, timeout=120, request_id="hog")
+            hog_tokens = []
+
+            def drain_hog():
+                try:
+                    for r in hog:
+                        hog_tokens.extend(r.token_ids)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.CANCELLED
+
+            hog_thread = threading.Thread(target=drain_hog)
+            hog_thread.start()
+            wait_for(lambda: hog_tokens, what="the hog's first token")
+            threads = [threading.Thread(target=one, args=(rid,)) for rid in prompts if rid != "high"]
+            for t in threads:
+                t.start()
+            # The first token goes out before the KV: once it is here, the handoff is on its way.
+            wait_for(lambda: len(first) == 4, timeout=60, what="the normal requests' first tokens")
+            time.sleep(0.3)
+            threads.append(threading.Thread(target=one, args=("high", -1)))
+            threads[-1].start()
+            wait_for(lambda: "high" in first, timeout=60, what="the high request's first token")
+            time.sleep(0.3)
+            t_free = time.time()
+            hog_at = len(hog_tokens)
+            hog.cancel()  # frees 31+ blocks: one waiting handoff fits at a time
+            hog_thread.join(30)
+            assert hog_at < 540, "the hog finished before the test freed its blocks"
+            for t in threads:
+                t.join(120)
+            assert done == {rid: "length" for rid in prompts}, done
+            kv_done = {rid: c.get_request(rid).timestamps["kv_done"] for rid in prompts}
+            assert c.get_request("hog").state == "cancelled"
+        assert all(t > t_free for t in kv_done.values()), ("a handoff did not wait for the hog", t_free, kv_done)
+        # The high one came last but takes the freed blocks first.
+        assert all(kv_done["high"] < kv_done[rid] for rid in prompts if rid != "high"), kv_done
+    finally:
+        _finish(stack)
+
+
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc

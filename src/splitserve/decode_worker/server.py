@@ -11,6 +11,7 @@ a ``PutKV`` for a request with no open slot is NOT_FOUND, so the producer frees 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class Slot:
     first_token_at: float = 0.0  # unix time the first token was sampled (0: unknown, use kv_done)
     prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
+    priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
 
@@ -72,6 +74,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.slots: dict[str, Slot] = {}
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self._tasks: set[asyncio.Task] = set()
+        self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
+        self._arrivals = itertools.count()
         self.draining = False
 
     # -- Decode -------------------------------------------------------------------------
@@ -84,7 +88,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
-        slot = Slot(rid, request.deadline_unix)
+        slot = Slot(rid, request.deadline_unix, priority=request.priority)
         full = f"{SERVICE}/Decode"
         with tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
                               attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": rid,
@@ -288,21 +292,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         t0 = time.perf_counter()
         waits = 0
         deadline = h.lease_deadline_unix or (time.time() + 60)
-        while True:  # backpressure: wait for blocks rather than refuse
-            try:
-                first = await self.runner.submit(lambda e: e.import_kv(export, payload))
-                break
-            except CapacityError:
+        # Backpressure: wait for blocks rather than refuse. Waiting handoffs take freed blocks
+        # in priority order, then in arrival order; one tries only when none waits ahead of it
+        # (so a big KV at the head is not starved by smaller ones behind it).
+        rank = (slot.priority, next(self._arrivals))
+        try:
+            while True:
+                if not any(r < rank for r in self.adopt_waiting):
+                    try:
+                        first = await self.runner.submit(lambda e: e.import_kv(export, payload))
+                        break
+                    except CapacityError:
+                        pass
                 if time.time() > deadline:
-                    raise DeadlineExceeded("no free KV blocks before the handle's lease ran out") from None
+                    raise DeadlineExceeded("no free KV blocks before the handle's lease ran out")
                 if seq.request_id not in self.slots:
-                    raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks") from None
+                    raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks")
+                self.adopt_waiting.add(rank)
                 waits += 1
                 self.capacity.clear()
                 try:
                     await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
                 except asyncio.TimeoutError:
                     pass
+        finally:
+            if rank in self.adopt_waiting:
+                self.adopt_waiting.discard(rank)
+                self.capacity.set()  # the next in line may try now
         if seq.request_id not in self.slots:  # cancelled while the KV was copied in
             self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
             raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")

@@ -184,11 +184,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
-        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline)
+        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline,
+                                  priority=request.priority)
         if self.colocated:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
-            dreq.priority = request.priority
         call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
         state = "failed"
         queued = False
