@@ -379,6 +379,34 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
         _finish(stack)
 
 
+def test_requests_that_can_never_fit_fail_at_once_naming_the_field():
+    # Decode pool 1024 tokens, prefill pool 256: each side's limit is reached on its own.
+    kv_per_token = 30 * 2 * 3 * 64 * 4
+    stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, prefill_kv_cache_bytes=16 * 16 * kv_per_token)
+    try:
+        with Client(stack.router_address) as c:
+            wait_for(lambda: all(w["kv_capacity_tokens"] == "1024" for w in workers(stack, "decode")),
+                     what="the decode worker's capacity in the registry")
+            # Refused by the router, from the registry: the decode worker can never hold it.
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(token_ids=list(range(100, 120)), max_tokens=2000, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.max_tokens" in e.value.details() and "1024" in e.value.details()
+            # Refused by the prefill worker, whose pool is smaller; relayed through the decode worker (Fail)
+            # rather than left waiting for a KV that will never come.
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(token_ids=list(range(100, 500)), max_tokens=4, timeout=60, request_id="too-long")
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert e.value.details().startswith("prompt:") and "400 tokens" in e.value.details()
+            assert c.get_request("too-long").state == "failed"
+            # Prefill needs room for the prompt only; the decode side holds the whole completion.
+            ok = c.generate(token_ids=list(range(100, 300)), max_tokens=100, ignore_eos=True, timeout=120)
+            assert len(ok.token_ids) == 100
+        assert all(p.popen.poll() is None for p in stack.procs)
+    finally:
+        _finish(stack)
+
+
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
@@ -429,6 +457,19 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     stub.FirstToken(w.FirstTokenRequest(request_id="bad-handle", token_ids=[6], text="y"), timeout=10)
     ev = next(decode)
     assert list(ev.token_ids) == [5] and ev.text == "x" and ev.timings.prefill_ms == 3.0 and ev.first_token_unix > 0
+    # Fail: checked the same way; it ends the stream with the status the producer gives.
+    for req, field in ((w.FailRequest(code=8), "request_id"), (w.FailRequest(request_id="bad-handle"), "code"),
+                       (w.FailRequest(request_id="bad-handle", code=99), "code")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Fail(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Fail(w.FailRequest(request_id="nobody", code=8), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message="no room"), timeout=10).ended
+    ev = next(decode)
+    assert ev.error == "no room" and ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert next(decode, None) is None  # the stream has ended
     decode.cancel()
     ch.close()
     again = client.generate("hello", max_tokens=2)

@@ -16,17 +16,19 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import redis.asyncio as aioredis
 
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.errors import CapacityError
+from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert, grpc_server
 from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
-from splitserve.service.errors import AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of
+from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of,
+                                      status_code)
 from splitserve.service.redis_state import Keys, WorkerInfo
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
@@ -186,6 +188,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ))
         return w_pb.FirstTokenResponse()
 
+    # -- Fail ---------------------------------------------------------------------------
+
+    async def Fail(self, request: w_pb.FailRequest, context):
+        """A producer could not prefill or hand over this request: its stream ends with that status."""
+        if not request.request_id:
+            raise Invalid("request_id: must be set")
+        code = status_code(request.code)
+        if code is None or code == grpc.StatusCode.OK:
+            raise Invalid(f"code: {request.code} is not a gRPC error status (1..16)")
+        slot = self.slots.get(request.request_id)
+        if slot is None:
+            raise NotFound(f"no decode stream open for request {request.request_id!r} (ended, or never opened here)")
+        return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name))
+
+    def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str) -> bool:
+        """End a stream still waiting for its KV with an error; False if it has ended or its KV is here."""
+        if slot.done or slot.imported:
+            return False
+        slot.done = True
+        slot.events.put_nowait(w_pb.DecodeEvent(error=message, error_code=code.value[0]))
+        return True
+
     # -- PutKV --------------------------------------------------------------------------
 
     def _put_span(self, method: str, seq: w_pb.SequenceState) -> tracing.rpc_span:
@@ -304,6 +328,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         break
                     except CapacityError:
                         pass
+                    except InvalidRequestError as e:  # the request can never run here (max_tokens too big)
+                        self._end_with_error(slot, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                        raise
                 if time.time() > deadline:
                     raise DeadlineExceeded("no free KV blocks before the handle's lease ran out")
                 if seq.request_id not in self.slots:
@@ -364,7 +391,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return WorkerInfo(
             worker_id=self.name, role="decode", address=address, host_id=self.host,
             running=e.num_running, waiting=e.num_waiting,
-            free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, pending=len(self.slots),
+            free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, kv_capacity_tokens=e.kv_capacity_tokens,
+            pending=len(self.slots),
         )
 
 

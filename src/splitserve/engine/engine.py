@@ -67,8 +67,11 @@ class LLMEngine:
     def fingerprint(self) -> str:
         return self.model.fingerprint
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError naming the field if this request can never run here."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:
+        """Raise InvalidRequestError naming the field if this request can never run here.
+
+        prefill_only: only the prompt and its first token need room in this engine's KV cache.
+        """
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.model.shape.vocab_size
@@ -82,7 +85,13 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the context length {self.max_model_len}",
             )
-        if self.cache.pool.blocks_for(total) > self.cache.pool.num_blocks:
+        if prefill_only and not self.fits(len(prompt_token_ids) + 1):
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt_token_ids)} tokens can never fit in this prefill engine's KV cache "
+                f"({self.kv_capacity_tokens} tokens)",
+            )
+        if not prefill_only and not self.fits(total):
             raise InvalidRequestError(
                 "sampling.max_tokens",
                 f"{total} tokens can never fit in this engine's KV cache ({self.kv_capacity_tokens} tokens)",
@@ -93,6 +102,10 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.cache.pool.num_blocks * self.cache.block_size
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens can ever hold its KV here (the whole pool to itself)."""
+        return self.cache.pool.blocks_for(num_tokens) <= self.cache.pool.num_blocks
 
     def add_request(
         self,
@@ -105,9 +118,10 @@ class LLMEngine:
     ) -> None:
         if request_id in self.seqs or request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
-        self.validate(prompt_token_ids, params)
+        prefill_only = prefill_only and self.padded is None
+        self.validate(prompt_token_ids, params, prefill_only)
         seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
-        seq.prefill_only = prefill_only and self.padded is None
+        seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:
             self.padded.add(seq)

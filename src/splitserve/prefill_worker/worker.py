@@ -35,6 +35,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
+from splitserve.service.errors import code_of
 from splitserve.service.grpc_server import OPTIONS
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import GROUP, PICKUP_LUA, PULL_LUA, Job, Keys, WorkerInfo, ensure_group, heartbeat
@@ -152,11 +153,12 @@ class PrefillWorker:
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
                                     priority=job.priority)
-        except EngineError as e:
+        except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
             self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": str(e)})
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
+            self.pool.submit(self._fail, job, code_of(e), str(e))  # off the pulling loop
             return
         span = tracing.tracer().start_span("prefill", context=parent, start_time=tracing.ns(t), attributes={
             "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
@@ -264,9 +266,14 @@ class PrefillWorker:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": f"KV handoff: {e.details()}"})
+                # No blocks on the decode side in time: overload. Anything else is ours, not the client's.
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
+                    grpc.StatusCode.UNAVAILABLE if e.code() == grpc.StatusCode.UNAVAILABLE else grpc.StatusCode.INTERNAL
+                self._fail(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
             span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
+            self._fail(job, grpc.StatusCode.INTERNAL, f"KV handoff failed: {e!r}"[:300])
         finally:
             span.end()
             if view is not None:
@@ -277,6 +284,14 @@ class PrefillWorker:
             with self.lock:
                 self.inflight.pop(job.request_id, None)
             self.redis.hset(self.keys.req(job.request_id), "t_prefill_end", fl.t_end)
+
+    def _fail(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+        """End the request's decode stream with this status, so its client hears now, not at its deadline."""
+        try:
+            self._stub(job.decode_address).Fail(w_pb.FailRequest(request_id=job.request_id, code=code.value[0],
+                                                                 message=message), timeout=5)
+        except grpc.RpcError as e:  # NOT_FOUND: the stream has ended already
+            log.info("could not end %s's decode stream with %s: %s %s", job.request_id, code.name, e.code(), e.details())
 
     def _chunks(self, req: w_pb.PutKVRequest, view: memoryview):
         step = self.s.kv_chunk_bytes

@@ -29,7 +29,7 @@ from splitserve.engine.tokenizer import Tokenizer
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
-from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of
+from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
 from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, Job, Keys, WorkerInfo, priority_class,
                                            sampling_to_dict)
 from splitserve.service.settings import Settings
@@ -43,7 +43,11 @@ SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class UpstreamError(ServiceError):
-    code = grpc.StatusCode.INTERNAL
+    """A worker ended the request with an error, and the status the client should get."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code or grpc.StatusCode.INTERNAL
 
 
 @dataclass
@@ -108,6 +112,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def pick(self, need_tokens: int) -> WorkerInfo:
         if not self.workers:
             raise Unavailable("no decode worker is registered; retry shortly")
+        largest = max(w.kv_capacity_tokens for w in self.workers)
+        if 0 < largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):
+            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens = {need_tokens} tokens can never fit "
+                                      f"in a decode worker's KV cache (the largest holds {largest})")
 
         def load(w: WorkerInfo) -> tuple:
             return (w.free_kv_tokens < need_tokens, w.running + w.waiting + w.pending + self.sent.get(w.worker_id, 0))
@@ -234,7 +242,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev is grpc.aio.EOF:
                             raise Unavailable("decode stream ended without a finish")
                         if ev.error:
-                            raise UpstreamError(f"decode failed: {ev.error}")
+                            code = status_code(ev.error_code) if ev.error_code else None
+                            raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
                         if queued and (ev.token_ids or ev.finish_reason):
                             queued = False
                             await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])

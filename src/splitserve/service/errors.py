@@ -66,6 +66,11 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def status_code(value: int) -> grpc.StatusCode | None:
+    """The status code with this number (as it travels in a proto), or None."""
+    return next((c for c in grpc.StatusCode if c.value[0] == value), None)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     """Status, message and trailing metadata for an exception; unexpected ones are logged."""
     code = code_of(exc)

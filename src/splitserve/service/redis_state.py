@@ -181,6 +181,7 @@ class WorkerInfo:
     running: int = 0
     waiting: int = 0
     free_kv_tokens: int = 0
+    kv_capacity_tokens: int = 0  # decode: the most tokens one sequence can ever hold here (0 = unknown)
     pending: int = 0  # decode: streams waiting for their KV
     updated: float = 0.0
     metrics: str = ""  # host:port of its /metrics
@@ -195,7 +196,8 @@ class WorkerInfo:
         return cls(
             worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"],
             running=int(m.get("running", 0)), waiting=int(m.get("waiting", 0)),
-            free_kv_tokens=int(m.get("free_kv_tokens", 0)), pending=int(m.get("pending", 0)),
+            free_kv_tokens=int(m.get("free_kv_tokens", 0)), kv_capacity_tokens=int(m.get("kv_capacity_tokens", 0)),
+            pending=int(m.get("pending", 0)),
             updated=float(m.get("updated", 0)), metrics=m.get("metrics", ""), arena=m.get("arena", ""),
         )
 
