@@ -1,6 +1,7 @@
 """The disaggregated service as real processes: router, prefill and decode workers, Redis, gRPC."""
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import threading
@@ -475,6 +476,42 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     again = client.generate("hello", max_tokens=2)
     assert list(again.token_ids) == list(good.token_ids)
     assert all(p.popen.poll() is None for p in stack.procs)
+
+
+def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(stack, client):
+    from splitserve.service.redis_state import sampling_to_dict
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    r = stack.redis()
+    p = stack.settings.redis_prefix
+    stream = f"{p}:prefill"
+    for fields in ({"job": "{not json"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"})},
+                   {"something": "else"}):
+        r.xadd(stream, fields)
+    # A job from a newer router: a field this version does not know. Queued as the router would.
+    dec = workers(stack, "decode")[0]
+    ch = grpc.insecure_channel(dec["address"])
+    decode = worker_pb2_grpc.DecodeWorkerStub(ch).Decode(w.DecodeRequest(request_id="newer", prompt_tokens=6), timeout=60)
+    assert next(decode).accepted
+    ids = [1, 504, 3277, 28, 8296, 30]
+    job = dict(request_id="newer", token_ids=ids, sampling=sampling_to_dict(SamplingParams(max_tokens=3, ignore_eos=True)),
+               decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
+               deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0,
+               a_field_from_the_future={"x": 1})
+    r.hset(f"{p}:req:newer", mapping={"state": "queued", "prompt_tokens": len(ids)})
+    r.expire(f"{p}:req:newer", 600)
+    r.hincrby(f"{p}:admission", "requests", 1)
+    r.hincrby(f"{p}:admission", "tokens", len(ids))
+    r.xadd(stream, {"job": json.dumps(job)})
+    events = list(decode)
+    ch.close()
+    assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
+    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == \
+        [t for e in events for t in e.token_ids]
+    wait_for(lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0,
+             what="every entry acked and deleted")
+    assert all(pr.popen.poll() is None for pr in stack.procs)
 
 
 def _fingerprint(stack) -> str:

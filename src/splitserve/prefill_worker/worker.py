@@ -110,8 +110,8 @@ class PrefillWorker:
                 _, claimed, *_ = self.redis.xautoclaim(
                     stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
                 )
-                out += [(stream, entry_id.decode(), Job.from_json(fields[b"job"]), False)
-                        for entry_id, fields in claimed if fields]
+                out += [(stream, entry_id.decode(), job, False) for entry_id, fields in claimed
+                        if fields and (job := self._job(stream, entry_id.decode(), fields.get(b"job"))) is not None]
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
@@ -124,13 +124,34 @@ class PrefillWorker:
         tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in out)
         if jobs > 0 and tokens > 0:
             got = self.pull_script(keys=list(self.keys.streams), args=[GROUP, self.name, jobs, tokens])
-            out += [(stream.decode(), entry_id.decode(), Job.from_json(job), True) for stream, entry_id, job in got]
+            out += [(stream.decode(), entry_id.decode(), job, True) for stream, entry_id, raw in got
+                    if (job := self._job(stream.decode(), entry_id.decode(), raw)) is not None]
         return out
 
     def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
-        return [(stream.decode(), entry_id.decode(), Job.from_json(fields[b"job"]), True)
-                for stream, entries in resp or [] for entry_id, fields in entries]
+        return [(stream.decode(), entry_id.decode(), job, True) for stream, entries in resp or []
+                for entry_id, fields in entries
+                if (job := self._job(stream.decode(), entry_id.decode(), fields.get(b"job"))) is not None]
+
+    def _job(self, stream: str, entry_id: str, raw: bytes | None) -> Job | None:
+        """The job in a stream entry; a malformed entry is dropped (acked and deleted), never fatal."""
+        try:
+            if not raw:
+                raise ValueError("the entry has no 'job' field")
+            job = Job.from_json(raw)
+            if not (isinstance(job.token_ids, list) and all(type(t) is int for t in job.token_ids)
+                    and isinstance(job.sampling, dict) and isinstance(job.request_id, str)):
+                raise ValueError("request_id, token_ids or sampling has the wrong type")
+            return job
+        except ValueError as e:  # json.JSONDecodeError included
+            self._drop(stream, entry_id, str(e))
+            return None
+
+    def _drop(self, stream: str, entry_id: str, why: str) -> None:
+        log.warning("dropping malformed job %s from %s: %s", entry_id, stream, why)
+        self._ack(stream, entry_id)
+        self.metrics.jobs.labels("malformed").inc()
 
     def admit(self, stream: str, entry_id: str, job: Job, first: bool) -> None:
         if not first and job.request_id in self.inflight:  # our own job, re-delivered: already in hand
@@ -359,7 +380,10 @@ class PrefillWorker:
         while not self.stop.is_set():
             try:
                 for stream, entry_id, job, first in self.pull():
-                    self.admit(stream, entry_id, job, first)
+                    try:
+                        self.admit(stream, entry_id, job, first)
+                    except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
+                        self._drop(stream, entry_id, repr(e))
             except redis.RedisError as e:
                 log.warning("pulling jobs failed: %s", e)
                 time.sleep(0.5)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from splitserve.engine.sampling import SamplingParams
 
@@ -79,7 +79,7 @@ return 'prefilling'
 # holds ARGV[3] jobs or ARGV[4] more prompt tokens (the last job may pass the token room;
 # the engine chunks it). One round trip for the whole top-up. KEYS: the streams, in the
 # order to pull them. ARGV: group, consumer, job room, token room.
-# Returns {stream, entry id, job json} per job.
+# Returns {stream, entry id, job json ('' if the entry has none)} per entry.
 PULL_LUA = """
 local out = {}
 local jobs, tokens = 0, 0
@@ -90,11 +90,14 @@ for _, stream in ipairs(KEYS) do
     if not got then break end
     local entry = got[1][2][1]
     local fields = entry[2]
+    local raw = ''  -- an entry without a job is returned too: the worker drops it
     for i = 1, #fields, 2 do
-      if fields[i] == 'job' then
-        out[#out + 1] = {stream, entry[1], fields[i + 1]}
-        tokens = tokens + #cjson.decode(fields[i + 1])['token_ids']
-      end
+      if fields[i] == 'job' then raw = fields[i + 1] end
+    end
+    out[#out + 1] = {stream, entry[1], raw}
+    local ok, job = pcall(cjson.decode, raw)  -- a malformed job counts 0 tokens
+    if ok and type(job) == 'table' and type(job['token_ids']) == 'table' then
+      tokens = tokens + #job['token_ids']
     end
     jobs = jobs + 1
   end
@@ -156,7 +159,15 @@ class Job:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "Job":
-        return cls(**json.loads(raw))
+        """Fields this version does not know are ignored (a newer router may add some); ValueError if malformed."""
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError(f"a job is a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
+        if missing:
+            raise ValueError(f"job is missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:
         d = dict(self.sampling)
