@@ -486,24 +486,24 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     r = stack.redis()
     p = stack.settings.redis_prefix
     stream = f"{p}:prefill"
+    dec = workers(stack, "decode")[0]
+    job = dict(request_id="newer", token_ids=[1, 504, 3277, 28, 8296, 30],
+               sampling=sampling_to_dict(SamplingParams(max_tokens=3, ignore_eos=True)),
+               decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
+               deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0)
     for fields in ({"job": "{not json"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"})},
-                   {"something": "else"}):
+                   {"something": "else"}, {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"})}):
         r.xadd(stream, fields)
     # A job from a newer router: a field this version does not know. Queued as the router would.
-    dec = workers(stack, "decode")[0]
     ch = grpc.insecure_channel(dec["address"])
     decode = worker_pb2_grpc.DecodeWorkerStub(ch).Decode(w.DecodeRequest(request_id="newer", prompt_tokens=6), timeout=60)
     assert next(decode).accepted
-    ids = [1, 504, 3277, 28, 8296, 30]
-    job = dict(request_id="newer", token_ids=ids, sampling=sampling_to_dict(SamplingParams(max_tokens=3, ignore_eos=True)),
-               decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
-               deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0,
-               a_field_from_the_future={"x": 1})
+    ids = job["token_ids"]
     r.hset(f"{p}:req:newer", mapping={"state": "queued", "prompt_tokens": len(ids)})
     r.expire(f"{p}:req:newer", 600)
     r.hincrby(f"{p}:admission", "requests", 1)
     r.hincrby(f"{p}:admission", "tokens", len(ids))
-    r.xadd(stream, {"job": json.dumps(job)})
+    r.xadd(stream, {"job": json.dumps(job | {"a_field_from_the_future": {"x": 1}})})
     events = list(decode)
     ch.close()
     assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events

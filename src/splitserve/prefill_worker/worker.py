@@ -141,8 +141,9 @@ class PrefillWorker:
                 raise ValueError("the entry has no 'job' field")
             job = Job.from_json(raw)
             if not (isinstance(job.token_ids, list) and all(type(t) is int for t in job.token_ids)
-                    and isinstance(job.sampling, dict) and isinstance(job.request_id, str)):
-                raise ValueError("request_id, token_ids or sampling has the wrong type")
+                    and isinstance(job.sampling, dict) and isinstance(job.request_id, str)
+                    and isinstance(job.decode_address, str) and type(job.priority) is int):
+                raise ValueError("request_id, token_ids, sampling, decode_address or priority has the wrong type")
             return job
         except ValueError as e:  # json.JSONDecodeError included
             self._drop(stream, entry_id, str(e))
@@ -384,6 +385,7 @@ class PrefillWorker:
                         self.admit(stream, entry_id, job, first)
                     except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
                         self._drop(stream, entry_id, repr(e))
+                        self.pool.submit(self._fail, job, grpc.StatusCode.INTERNAL, f"malformed prefill job: {e!r}"[:300])
             except redis.RedisError as e:
                 log.warning("pulling jobs failed: %s", e)
                 time.sleep(0.5)
