@@ -45,6 +45,10 @@ from splitserve_proto.v1 import worker_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
 HANDOFF_LEASE_S = 60.0
+# The status a client gets when its KV handoff failed. No blocks on the decode side in time is
+# overload; a decode worker gone is unavailable; anything else is ours (INTERNAL), not the client's.
+HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          grpc.StatusCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
 
 @dataclass
@@ -110,8 +114,8 @@ class PrefillWorker:
                 _, claimed, *_ = self.redis.xautoclaim(
                     stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
                 )
-                out += [(stream, entry_id.decode(), job, False) for entry_id, fields in claimed
-                        if fields and (job := self._job(stream, entry_id.decode(), fields.get(b"job"))) is not None]
+                out += self._jobs([(stream, entry_id, fields.get(b"job")) for entry_id, fields in claimed if fields],
+                                  first=False)
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
@@ -123,16 +127,24 @@ class PrefillWorker:
         jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(out)
         tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in out)
         if jobs > 0 and tokens > 0:
-            got = self.pull_script(keys=list(self.keys.streams), args=[GROUP, self.name, jobs, tokens])
-            out += [(stream.decode(), entry_id.decode(), job, True) for stream, entry_id, raw in got
-                    if (job := self._job(stream.decode(), entry_id.decode(), raw)) is not None]
+            out += self._jobs(self.pull_script(keys=list(self.keys.streams), args=[GROUP, self.name, jobs, tokens]))
         return out
 
     def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
-        return [(stream.decode(), entry_id.decode(), job, True) for stream, entries in resp or []
-                for entry_id, fields in entries
-                if (job := self._job(stream.decode(), entry_id.decode(), fields.get(b"job"))) is not None]
+        return self._jobs([(stream, entry_id, fields.get(b"job")) for stream, entries in resp or []
+                           for entry_id, fields in entries])
+
+    def _jobs(self, entries: list, first: bool = True) -> list[tuple[str, str, Job, bool]]:
+        """(stream, entry id, raw job) as Redis returns them -> (stream, entry id, job, first delivery);
+        malformed entries are dropped."""
+        out = []
+        for stream, entry_id, raw in entries:
+            stream = stream.decode() if isinstance(stream, bytes) else stream
+            entry_id = entry_id.decode()
+            if (job := self._job(stream, entry_id, raw)) is not None:
+                out.append((stream, entry_id, job, first))
+        return out
 
     def _job(self, stream: str, entry_id: str, raw: bytes | None) -> Job | None:
         """The job in a stream entry; a malformed entry is dropped (acked and deleted), never fatal."""
@@ -288,9 +300,7 @@ class PrefillWorker:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": f"KV handoff: {e.details()}"})
-                # No blocks on the decode side in time: overload. Anything else is ours, not the client's.
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else \
-                    grpc.StatusCode.UNAVAILABLE if e.code() == grpc.StatusCode.UNAVAILABLE else grpc.StatusCode.INTERNAL
+                code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
                 self._fail(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)

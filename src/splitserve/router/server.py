@@ -113,7 +113,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if not self.workers:
             raise Unavailable("no decode worker is registered; retry shortly")
         largest = max(w.kv_capacity_tokens for w in self.workers)
-        if 0 < largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):
+        if largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):  # 0: an older worker, unknown
             raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens = {need_tokens} tokens can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
