@@ -72,13 +72,16 @@ def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: i
     return running / percentile(times, 50)
 
 
-def gemm_gflops(n: int = 2048, reps: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b
+    sync()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         a @ b
+        sync()
         times.append(time.perf_counter() - t)
     return 2 * n**3 / percentile(times, 50) / 1e9
 
@@ -102,17 +105,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=default_workload_dir())
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
     ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     loaded = load_model(ModelSpec(path=args.model))
-    base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30)
+    base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30,
+                        device=args.device)
     mixed = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"))
     short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
     n_mixed, n_short = (8, 16) if args.quick else (32, 64)
-    results: dict = {"threads": base.threads(), "torch": torch.__version__, "policies": {}}
+    results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device, "policies": {}}
     torch.set_num_threads(base.threads())
 
     policies = {
@@ -145,9 +150,9 @@ def main(argv=None) -> int:
 
     if not args.skip_full:
         items = mixed[:16] if args.quick else mixed
-        gemm_before = gemm_gflops()
+        gemm_before = gemm_gflops(args.device)
         full = run_workload(eng, items)
-        gemm_after = gemm_gflops()
+        gemm_after = gemm_gflops(args.device)
         flops = workload_flops(eng, items)
         achieved = flops / full["wall_s"] / 1e9
         gemm = (gemm_before + gemm_after) / 2

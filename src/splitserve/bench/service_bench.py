@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     results: dict = {"requests": len(heavy), "rounds": []}
     settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24)
     with Stack(settings) as stack:
-        engine = LLMEngine(EngineConfig(num_threads=args.threads))
+        engine = LLMEngine(EngineConfig(num_threads=args.threads, device=settings.device))
         service_run(stack.router_address, items[:2])  # warm-up
         run_workload(engine, items[:2])
         for r in range(args.rounds if args.requests else 0):

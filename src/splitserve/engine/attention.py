@@ -4,6 +4,11 @@ Each sequence in the batch has ``q_len`` new tokens at the end of ``ctx_len`` to
 context. A first prefill chunk (``q_len == ctx_len``) attends to its own fresh K/V;
 every other sequence reads its context from the paged cache through one gather per
 layer (the slot list is the same for every layer, so it is built once per step).
+
+Without the C kernel (the torch backend, and every CUDA device) the single-token
+decodes are done together: one gather of their contexts padded to the longest and
+one masked SDPA call per layer, so a step's kernel launches do not grow with the
+number of running sequences.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ class RaggedBatch:
     seqs: list[AttnSeq]
     ctx_slots: torch.Tensor | None  # [sum ctx_len of cache-reading seqs] int64
     ctx_info: torch.Tensor | None = None  # [cache-reading seqs, 4] int64: q_start, q_len, ctx_len, ctx_off
+    # torch backend: single-token decodes, batched (not in ``seqs``)
+    dec_rows: torch.Tensor | None = None  # [S] int64, their rows of the batch
+    dec_slots: torch.Tensor | None = None  # [S, longest ctx] int64, each one's context slots, padded with 0
+    dec_mask: torch.Tensor | None = None  # [S, 1, 1, longest ctx] bool, False on the padding
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +53,22 @@ class RaggedBatch:
         call straight from the paged cache; fresh prefills still use torch's SDPA.
         """
         T, Hq, D = q.shape
-        out = torch.empty(T, Hq * D, dtype=q.dtype)
+        out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
+        if self.dec_rows is not None:
+            S, L = self.dec_slots.shape
+            Hkv = k_cache.shape[1]
+            kd = k_cache.index_select(0, self.dec_slots.view(-1)).view(S, L, Hkv, D).transpose(1, 2)
+            vd = v_cache.index_select(0, self.dec_slots.view(-1)).view(S, L, Hkv, D).transpose(1, 2)
+            every = S == T  # a pure decode step: the rows are the whole batch, in order
+            qd = q if every else q.index_select(0, self.dec_rows)
+            # GQA without repeating K/V: a KV head's query heads are its "query positions"
+            # (head h reads KV head h // G), so SDPA runs its plain kernel, not the math fallback.
+            qd = qd.reshape(S, Hkv, Hq // Hkv, D)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.dec_mask, scale=scale)
+            if every:
+                out.copy_(o.reshape(S, Hq * D))
+            else:
+                out.index_copy_(0, self.dec_rows, o.reshape(S, Hq * D))
         if self.ctx_slots is not None:
             if kernel is not None:
                 kernel(q, k_cache, v_cache, self.ctx_info, self.ctx_slots, scale, out)
@@ -59,13 +83,29 @@ class RaggedBatch:
             if s.ctx_off < 0:
                 ki = k[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hkv, q_len, D]
                 vi = v[a:b].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=s.q_len > 1, scale=scale, enable_gqa=True)
+                o = sdpa_gqa(qi, ki, vi, None, s.q_len > 1, scale)
             else:
                 c, d = s.ctx_off, s.ctx_off + s.ctx_len
                 ki, vi = K[:, c:d].unsqueeze(0), V[:, c:d].unsqueeze(0)  # [1, Hkv, ctx, D]
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=s.mask, scale=scale, enable_gqa=True)
+                o = sdpa_gqa(qi, ki, vi, s.mask, False, scale)
             out[a:b] = o[0].transpose(0, 1).reshape(s.q_len, Hq * D)
         return out
+
+
+def sdpa_gqa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
+    """SDPA with fewer K/V heads than query heads. q: [1, Hq, n, D]; k, v: [1, Hkv, m, D].
+
+    On the CPU, torch's own GQA path (the results the tests pin). Elsewhere K/V are
+    repeated first: with ``enable_gqa`` CUDA falls back to the math kernel (~10 launches).
+    """
+    if q.device.type == "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    B, Hkv, m, D = k.shape
+    G = q.shape[1] // Hkv
+    if G > 1:
+        k = k.unsqueeze(2).expand(B, Hkv, G, m, D).reshape(B, Hkv * G, m, D)
+        v = v.unsqueeze(2).expand(B, Hkv, G, m, D).reshape(B, Hkv * G, m, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
 def chunk_mask(q_len: int, ctx_len: int) -> torch.Tensor | None:

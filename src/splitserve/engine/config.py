@@ -41,6 +41,7 @@ class EngineConfig:
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
     small_gemm: bool = True  # matmuls of <= 8 rows through the weight-streaming C kernel (AVX2)
+    device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -56,6 +57,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("native", "torch"):
             raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

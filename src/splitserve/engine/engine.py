@@ -39,22 +39,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
         torch.set_num_threads(config.threads())
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: this torch build sees no CUDA device")
         loaded = loaded or load_model(config.model)
         self.model = LlamaModel(loaded)
-        if config.attention_backend == "native":
+        on_cpu = self.device.type == "cpu"
+        if config.attention_backend == "native" and on_cpu:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
                 self.model.attn_kernel = native.PagedAttention(lib, config.threads())
-        if config.small_gemm:
+        if config.small_gemm and on_cpu:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
                 self.model.use_small_gemm(native.SmallGemm(lib, config.threads()))
+        self.model.to(self.device)
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
         shape = self.model.shape
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
-        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size)
+        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device)
         self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.padded = PaddedBatcher(self.model, config) if config.policy != "continuous" else None
         self.seqs: dict[str, Sequence] = {}
@@ -219,8 +224,12 @@ class LLMEngine:
         slot_mapping: list[torch.Tensor] = []
         ctx_slots: list[torch.Tensor] = []
         ctx_info: list[tuple[int, int, int, int]] = []
+        dec_rows: list[int] = []  # torch backend: single-token decodes, batched
+        dec_slots: list[torch.Tensor] = []
         logits_rows: list[int] = []
         seqs: list[AttnSeq] = []
+        kernel = self.model.attn_kernel is not None
+        dev = self.device
         ctx_off = 0
         for s in sched.scheduled:
             seq, n = s.seq, s.num_tokens
@@ -234,22 +243,33 @@ class LLMEngine:
             else:
                 slots = self.cache.slots(seq.block_table, 0, end)
                 slot_mapping.append(slots[start:])
-                ctx_slots.append(slots)
-                mask = chunk_mask(n, end) if self.model.attn_kernel is None else None
-                seqs.append(AttnSeq(q_start, n, end, ctx_off, mask))
-                ctx_info.append((q_start, n, end, ctx_off))
-                ctx_off += end
+                if n == 1 and not kernel:
+                    dec_rows.append(q_start)
+                    dec_slots.append(slots)
+                else:
+                    ctx_slots.append(slots)
+                    mask = None if kernel else chunk_mask(n, end).to(dev)
+                    seqs.append(AttnSeq(q_start, n, end, ctx_off, mask))
+                    ctx_info.append((q_start, n, end, ctx_off))
+                    ctx_off += end
             if s.samples:
                 logits_rows.append(len(ids) - 1)
-        return RaggedBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.cat(positions),
-            slot_mapping=torch.cat(slot_mapping),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64),
+        batch = RaggedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
+            positions=torch.cat(positions).to(dev),
+            slot_mapping=torch.cat(slot_mapping).to(dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
             seqs=seqs,
-            ctx_slots=torch.cat(ctx_slots) if ctx_slots else None,
+            ctx_slots=torch.cat(ctx_slots).to(dev) if ctx_slots else None,
             ctx_info=torch.tensor(ctx_info, dtype=torch.int64) if ctx_info else None,
         )
+        if dec_rows:
+            lens = torch.tensor([len(t) for t in dec_slots])
+            padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)  # [S, longest], 0-padded
+            batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
+            batch.dec_slots = padded.to(dev)
+            batch.dec_mask = (torch.arange(padded.shape[1]) < lens.unsqueeze(1)).view(len(dec_rows), 1, 1, -1).to(dev)
+        return batch
 
     # -- after sampling ---------------------------------------------------------------------
 

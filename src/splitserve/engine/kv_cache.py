@@ -42,14 +42,15 @@ class BlockPool:
 
 
 class PagedKVCache:
-    def __init__(self, shape: ModelShape, cache_bytes: int, block_size: int):
+    def __init__(self, shape: ModelShape, cache_bytes: int, block_size: int, device: torch.device | None = None):
         per_block = shape.kv_bytes_per_token * block_size
         num_blocks = max(1, cache_bytes // per_block)
         self.pool = BlockPool(num_blocks, block_size)
         # kv: [layers, 2 (k, v), num_blocks * block_size, Hkv, D]. NOTE: zeroed (pages faulted in)
         # at start-up; faulting them lazily cost 15x on the first KV writes of a busy step.
         self.kv = torch.zeros(
-            shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim, dtype=torch.float32
+            shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim, dtype=torch.float32,
+            device=device,
         )
 
     @property

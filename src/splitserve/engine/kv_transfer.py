@@ -71,7 +71,10 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None) -> KVEx
         model.fingerprint.encode(),
     )
     dest[: len(header)] = header
-    torch.index_select(kv, 2, slots, out=_body(dest, shape, n))
+    if kv.device.type == "cpu":
+        torch.index_select(kv, 2, slots, out=_body(dest, shape, n))
+    else:
+        _body(dest, shape, n).copy_(kv.index_select(2, slots.to(kv.device)))
     state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
     return KVExport(
         request_id=seq.request_id,
@@ -109,4 +112,4 @@ def check(model, export: KVExport, payload) -> None:
 
 
 def load(model, kv: torch.Tensor, slots: torch.Tensor, payload, n: int) -> None:
-    kv.index_copy_(2, slots, _body(payload, model.shape, n))
+    kv.index_copy_(2, slots.to(kv.device), _body(payload, model.shape, n).to(kv.device))

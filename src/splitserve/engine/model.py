@@ -9,6 +9,7 @@ so that greedy output matches its ``generate`` token for token.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -87,6 +88,22 @@ class LlamaModel:
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
         self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
         self.lm_head_packed: torch.Tensor | None = None
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device) -> None:
+        """Move the weights and rotary tables (the fingerprint was taken on the host copy)."""
+        if device == self.device:
+            return
+        assert self.small_gemm is None, "the small-GEMM kernel is CPU only"
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        self.embed, self.lm_head, self.norm = move(self.embed), move(self.lm_head), move(self.norm)
+        self.rope_cos, self.rope_sin = move(self.rope_cos), move(self.rope_sin)
+        self.layers = [
+            dataclasses.replace(layer, **{f.name: move(getattr(layer, f.name)) for f in dataclasses.fields(Layer)
+                                          if f.name != "packed"})
+            for layer in self.layers
+        ]
+        self.device = device
 
     def use_small_gemm(self, small_gemm) -> None:
         """Route matmuls of <= 8 rows (decode with few sequences) to the weight-streaming kernel."""
@@ -123,6 +140,8 @@ class LlamaModel:
     # -- pieces shared by the ragged and the padded forward ---------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel instead of six launches
+            return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_eps)
         # Same op order as transformers' LlamaRMSNorm (fp32 throughout).
         var = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(var + self.shape.rms_eps))
@@ -190,14 +209,15 @@ class LlamaModel:
             q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
             kv[li, 0, :, :, start:end] = k.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
             kv[li, 1, :, :, start:end] = v.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2),  # [B, Hq, L, D]
-                kv[li, 0, :, :, :end],  # [B, Hkv, end, D]
-                kv[li, 1, :, :, :end],
-                attn_mask=mask,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
+            qh = q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+            kc, vc = kv[li, 0, :, :, :end], kv[li, 1, :, :, :end]  # [B, Hkv, end, D]
+            if L == 1 and x.is_cuda:  # decode: a KV head's query heads act as its query positions
+                g = s.num_heads // s.num_kv_heads
+                o = F.scaled_dot_product_attention(qh.reshape(B, s.num_kv_heads, g, s.head_dim), kc, vc,
+                                                   attn_mask=mask, scale=self.scaling)
+                o = o.reshape(B, s.num_heads, 1, s.head_dim)
+            else:
+                o = sdpa_gqa(qh, kc, vc, mask, False, self.scaling)
             x = x + self.mm(o.transpose(1, 2).reshape(B * L, -1), layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         return self.logits(x.view(B, L, -1)[:, -1])
@@ -232,4 +252,4 @@ def _fingerprint(shape: ModelShape, cfg, sd: dict) -> str:
     return h.hexdigest()[:32]
 
 
-from splitserve.engine.attention import RaggedBatch  # noqa: E402  (type used above)
+from splitserve.engine.attention import RaggedBatch, sdpa_gqa  # noqa: E402  (used above)

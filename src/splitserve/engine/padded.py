@@ -83,7 +83,8 @@ class PaddedBatcher:
         self.pad = [L - n_ for n_ in lens]
         max_new = max(s.params.max_tokens - s.num_output for s in seqs)
         shape = self.model.shape
-        self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, L + max_new, shape.head_dim)
+        self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, L + max_new, shape.head_dim,
+                              device=self.model.device)
         ids = torch.full((B, L), _PAD, dtype=torch.int64)
         for i, s in enumerate(seqs):
             ids[i, self.pad[i] :] = torch.tensor(s.token_ids)
@@ -110,13 +111,12 @@ class PaddedBatcher:
     def _forward(self, engine, ids, positions, mask, padding: int) -> list:
         stats = self.last_stats
         t = time.perf_counter()
-        logits = self.model.forward_padded(ids, positions, mask, self.kv, self.cur)
+        dev = self.model.device
+        logits = self.model.forward_padded(ids.to(dev), positions.to(dev), mask.to(dev), self.kv, self.cur)
         stats.forward_time_s = time.perf_counter() - t
         self.cur += ids.shape[1]
         stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), ids.numel(), padding
         stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
-
-
         live = [i for i, a in enumerate(self.active) if a]
         t = time.perf_counter()
         tokens = sample(logits[live], [engine._sample_row(self.rows[i]) for i in live])

@@ -87,8 +87,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
             logits[i, list(row.banned)] = -math.inf
     out = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
-        if not row.params.greedy:
-            out[i] = _sample_one(logits[i], row.params, row.generator)
+        if not row.params.greedy:  # on the host: the request's generator is a CPU one, and travels with its KV
+            out[i] = _sample_one(logits[i].cpu(), row.params, row.generator)
     return out
 
 

@@ -27,6 +27,7 @@ class Settings:
     advertise: str = ""  # address other processes use to reach this one (default host:port)
     worker_id: str = ""  # default: role-hostname-pid
     threads: int = 0  # torch threads; 0 = every core
+    device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
@@ -72,6 +73,7 @@ class Settings:
                      "arena_bytes", "kv_chunk_bytes", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        EngineConfig(device=self.device)  # the same check as the engine's, at start-up
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
 
@@ -112,11 +114,11 @@ class Settings:
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
                                 kv_cache_bytes=self.prefill_kv_cache_bytes, block_size=self.block_size,
-                                num_threads=self.threads)
+                                num_threads=self.threads, device=self.device)
         return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size,
-                            num_threads=self.threads)
+                            num_threads=self.threads, device=self.device)
 
 
 def needs_colocated(policy: str) -> bool:
