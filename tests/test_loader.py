@@ -59,3 +59,26 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert lines == [f"splitserve: error: model path does not exist: {tmp_path / 'missing.gguf'}"]
+
+
+def test_gguf_cache_is_keyed_by_content_not_path(tmp_path):
+    """Two installs of the same GGUF share one converted copy; a changed file gets its own."""
+    import shutil
+    import time
+
+    from splitserve.engine.loader import _cache_folder
+
+    a = tmp_path / "venv-a" / "m.gguf"
+    b = tmp_path / "venv-b" / "m.gguf"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_bytes(os.urandom(1 << 20))
+    time.sleep(0.01)
+    shutil.copyfile(a, b)  # another path, another mtime
+    assert os.stat(a).st_mtime_ns != os.stat(b).st_mtime_ns
+    cache = str(tmp_path / "cache")
+    assert _cache_folder(str(a), cache) == _cache_folder(str(b), cache)
+    data = bytearray(b.read_bytes())
+    data[len(data) // 2] ^= 1
+    b.write_bytes(bytes(data))
+    assert _cache_folder(str(a), cache) != _cache_folder(str(b), cache)
