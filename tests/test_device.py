@@ -4,29 +4,15 @@ The CUDA tests need a CUDA device and are skipped (and reported as skipped) with
 one; CI has none. The first tests run everywhere.
 """
 
-import random
-
 import pytest
 import torch
+from engine_helpers import drain, random_prompts
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service.settings import Settings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
-
-
-def _prompts(n, lo=4, hi=120, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def _drain(engine):
-    got = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return got
 
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:", "CPU"])
@@ -47,7 +33,7 @@ def test_cuda_without_a_cuda_device_is_refused_at_start(tiny_loaded):
 
 def test_batched_decode_attention_equals_one_sequence_at_a_time(tiny_engine_factory):
     """The torch backend's padded decode attention (every CUDA step uses it) against the C kernel."""
-    prompts = _prompts(9, seed=11)
+    prompts = random_prompts(9, seed=11)
     params = [SamplingParams(max_tokens=10 + 2 * i, ignore_eos=True) for i in range(9)]
     eng = tiny_engine_factory(attention_backend="torch")
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -69,7 +55,7 @@ def test_batched_decode_attention_equals_one_sequence_at_a_time(tiny_engine_fact
 @cuda
 @pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
 def test_cuda_engine_gives_the_cpu_engines_greedy_tokens(tiny_engine_factory, policy):
-    prompts = _prompts(10, seed=21)
+    prompts = random_prompts(10, seed=21)
     params = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(10)]
     want = tiny_engine_factory().generate(prompts, params)
     gpu = tiny_engine_factory(device="cuda", policy=policy, max_batch_size=4, static_batch_size=4, max_wait_ms=1)
@@ -80,17 +66,13 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens(tiny_engine_factory, po
 
 @cuda
 def test_cuda_chunked_prefill_and_preemption_keep_the_tokens(tiny_engine_factory):
-    prompts = _prompts(6, lo=60, hi=200, seed=5)
+    prompts = random_prompts(6, lo=60, hi=200, seed=5)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = tiny_engine_factory().generate(prompts, params)
     small = tiny_engine_factory(device="cuda", max_num_batched_tokens=40, kv_cache_bytes=24 * 16 * 2 * 2 * 2 * 16 * 4)
     for i, p in enumerate(prompts):
         small.add_request(f"r{i}", p, params)
-    got, preempted = {}, 0
-    while small.has_unfinished():
-        for out in small.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        preempted += small.last_stats.num_preempted
+    got, _, preempted = drain(small)
     assert preempted > 0
     assert [got[f"r{i}"] for i in range(6)] == want
 
@@ -99,7 +81,7 @@ def test_cuda_chunked_prefill_and_preemption_keep_the_tokens(tiny_engine_factory
 @pytest.mark.parametrize("src, dst", [("cpu", "cuda"), ("cuda", "cpu"), ("cuda", "cuda")])
 def test_kv_moves_between_devices(tiny_engine_factory, src, dst):
     """A prefill engine on one device hands its KV to a decode engine on another; tokens are unchanged."""
-    prompts = _prompts(4, seed=31)
+    prompts = random_prompts(4, seed=31)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = tiny_engine_factory().generate(prompts, params)
     a, b = tiny_engine_factory(device=src), tiny_engine_factory(device=dst)
@@ -114,20 +96,20 @@ def test_kv_moves_between_devices(tiny_engine_factory, src, dst):
         export = a.export_kv(rid, buf)
         a.release(rid)
         first[rid] = b.import_kv(export, buf).new_token_ids
-    rest = _drain(b)
+    rest = drain(b).tokens
     assert [first[f"r{i}"] + rest.get(f"r{i}", []) for i in range(len(prompts))] == want
 
 
 @cuda
 def test_cuda_seeded_sampling_is_independent_of_the_batch(tiny_engine_factory):
     eng = tiny_engine_factory(device="cuda")
-    prompt = _prompts(1, seed=3)[0]
+    prompt = random_prompts(1, seed=3)[0]
     seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = eng.generate([prompt], seeded)[0]
     eng.add_request("seeded", prompt, seeded)
-    for i, p in enumerate(_prompts(5, seed=7)):
+    for i, p in enumerate(random_prompts(5, seed=7)):
         eng.add_request(f"noise-{i}", p, SamplingParams(max_tokens=8 + i, temperature=0.8, ignore_eos=True))
-    assert _drain(eng)["seeded"] == alone
+    assert drain(eng).tokens["seeded"] == alone
 
 
 @cuda

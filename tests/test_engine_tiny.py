@@ -1,31 +1,15 @@
 """Engine behaviour on a tiny random Llama: fast, and independent of the real weights."""
 
-import random
-
 import pytest
+from engine_helpers import drain, random_prompts
 
 from splitserve.engine.errors import InvalidRequestError, KVImportError
 from splitserve.engine.sampling import SamplingParams
 
 
-def _prompts(n, lo=4, hi=120, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def _drain(engine):
-    got, reasons = {}, {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
-    return got, reasons
-
-
 def test_batched_equals_one_at_a_time(tiny_engine_factory):
     eng = tiny_engine_factory()
-    prompts = _prompts(12)
+    prompts = random_prompts(12)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     alone = [eng.generate([p], params)[0] for p in prompts]
     assert eng.generate(prompts, params) == alone
@@ -34,43 +18,38 @@ def test_batched_equals_one_at_a_time(tiny_engine_factory):
 
 def test_same_seed_same_tokens_alone_and_in_a_busy_batch(tiny_engine_factory):
     eng = tiny_engine_factory()
-    prompt = _prompts(1, seed=3)[0]
+    prompt = random_prompts(1, seed=3)[0]
     seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = eng.generate([prompt], seeded)[0]
     # the same request amid greedy and other random requests that join at other steps
-    eng.add_request("noise-0", _prompts(1, seed=9)[0], SamplingParams(max_tokens=30, temperature=1.3, ignore_eos=True))
+    eng.add_request("noise-0", random_prompts(1, seed=9)[0], SamplingParams(max_tokens=30, temperature=1.3, ignore_eos=True))
     eng.step()
     eng.add_request("seeded", prompt, seeded)
-    for i, p in enumerate(_prompts(6, seed=5)):
+    for i, p in enumerate(random_prompts(6, seed=5)):
         eng.add_request(f"noise-{i + 1}", p, SamplingParams(max_tokens=10 + i, temperature=0.7 * (i % 2), ignore_eos=True))
-    got, _ = _drain(eng)
+    got = drain(eng).tokens
     assert got["seeded"] == alone
     other_seed = eng.generate([prompt], SamplingParams(**{**seeded.__dict__, "seed": 99}))[0]
     assert other_seed != alone  # the seed is really used
 
 
 def test_tiny_pool_completes_every_request_by_preemption(tiny_engine_factory):
-    prompts = _prompts(10, lo=20, hi=60, seed=1)
+    prompts = random_prompts(10, lo=20, hi=60, seed=1)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     roomy = tiny_engine_factory().generate(prompts, params)
     # 12 blocks of 16 tokens: room for ~2 sequences of the 10 at once
     small = tiny_engine_factory(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
     assert small.cache.pool.num_blocks == 12
-    preempted = 0
     for i, p in enumerate(prompts):
         small.add_request(f"r{i}", p, params)
-    got = {}
-    while small.has_unfinished():
-        for out in small.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        preempted += small.last_stats.num_preempted
+    got, _, preempted = drain(small)
     assert preempted > 0
     assert [got[f"r{i}"] for i in range(10)] == roomy
 
 
 def test_no_blocks_held_after_finished_cancelled_and_preempted(tiny_engine_factory):
     eng = tiny_engine_factory(kv_cache_bytes=20 * 16 * 2 * 2 * 2 * 16 * 4)
-    prompts = _prompts(8, lo=10, hi=80, seed=4)
+    prompts = random_prompts(8, lo=10, hi=80, seed=4)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=30 + i, ignore_eos=i % 2 == 0))
     eng.step()
@@ -80,7 +59,7 @@ def test_no_blocks_held_after_finished_cancelled_and_preempted(tiny_engine_facto
     eng.abort_request("r0")  # running
     cancelled = eng.abort_request("r1")
     assert cancelled.finished and cancelled.finish_reason == "cancelled"
-    _, reasons = _drain(eng)
+    reasons = drain(eng).reasons
     assert eng.cache.pool.num_used == 0
     assert set(reasons) <= {f"r{i}" for i in range(2, 7)}
     assert eng.abort_request("r0") is None  # already gone: nothing to do
@@ -88,7 +67,7 @@ def test_no_blocks_held_after_finished_cancelled_and_preempted(tiny_engine_facto
 
 @pytest.mark.parametrize("policy", ["dynamic", "static"])
 def test_padded_policies_give_the_same_greedy_tokens(tiny_engine_factory, policy):
-    prompts = _prompts(7, seed=2)
+    prompts = random_prompts(7, seed=2)
     params = [SamplingParams(max_tokens=5 + 3 * i, ignore_eos=True) for i in range(7)]
     want = tiny_engine_factory().generate(prompts, params)
     eng = tiny_engine_factory(policy=policy, max_batch_size=4, static_batch_size=4, max_wait_ms=5)
@@ -110,7 +89,7 @@ def test_padded_policies_give_the_same_greedy_tokens(tiny_engine_factory, policy
 
 
 def test_prefill_chunks_under_a_small_token_budget(tiny_engine_factory):
-    prompts = _prompts(4, lo=100, hi=200, seed=8)
+    prompts = random_prompts(4, lo=100, hi=200, seed=8)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = tiny_engine_factory().generate(prompts, params)
     eng = tiny_engine_factory(max_num_batched_tokens=32)
@@ -128,7 +107,7 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny_engine_factory):
     eng = tiny_engine_factory(max_num_seqs=1)  # one at a time: the finish order is the schedule's order
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     for rid, prio in [("low", 1), ("a", 0), ("b", 0), ("high", -1), ("c", 0), ("urgent", -5), ("low2", 1)]:
-        eng.add_request(rid, _prompts(1, seed=len(rid))[0], params, priority=prio)
+        eng.add_request(rid, random_prompts(1, seed=len(rid))[0], params, priority=prio)
     order = []
     while eng.has_unfinished():
         order += [out.request_id for out in eng.step() if out.finished]
@@ -137,7 +116,7 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny_engine_factory):
 
 def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     a, b = tiny_engine_factory(), tiny_engine_factory()
-    prompt = _prompts(1, seed=6)[0]
+    prompt = random_prompts(1, seed=6)[0]
     a.add_request("x", prompt, SamplingParams(max_tokens=5, ignore_eos=True), prefill_only=True)
     while "x" not in a.parked:
         a.step()
@@ -160,7 +139,7 @@ def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
         b.import_kv(export, corrupt)
     assert b.cache.pool.num_used == 0
     b.import_kv(export, buf)  # the genuine one is accepted
-    _drain(b)
+    drain(b)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +174,7 @@ def test_bad_requests_name_the_field(tiny_engine_factory):
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match="request_id"):
         eng.add_request("a", [5, 6], SamplingParams())
-    _drain(eng)
+    drain(eng)
 
 
 def test_step_stats_describe_the_step(tiny_engine_factory):
@@ -208,4 +187,4 @@ def test_step_stats_describe_the_step(tiny_engine_factory):
     assert s.step_time_s > 0 and s.forward_time_s > 0
     eng.step()
     assert (eng.last_stats.num_decode_tokens, eng.last_stats.num_prefill_tokens) == (1, 0)
-    _drain(eng)
+    drain(eng)

@@ -60,15 +60,11 @@ class RaggedBatch:
             kd = k_cache.index_select(0, self.dec_slots.view(-1)).view(S, L, Hkv, D).transpose(1, 2)
             vd = v_cache.index_select(0, self.dec_slots.view(-1)).view(S, L, Hkv, D).transpose(1, 2)
             every = S == T  # a pure decode step: the rows are the whole batch, in order
-            qd = q if every else q.index_select(0, self.dec_rows)
-            # GQA without repeating K/V: a KV head's query heads are its "query positions"
-            # (head h reads KV head h // G), so SDPA runs its plain kernel, not the math fallback.
-            qd = qd.reshape(S, Hkv, Hq // Hkv, D)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.dec_mask, scale=scale)
+            o = sdpa_decode(q if every else q.index_select(0, self.dec_rows), kd, vd, self.dec_mask, scale)
             if every:
-                out.copy_(o.reshape(S, Hq * D))
+                out.copy_(o)
             else:
-                out.index_copy_(0, self.dec_rows, o.reshape(S, Hq * D))
+                out.index_copy_(0, self.dec_rows, o)
         if self.ctx_slots is not None:
             if kernel is not None:
                 kernel(q, k_cache, v_cache, self.ctx_info, self.ctx_slots, scale, out)
@@ -90,6 +86,18 @@ class RaggedBatch:
                 o = sdpa_gqa(qi, ki, vi, s.mask, False, scale)
             out[a:b] = o[0].transpose(0, 1).reshape(s.q_len, Hq * D)
         return out
+
+
+def sdpa_decode(q, k, v, mask, scale: float) -> torch.Tensor:
+    """One new token per sequence. q: [S, Hq, D]; k, v: [S, Hkv, L, D]; mask: [S, 1, 1, L] -> [S, Hq*D].
+
+    GQA without repeating K/V: a KV head's query heads are its "query positions" (head h
+    reads KV head h // G), so SDPA runs its plain kernel, not the math fallback.
+    """
+    S, Hq, D = q.shape
+    Hkv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.reshape(S, Hkv, Hq // Hkv, D), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(S, Hq * D)
 
 
 def sdpa_gqa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:

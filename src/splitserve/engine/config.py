@@ -11,6 +11,12 @@ Policy = Literal["continuous", "dynamic", "static"]
 POLICIES = ("continuous", "dynamic", "static")
 
 
+def check_device(device: str) -> None:
+    """The torch devices an engine accepts; whether it is present is checked when the engine starts."""
+    if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model to load.
@@ -57,9 +63,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("native", "torch"):
             raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
-        if not (self.device == "cpu" or self.device == "cuda" or
-                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        check_device(self.device)
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

@@ -209,16 +209,13 @@ class LlamaModel:
             q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
             kv[li, 0, :, :, start:end] = k.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
             kv[li, 1, :, :, start:end] = v.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            qh = q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2)  # [B, Hq, L, D]
             kc, vc = kv[li, 0, :, :, :end], kv[li, 1, :, :, :end]  # [B, Hkv, end, D]
-            if L == 1 and x.is_cuda:  # decode: a KV head's query heads act as its query positions
-                g = s.num_heads // s.num_kv_heads
-                o = F.scaled_dot_product_attention(qh.reshape(B, s.num_kv_heads, g, s.head_dim), kc, vc,
-                                                   attn_mask=mask, scale=self.scaling)
-                o = o.reshape(B, s.num_heads, 1, s.head_dim)
+            if L == 1 and x.is_cuda:  # decode: q is [B, Hq, D]
+                attn = sdpa_decode(q, kc, vc, mask, self.scaling)
             else:
-                o = sdpa_gqa(qh, kc, vc, mask, False, self.scaling)
-            x = x + self.mm(o.transpose(1, 2).reshape(B * L, -1), layer, "w_o")
+                qh = q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+                attn = sdpa_gqa(qh, kc, vc, mask, False, self.scaling).transpose(1, 2).reshape(B * L, -1)
+            x = x + self.mm(attn, layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         return self.logits(x.view(B, L, -1)[:, -1])
 
@@ -252,4 +249,4 @@ def _fingerprint(shape: ModelShape, cfg, sd: dict) -> str:
     return h.hexdigest()[:32]
 
 
-from splitserve.engine.attention import RaggedBatch, sdpa_gqa  # noqa: E402  (used above)
+from splitserve.engine.attention import RaggedBatch, sdpa_decode, sdpa_gqa  # noqa: E402  (used above)

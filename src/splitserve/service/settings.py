@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec
+from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Settings:
                      "arena_bytes", "kv_chunk_bytes", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        EngineConfig(device=self.device)  # the same check as the engine's, at start-up
+        check_device(self.device)
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
 
