@@ -33,6 +33,7 @@ def _finish(stack):
     try:
         wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
         assert keys_without_ttl(stack) == []
+        assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
     finally:
         stack.stop()
     assert all(p.popen.poll() is not None for p in stack.procs)
@@ -478,32 +479,62 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
-def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(stack, client):
-    from splitserve.service.redis_state import sampling_to_dict
+def _queue_counts(stack) -> list[int]:
+    """The admission hash's (requests, tokens)."""
+    r = stack.redis()
+    return [int(x or 0) for x in r.hmget(f"{stack.settings.redis_prefix}:admission", "requests", "tokens")]
+
+
+def _admitted_by_hand(stack, stub, rid: str, n: int):
+    """What the router's admission does before it queues a job: the decode stream, the request
+    hash and the admission counts. Returns the decode stream."""
     from splitserve_proto.v1 import worker_pb2 as w
+
+    r, p = stack.redis(), stack.settings.redis_prefix
+    stream = stub.Decode(w.DecodeRequest(request_id=rid, prompt_tokens=n), timeout=60)
+    assert next(stream).accepted
+    r.hset(f"{p}:req:{rid}", mapping={"state": "queued", "prompt_tokens": n})
+    r.expire(f"{p}:req:{rid}", 600)
+    r.hincrby(f"{p}:admission", "requests", 1)
+    r.hincrby(f"{p}:admission", "tokens", n)
+    return stream
+
+
+def _job_json(dec: dict, rid: str, token_ids: list[int], max_tokens: int = 3) -> dict:
+    from splitserve.service.redis_state import sampling_to_dict
+
+    return dict(request_id=rid, token_ids=token_ids,
+                sampling=sampling_to_dict(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+                decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
+                deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0)
+
+
+def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(stack, client):
     from splitserve_proto.v1 import worker_pb2_grpc
 
     r = stack.redis()
     p = stack.settings.redis_prefix
     stream = f"{p}:prefill"
     dec = workers(stack, "decode")[0]
-    job = dict(request_id="newer", token_ids=[1, 504, 3277, 28, 8296, 30],
-               sampling=sampling_to_dict(SamplingParams(max_tokens=3, ignore_eos=True)),
-               decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
-               deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0)
-    for fields in ({"job": "{not json"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"})},
-                   {"something": "else"}, {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"})}):
-        r.xadd(stream, fields)
-    # A job from a newer router: a field this version does not know. Queued as the router would.
+    job = _job_json(dec, "newer", [1, 504, 3277, 28, 8296, 30])
     ch = grpc.insecure_channel(dec["address"])
-    decode = worker_pb2_grpc.DecodeWorkerStub(ch).Decode(w.DecodeRequest(request_id="newer", prompt_tokens=6), timeout=60)
-    assert next(decode).accepted
+    stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+    before = _queue_counts(stack)
+    typo = _admitted_by_hand(stack, stub, "typo", 3)  # its token_ids are a string: dropped, and its stream must end now
+    r.hincrby(f"{p}:admission", "requests", 2)  # two unreadable entries that admission counted
+    r.hincrby(f"{p}:admission", "tokens", 7 + 5)
+    for fields in ({"job": "{not json", "tokens": "7"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"}),
+                   "tokens": "5"}, {"something": "else", "tokens": "-4"}, {"job": "{}", "tokens": "lots"},
+                   {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"}), "tokens": "3"}):
+        r.xadd(stream, fields)
+    ended = list(typo)
+    assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
+    assert "malformed prefill job" in ended[0].error and "token_ids" in ended[0].error
+    assert r.hget(f"{p}:req:typo", "state") == b"failed"
+    # A job from a newer router: a field this version does not know. Queued as the router would.
     ids = job["token_ids"]
-    r.hset(f"{p}:req:newer", mapping={"state": "queued", "prompt_tokens": len(ids)})
-    r.expire(f"{p}:req:newer", 600)
-    r.hincrby(f"{p}:admission", "requests", 1)
-    r.hincrby(f"{p}:admission", "tokens", len(ids))
-    r.xadd(stream, {"job": json.dumps(job | {"a_field_from_the_future": {"x": 1}})})
+    decode = _admitted_by_hand(stack, stub, "newer", len(ids))
+    r.xadd(stream, {"job": json.dumps(job | {"a_field_from_the_future": {"x": 1}}), "tokens": str(len(ids))})
     events = list(decode)
     ch.close()
     assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
@@ -511,7 +542,34 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
         [t for e in events for t in e.token_ids]
     wait_for(lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0,
              what="every entry acked and deleted")
+    # every count admission took came back, and the entries admission never counted took none
+    wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
     assert all(pr.popen.poll() is None for pr in stack.procs)
+
+
+def test_a_job_pulled_by_a_worker_that_died_before_picking_it_up_returns_its_counts_once(stack, client):
+    """A worker that read a job and died before its pickup never returned the job's admission
+    counts; the worker that claims it must, once, and serve it."""
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    r = stack.redis()
+    p = stack.settings.redis_prefix
+    stream = f"{p}:prefill"
+    dec = workers(stack, "decode")[0]
+    ch = grpc.insecure_channel(dec["address"])
+    before = _queue_counts(stack)
+    ids = [1, 504, 3277, 28, 8296, 30, 17]
+    decode = _admitted_by_hand(stack, worker_pb2_grpc.DecodeWorkerStub(ch), "ghosted", len(ids))
+    # queued and read by a consumer that then "dies", in one step, so no live worker reads it first
+    r.eval("redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'tokens', ARGV[2]) "
+           "return redis.call('XREADGROUP', 'GROUP', 'prefill', 'ghost', 'COUNT', 1, 'STREAMS', KEYS[1], '>')",
+           1, stream, json.dumps(_job_json(dec, "ghosted", ids)), len(ids))
+    assert _queue_counts(stack) == [before[0] + 1, before[1] + len(ids)]
+    events = list(decode)  # claimed after claim_idle_ms by the live worker, then served
+    ch.close()
+    assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
+    wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
+    r.xgroup_delconsumer(stream, "prefill", "ghost")
 
 
 def _fingerprint(stack) -> str:

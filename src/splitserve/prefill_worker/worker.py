@@ -15,6 +15,7 @@ every heartbeat so they are never taken from it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import logging
 import signal
 import sys
@@ -38,7 +39,8 @@ from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.errors import code_of
 from splitserve.service.grpc_server import OPTIONS
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import GROUP, PICKUP_LUA, PULL_LUA, Job, Keys, WorkerInfo, ensure_group, heartbeat
+from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, Job, Keys, WorkerInfo, ensure_group,
+                                             heartbeat)
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
@@ -85,6 +87,7 @@ class PrefillWorker:
         self.lock = threading.Lock()
         self.pickup = self.redis.register_script(PICKUP_LUA)
         self.pull_script = self.redis.register_script(PULL_LUA)
+        self.drop_script = self.redis.register_script(DROP_LUA)
         self.stop = threading.Event()
         self.address = ""
         self.metrics_address = ""
@@ -114,8 +117,8 @@ class PrefillWorker:
                 _, claimed, *_ = self.redis.xautoclaim(
                     stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
                 )
-                out += self._jobs([(stream, entry_id, fields.get(b"job")) for entry_id, fields in claimed if fields],
-                                  first=False)
+                out += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
+                                   for entry_id, fields in claimed if fields], first=False)
             if out:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(out))
                 self.metrics.jobs.labels("claimed").inc(len(out))
@@ -132,39 +135,56 @@ class PrefillWorker:
 
     def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
-        return self._jobs([(stream, entry_id, fields.get(b"job")) for stream, entries in resp or []
-                           for entry_id, fields in entries])
+        return self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
+                           for stream, entries in resp or [] for entry_id, fields in entries])
 
     def _jobs(self, entries: list, first: bool = True) -> list[tuple[str, str, Job, bool]]:
-        """(stream, entry id, raw job) as Redis returns them -> (stream, entry id, job, first delivery);
-        malformed entries are dropped."""
+        """(stream, entry id, raw job, raw token count) as Redis returns them -> (stream, entry id, job,
+        first delivery); malformed entries are dropped."""
         out = []
-        for stream, entry_id, raw in entries:
+        for stream, entry_id, raw, tokens in entries:
             stream = stream.decode() if isinstance(stream, bytes) else stream
             entry_id = entry_id.decode()
-            if (job := self._job(stream, entry_id, raw)) is not None:
+            if (job := self._job(stream, entry_id, raw, tokens)) is not None:
                 out.append((stream, entry_id, job, first))
         return out
 
-    def _job(self, stream: str, entry_id: str, raw: bytes | None) -> Job | None:
+    def _job(self, stream: str, entry_id: str, raw: bytes | None, tokens: bytes | None) -> Job | None:
         """The job in a stream entry; a malformed entry is dropped (acked and deleted), never fatal."""
+        d = None
         try:
             if not raw:
                 raise ValueError("the entry has no 'job' field")
-            job = Job.from_json(raw)
+            d = json.loads(raw)
+            job = Job.from_dict(d)
             if not (isinstance(job.token_ids, list) and all(type(t) is int for t in job.token_ids)
                     and isinstance(job.sampling, dict) and isinstance(job.request_id, str)
                     and isinstance(job.decode_address, str) and type(job.priority) is int):
                 raise ValueError("request_id, token_ids, sampling, decode_address or priority has the wrong type")
             return job
         except ValueError as e:  # json.JSONDecodeError included
-            self._drop(stream, entry_id, str(e))
+            rid, address = ((d.get("request_id"), d.get("decode_address")) if isinstance(d, dict) else (None, None))
+            self._drop(stream, entry_id, str(e), tokens,
+                       rid if isinstance(rid, str) and rid else None, address if isinstance(address, str) else None)
             return None
 
-    def _drop(self, stream: str, entry_id: str, why: str) -> None:
+    def _drop(self, stream: str, entry_id: str, why: str, tokens: bytes | None = None, request_id: str | None = None,
+              decode_address: str | None = None) -> None:
+        """Ack and delete an entry this worker cannot serve. Its admission counts go back (when the
+        entry says what admission counted), and a request that can be named fails now: its
+        hash says so and its decode stream, if the address is readable, ends with INTERNAL."""
         log.warning("dropping malformed job %s from %s: %s", entry_id, stream, why)
+        message = f"malformed prefill job: {why}"[:300]
+        try:
+            n = max(-1, int(tokens)) if tokens is not None else -1  # -1: admission never counted it
+        except ValueError:
+            n = -1
+        key = self.keys.req(request_id) if request_id else f"{self.keys.prefix}:dropped"  # no request's key
+        self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message])
         self._ack(stream, entry_id)
         self.metrics.jobs.labels("malformed").inc()
+        if request_id and decode_address:
+            self.pool.submit(self._fail_stream, request_id, decode_address, grpc.StatusCode.INTERNAL, message)
 
     def admit(self, stream: str, entry_id: str, job: Job, first: bool) -> None:
         if not first and job.request_id in self.inflight:  # our own job, re-delivered: already in hand
@@ -319,11 +339,14 @@ class PrefillWorker:
 
     def _fail(self, job: Job, code: grpc.StatusCode, message: str) -> None:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""
+        self._fail_stream(job.request_id, job.decode_address, code, message)
+
+    def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str) -> None:
         try:
-            self._stub(job.decode_address).Fail(w_pb.FailRequest(request_id=job.request_id, code=code.value[0],
-                                                                 message=message), timeout=5)
-        except grpc.RpcError as e:  # NOT_FOUND: the stream has ended already
-            log.info("could not end %s's decode stream with %s: %s %s", job.request_id, code.name, e.code(), e.details())
+            self._stub(address).Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message),
+                                     timeout=5)
+        except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
+            log.info("could not end %s's decode stream with %s: %s", request_id, code.name, e)
 
     def _chunks(self, req: w_pb.PutKVRequest, view: memoryview):
         step = self.s.kv_chunk_bytes
@@ -394,8 +417,8 @@ class PrefillWorker:
                     try:
                         self.admit(stream, entry_id, job, first)
                     except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
-                        self._drop(stream, entry_id, repr(e))
-                        self.pool.submit(self._fail, job, grpc.StatusCode.INTERNAL, f"malformed prefill job: {e!r}"[:300])
+                        # its pickup has returned the admission counts already (tokens None: not again)
+                        self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
             except redis.RedisError as e:
                 log.warning("pulling jobs failed: %s", e)
                 time.sleep(0.5)

@@ -40,28 +40,37 @@ local job = cjson.decode(ARGV[6])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
            'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
-if ARGV[7] ~= '0' then
-  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6])
+if ARGV[7] ~= '0' then  -- 'tokens' lets a worker return the counts of a job it cannot read
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n)
 end
 return {1, q + 1, t + n}
 """
 
-# A prefill worker took a job off the queue (first delivery only); colocated: the first token came.
+# Colocated mode (no stream): the router returns the counts when the first token came or the request ended.
 DEQUEUE_LUA = """
 redis.call('HINCRBY', KEYS[1], 'requests', -1)
 redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
 return 1
 """
 
-# A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
-# 1 if this is the job's first delivery (it leaves the admission counts), now, worker name,
-# deadline (unix, 0 = none). Returns "prefilling", "expired" (marked failed), or the
-# final state / "" of a request that is no longer wanted.
-PICKUP_LUA = """
-if ARGV[2] == '1' then
+# Leaving the queue returns a job's admission counts exactly once. The request hash remembers
+# it ('dequeued'), so a job claimed from a worker that died between pulling and picking it up
+# still returns them, and one picked up before that worker died does not return them twice.
+# A hash that is gone (expired) falls back to the delivery: only a first delivery returns them.
+# KEYS[1] admission, KEYS[2] request hash; ARGV[1] prompt tokens, ARGV[2] 1 if first delivery.
+_LEAVE_QUEUE = """
+local exists = redis.call('EXISTS', KEYS[2]) == 1
+if (exists and redis.call('HSETNX', KEYS[2], 'dequeued', 1) == 1) or (not exists and ARGV[2] == '1') then
   redis.call('HINCRBY', KEYS[1], 'requests', -1)
   redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
 end
+"""
+
+# A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
+# 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none).
+# Returns "prefilling", "expired" (marked failed), or the final state / "" of a request
+# that is no longer wanted.
+PICKUP_LUA = _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if not state or state == 'cancelled' or state == 'failed' or state == 'finished' then
   return state or ''
@@ -75,11 +84,22 @@ redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], '
 return 'prefilling'
 """
 
+# A prefill worker drops a job it cannot read. KEYS: admission hash, the request hash (a key no
+# request has when the id is unreadable). ARGV: the entry's 'tokens' as admission counted them
+# (-1: the entry has none, so admission never counted it), 1 (a dropped entry is acked, so this
+# is the only time it is seen), the error. Returns 1.
+DROP_LUA = "if ARGV[1] ~= '-1' then" + _LEAVE_QUEUE + """end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HSET', KEYS[2], 'state', 'failed', 'error', ARGV[3])
+end
+return 1
+"""
+
 # A prefill worker tops itself up: new jobs, one at a time and in priority order, until it
 # holds ARGV[3] jobs or ARGV[4] more prompt tokens (the last job may pass the token room;
 # the engine chunks it). One round trip for the whole top-up. KEYS: the streams, in the
 # order to pull them. ARGV: group, consumer, job room, token room.
-# Returns {stream, entry id, job json ('' if the entry has none)} per entry.
+# Returns {stream, entry id, job json ('' if the entry has none), tokens ('' if none)} per entry.
 PULL_LUA = """
 local out = {}
 local jobs, tokens = 0, 0
@@ -90,11 +110,11 @@ for _, stream in ipairs(KEYS) do
     if not got then break end
     local entry = got[1][2][1]
     local fields = entry[2]
-    local raw = ''  -- an entry without a job is returned too: the worker drops it
+    local raw, n = '', ''  -- an entry without a job is returned too: the worker drops it
     for i = 1, #fields, 2 do
-      if fields[i] == 'job' then raw = fields[i + 1] end
+      if fields[i] == 'job' then raw = fields[i + 1] elseif fields[i] == 'tokens' then n = fields[i + 1] end
     end
-    out[#out + 1] = {stream, entry[1], raw}
+    out[#out + 1] = {stream, entry[1], raw, n}
     local ok, job = pcall(cjson.decode, raw)  -- a malformed job counts 0 tokens
     if ok and type(job) == 'table' and type(job['token_ids']) == 'table' then
       tokens = tokens + #job['token_ids']
@@ -160,7 +180,10 @@ class Job:
     @classmethod
     def from_json(cls, raw: str | bytes) -> "Job":
         """Fields this version does not know are ignored (a newer router may add some); ValueError if malformed."""
-        d = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, d) -> "Job":
         if not isinstance(d, dict):
             raise ValueError(f"a job is a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
