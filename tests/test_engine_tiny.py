@@ -3,7 +3,7 @@
 import pytest
 from engine_helpers import drain, random_prompts
 
-from splitserve.engine.errors import InvalidRequestError, KVImportError
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -114,6 +114,36 @@ def test_waiting_requests_run_by_priority_then_arrival(tiny_engine_factory):
     assert order == ["urgent", "high", "a", "b", "c", "low", "low2"]
 
 
+@pytest.mark.parametrize("short_of", ["sequence slots", "kv blocks"])
+def test_an_urgent_request_preempts_a_less_urgent_running_one_never_a_peer(tiny_engine_factory, short_of):
+    prompts = random_prompts(4, lo=100, hi=101, seed=11)  # 100 tokens + 30 = 9 blocks of 16 each
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = dict(zip(["low-0", "low-1", "high", "peer"], tiny_engine_factory().generate(prompts, params)))
+    # room for two running at once: by the slot limit, or by 18 blocks (two at full length)
+    eng = tiny_engine_factory(**({"max_num_seqs": 2} if short_of == "sequence slots"
+                                 else {"kv_cache_bytes": 18 * 16 * 2 * 2 * 2 * 16 * 4, "block_size": 16}))
+    got, finished = {}, []
+
+    def step():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finished.extend([out.request_id] if out.finished else [])
+        return eng.last_stats.num_preempted
+
+    eng.add_request("low-0", prompts[0], params, priority=1)
+    eng.add_request("low-1", prompts[1], params, priority=1)
+    assert [step() for _ in range(3)] == [0, 0, 0]
+    eng.add_request("peer", prompts[3], params, priority=1)  # same class: waits, preempts nobody
+    assert step() == 0 and eng.num_waiting == 1
+    eng.add_request("high", prompts[2], params, priority=-1)
+    assert step() == 1  # low-1, the newest of the least urgent, made room at once
+    while eng.has_unfinished():
+        assert step() == 0
+    assert finished == ["low-0", "high", "low-1", "peer"]  # low-1 came back ahead of its peer
+    assert got == want  # a preempted sequence recomputes its KV and goes on where it stopped
+    assert eng.cache.pool.num_used == 0
+
+
 def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     a, b = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=6)[0]
@@ -140,6 +170,38 @@ def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     assert b.cache.pool.num_used == 0
     b.import_kv(export, buf)  # the genuine one is accepted
     drain(b)
+
+
+def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny_engine_factory):
+    prompts = random_prompts(3, lo=100, hi=101, seed=12)  # 100 tokens + 30 = 9 blocks of 16 each
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = dict(zip(["low-0", "low-1", "high"], tiny_engine_factory().generate(prompts, params)))
+    a = tiny_engine_factory()
+    a.add_request("high", prompts[2], params, prefill_only=True)
+    while "high" not in a.parked:
+        a.step()
+    buf = memoryview(bytearray(a.kv_nbytes("high")))
+    export = a.export_kv("high", buf)
+    a.release("high")
+    b = tiny_engine_factory(kv_cache_bytes=18 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)  # two at full length
+    b.add_request("low-0", prompts[0], params, priority=1)
+    b.add_request("low-1", prompts[1], params, priority=1)
+    got = {}
+    for _ in range(3):  # each holds 7 blocks now: 4 free, the import needs 7
+        for out in b.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    with pytest.raises(CapacityError):
+        b.import_kv(export, buf, priority=1)  # a peer waits for blocks
+    assert b.num_running == 2 and b.cache.pool.num_used == 14
+    first = b.import_kv(export, buf, priority=-1)  # an urgent one gets in now
+    got["high"] = list(first.new_token_ids)
+    drained = drain(b)
+    assert drained.preempted == 1  # low-1, reported with the next step
+    for rid, toks in drained.tokens.items():
+        got.setdefault(rid, []).extend(toks)
+    assert list(drained.reasons) == ["low-0", "high", "low-1"]
+    assert got == want
+    assert b.cache.pool.num_used == 0
 
 
 @pytest.mark.parametrize(

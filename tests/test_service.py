@@ -3,9 +3,11 @@
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -341,7 +343,9 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
                         done[rid] = r.finish_reason
 
         with Client(stack.router_address) as c:
-            hog = c.generate_stream(token_ids=ids[:480], max_tokens=540, ignore_eos=True, timeout=120, request_id="hog")
+            # the hog is as urgent as "high", so no handoff here may preempt it (see the next test)
+            hog = c.generate_stream(token_ids=ids[:480], max_tokens=540, ignore_eos=True, timeout=120, request_id="hog",
+                                    priority=-1)
             hog_tokens = []
 
             def drain_hog():
@@ -377,6 +381,43 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
         assert all(t > t_free for t in kv_done.values()), ("a handoff did not wait for the hog", t_free, kv_done)
         # The high one came last but takes the freed blocks first.
         assert all(kv_done["high"] < kv_done[rid] for rid in prompts if rid != "high"), kv_done
+    finally:
+        _finish(stack)
+
+
+def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed_workload):
+    # The same 64-block decode pool: a low-priority request decoding from a 480-token prompt
+    # holds 30+ blocks, and a normal one's 560-token KV needs 36. It gets them at once by
+    # preempting the low one, which is recomputed afterwards and still completes.
+    kv_per_token = 30 * 2 * 3 * 64 * 4
+    stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, arena_bytes=256 << 20)
+    try:
+        ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
+        low_tokens, low_done = [], []
+        with Client(stack.router_address) as c:
+            low = c.generate_stream(token_ids=ids[:480], max_tokens=200, ignore_eos=True, timeout=120,
+                                    request_id="low", priority=1)
+
+            def drain_low():
+                for r in low:
+                    low_tokens.extend(r.token_ids)
+                low_done.append(time.time())
+
+            low_thread = threading.Thread(target=drain_low)
+            low_thread.start()
+            wait_for(lambda: low_tokens, what="the low request's first token")
+            urgent = c.generate(token_ids=ids[400:960], max_tokens=2, ignore_eos=True, timeout=120,
+                                request_id="urgent")
+            low_thread.join(120)
+            assert urgent.finish_reason == "length" and len(urgent.token_ids) == 2
+            kv_done = c.get_request("urgent").timestamps["kv_done"]
+            assert low_done and kv_done < low_done[0], "the urgent handoff waited for the low request to end"
+            # the low one was preempted, recomputed, and produced what it produces alone
+            dec = workers(stack, "decode")[0]
+            metrics = urllib.request.urlopen(f"http://{dec['metrics']}/metrics", timeout=5).read().decode()
+            assert re.search(r"^splitserve_num_preemptions_total ([1-9][0-9.e+]*)$", metrics, re.M), metrics
+            assert low_tokens == list(c.generate(token_ids=ids[:480], max_tokens=200, ignore_eos=True,
+                                                 timeout=120).token_ids)
     finally:
         _finish(stack)
 

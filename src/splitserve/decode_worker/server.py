@@ -324,7 +324,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while True:
                 if not any(r < rank for r in self.adopt_waiting):
                     try:
-                        first = await self.runner.submit(lambda e: e.import_kv(export, payload))
+                        first = await self.runner.submit(lambda e: e.import_kv(export, payload, slot.priority))
                         break
                     except CapacityError:
                         pass

@@ -362,11 +362,14 @@ class LLMEngine:
     def can_import(self, num_tokens: int) -> bool:
         return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
 
-    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes) -> RequestOutput | None:
+    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes,
+                  priority: int = 0) -> RequestOutput | None:
         """Adopt a sequence exported by another engine; it continues as if it had never moved.
 
         Returns the tokens it already has (the first token, sampled by the producer) so
-        the caller can send them at once instead of after the next step.
+        the caller can send them at once instead of after the next step. When its blocks are
+        not free, running sequences of a less urgent priority are preempted to make room;
+        with none to preempt it raises CapacityError (the caller waits and retries).
         """
         if self.padded is not None:
             raise KVImportError("KV import needs the continuous policy")
@@ -379,12 +382,13 @@ class LLMEngine:
         self.validate(export.token_ids[: export.prompt_len], export.params)
         pool = self.cache.pool
         need = pool.blocks_for(n)
-        if not pool.can_allocate(need):
+        if not self.scheduler.make_room(need, priority):
             raise CapacityError(f"no free KV blocks for {n} tokens")
         gen = new_generator(export.params)
         if gen is not None and export.generator_state is not None:
             gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
         seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen)
+        seq.priority = priority
         if seq.detok is not None:
             for tok in export.token_ids[export.prompt_len :]:
                 seq.text += seq.detok.push(tok)

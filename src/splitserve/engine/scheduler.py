@@ -6,8 +6,14 @@ Every sequence is "tokens computed so far" against "tokens known": a decode is
 one pending token, a prefill is many, a long prefill is cut into chunks by the
 token budget. Running sequences go first (decode never waits behind a long
 prompt); waiting ones join while budget, sequence slots and KV blocks last.
-When blocks run out, the newest running sequence is preempted (blocks freed,
-recomputed later); the oldest always makes progress, so nothing deadlocks.
+
+Priority (lower is more urgent) orders both queues: running sequences are kept
+sorted by (priority, arrival), and waiting ones are served by priority, then
+arrival. When blocks run out, the last running sequence in that order is
+preempted (blocks freed, recomputed later): the least urgent, newest first, so
+the most urgent, oldest one always makes progress and nothing deadlocks. A
+waiting sequence that finds no blocks or no sequence slot preempts running ones
+of a strictly less urgent priority to get in; it never preempts its own class.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class ContinuousScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._preempted: list[Sequence] = []  # by make_room since the last step: reported with it
 
     def add(self, seq: Sequence) -> None:
         """Queue seq behind every waiting one of its priority or a more urgent (lower) one."""
@@ -55,29 +62,53 @@ class ContinuousScheduler:
         i = next(i for i, w in enumerate(self.waiting) if w.priority > seq.priority)
         self.waiting.insert(i, seq)
 
+    def _requeue(self, seq: Sequence) -> None:
+        """A preempted seq goes back ahead of every waiting one of its priority (it came first)."""
+        i = next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority), len(self.waiting))
+        self.waiting.insert(i, seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def make_room(self, blocks: int, priority: int) -> bool:
+        """Free blocks for a sequence of this priority arriving with its KV (an import), preempting
+        running ones of a strictly less urgent priority, last in line first. True if they fit now."""
+        self.running.sort(key=lambda s: (s.priority, s.order))
+        while not self.pool.can_allocate(blocks) and self.running and self.running[-1].priority > priority:
+            victim = self.running[-1]
+            self._preempt(victim)
+            self._preempted.append(victim)
+        return self.pool.can_allocate(blocks)
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(preempted=self._preempted)
+        self._preempted = []
+        before = len(out.preempted)
         budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda s: (s.priority, s.order))  # the victims are at the end
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n, out):
-                break  # seq preempted itself: it was the newest
+                break  # seq preempted itself: it was the last in line
             out.scheduled.append(Scheduled(seq, n))
             budget -= n
             i += 1
-        if out.preempted:
+        if len(out.preempted) > before:
             return out  # memory is tight: let the running ones drain first
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
-            if not self.pool.can_allocate(need):
+            if any(seq is v for v in out.preempted):
+                break  # it made room for a more urgent one this step: not back in the same step
+            need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
+            while (len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)) \
+                    and self.running and self.running[-1].priority > seq.priority:
+                budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
+                need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
+            if len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need):
                 break
+            n = min(seq.num_pending, budget)
             self.waiting.popleft()
             seq.block_table.extend(self.pool.allocate(need))
             seq.status = Status.RUNNING
@@ -87,7 +118,7 @@ class ContinuousScheduler:
         return out
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Give seq blocks for n more tokens, preempting the newest others; False if seq itself went."""
+        """Give seq blocks for n more tokens, preempting the last in line; False if seq itself went."""
         need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
         while not self.pool.can_allocate(need):
             victim = self.running[-1]
@@ -98,13 +129,21 @@ class ContinuousScheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt a running seq that this step already scheduled; returns the budget it held."""
+        held = next((s.num_tokens for s in out.scheduled if s.seq is seq), 0)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self._preempt(seq)
+        out.preempted.append(seq)
+        return held
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and free its blocks at once."""
