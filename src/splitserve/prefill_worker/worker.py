@@ -342,11 +342,19 @@ class PrefillWorker:
         self._fail_stream(job.request_id, job.decode_address, code, message)
 
     def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str) -> None:
+        """An address this worker has not dialled (one read from a malformed entry) gets a channel of
+        its own, closed afterwards, so unreadable entries cannot grow the cached stubs."""
+        channel = None
         try:
-            self._stub(address).Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message),
-                                     timeout=5)
+            if (stub := self.stubs.get(address)) is None:
+                channel = grpc.insecure_channel(address, options=OPTIONS)
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+            stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message), timeout=5)
         except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
             log.info("could not end %s's decode stream with %s: %s", request_id, code.name, e)
+        finally:
+            if channel is not None:
+                channel.close()
 
     def _chunks(self, req: w_pb.PutKVRequest, view: memoryview):
         step = self.s.kv_chunk_bytes
