@@ -57,12 +57,14 @@ return 1
 # it ('dequeued'), so a job claimed from a worker that died between pulling and picking it up
 # still returns them, and one picked up before that worker died does not return them twice.
 # A hash that is gone (expired) falls back to the delivery: only a first delivery returns them.
+# The counts never go below zero (a job picked up by a worker of an older version, which left
+# no marker, and then claimed, would otherwise be returned twice).
 # KEYS[1] admission, KEYS[2] request hash; ARGV[1] prompt tokens, ARGV[2] 1 if first delivery.
 _LEAVE_QUEUE = """
 local exists = redis.call('EXISTS', KEYS[2]) == 1
 if (exists and redis.call('HSETNX', KEYS[2], 'dequeued', 1) == 1) or (not exists and ARGV[2] == '1') then
-  redis.call('HINCRBY', KEYS[1], 'requests', -1)
-  redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
+  if redis.call('HINCRBY', KEYS[1], 'requests', -1) < 0 then redis.call('HSET', KEYS[1], 'requests', 0) end
+  if redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1])) < 0 then redis.call('HSET', KEYS[1], 'tokens', 0) end
 end
 """
 
