@@ -144,6 +144,39 @@ def test_an_urgent_request_preempts_a_less_urgent_running_one_never_a_peer(tiny_
     assert eng.cache.pool.num_used == 0
 
 
+def test_imported_sequences_behind_a_blocked_recompute_still_run_and_imports_do_not_starve_it():
+    """A preempted sequence waiting to recompute (7 blocks) with imported ones behind it that hold
+    8 of the pool's 10 blocks: holding the imported ones back would leave nothing running and
+    nothing ever freed. They run; the recompute gets in when they end; meanwhile an import of
+    its priority may not take the blocks it waits for, while a more urgent one may."""
+    from splitserve.engine.kv_cache import BlockPool
+    from splitserve.engine.scheduler import ContinuousScheduler
+    from splitserve.engine.sequence import Sequence
+
+    pool = BlockPool(10, 16)
+    sched = ContinuousScheduler(pool, max_num_seqs=8, max_num_batched_tokens=2048)
+
+    def seq(rid, n, holds):
+        s = Sequence(rid, n, list(range(3, 3 + n)), SamplingParams(), None)
+        if holds:  # imported: its KV is in the pool, the last token is sampled and pending
+            s.block_table = pool.allocate(pool.blocks_for(n - 1))
+            s.num_computed = n - 1
+        sched.add(s)
+        return s
+
+    head = seq("recompute", 100, holds=False)
+    imported = [seq("imported-0", 41, holds=True), seq("imported-1", 71, holds=True)]
+    assert pool.num_free == 2
+    assert not sched.make_room(1, priority=0)  # the 2 free blocks are the recompute's
+    assert sched.make_room(1, priority=-1)  # a more urgent import may take them
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == imported and list(sched.waiting) == [head]
+    for s in imported:
+        sched.finish(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [head] and out.scheduled[0].num_tokens == 100
+
+
 def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     a, b = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=6)[0]

@@ -72,13 +72,23 @@ class ContinuousScheduler:
 
     def make_room(self, blocks: int, priority: int) -> bool:
         """Free blocks for a sequence of this priority arriving with its KV (an import), preempting
-        running ones of a strictly less urgent priority, last in line first. True if they fit now."""
+        running ones of a strictly less urgent priority, last in line first. True if they fit now.
+
+        Blocks that waiting sequences of the same or a more urgent priority need to recompute
+        (preempted ones) are not the import's to take: otherwise a stream of imports could
+        keep a preempted sequence out for good."""
         self.running.sort(key=lambda s: (s.priority, s.order))
-        while not self.pool.can_allocate(blocks) and self.running and self.running[-1].priority > priority:
+        reserved = sum(self.pool.blocks_for(len(w.token_ids)) - len(w.block_table)
+                       for w in self.waiting if w.priority <= priority and not w.block_table)
+
+        def fits() -> bool:
+            return self.pool.num_free - reserved >= blocks
+
+        while not fits() and self.running and self.running[-1].priority > priority:
             victim = self.running[-1]
             self._preempt(victim)
             self._preempted.append(victim)
-        return self.pool.can_allocate(blocks)
+        return fits()
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(preempted=self._preempted)
@@ -97,25 +107,37 @@ class ContinuousScheduler:
             i += 1
         if len(out.preempted) > before:
             return out  # memory is tight: let the running ones drain first
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if any(seq is v for v in out.preempted):
-                break  # it made room for a more urgent one this step: not back in the same step
+        blocked = False  # the first in line found no room: only sequences holding their KV pass it
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs and not self._room_by_priority(seq):
+                break
+            if any(seq is v for v in out.preempted) or blocked and not seq.block_table:
+                continue  # made room this step / would take blocks the first in line waits for
             need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
             while (len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)) \
-                    and self.running and self.running[-1].priority > seq.priority:
+                    and self._room_by_priority(seq):
                 budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
                 need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
-            if len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need):
+            if len(self.running) >= self.max_num_seqs:
                 break
+            if not self.pool.can_allocate(need):
+                # An imported sequence waiting behind this one already holds its KV: letting it
+                # run (it needs a block at most) is how blocks come back; holding it back can
+                # leave nothing running and the first in line waiting forever.
+                blocked = True
+                continue
             n = min(seq.num_pending, budget)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.block_table.extend(self.pool.allocate(need))
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
             budget -= n
         return out
+
+    def _room_by_priority(self, seq: Sequence) -> bool:
+        """Whether a running sequence less urgent than seq could be preempted for it."""
+        return bool(self.running) and self.running[-1].priority > seq.priority
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Give seq blocks for n more tokens, preempting the last in line; False if seq itself went."""
