@@ -77,14 +77,14 @@ class ContinuousScheduler:
         Blocks that waiting sequences of the same or a more urgent priority need to recompute
         (preempted ones) are not the import's to take: otherwise a stream of imports could
         keep a preempted sequence out for good."""
-        self.running.sort(key=lambda s: (s.priority, s.order))
-        reserved = sum(self.pool.blocks_for(len(w.token_ids)) - len(w.block_table)
-                       for w in self.waiting if w.priority <= priority and not w.block_table)
+        self._sort_running()
+        reserved = sum(self._blocks_needed(w, w.num_pending) for w in self.waiting
+                       if w.priority <= priority and not w.block_table)
 
         def fits() -> bool:
             return self.pool.num_free - reserved >= blocks
 
-        while not fits() and self.running and self.running[-1].priority > priority:
+        while not fits() and self._can_preempt_for(priority):
             victim = self.running[-1]
             self._preempt(victim)
             self._preempted.append(victim)
@@ -95,7 +95,7 @@ class ContinuousScheduler:
         self._preempted = []
         before = len(out.preempted)
         budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda s: (s.priority, s.order))  # the victims are at the end
+        self._sort_running()  # the victims are at the end
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -109,15 +109,15 @@ class ContinuousScheduler:
             return out  # memory is tight: let the running ones drain first
         blocked = False  # the first in line found no room: only sequences holding their KV pass it
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs and not self._room_by_priority(seq):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs and not self._can_preempt_for(seq.priority):
                 break
             if any(seq is v for v in out.preempted) or blocked and not seq.block_table:
                 continue  # made room this step / would take blocks the first in line waits for
-            need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
+            need = self._blocks_needed(seq, min(seq.num_pending, budget))
             while (len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)) \
-                    and self._room_by_priority(seq):
+                    and self._can_preempt_for(seq.priority):
                 budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
-                need = self.pool.blocks_for(seq.num_computed + min(seq.num_pending, budget)) - len(seq.block_table)
+                need = self._blocks_needed(seq, min(seq.num_pending, budget))
             if len(self.running) >= self.max_num_seqs:
                 break
             if not self.pool.can_allocate(need):
@@ -135,13 +135,21 @@ class ContinuousScheduler:
             budget -= n
         return out
 
-    def _room_by_priority(self, seq: Sequence) -> bool:
-        """Whether a running sequence less urgent than seq could be preempted for it."""
-        return bool(self.running) and self.running[-1].priority > seq.priority
+    def _sort_running(self) -> None:
+        """Most urgent, oldest first: the last in line is the one to preempt."""
+        self.running.sort(key=lambda s: (s.priority, s.order))
+
+    def _can_preempt_for(self, priority: int) -> bool:
+        """Whether the last running sequence in line is less urgent than this priority."""
+        return bool(self.running) and self.running[-1].priority > priority
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        """Blocks seq must still get to hold the KV of n more tokens."""
+        return self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Give seq blocks for n more tokens, preempting the last in line; False if seq itself went."""
-        need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim)
