@@ -180,12 +180,9 @@ class Job:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "Job":
-        """Fields this version does not know are ignored (a newer router may add some); ValueError if malformed."""
-        return cls.from_dict(json.loads(raw))
-
-    @classmethod
     def from_dict(cls, d) -> "Job":
+        """A job from its decoded JSON. Fields this version does not know are ignored (a newer
+        router may add some); ValueError if malformed."""
         if not isinstance(d, dict):
             raise ValueError(f"a job is a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
