@@ -28,3 +28,15 @@ def drain(engine) -> Drained:
                 reasons[out.request_id] = out.finish_reason
         preempted += engine.last_stats.num_preempted
     return Drained(got, reasons, preempted)
+
+
+def exported(engine, request_id: str, prompt: list[int], params):
+    """Prefill prompt in engine and export its KV, as a prefill worker does: (KVExport, payload).
+    The engine's own blocks are released; the payload holds the KV."""
+    engine.add_request(request_id, prompt, params, prefill_only=True)
+    while request_id not in engine.parked:
+        engine.step()
+    buf = memoryview(bytearray(engine.kv_nbytes(request_id)))
+    export = engine.export_kv(request_id, buf)
+    engine.release(request_id)
+    return export, buf

@@ -1,7 +1,7 @@
 """Engine behaviour on a tiny random Llama: fast, and independent of the real weights."""
 
 import pytest
-from engine_helpers import drain, random_prompts
+from engine_helpers import drain, exported, random_prompts
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.sampling import SamplingParams
@@ -180,12 +180,7 @@ def test_imported_sequences_behind_a_blocked_recompute_still_run_and_imports_do_
 def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
     a, b = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=6)[0]
-    a.add_request("x", prompt, SamplingParams(max_tokens=5, ignore_eos=True), prefill_only=True)
-    while "x" not in a.parked:
-        a.step()
-    buf = memoryview(bytearray(a.kv_nbytes("x")))
-    export = a.export_kv("x", buf)
-    a.release("x")
+    export, buf = exported(a, "x", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
     for change, payload, words in [
         ({"fingerprint": "0" * 32}, buf, "fingerprint"),
         ({"layout_version": 9}, buf, "layout version"),
@@ -209,13 +204,7 @@ def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny
     prompts = random_prompts(3, lo=100, hi=101, seed=12)  # 100 tokens + 30 = 9 blocks of 16 each
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = dict(zip(["low-0", "low-1", "high"], tiny_engine_factory().generate(prompts, params)))
-    a = tiny_engine_factory()
-    a.add_request("high", prompts[2], params, prefill_only=True)
-    while "high" not in a.parked:
-        a.step()
-    buf = memoryview(bytearray(a.kv_nbytes("high")))
-    export = a.export_kv("high", buf)
-    a.release("high")
+    export, buf = exported(tiny_engine_factory(), "high", prompts[2], params)
     b = tiny_engine_factory(kv_cache_bytes=18 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)  # two at full length
     b.add_request("low-0", prompts[0], params, priority=1)
     b.add_request("low-1", prompts[1], params, priority=1)
