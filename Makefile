@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-service: install proto
 bench-tracing: install proto
 	$(PY) -m splitserve.bench.tracing_bench --out bench-results/tracing.json
 
+bench-cores: install proto
+	$(PY) -m splitserve.bench.cores_bench --rounds 3 --out bench-results/cores.json
+
 # splitserve bench on workload_mixed: policies at one Poisson rate, the knee, colocated vs disaggregated.
 bench-policies: install proto
 	$(VENV)/bin/splitserve bench --compare static,dynamic,continuous --rate 0.5 --requests 48 --no-progress --out bench-results/policies
@@ -57,7 +60,7 @@ bench-priority: install proto
 	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
 
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service bench-tracing bench-policies bench-sweep bench-disagg bench-priority
+bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

@@ -15,6 +15,7 @@ import pytest
 from service_helpers import keys_without_ttl, kv_idle, wait_for, workers
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service.settings import Settings
@@ -83,10 +84,16 @@ def test_disaggregated_equals_in_process_over_shm(stack, reference_prompts, refe
         info = c.get_request(got[0].request_id)
     assert info.kv_transport == "shm" and info.kv_bytes > 0
     assert info.state == "finished"
+    # both workers divide the cores through the stack's board: they hold its first two slots
+    board = CoreShare(stack.settings.core_share, 2, lambda n: None)
+    try:
+        assert board.slot == 2
+    finally:
+        board.close()
 
 
 def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, reference_outputs):
-    s = _start(kv_transport="grpc", kv_chunk_bytes=256 << 10)
+    s = _start(kv_transport="grpc", kv_chunk_bytes=256 << 10, core_share="off")  # each worker on every core
     try:
         got = _concurrent_generate(s.router_address, reference_prompts)
         assert [list(r.token_ids) for r in got] == reference_outputs

@@ -64,6 +64,8 @@ class Stack:
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"splitserve-{self.stack_id}-")
         if not base.trace_file and exporter_kind(trace_file="x") == "file":  # no OTLP endpoint, tracing not off
             base = base.replace(trace_file=os.path.join(self.run_dir, "traces.jsonl"))
+        if not base.core_share:  # every worker of this stack shares this host's cores ("off": each uses all)
+            base = base.replace(core_share=os.path.join(self.run_dir, "cores"))
         self.settings = base
         self.n_prefill, self.n_decode = prefill, decode
         self.prefill_env = prefill_env or {}

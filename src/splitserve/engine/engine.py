@@ -14,6 +14,7 @@ import torch
 from splitserve.engine import kv_transfer, native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cores import CoreShare
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
@@ -54,6 +55,10 @@ class LLMEngine:
             if lib is not None:
                 self.model.use_small_gemm(native.SmallGemm(lib, config.threads()))
         self.model.to(self.device)
+        self.core_share = None
+        if config.core_share and on_cpu:
+            self.core_share = CoreShare(config.core_share, config.threads(), self._set_threads)
+            self.model.on_layer = self.core_share.tick
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
@@ -65,6 +70,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
         self.last_stats = StepStats(policy=config.policy)
+
+    def _set_threads(self, n: int) -> None:
+        """Threads for this engine's next ops (called on the thread that runs the forward)."""
+        torch.set_num_threads(n)
+        for kernel in (self.model.attn_kernel, self.model.small_gemm):
+            if kernel is not None:
+                kernel.num_threads = n
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -176,6 +188,8 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.core_share is not None:
+            self.core_share.tick()
         if self.padded is not None:
             outputs = self.padded.step(self)
             self.last_stats = self.padded.last_stats
@@ -188,6 +202,8 @@ class LLMEngine:
         s.num_running, s.num_waiting = self.num_running, self.num_waiting
         s.kv_blocks_used, s.kv_blocks_free = self.cache.pool.num_used, self.cache.pool.num_free
         s.step_time_s = time.perf_counter() - t0
+        if self.core_share is not None and not self.has_unfinished():
+            self.core_share.idle()
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:

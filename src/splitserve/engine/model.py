@@ -87,6 +87,7 @@ class LlamaModel:
         self.fingerprint = _fingerprint(self.shape, cfg, sd)
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
         self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
+        self.on_layer = None  # called before every layer (the engine's CoreShare.tick)
         self.lm_head_packed: torch.Tensor | None = None
         self.device = torch.device("cpu")
 
@@ -178,6 +179,8 @@ class LlamaModel:
         cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D]
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         for li, layer in enumerate(self.layers):
+            if self.on_layer is not None:
+                self.on_layer()
             h = self.rms_norm(x, layer.ln1)
             q, k, v = self.qkv(layer, h, cos, sin)
             kv[li, 0].index_copy_(0, batch.slot_mapping, k)
@@ -206,6 +209,8 @@ class LlamaModel:
         cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
         end = start + L
         for li, layer in enumerate(self.layers):
+            if self.on_layer is not None:
+                self.on_layer()
             q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
             kv[li, 0, :, :, start:end] = k.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
             kv[li, 1, :, :, start:end] = v.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)

@@ -33,6 +33,7 @@ class Settings:
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
+    core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
@@ -110,15 +111,15 @@ class Settings:
 
     def engine_config(self, role: str) -> EngineConfig:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
+        compute = dict(num_threads=self.threads, device=self.device,
+                       core_share="" if self.core_share == "off" else self.core_share)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
-                                kv_cache_bytes=self.prefill_kv_cache_bytes, block_size=self.block_size,
-                                num_threads=self.threads, device=self.device)
+                                kv_cache_bytes=self.prefill_kv_cache_bytes, block_size=self.block_size, **compute)
         return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
-                            kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size,
-                            num_threads=self.threads, device=self.device)
+                            kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size, **compute)
 
 
 def needs_colocated(policy: str) -> bool:

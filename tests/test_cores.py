@@ -1,0 +1,153 @@
+"""CoreShare: engines on one host divide its cores among the busy ones (real files, real processes)."""
+
+import subprocess
+import sys
+import time
+
+import torch
+from engine_helpers import drain, random_prompts
+
+from splitserve.engine import cores
+from splitserve.engine.cores import CoreShare
+from splitserve.engine.sampling import SamplingParams
+
+
+def _board(path, base=4):
+    seen = []
+    share = CoreShare(str(path), base, seen.append)
+    return share, seen
+
+
+def test_busy_engines_split_the_cores_and_an_idle_one_gives_its_share_back(tmp_path):
+    a, a_seen = _board(tmp_path / "cores")
+    b, b_seen = _board(tmp_path / "cores")
+    c, c_seen = _board(tmp_path / "cores")
+    try:
+        assert len({a.slot, b.slot, c.slot}) == 3
+        a.tick(force=True)
+        assert a.threads == 4 and a_seen == []  # alone: every core, nothing to change
+        b.tick(force=True)
+        assert b.threads == 2 and b_seen == [2]
+        a.tick(force=True)
+        assert a.threads == 2 and a_seen == [2]
+        c.tick(force=True)
+        assert c.threads == 1 and c_seen == [1]  # 4 // 3
+        assert a.busy_engines() == 3
+        b.idle()
+        c.idle()
+        a.tick(force=True)
+        assert a.threads == 4 and a_seen == [2, 4]
+        assert a.busy_engines() == 1
+    finally:
+        for s in (a, b, c):
+            s.close()
+
+
+def test_ticks_between_layers_look_at_the_board_at_most_every_check_interval(tmp_path):
+    a, a_seen = _board(tmp_path / "cores")
+    b, _ = _board(tmp_path / "cores")
+    try:
+        a.tick(force=True)
+        b.tick(force=True)
+        a.tick()  # within CHECK_S of the last look: the new neighbour is not seen yet
+        assert a.threads == 4
+        time.sleep(cores.CHECK_S * 1.5)
+        a.tick()
+        assert a.threads == 2 and a_seen == [2]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stale_stamp_stops_counting(tmp_path):
+    a, _ = _board(tmp_path / "cores", base=2)
+    b, _ = _board(tmp_path / "cores", base=2)
+    try:
+        b.tick(force=True)
+        a.tick(force=True)
+        assert a.threads == 1
+        # b stops computing without going idle (a hung or killed engine): its stamp ages out
+        cores._SLOT.pack_into(b.mm, b.slot * cores._SLOT.size, time.monotonic() - cores.FRESH_S - 0.1)
+        a.tick(force=True)
+        assert a.threads == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_process_gives_its_slot_back(tmp_path):
+    path = tmp_path / "cores"
+    code = ("import sys, time; from splitserve.engine.cores import CoreShare; "
+            "s = CoreShare(sys.argv[1], 2, lambda n: None); s.tick(force=True); print(s.slot, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "0"
+        a, _ = _board(path)
+        try:
+            assert a.slot == 1  # slot 0 is the child's while it lives
+            a.tick(force=True)
+            assert a.threads == 2
+        finally:
+            a.close()
+        child.kill()
+        child.wait()
+        b, _ = _board(path)
+        try:
+            assert b.slot == 0
+        finally:
+            b.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_an_engine_on_a_board_runs_its_share_of_threads_and_the_same_tokens(tiny_engine_factory, tmp_path):
+    path = str(tmp_path / "cores")
+    before = torch.get_num_threads()
+    neighbour, _ = _board(path, base=2)
+    try:
+        alone = tiny_engine_factory(num_threads=2)
+        shared = tiny_engine_factory(num_threads=2, core_share=path)
+        prompts = random_prompts(4, seed=3)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        neighbour.tick(force=True)  # another engine is computing
+        shared.add_request("r0", prompts[0], params)
+        shared.step()
+        assert shared.core_share.threads == 1 and torch.get_num_threads() == 1
+        assert shared.model.attn_kernel is None or shared.model.attn_kernel.num_threads == 1
+        drain(shared)
+        assert shared.core_share.busy_engines() == 1  # idle once its work is done: only the neighbour counts
+        neighbour.idle()
+        assert shared.generate(prompts, params) == alone.generate(prompts, params)
+        assert shared.core_share.threads == 2
+    finally:
+        neighbour.close()
+        torch.set_num_threads(before)
+
+
+def test_an_engine_looks_at_the_board_between_layers_of_a_long_forward(tiny_engine_factory, tmp_path):
+    path = str(tmp_path / "cores")
+    before = torch.get_num_threads()
+    neighbour, _ = _board(path, base=2)
+    try:
+        eng = tiny_engine_factory(num_threads=2, core_share=path)
+        tick = eng.model.on_layer
+        assert tick is not None
+        layers = []
+
+        def on_layer():  # a neighbour starts computing while this forward is at its second layer
+            if len(layers) == 1:
+                neighbour.tick(force=True)
+                time.sleep(cores.CHECK_S * 1.5)
+            tick()
+            layers.append(eng.core_share.threads)  # the threads this layer runs with
+
+        eng.model.on_layer = on_layer
+        eng.add_request("r0", random_prompts(1, lo=100, hi=101)[0], SamplingParams(max_tokens=1, ignore_eos=True))
+        drain(eng)
+        assert len(layers) == eng.model.shape.num_layers
+        assert layers[0] == 2 and layers[1:] == [1] * (len(layers) - 1)  # the forward in progress took its share
+    finally:
+        neighbour.close()
+        torch.set_num_threads(before)
