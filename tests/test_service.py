@@ -18,6 +18,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.service.redis_state import QUEUE_FIELDS, queue_counts
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
@@ -530,7 +531,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
 def _queue_counts(stack) -> list[int]:
     """The admission hash's (requests, tokens)."""
     r = stack.redis()
-    return [int(x or 0) for x in r.hmget(f"{stack.settings.redis_prefix}:admission", "requests", "tokens")]
+    return list(queue_counts(r.hmget(f"{stack.settings.redis_prefix}:admission", *QUEUE_FIELDS)))
 
 
 def _admitted_by_hand(stack, stub, rid: str, n: int):

@@ -171,7 +171,7 @@ def _status(args) -> int:
 
     import redis
 
-    from splitserve.service.redis_state import Keys, WorkerInfo
+    from splitserve.service.redis_state import QUEUE_FIELDS, Keys, WorkerInfo, queue_counts
 
     state = _read_state() or {}
     url = args.redis_url or state.get("redis_url") or os.environ.get("REDIS_URL", "")
@@ -181,7 +181,7 @@ def _status(args) -> int:
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
     r = redis.Redis.from_url(url)
     try:
-        q, t = [int(x or 0) for x in r.hmget(keys.admission, "requests", "tokens")]
+        q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
         workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=f"{keys.prefix}:worker:*")
                    if (m := r.hgetall(k))]

@@ -30,8 +30,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
-from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, Job, Keys, WorkerInfo, priority_class,
-                                           sampling_to_dict)
+from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, Job, Keys, WorkerInfo,
+                                           priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -179,7 +179,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
             if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
-                q, t = [int(x or 0) for x in await self.redis.hmget(self.keys.admission, "requests", "tokens")]
+                q, t = queue_counts(await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS))
                 self.queue_seen = (q, t, time.monotonic())
                 if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
                     raise self._refusal(q, t, frac)
@@ -469,7 +469,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await asyncio.sleep(settings.heartbeat_s / 2)
             try:
                 await servicer.refresh_workers()
-                q, t = [int(x or 0) for x in await r.hmget(servicer.keys.admission, "requests", "tokens")]
+                q, t = queue_counts(await r.hmget(servicer.keys.admission, *QUEUE_FIELDS))
                 metrics.queue_requests.set(q)
                 metrics.queue_tokens.set(t)
                 metrics.decode_workers.set(len(servicer.workers))

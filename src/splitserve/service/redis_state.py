@@ -127,6 +127,15 @@ end
 return out
 """
 
+QUEUE_FIELDS = ("requests", "tokens")  # the admission hash: queued requests and prompt tokens, all routers together
+
+
+def queue_counts(values) -> tuple[int, int]:
+    """(requests, tokens) from ``HMGET <admission> *QUEUE_FIELDS``; a missing field counts 0."""
+    q, t = (int(x or 0) for x in values)
+    return q, t
+
+
 PRIORITY_CLASSES = ("high", "normal", "low")  # the order prefill workers pull in
 
 
