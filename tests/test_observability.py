@@ -34,7 +34,7 @@ ENGINE_METRICS = {
     "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",
     "splitserve_kv_cache_blocks_free", "splitserve_kv_cache_usage_perc", "splitserve_iteration_sequences",
     "splitserve_iteration_tokens", "splitserve_iteration_token_budget_usage", "splitserve_iteration_duration_seconds",
-    "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps",
+    "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps", "splitserve_engine_threads",
 }
 PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
                                     "splitserve_prefill_jobs", "splitserve_arena_used_bytes"}
@@ -180,6 +180,8 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
             assert new.get(key, 0) > old.get(key, 0), (role, key, old.get(key), new.get(key))
     assert r["splitserve_generation_tokens_total"] - before[0].get("splitserve_generation_tokens_total", 0) == 12
     assert d["splitserve_kv_cache_blocks_used"] == 0 and d["splitserve_kv_cache_blocks_free"] > 0
+    for m in (p, d):  # the stack's workers share the cores: each ran with its share, at least one thread
+        assert 1 <= m["splitserve_engine_threads"] <= len(os.sched_getaffinity(0)), m["splitserve_engine_threads"]
 
 
 def test_a_cancelled_request_ends_its_trace_cancelled(stack):

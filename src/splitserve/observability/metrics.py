@@ -116,6 +116,8 @@ class EngineMetrics(Metrics):
         self.blocks_used = self.g("kv_cache_blocks_used", "KV cache blocks in use")
         self.blocks_free = self.g("kv_cache_blocks_free", "KV cache blocks free")
         self.kv_usage = self.g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.threads = self.g("engine_threads", "Compute threads of the engine's last step (fewer while other "
+                                                "engines on its core-share board are busy)")
         self.steps = self.c("engine_steps", "Engine steps (forwards) run")
         self.step_seqs = self.h("iteration_sequences", "Sequences per engine step", SEQ_BUCKETS)
         self.step_tokens = self.h("iteration_tokens", "Tokens computed per engine step (padding included)",
@@ -139,6 +141,7 @@ class EngineMetrics(Metrics):
         self.blocks_used.set(used)
         self.blocks_free.set(free)
         self.kv_usage.set(used / max(1, used + free))
+        self.threads.set(engine.core_share.threads if engine.core_share is not None else engine.config.threads())
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
         if not s.num_tokens:
