@@ -1,9 +1,11 @@
 """CoreShare: engines on one host divide its cores among the busy ones (real files, real processes)."""
 
+import os
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from engine_helpers import drain, random_prompts
 
@@ -151,3 +153,18 @@ def test_an_engine_looks_at_the_board_between_layers_of_a_long_forward(tiny_engi
     finally:
         neighbour.close()
         torch.set_num_threads(before)
+
+
+def test_a_board_that_cannot_be_opened_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="core_share .*missing"):
+        CoreShare(str(tmp_path / "missing" / "cores"), 2, lambda n: None)
+
+
+@pytest.mark.parametrize("role", ["decode_worker", "prefill_worker"])
+def test_a_worker_refuses_a_board_it_cannot_open_in_one_line(tmp_path, role, smol_folder):
+    env = {**os.environ, "SPLITSERVE_CORE_SHARE": str(tmp_path / "missing" / "cores"), "SPLITSERVE_MODEL": smol_folder}
+    proc = subprocess.run([sys.executable, "-m", f"splitserve.{role}"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"splitserve {role}: error: core_share '{tmp_path / 'missing' / 'cores'}'" in proc.stderr

@@ -19,15 +19,13 @@ that died mid-forward stops counting on its own.
 
 from __future__ import annotations
 
+import errno
 import fcntl
-import logging
 import mmap
 import os
 import struct
 import time
 from typing import Callable
-
-log = logging.getLogger(__name__)
 
 SLOTS = 64
 _SLOT = struct.Struct("d")
@@ -43,7 +41,10 @@ class CoreShare:
         self.base = max(1, base_threads)
         self.apply = apply
         self.threads = self.base
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ValueError(f"core_share {path!r}: {e.strerror}") from None
         try:
             if os.fstat(fd).st_size < SIZE:
                 os.ftruncate(fd, SIZE)
@@ -96,6 +97,8 @@ def _claim(fd: int) -> int:
         try:
             fcntl.fcntl(fd, _OFD_SETLK, lock)
             return slot
-        except OSError:
-            continue
-    raise RuntimeError(f"core share board: all {SLOTS} slots are held")
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):  # not "held by another engine"
+                raise ValueError(f"core share board: cannot lock a slot ({e.strerror}); "
+                                   f"put the board on a local filesystem or turn core sharing off") from None
+    raise ValueError(f"core share board: all {SLOTS} slots are held")

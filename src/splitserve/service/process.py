@@ -43,7 +43,7 @@ def run(role: str, main_coro, argv: list[str] | None = None) -> int:
     setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file)
     try:
         asyncio.run(runner())
-    except EngineError as e:
+    except (EngineError, ValueError) as e:  # a setting the engine refuses at start-up (device, core_share, ...)
         print(f"splitserve {role}: error: {e}", file=sys.stderr)
         return 2
     finally:
