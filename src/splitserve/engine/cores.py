@@ -100,5 +100,5 @@ def _claim(fd: int) -> int:
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):  # not "held by another engine"
                 raise ValueError(f"core share board: cannot lock a slot ({e.strerror}); "
-                                   f"put the board on a local filesystem or turn core sharing off") from None
+                                 f"put the board on a local filesystem or turn core sharing off") from None
     raise ValueError(f"core share board: all {SLOTS} slots are held")
