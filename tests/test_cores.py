@@ -168,3 +168,48 @@ def test_a_worker_refuses_a_board_it_cannot_open_in_one_line(tmp_path, role, smo
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert f"splitserve {role}: error: core_share '{tmp_path / 'missing' / 'cores'}'" in proc.stderr
+
+
+def _cgroup(tmp_path, lines: list[str], files: dict[str, str]):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "proc-self-cgroup"
+    proc.write_text("\n".join(lines) + "\n")
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root), str(proc)
+
+
+def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1_the_smallest_on_the_path_wins(tmp_path):
+    from splitserve.engine.config import cgroup_cpu_limit
+
+    root, proc = _cgroup(tmp_path / "v2", ["0::/kubepods/pod1/ctr"], {
+        "cpu.max": "max 100000", "kubepods/cpu.max": "800000 100000", "kubepods/pod1/ctr/cpu.max": "150000 100000"})
+    assert cgroup_cpu_limit(root, proc) == 1.5
+    root, proc = _cgroup(tmp_path / "v2none", ["0::/"], {"cpu.max": "max 100000"})
+    assert cgroup_cpu_limit(root, proc) is None
+    root, proc = _cgroup(tmp_path / "v1", ["4:memory:/x", "1:cpu,cpuacct:/docker/abc", "0::/"], {
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_limit(root, proc) == 2.0
+    root, proc = _cgroup(tmp_path / "v1none", ["1:cpu:/"], {"cpu/cpu.cfs_quota_us": "-1",
+                                                            "cpu/cpu.cfs_period_us": "100000"})
+    assert cgroup_cpu_limit(root, proc) is None
+    assert cgroup_cpu_limit(root, str(tmp_path / "no-such-file")) is None
+
+
+def test_every_core_means_the_affinity_capped_by_the_quota_rounded_up(monkeypatch):
+    from splitserve.engine import config
+
+    affinity = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(config, "cgroup_cpu_limit", lambda: None)
+    assert config.EngineConfig().threads() == affinity
+    monkeypatch.setattr(config, "cgroup_cpu_limit", lambda: 0.5)
+    assert config.EngineConfig().threads() == 1
+    monkeypatch.setattr(config, "cgroup_cpu_limit", lambda: 64.0)
+    assert config.EngineConfig().threads() == affinity
+    if affinity >= 2:
+        monkeypatch.setattr(config, "cgroup_cpu_limit", lambda: 1.2)
+        assert config.EngineConfig().threads() == 2
+    assert config.EngineConfig(num_threads=3).threads() == 3  # an explicit count wins

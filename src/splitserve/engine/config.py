@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -72,9 +73,74 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def threads(self) -> int:
+        """num_threads, or every core this process may use: its CPU affinity, capped by its
+        cgroup CPU quota rounded up (a container limited to 2 CPUs on a 64-core node runs 2)."""
         if self.num_threads:
             return self.num_threads
         try:
-            return len(os.sched_getaffinity(0))
+            n = len(os.sched_getaffinity(0))
         except AttributeError:  # pragma: no cover - non-Linux
-            return os.cpu_count() or 1
+            n = os.cpu_count() or 1
+        quota = cgroup_cpu_limit()
+        return min(n, max(1, math.ceil(quota))) if quota else n
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs per period this process's cgroups allow (the smallest quota on its path), or None.
+
+    cgroup v2: ``cpu.max`` ("max 100000" = no quota) of the process's cgroup and each parent,
+    under ``root`` or ``root/unified``; v1: ``cpu.cfs_quota_us`` (-1 = none) / ``cpu.cfs_period_us``
+    under the cpu controller's mount.
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            mounts, read = (root, os.path.join(root, "unified")), _v2_limit
+        elif "cpu" in controllers.split(","):
+            mounts, read = (os.path.join(root, "cpu"), os.path.join(root, "cpu,cpuacct")), _v1_limit
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for mount in mounts:
+            for depth in range(len(parts) + 1):
+                limit = read(os.path.join(mount, *parts[:depth]))
+                if limit is not None:
+                    limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _v2_limit(folder: str) -> float | None:
+    raw = _read(os.path.join(folder, "cpu.max"))
+    if not raw:
+        return None
+    quota, _, period = raw.partition(" ")
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period or 100000)
+    except ValueError:
+        return None
+
+
+def _v1_limit(folder: str) -> float | None:
+    quota, period = _read(os.path.join(folder, "cpu.cfs_quota_us")), _read(os.path.join(folder, "cpu.cfs_period_us"))
+    try:
+        q, p = int(quota or -1), int(period or 0)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None

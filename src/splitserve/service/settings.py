@@ -26,7 +26,7 @@ class Settings:
     port: int = 0  # 0 = pick a free port
     advertise: str = ""  # address other processes use to reach this one (default host:port)
     worker_id: str = ""  # default: role-hostname-pid
-    threads: int = 0  # torch threads; 0 = every core
+    threads: int = 0  # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
     device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
