@@ -65,9 +65,7 @@ class CoreShare:
             return
         self._checked = now
         _SLOT.pack_into(self.mm, self._offset, now)
-        others = sum(1 for i, (t,) in enumerate(_SLOT.iter_unpack(self.mm))
-                     if i != self.slot and now - t < FRESH_S)
-        n = max(1, self.base // (1 + others))
+        n = max(1, self.base // self.busy_engines(now))  # this engine's own stamp counts: at least 1
         if n != self.threads:
             self.threads = n
             self.apply(n)
@@ -78,8 +76,8 @@ class CoreShare:
             _SLOT.pack_into(self.mm, self._offset, 0.0)
             self._checked = 0.0
 
-    def busy_engines(self) -> int:
-        now = time.monotonic()
+    def busy_engines(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
         return sum(1 for (t,) in _SLOT.iter_unpack(self.mm) if now - t < FRESH_S)
 
     def close(self) -> None:

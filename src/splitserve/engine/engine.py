@@ -39,7 +39,8 @@ FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiti
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        torch.set_num_threads(config.threads())
+        self.num_threads = config.threads()  # read once (affinity and cgroup quota); CoreShare changes it
+        torch.set_num_threads(self.num_threads)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: this torch build sees no CUDA device")
@@ -49,15 +50,15 @@ class LLMEngine:
         if config.attention_backend == "native" and on_cpu:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
-                self.model.attn_kernel = native.PagedAttention(lib, config.threads())
+                self.model.attn_kernel = native.PagedAttention(lib, self.num_threads)
         if config.small_gemm and on_cpu:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
-                self.model.use_small_gemm(native.SmallGemm(lib, config.threads()))
+                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads))
         self.model.to(self.device)
         self.core_share = None
         if config.core_share and on_cpu:
-            self.core_share = CoreShare(config.core_share, config.threads(), self._set_threads)
+            self.core_share = CoreShare(config.core_share, self.num_threads, self._set_threads)
             self.model.on_layer = self.core_share.tick
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
@@ -73,6 +74,7 @@ class LLMEngine:
 
     def _set_threads(self, n: int) -> None:
         """Threads for this engine's next ops (called on the thread that runs the forward)."""
+        self.num_threads = n
         torch.set_num_threads(n)
         for kernel in (self.model.attn_kernel, self.model.small_gemm):
             if kernel is not None:

@@ -141,7 +141,7 @@ class EngineMetrics(Metrics):
         self.blocks_used.set(used)
         self.blocks_free.set(free)
         self.kv_usage.set(used / max(1, used + free))
-        self.threads.set(engine.core_share.threads if engine.core_share is not None else engine.config.threads())
+        self.threads.set(engine.num_threads)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
         if not s.num_tokens:
