@@ -5,10 +5,10 @@
 Two processes run at once for --seconds: one prefills 4 prompts of 500 tokens per
 forward again and again (prompt tok/s), the other decodes 32 sequences (decode tok/s),
 both with every core (the way a local stack's prefill and decode worker run), started
-together once both are loaded and warm. The two
-variants alternate for --rounds rounds: ``off`` (each engine on every core) and ``board``
-(both on one CoreShare board: busy engines divide the cores). Each process loads the
-model itself; the figures count only its measured loop.
+together once both are loaded and warm. The two variants alternate for --rounds rounds:
+``off`` (each engine on every core) and ``board`` (both on one CoreShare board: busy
+engines divide the cores). Each process loads the model itself; the figures count only
+its measured loop.
 """
 
 from __future__ import annotations
