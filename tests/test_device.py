@@ -122,3 +122,111 @@ def test_cuda_real_model_matches_the_cpu_engine(smol_loaded, mixed_workload):
     cpu = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20), loaded=smol_loaded).generate(prompts, params)
     gpu = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20, device="cuda"), loaded=smol_loaded).generate(prompts, params)
     assert gpu == cpu
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------
+
+
+def test_graph_shape_buckets():
+    from splitserve.engine.cuda_graphs import batch_buckets, bucket, pow2_at_least
+
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(1) == [1]
+    assert [bucket(batch_buckets(64), n) for n in (1, 3, 9, 64, 65)] == [1, 4, 16, 64, None]
+    assert [pow2_at_least(n, 8) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
+
+
+@pytest.mark.parametrize("raw, want", [("true", True), ("0", False), ("Off", False), ("yes", True)])
+def test_the_cuda_graphs_setting_is_read_as_a_flag(raw, want):
+    s = Settings.from_env({"SPLITSERVE_CUDA_GRAPHS": raw})
+    assert s.cuda_graphs is want and s.engine_config("decode").cuda_graphs is want
+    assert Settings.from_env(s.to_env()).cuda_graphs is want  # what `splitserve up` passes down
+
+
+def test_a_bad_cuda_graphs_value_is_refused_naming_the_variable():
+    with pytest.raises(ValueError, match="SPLITSERVE_CUDA_GRAPHS='maybe'"):
+        Settings.from_env({"SPLITSERVE_CUDA_GRAPHS": "maybe"})
+
+
+def test_the_cpu_engine_captures_nothing(tiny_engine_factory):
+    eng = tiny_engine_factory(policy="continuous")
+    assert eng.graphs is None and eng.cache.spare_block is None
+    eng.generate(random_prompts(3, seed=1), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert not eng.last_stats.graphed
+
+
+def graph_bodies_without_capture(eng):
+    """Give a CPU engine the graph step bodies, run eagerly (capture=False): their math, without CUDA."""
+    from splitserve.engine.cuda_graphs import DecodeGraphs, PaddedDecodeGraphs
+    from splitserve.engine.kv_cache import PagedKVCache
+    from splitserve.engine.scheduler import ContinuousScheduler
+
+    cfg = eng.config
+    if eng.padded is not None:
+        eng.padded.graphs = PaddedDecodeGraphs(eng.model, capture=False)
+        return
+    eng.cache = PagedKVCache(eng.model.shape, cfg.kv_cache_bytes, cfg.block_size, spare_block=True)
+    eng.scheduler = ContinuousScheduler(eng.cache.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    eng.graphs = DecodeGraphs(eng.model, eng.cache, cfg.max_num_seqs, capture=False)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
+def test_graph_step_bodies_give_the_eager_tokens_on_the_cpu(tiny_engine_factory, policy):
+    """Padded rows and contexts, slots and masks derived on the device: the same greedy tokens."""
+    prompts = random_prompts(11, lo=3, hi=150, seed=43)
+    params = [SamplingParams(max_tokens=4 + 9 * i, ignore_eos=True) for i in range(11)]
+    want = tiny_engine_factory().generate(prompts, params)
+    eng = tiny_engine_factory(policy=policy, attention_backend="torch", max_batch_size=5, static_batch_size=5,
+                              max_wait_ms=1)
+    graph_bodies_without_capture(eng)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    got, graphed = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        graphed += eng.last_stats.graphed
+    assert [got[f"r{i}"] for i in range(11)] == want
+    assert graphed > 50
+
+
+@cuda
+@pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
+def test_cuda_graph_replays_give_the_eager_tokens(tiny_engine_factory, policy):
+    """Decode steps replayed from graphs, over batch and context buckets, match eager steps and the CPU."""
+    prompts = random_prompts(13, lo=3, hi=150, seed=41)
+    params = [SamplingParams(max_tokens=5 + 11 * i, ignore_eos=True) for i in range(13)]  # contexts up to ~290
+    want = tiny_engine_factory().generate(prompts, params)
+    kw = dict(device="cuda", policy=policy, max_batch_size=5, static_batch_size=5, max_wait_ms=1)
+    eager = tiny_engine_factory(cuda_graphs=False, **kw)
+    assert eager.generate(prompts, params) == want
+    eng = tiny_engine_factory(**kw)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    got, graphed, eager_steps = {}, 0, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        graphed += eng.last_stats.graphed
+        eager_steps += eng.last_stats.num_tokens > 0 and not eng.last_stats.graphed
+    assert [got[f"r{i}"] for i in range(13)] == want
+    assert graphed > 100 and eager_steps > 0  # decode replayed; prefill ran eagerly
+    shapes = (eng.graphs or eng.padded.graphs).captured.graphs
+    assert len(shapes) >= 2  # several batch or context buckets
+
+
+@cuda
+def test_cuda_graph_padding_rows_leave_other_sequences_kv_alone(tiny_engine_factory):
+    """Padding rows of a replayed step write only the spare block: a parked sequence's KV is unchanged."""
+    eng = tiny_engine_factory(device="cuda")
+    eng.add_request("parked", random_prompts(1, seed=8)[0], SamplingParams(max_tokens=4), prefill_only=True)
+    while not eng.parked:
+        eng.step()
+    slots = eng.cache.slots(eng.parked["parked"].block_table, 0, eng.parked["parked"].num_computed)
+    before = eng.cache.kv[:, :, slots.cuda()].clone()
+    eng.generate(random_prompts(3, seed=9), SamplingParams(max_tokens=20, ignore_eos=True))  # 3 rows in a bucket of 4
+    assert eng.last_stats.graphed
+    assert torch.equal(eng.cache.kv[:, :, slots.cuda()], before)
+    eng.release("parked")

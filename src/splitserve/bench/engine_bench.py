@@ -106,6 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
     ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
     ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
     ap.add_argument("--out", default=None)
@@ -113,11 +114,12 @@ def main(argv=None) -> int:
 
     loaded = load_model(ModelSpec(path=args.model))
     base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30,
-                        device=args.device)
+                        device=args.device, cuda_graphs=not args.eager)
     mixed = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"))
     short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
     n_mixed, n_short = (8, 16) if args.quick else (32, 64)
-    results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device, "policies": {}}
+    results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device,
+               "cuda_graphs": args.device != "cpu" and not args.eager, "policies": {}}
     torch.set_num_threads(base.threads())
 
     policies = {
@@ -147,6 +149,10 @@ def main(argv=None) -> int:
         results["decode_tok_per_s"][running] = decode_rate(eng, mixed, running)
         print(f"decode with {running:>2} running: {results['decode_tok_per_s'][running]:6.1f} tok/s", flush=True)
     results["single_stream_tok_per_s"] = results["decode_tok_per_s"][1]
+    if eng.graphs is not None:
+        cap = eng.graphs.captured
+        results["cuda_graphs_captured"] = {"graphs": len(cap.graphs), "capture_s": cap.capture_s}
+        print(f"decode graphs: {len(cap.graphs)} captured in {cap.capture_s:.2f} s", flush=True)
 
     if not args.skip_full:
         items = mixed[:16] if args.quick else mixed

@@ -15,6 +15,7 @@ from splitserve.engine import kv_transfer, native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
+from splitserve.engine.cuda_graphs import DecodeGraphs
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
@@ -65,9 +66,13 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
         shape = self.model.shape
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
-        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        continuous = config.policy == "continuous"
+        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
+                                  spare_block=graphs and continuous)
         self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.padded = PaddedBatcher(self.model, config) if config.policy != "continuous" else None
+        self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
+        self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs) if graphs and continuous else None
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
         self.last_stats = StepStats(policy=config.policy)
@@ -209,9 +214,13 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
-        batch = self._build_batch(sched)
+        stats.graphed = self.graphs is not None and self.graphs.covers(sched.scheduled)
+        batch = None if stats.graphed else self._build_batch(sched)
         t = time.perf_counter()
-        logits = self.model.forward(batch, self.cache.kv)
+        if batch is None:
+            logits = self.graphs.run([s.seq for s in sched.scheduled])
+        else:
+            logits = self.model.forward(batch, self.cache.kv)
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
@@ -219,7 +228,7 @@ class LLMEngine:
         stats.sample_time_s = time.perf_counter() - t
         stats.num_seqs = len(sched.scheduled)
         stats.request_ids = [s.seq.request_id for s in sched.scheduled]
-        stats.num_tokens = batch.num_tokens
+        stats.num_tokens = sched.num_tokens
         for s in sched.scheduled:
             if s.seq.num_computed == len(s.seq.token_ids) - 1 and s.num_tokens == 1:
                 stats.num_decode_tokens += 1

@@ -42,15 +42,19 @@ class BlockPool:
 
 
 class PagedKVCache:
-    def __init__(self, shape: ModelShape, cache_bytes: int, block_size: int, device: torch.device | None = None):
+    def __init__(self, shape: ModelShape, cache_bytes: int, block_size: int, device: torch.device | None = None,
+                 spare_block: bool = False):
         per_block = shape.kv_bytes_per_token * block_size
         num_blocks = max(1, cache_bytes // per_block)
         self.pool = BlockPool(num_blocks, block_size)
-        # kv: [layers, 2 (k, v), num_blocks * block_size, Hkv, D]. NOTE: zeroed (pages faulted in)
-        # at start-up; faulting them lazily cost 15x on the first KV writes of a busy step.
+        # spare_block: one more block after the pool's, never handed out; padding rows of a
+        # captured decode step (cuda_graphs.py) write and read only it.
+        self.spare_block = num_blocks if spare_block else None
+        slots = (num_blocks + spare_block) * block_size
+        # kv: [layers, 2 (k, v), slots, Hkv, D] (slot = block * block_size + offset). NOTE: zeroed
+        # (pages faulted in) at start-up; faulting them lazily cost 15x on the first KV writes of a busy step.
         self.kv = torch.zeros(
-            shape.num_layers, 2, num_blocks * block_size, shape.num_kv_heads, shape.head_dim, dtype=torch.float32,
-            device=device,
+            shape.num_layers, 2, slots, shape.num_kv_heads, shape.head_dim, dtype=torch.float32, device=device,
         )
 
     @property

@@ -194,12 +194,15 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward_padded(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor, start: int
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor,
+        start: int | torch.Tensor,
     ) -> torch.Tensor:
         """A rectangular batch, the way static/dynamic batching systems run it.
 
         input_ids, positions: [B, L]; mask: [B, 1, L, start + L] bool;
         kv: [layers, 2, B, Hkv, max_len, D], written at [start, start + L).
+        start may be a one-element device tensor when L == 1 (a captured decode step): the
+        write is then an index_copy_ and attention reads all of kv, mask [B, 1, 1, max_len].
         Returns logits of each row's last position: [B, V].
         """
         s = self.shape
@@ -207,14 +210,12 @@ class LlamaModel:
         x = self.embed[input_ids.flatten()]  # [B*L, H]
         pos = positions.flatten()
         cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
-        end = start + L
+        rect = (B, L, s.num_kv_heads, s.head_dim)
         for li, layer in enumerate(self.layers):
             if self.on_layer is not None:
                 self.on_layer()
             q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
-            kv[li, 0, :, :, start:end] = k.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            kv[li, 1, :, :, start:end] = v.view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            kc, vc = kv[li, 0, :, :, :end], kv[li, 1, :, :, :end]  # [B, Hkv, end, D]
+            kc, vc = _write_rect(kv[li], k.view(rect), v.view(rect), start)
             if L == 1 and x.is_cuda:  # decode: q is [B, Hq, D]
                 attn = sdpa_decode(q, kc, vc, mask, self.scaling)
             else:
@@ -223,6 +224,19 @@ class LlamaModel:
             x = x + self.mm(attn, layer, "w_o")
             x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
         return self.logits(x.view(B, L, -1)[:, -1])
+
+
+def _write_rect(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int | torch.Tensor):
+    """Write k, v [B, L, Hkv, D] into one layer's kv [2, B, Hkv, max_len, D] from start;
+    return the K and V caches attention reads ([B, Hkv, start + L, D], or all of max_len)."""
+    if isinstance(start, torch.Tensor):
+        kv[0].index_copy_(2, start, k.transpose(1, 2))
+        kv[1].index_copy_(2, start, v.transpose(1, 2))
+        return kv[0], kv[1]
+    end = start + k.shape[1]
+    kv[0, :, :, start:end] = k.transpose(1, 2)
+    kv[1, :, :, start:end] = v.transpose(1, 2)
+    return kv[0, :, :, :end], kv[1, :, :, :end]
 
 
 def context_length(cfg) -> int:

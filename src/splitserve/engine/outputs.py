@@ -43,5 +43,6 @@ class StepStats:
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
+    graphed: bool = False  # the forward replayed a captured CUDA graph
     finished: list[str] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)  # sequences in the forward

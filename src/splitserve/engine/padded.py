@@ -17,6 +17,7 @@ from collections import deque
 
 import torch
 
+from splitserve.engine.cuda_graphs import PaddedDecodeGraphs
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sampling import sample
 from splitserve.engine.sequence import Sequence, Status
@@ -25,8 +26,9 @@ _PAD = 0
 
 
 class PaddedBatcher:
-    def __init__(self, model, config):
+    def __init__(self, model, config, cuda_graphs: bool = False):
         self.model = model
+        self.graphs = PaddedDecodeGraphs(model) if cuda_graphs else None  # decode steps replayed on CUDA
         self.policy = config.policy
         self.rows_max = config.static_batch_size if config.policy == "static" else config.max_batch_size
         self.max_wait_s = config.max_wait_ms / 1000.0
@@ -34,7 +36,8 @@ class PaddedBatcher:
         self.rows: list[Sequence | None] = []  # the running batch; None = padding row
         self.active: list[bool] = []
         self.pad: list[int] = []  # left padding of each row
-        self.kv: torch.Tensor | None = None  # [layers, 2, B, Hkv, max_len, D]
+        self.kv: torch.Tensor | None = None  # [layers, 2, B, Hkv, >= max_len, D]
+        self.max_len = 0  # cache positions the batch can need: longest prompt + most new tokens
         self.cur = 0  # cache positions filled
         self.last_stats = StepStats(policy=self.policy)
 
@@ -83,8 +86,12 @@ class PaddedBatcher:
         self.pad = [L - n_ for n_ in lens]
         max_new = max(s.params.max_tokens - s.num_output for s in seqs)
         shape = self.model.shape
-        self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, L + max_new, shape.head_dim,
-                              device=self.model.device)
+        self.max_len = L + max_new
+        if self.graphs is not None:
+            self.kv = self.graphs.kv_for(B, self.max_len)
+        else:
+            self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, self.max_len, shape.head_dim,
+                                  device=self.model.device)
         ids = torch.full((B, L), _PAD, dtype=torch.int64)
         for i, s in enumerate(seqs):
             ids[i, self.pad[i] :] = torch.tensor(s.token_ids)
@@ -97,25 +104,35 @@ class PaddedBatcher:
         self.cur = 0
         stats = self.last_stats
         stats.num_prefill_tokens = sum(lens[:n])
-        return self._forward(engine, ids, positions, mask.unsqueeze(1), B * L - sum(lens[:n]))
+        return self._eager(engine, ids, positions, mask.unsqueeze(1), B * L - sum(lens[:n]))
 
     def _decode(self, engine) -> list:
         B = len(self.rows)
-        ids = torch.tensor([[r.token_ids[-1] if r is not None else _PAD] for r in self.rows], dtype=torch.int64)
-        positions = torch.tensor([[self.cur - p] for p in self.pad], dtype=torch.int64).clamp(min=0)
-        keys = torch.arange(self.cur + 1).view(1, -1)
-        mask = keys >= torch.tensor(self.pad).view(B, 1)  # [B, cur + 1]
+        ids = [r.token_ids[-1] if r is not None else _PAD for r in self.rows]
+        positions = [max(self.cur - p, 0) for p in self.pad]
         self.last_stats.num_decode_tokens = sum(self.active)
-        return self._forward(engine, ids, positions, mask.view(B, 1, 1, -1), B - sum(self.active))
+        padding = B - sum(self.active)
+        if self.graphs is not None:
+            self.last_stats.graphed = True
+            replay = lambda: self.graphs.run(self.kv, ids, positions, self.pad, self.cur)  # noqa: E731
+            return self._forward(engine, replay, 1, padding)
+        keys = torch.arange(self.cur + 1).view(1, -1)
+        mask = (keys >= torch.tensor(self.pad).view(B, 1)).view(B, 1, 1, -1)  # [B, 1, 1, cur + 1]
+        return self._eager(engine, torch.tensor(ids).view(B, 1), torch.tensor(positions).view(B, 1), mask, padding)
 
-    def _forward(self, engine, ids, positions, mask, padding: int) -> list:
+    def _eager(self, engine, ids, positions, mask, padding: int) -> list:
+        dev, kv, cur = self.model.device, self.kv, self.cur
+        run = lambda: self.model.forward_padded(ids.to(dev), positions.to(dev), mask.to(dev), kv, cur)  # noqa: E731
+        return self._forward(engine, run, ids.shape[1], padding)
+
+    def _forward(self, engine, run, width: int, padding: int) -> list:
+        """run() the forward of width new positions per row, then sample and update the rows."""
         stats = self.last_stats
         t = time.perf_counter()
-        dev = self.model.device
-        logits = self.model.forward_padded(ids.to(dev), positions.to(dev), mask.to(dev), self.kv, self.cur)
+        logits = run()
         stats.forward_time_s = time.perf_counter() - t
-        self.cur += ids.shape[1]
-        stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), ids.numel(), padding
+        self.cur += width
+        stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), len(self.rows) * width, padding
         stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
         live = [i for i, a in enumerate(self.active) if a]
         t = time.perf_counter()
@@ -131,6 +148,6 @@ class PaddedBatcher:
                 outputs.append(out)
             if seq.status is Status.FINISHED:
                 stats.finished.append(seq.request_id)
-        if not any(self.active) or self.cur >= self.kv.shape[4]:
+        if not any(self.active) or self.cur >= self.max_len:
             self.rows, self.active, self.pad, self.kv = [], [], [], None
         return outputs

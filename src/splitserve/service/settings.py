@@ -28,6 +28,7 @@ class Settings:
     worker_id: str = ""  # default: role-hostname-pid
     threads: int = 0  # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
     device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
+    cuda_graphs: bool = True  # on CUDA, decode steps replay captured CUDA graphs; false = eager
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
@@ -111,7 +112,7 @@ class Settings:
 
     def engine_config(self, role: str) -> EngineConfig:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
-        compute = dict(num_threads=self.threads, device=self.device,
+        compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
                        core_share="" if self.core_share == "off" else self.core_share)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
@@ -138,9 +139,17 @@ def _parse(f: dataclasses.Field, raw: str, name: str):
             return int(raw)
         if typ == "float":
             return float(raw)
+        if typ == "bool":
+            flag = _FLAGS.get(raw.strip().lower())
+            if flag is None:
+                raise ValueError
+            return flag
         return raw
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a valid {typ}") from None
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def host_id() -> str:

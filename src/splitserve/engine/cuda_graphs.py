@@ -1,0 +1,206 @@
+"""CUDA graphs for decode steps: one launch instead of hundreds.
+
+A decode step of a small model is launch-bound on a GPU: eager, the host issues
+~25 kernels per layer and takes longer to issue them than the GPU takes to run
+them. A decode step is captured once per shape and replayed.
+
+Two kinds of step are captured:
+
+- ``DecodeGraphs``: a continuous-batching step where every scheduled sequence
+  has one new token (no prefill in it), over the paged cache.
+- ``PaddedDecodeGraphs``: a decode step of a static/dynamic batch (the same
+  rectangle every step), so that the policies are compared on the same kernels.
+
+Shapes are fixed per graph. The batch is padded to the next size in a short list.
+The context is padded to the next power of two (in KV blocks for the paged cache)
+and masked. Padding rows of the paged step write their K/V into a spare block that
+the pool never hands out, and read only that block. Each step copies its variable
+inputs into one static int64 buffer with one host-to-device copy. The graph derives
+everything else on the device: the slots written, the slots read and the mask.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from splitserve.engine.attention import RaggedBatch
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8, up to max_rows (always included)."""
+    sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
+    return sizes + [max_rows]
+
+
+def bucket(sizes: list[int], n: int) -> int | None:
+    return next((b for b in sizes if b >= n), None)
+
+
+def pow2_at_least(n: int, floor: int) -> int:
+    b = floor
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # the static int64 input buffer, on the device
+    output: torch.Tensor  # logits [rows, V], overwritten by every replay
+
+
+class _Captured:
+    """Graphs keyed by shape, captured on first use into one shared memory pool.
+
+    Sharing the pool is safe because replays never overlap: each one's logits are
+    read (sampled) before the next replay. capture=False runs the same step bodies
+    eagerly instead (on any device), which is how the CPU tests check their math.
+    """
+
+    def __init__(self, device: torch.device, capture: bool = True):
+        self.device = device
+        self.capture = capture
+        self.pool = None
+        self.graphs: dict[tuple, _Graph] = {}
+        self.capture_s = 0.0  # time spent capturing, all graphs together
+
+    def run(self, key: tuple, host: torch.Tensor, safe: Callable[[], torch.Tensor],
+            fn: Callable[[torch.Tensor], torch.Tensor], rows: int) -> torch.Tensor:
+        """fn's first rows of output on the inputs host, replayed from the graph for key.
+
+        A new key is captured first, from fn on safe(): inputs that touch nothing in use.
+        """
+        if not self.capture:
+            return fn(host.to(self.device))[:rows]
+        entry = self.graphs.get(key) or self._capture(key, safe(), fn)
+        entry.inputs.copy_(host)
+        entry.graph.replay()
+        return entry.output[:rows]
+
+    def _capture(self, key: tuple, inputs: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graph:
+        t = time.perf_counter()
+        with torch.cuda.device(self.device):
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture (lazy inits, autotuning)
+                fn(inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = fn(inputs)
+        entry = self.graphs[key] = _Graph(graph, inputs, output)
+        self.capture_s += time.perf_counter() - t
+        return entry
+
+
+class DecodeGraphs:
+    """Pure decode steps of the continuous engine over the paged cache."""
+
+    def __init__(self, model, cache, max_num_seqs: int, capture: bool = True):
+        self.model = model
+        self.kv = cache.kv
+        self.block_size = cache.block_size
+        self.spare_block = cache.spare_block
+        assert self.spare_block is not None, "the paged cache needs a spare block for padding rows"
+        self.sizes = batch_buckets(max_num_seqs)
+        self.captured = _Captured(self.kv.device, capture)
+
+    def covers(self, scheduled) -> bool:
+        """Whether a step is a pure decode step (one new token per sequence, each sampled)."""
+        return bool(scheduled) and len(scheduled) <= self.sizes[-1] and all(
+            s.num_tokens == 1 and s.samples for s in scheduled)
+
+    def run(self, seqs) -> torch.Tensor:
+        """Logits [len(seqs), V] of one decode step for seqs (each with one uncomputed token)."""
+        rows = bucket(self.sizes, len(seqs))
+        longest = max(s.num_computed for s in seqs) + 1
+        nb = pow2_at_least(-(-longest // self.block_size), 8)
+        ids, pos, tables = [], [], []
+        for s in seqs:
+            ids.append(s.token_ids[s.num_computed])
+            pos.append(s.num_computed)
+            bt = s.block_table[:nb]
+            tables.extend(bt)
+            tables.extend([self.spare_block] * (nb - len(bt)))
+        pad = rows - len(seqs)
+        host = torch.tensor(ids + [0] * pad + pos + [0] * pad + tables + [self.spare_block] * (pad * nb),
+                            dtype=torch.int64)
+        return self.captured.run((rows, nb), host, lambda: self._safe_inputs(rows, nb),
+                                 lambda buf: self._forward(buf, rows, nb), len(seqs))
+
+    def _safe_inputs(self, rows: int, nb: int) -> torch.Tensor:
+        """Every row a padding row: position 0 of the spare block (what capture runs on)."""
+        buf = torch.zeros(rows * (2 + nb), dtype=torch.int64, device=self.kv.device)
+        buf[2 * rows :] = self.spare_block
+        return buf
+
+    def _forward(self, buf: torch.Tensor, rows: int, nb: int) -> torch.Tensor:
+        bs = self.block_size
+        ids, pos, tables = buf[:rows], buf[rows : 2 * rows], buf[2 * rows :].view(rows, nb)
+        written = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        offsets = torch.arange(bs, device=buf.device)
+        read = (tables.unsqueeze(-1) * bs + offsets).view(rows, nb * bs)
+        mask = (torch.arange(nb * bs, device=buf.device) <= pos.unsqueeze(1)).view(rows, 1, 1, nb * bs)
+        every = torch.arange(rows, device=buf.device)
+        batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
+                            ctx_slots=None, dec_rows=every, dec_slots=read, dec_mask=mask)
+        return self.model.forward(batch, self.kv)
+
+
+class PaddedDecodeGraphs:
+    """Decode steps of a static/dynamic batch: [B, 1] tokens against the batch's own KV tensor.
+
+    The batcher takes its KV tensor from ``kv_for``, which keeps one per (rows, length
+    bucket) and hands it out again to later batches of that shape, so the address the
+    graph holds stays valid. The least recently used shapes are dropped with their graphs.
+    """
+
+    MAX_SHAPES = 8
+
+    def __init__(self, model, capture: bool = True):
+        self.model = model
+        self.captured = _Captured(model.device, capture)
+        self.kv_buffers: dict[tuple[int, int], torch.Tensor] = {}  # in use order, oldest first
+
+    def kv_for(self, rows: int, length: int) -> torch.Tensor:
+        """A KV tensor [layers, 2, rows, Hkv, L, D] with L >= length (a power of two, >= 128)."""
+        key = (rows, pow2_at_least(length, 128))
+        kv = self.kv_buffers.pop(key, None)
+        if kv is None:
+            if len(self.kv_buffers) >= self.MAX_SHAPES:
+                oldest = next(iter(self.kv_buffers))
+                del self.kv_buffers[oldest]
+                self.captured.graphs.pop(oldest, None)
+            s = self.model.shape
+            kv = torch.zeros(s.num_layers, 2, rows, s.num_kv_heads, key[1], s.head_dim, device=self.model.device)
+        self.kv_buffers[key] = kv
+        return kv
+
+    def run(self, kv: torch.Tensor, ids: list[int], positions: list[int], pad: list[int], cur: int) -> torch.Tensor:
+        """Logits [B, V]: row b's token ids[b] at positions[b], its K/V written at cache
+        position cur, attending to cache positions [pad[b], cur]. kv comes from kv_for."""
+        rows, L = kv.shape[2], kv.shape[4]
+        assert self.kv_buffers.get((rows, L)) is kv, "kv must come from kv_for"
+        host = torch.tensor(ids + positions + pad + [cur], dtype=torch.int64)
+        return self.captured.run((rows, L), host, lambda: self._safe_inputs(rows, L),
+                                 lambda buf: self._forward(buf, kv, rows), rows)
+
+    def _safe_inputs(self, rows: int, L: int) -> torch.Tensor:
+        """Every row writes the buffer's last position, which is this step's write position
+        or a later one: either way it is written again before anything reads it."""
+        buf = torch.zeros(3 * rows + 1, dtype=torch.int64, device=self.model.device)
+        buf[-1] = L - 1
+        return buf
+
+    def _forward(self, buf: torch.Tensor, kv: torch.Tensor, rows: int) -> torch.Tensor:
+        ids, pos, pad, cur = buf[:rows], buf[rows : 2 * rows], buf[2 * rows : 3 * rows], buf[3 * rows :]
+        keys = torch.arange(kv.shape[4], device=buf.device).view(1, -1)
+        mask = (keys >= pad.view(rows, 1)) & (keys <= cur)
+        return self.model.forward_padded(ids.view(rows, 1), pos.view(rows, 1), mask.view(rows, 1, 1, -1), kv, cur)
