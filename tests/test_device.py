@@ -159,7 +159,7 @@ def test_the_cpu_engine_captures_nothing(tiny_engine_factory):
 
 def graph_bodies_without_capture(eng):
     """Give a CPU engine the graph step bodies, run eagerly (capture=False): their math, without CUDA."""
-    from splitserve.engine.cuda_graphs import DecodeGraphs, PaddedDecodeGraphs
+    from splitserve.engine.cuda_graphs import DecodeGraphs, PaddedDecodeGraphs, PiecewiseGraphs
     from splitserve.engine.kv_cache import PagedKVCache
     from splitserve.engine.scheduler import ContinuousScheduler
 
@@ -170,6 +170,7 @@ def graph_bodies_without_capture(eng):
     eng.cache = PagedKVCache(eng.model.shape, cfg.kv_cache_bytes, cfg.block_size, spare_block=True)
     eng.scheduler = ContinuousScheduler(eng.cache.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     eng.graphs = DecodeGraphs(eng.model, eng.cache, cfg.max_num_seqs, capture=False)
+    eng.pieces = PiecewiseGraphs(eng.model, eng.cache, cfg.max_num_batched_tokens, capture=False)
 
 
 @pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
@@ -179,17 +180,21 @@ def test_graph_step_bodies_give_the_eager_tokens_on_the_cpu(tiny_engine_factory,
     params = [SamplingParams(max_tokens=4 + 9 * i, ignore_eos=True) for i in range(11)]
     want = tiny_engine_factory().generate(prompts, params)
     eng = tiny_engine_factory(policy=policy, attention_backend="torch", max_batch_size=5, static_batch_size=5,
-                              max_wait_ms=1)
+                              max_wait_ms=1, max_num_batched_tokens=100)  # prefill in chunks, with decodes
     graph_bodies_without_capture(eng)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
-    got, graphed = {}, 0
+    got, graphed, mixed = {}, 0, 0
     while eng.has_unfinished():
         for out in eng.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        graphed += eng.last_stats.graphed
+        st = eng.last_stats
+        graphed += st.graphed
+        mixed += st.graphed and st.num_prefill_tokens > 0 and st.num_decode_tokens > 0
     assert [got[f"r{i}"] for i in range(11)] == want
     assert graphed > 50
+    if policy == "continuous":
+        assert mixed > 3  # prefill chunks and decodes in one step went through the pieces
 
 
 @cuda
@@ -212,21 +217,38 @@ def test_cuda_graph_replays_give_the_eager_tokens(tiny_engine_factory, policy):
         graphed += eng.last_stats.graphed
         eager_steps += eng.last_stats.num_tokens > 0 and not eng.last_stats.graphed
     assert [got[f"r{i}"] for i in range(13)] == want
-    assert graphed > 100 and eager_steps > 0  # decode replayed; prefill ran eagerly
+    assert graphed > 100
+    # continuous: every step replayed (prefill ones piecewise); padded policies prefill eagerly
+    assert eager_steps == 0 if policy == "continuous" else eager_steps > 0
     shapes = (eng.graphs or eng.padded.graphs).captured.graphs
     assert len(shapes) >= 2  # several batch or context buckets
 
 
-@cuda
-def test_cuda_graph_padding_rows_leave_other_sequences_kv_alone(tiny_engine_factory):
-    """Padding rows of a replayed step write only the spare block: a parked sequence's KV is unchanged."""
-    eng = tiny_engine_factory(device="cuda")
-    eng.add_request("parked", random_prompts(1, seed=8)[0], SamplingParams(max_tokens=4), prefill_only=True)
-    while not eng.parked:
-        eng.step()
-    slots = eng.cache.slots(eng.parked["parked"].block_table, 0, eng.parked["parked"].num_computed)
-    before = eng.cache.kv[:, :, slots.cuda()].clone()
-    eng.generate(random_prompts(3, seed=9), SamplingParams(max_tokens=20, ignore_eos=True))  # 3 rows in a bucket of 4
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_graph_padding_leaves_other_sequences_kv_alone(tiny_engine_factory, device):
+    """Padding rows and tokens of graphed steps write only the spare block: a parked sequence's KV
+    equals an eager engine's, through its own prefill and the decode and prefill steps of
+    others (CPU: the graph bodies, run eagerly)."""
+    prompt = random_prompts(1, lo=20, hi=40, seed=8)[0]
+
+    def parked(eng):
+        eng.add_request("parked", prompt, SamplingParams(max_tokens=4), prefill_only=True)
+        while not eng.parked:
+            eng.step()
+        seq = eng.parked["parked"]
+        return eng.cache.slots(seq.block_table, 0, seq.num_computed).to(device)
+
+    ref = tiny_engine_factory(device=device, attention_backend="torch", cuda_graphs=False)
+    ref_slots = parked(ref)
+    eng = tiny_engine_factory(device=device, attention_backend="torch", max_num_batched_tokens=100)
+    if device == "cpu":
+        graph_bodies_without_capture(eng)
+    slots = parked(eng)  # its own prefill: 20..39 tokens in a bucket of 32 or 64
+    # 3 rows in a decode bucket of 4; prompts of 7..150 tokens in token buckets of 16..100
+    eng.generate(random_prompts(3, lo=7, hi=150, seed=9), SamplingParams(max_tokens=20, ignore_eos=True))
     assert eng.last_stats.graphed
-    assert torch.equal(eng.cache.kv[:, :, slots.cuda()], before)
+    want = ref.cache.kv[:, :, ref_slots]
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(eng.cache.kv[:, :, slots], want, rtol=1e-4, atol=1e-4)
     eng.release("parked")
+    ref.release("parked")

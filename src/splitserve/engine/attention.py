@@ -46,14 +46,15 @@ class RaggedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def attention(self, q, k, v, k_cache, v_cache, scale: float, kernel=None) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D] -> [T, Hq*D].
+    def attention(self, q, k, v, k_cache, v_cache, scale: float, kernel=None, out=None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D] -> [T, Hq*D] (into out if given).
 
         With ``kernel`` (native.PagedAttention), every cache-reading sequence is done in one
         call straight from the paged cache; fresh prefills still use torch's SDPA.
         """
         T, Hq, D = q.shape
-        out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
         if self.dec_rows is not None:
             S, L = self.dec_slots.shape
             Hkv = k_cache.shape[1]

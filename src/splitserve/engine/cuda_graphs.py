@@ -50,8 +50,8 @@ def pow2_at_least(n: int, floor: int) -> int:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # the static int64 input buffer, on the device
-    output: torch.Tensor  # logits [rows, V], overwritten by every replay
+    inputs: torch.Tensor | None  # the static int64 input buffer, on the device
+    output: torch.Tensor | dict  # logits [rows, V] (or a piece's tensors), overwritten by every replay
 
 
 class _Captured:
@@ -82,7 +82,11 @@ class _Captured:
         entry.graph.replay()
         return entry.output[:rows]
 
-    def _capture(self, key: tuple, inputs: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> _Graph:
+    def capture_piece(self, key: tuple, fn: Callable[[], dict]) -> _Graph:
+        """Capture fn(), whose inputs are tensors it already holds; output is its dict of tensors."""
+        return self._capture(key, None, lambda _: fn())
+
+    def _capture(self, key: tuple, inputs: torch.Tensor | None, fn: Callable) -> _Graph:
         t = time.perf_counter()
         with torch.cuda.device(self.device):
             if self.pool is None:
@@ -204,3 +208,112 @@ class PaddedDecodeGraphs:
         keys = torch.arange(kv.shape[4], device=buf.device).view(1, -1)
         mask = (keys >= pad.view(rows, 1)) & (keys <= cur)
         return self.model.forward_padded(ids.view(rows, 1), pos.view(rows, 1), mask.view(rows, 1, 1, -1), kv, cur)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, ... (powers of two) below max_tokens, then max_tokens."""
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_tokens]
+
+
+class _Pieces:
+    """One token bucket's graphs: piece 0 is the embedding and layer 0 up to attention,
+    piece i (1 <= i < L) is layer i-1 after attention and layer i up to it, piece L is
+    the last layer after attention and the final norm. Attention runs eagerly between them."""
+
+    def __init__(self, tokens: int, width: int, device: torch.device, spare_slot: int):
+        self.tokens = tokens
+        self.inputs = torch.zeros(3 * tokens, dtype=torch.int64, device=device)  # ids, positions, slots
+        self.inputs[2 * tokens :] = spare_slot  # capture runs with every token written to the spare block
+        self.attn = torch.zeros(tokens, width, device=device)  # attention output, read by the next piece
+        self.state: dict[str, torch.Tensor] = {}  # x, cos, sin as the next piece's body reads them
+        self.graphs: list[_Graph] = []
+
+    def views(self):
+        t = self.tokens
+        return self.inputs[:t], self.inputs[t : 2 * t], self.inputs[2 * t :]
+
+
+class PiecewiseGraphs:
+    """Steps that are not pure decode (prefill chunks, mixed steps) of the continuous engine.
+
+    Their attention depends on each sequence's lengths, so it stays eager; everything else
+    (norms, projections, rotary, the KV writes, the MLP) is captured per token bucket, in
+    one graph per stretch between two attentions. A step of T tokens runs in the bucket
+    of T: padding tokens sit at position 0 and write the spare block.
+    """
+
+    def __init__(self, model, cache, max_tokens: int, capture: bool = True):
+        self.model = model
+        self.kv = cache.kv
+        assert cache.spare_block is not None, "the paged cache needs a spare block for padding tokens"
+        self.spare_slot = cache.spare_block * cache.block_size
+        self.sizes = token_buckets(max_tokens)
+        self.captured = _Captured(self.kv.device, capture)
+        self.buckets: dict[int, _Pieces] = {}
+
+    def covers(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
+    def run(self, batch: RaggedBatch) -> torch.Tensor:
+        """Logits for batch.logits_rows, as model.forward(batch, kv) gives them."""
+        T = batch.num_tokens
+        b = self._bucket(bucket(self.sizes, T))
+        ids, pos, slots = b.views()
+        ids[:T].copy_(batch.input_ids)
+        ids[T:].zero_()
+        pos[:T].copy_(batch.positions)
+        pos[T:].zero_()
+        slots[:T].copy_(batch.slot_mapping)
+        slots[T:].fill_(self.spare_slot)
+        m = self.model
+        out = {}
+        for li in range(len(m.layers) + 1):
+            if li:  # layer li - 1's attention, on the q, k, v of the piece before
+                q, k, v = out["q"][:T], out["k"][:T], out["v"][:T]
+                batch.attention(q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T])
+            out = self._piece(b, li)
+        return m.mm(out["h"][batch.logits_rows], None, "lm_head")
+
+    def _bucket(self, tokens: int) -> _Pieces:
+        b = self.buckets.get(tokens)
+        if b is None:
+            m = self.model
+            b = self.buckets[tokens] = _Pieces(tokens, m.shape.num_heads * m.shape.head_dim, self.kv.device,
+                                               self.spare_slot)
+            if self.captured.capture:  # every piece now, in order: each reads the one before
+                for li in range(len(m.layers) + 1):
+                    entry = self.captured.capture_piece((tokens, li), lambda li=li: self._body(b, li))
+                    b.graphs.append(entry)
+                    b.state.update(entry.output)
+                    entry.graph.replay()  # real values (of the padding inputs) for the next warm-up to read
+        return b
+
+    def _piece(self, b: _Pieces, li: int) -> dict[str, torch.Tensor]:
+        """Run piece li; its outputs (a captured piece's are the same tensors at every replay)."""
+        if b.graphs:
+            b.graphs[li].graph.replay()
+            return b.graphs[li].output
+        out = self._body(b, li)
+        b.state.update(out)
+        return out
+
+    def _body(self, b: _Pieces, li: int) -> dict[str, torch.Tensor]:
+        m, L = self.model, len(self.model.layers)
+        ids, pos, slots = b.views()
+        out: dict[str, torch.Tensor] = {}
+        if li == 0:
+            x = m.embed[ids]
+            out["cos"], out["sin"] = m.rope(pos)
+        else:
+            x = m.attn_out(li - 1, b.state["x"], b.attn)
+        if li == L:
+            out["h"] = m.rms_norm(x, m.norm)
+            return out
+        cos, sin = out.get("cos", b.state.get("cos")), out.get("sin", b.state.get("sin"))
+        out["x"] = x
+        out["q"], out["k"], out["v"] = m.attn_in(li, x, cos, sin, self.kv, slots)
+        return out

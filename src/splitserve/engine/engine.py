@@ -15,7 +15,7 @@ from splitserve.engine import kv_transfer, native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
-from splitserve.engine.cuda_graphs import DecodeGraphs
+from splitserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
@@ -72,7 +72,10 @@ class LLMEngine:
                                   spare_block=graphs and continuous)
         self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
-        self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs) if graphs and continuous else None
+        self.graphs = self.pieces = None  # CUDA graphs: pure decode steps whole, other steps piecewise
+        if graphs and continuous:
+            self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs)
+            self.pieces = PiecewiseGraphs(self.model, self.cache, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
         self.last_stats = StepStats(policy=config.policy)
@@ -214,11 +217,14 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
-        stats.graphed = self.graphs is not None and self.graphs.covers(sched.scheduled)
-        batch = None if stats.graphed else self._build_batch(sched)
+        whole = self.graphs is not None and self.graphs.covers(sched.scheduled)
+        batch = None if whole else self._build_batch(sched)
+        stats.graphed = whole or (self.pieces is not None and self.pieces.covers(batch.num_tokens))
         t = time.perf_counter()
-        if batch is None:
+        if whole:
             logits = self.graphs.run([s.seq for s in sched.scheduled])
+        elif stats.graphed:
+            logits = self.pieces.run(batch)
         else:
             logits = self.model.forward(batch, self.cache.kv)
         stats.forward_time_s = time.perf_counter() - t

@@ -176,19 +176,34 @@ class LlamaModel:
         kv: [layers, 2, slots, Hkv, D], the paged cache (slot = block * block_size + offset).
         """
         x = self.embed[batch.input_ids]  # [T, H]
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
-        for li, layer in enumerate(self.layers):
+        cos, sin = self.rope(batch.positions)
+        for li in range(len(self.layers)):
             if self.on_layer is not None:
                 self.on_layer()
-            h = self.rms_norm(x, layer.ln1)
-            q, k, v = self.qkv(layer, h, cos, sin)
-            kv[li, 0].index_copy_(0, batch.slot_mapping, k)
-            kv[li, 1].index_copy_(0, batch.slot_mapping, v)
+            q, k, v = self.attn_in(li, x, cos, sin, kv, batch.slot_mapping)
             attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
-            x = x + self.mm(attn, layer, "w_o")
-            x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
+            x = self.attn_out(li, x, attn)
         return self.logits(x[batch.logits_rows])
+
+    # Layer halves around attention (the forward above; cuda_graphs.py captures them).
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] of positions [T]."""
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def attn_in(self, li: int, x, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor):
+        """Layer li up to attention: norm, q/k/v with rotary, and the new K/V written to the cache."""
+        layer = self.layers[li]
+        q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
+        kv[li, 0].index_copy_(0, slot_mapping, k)
+        kv[li, 1].index_copy_(0, slot_mapping, v)
+        return q, k, v
+
+    def attn_out(self, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer li after attention: output projection and MLP, each added to the residual x."""
+        layer = self.layers[li]
+        x = x + self.mm(attn, layer, "w_o")
+        return x + self.mlp(layer, self.rms_norm(x, layer.ln2))
 
     # -- padded forward (static / dynamic batching) ----------------------------------------------
 
@@ -221,8 +236,7 @@ class LlamaModel:
             else:
                 qh = q.view(B, L, s.num_heads, s.head_dim).transpose(1, 2)  # [B, Hq, L, D]
                 attn = sdpa_gqa(qh, kc, vc, mask, False, self.scaling).transpose(1, 2).reshape(B * L, -1)
-            x = x + self.mm(attn, layer, "w_o")
-            x = x + self.mlp(layer, self.rms_norm(x, layer.ln2))
+            x = self.attn_out(li, x, attn)
         return self.logits(x.view(B, L, -1)[:, -1])
 
 

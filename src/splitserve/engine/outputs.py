@@ -43,6 +43,6 @@ class StepStats:
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
-    graphed: bool = False  # the forward replayed a captured CUDA graph
+    graphed: bool = False  # the forward replayed captured CUDA graphs (whole, or pieces around attention)
     finished: list[str] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)  # sequences in the forward
