@@ -1,21 +1,22 @@
-"""CUDA graphs for decode steps: one launch instead of hundreds.
+"""CUDA graphs for engine steps: a few launches instead of hundreds.
 
-A decode step of a small model is launch-bound on a GPU: eager, the host issues
-~25 kernels per layer and takes longer to issue them than the GPU takes to run
-them. A decode step is captured once per shape and replayed.
-
-Two kinds of step are captured:
+A step of a small model is launch-bound on a GPU: eager, the host issues ~25
+kernels per layer and takes longer to issue them than the GPU takes to run them.
+Steps are captured once per shape and replayed.
 
 - ``DecodeGraphs``: a continuous-batching step where every scheduled sequence
-  has one new token (no prefill in it), over the paged cache.
+  has one new token (no prefill in it), over the paged cache: one graph.
 - ``PaddedDecodeGraphs``: a decode step of a static/dynamic batch (the same
   rectangle every step), so that the policies are compared on the same kernels.
+- ``PiecewiseGraphs``: every other continuous step (prefill chunks, mixed steps).
+  Attention depends on each sequence's lengths and runs eagerly; the stretches
+  between attentions are one graph each.
 
-Shapes are fixed per graph. The batch is padded to the next size in a short list.
-The context is padded to the next power of two (in KV blocks for the paged cache)
-and masked. Padding rows of the paged step write their K/V into a spare block that
-the pool never hands out, and read only that block. Each step copies its variable
-inputs into one static int64 buffer with one host-to-device copy. The graph derives
+Shapes are fixed per graph. Batches are padded to the next size in a short list,
+contexts to the next power of two (in KV blocks for the paged cache, masked), token
+counts to the next token bucket. Padding rows and tokens of the paged steps write
+their K/V into a spare block that the pool never hands out, and read only that block.
+Each step copies its variable inputs into static device buffers. The graph derives
 everything else on the device: the slots written, the slots read and the mask.
 """
 

@@ -47,8 +47,8 @@ class PagedKVCache:
         per_block = shape.kv_bytes_per_token * block_size
         num_blocks = max(1, cache_bytes // per_block)
         self.pool = BlockPool(num_blocks, block_size)
-        # spare_block: one more block after the pool's, never handed out; padding rows of a
-        # captured decode step (cuda_graphs.py) write and read only it.
+        # spare_block: one more block after the pool's, never handed out; padding rows and
+        # tokens of captured CUDA graph steps (cuda_graphs.py) write and read only it.
         self.spare_block = num_blocks if spare_block else None
         slots = (num_blocks + spare_block) * block_size
         # kv: [layers, 2 (k, v), slots, Hkv, D] (slot = block * block_size + offset). NOTE: zeroed
