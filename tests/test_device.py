@@ -10,6 +10,7 @@ from engine_helpers import drain, random_prompts
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.sampling import SamplingParams
+from splitserve.observability.metrics import EngineMetrics
 from splitserve.service.settings import Settings
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
@@ -184,15 +185,19 @@ def test_graph_step_bodies_give_the_eager_tokens_on_the_cpu(tiny_engine_factory,
     graph_bodies_without_capture(eng)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
+    metrics = EngineMetrics()
     got, graphed, mixed = {}, 0, 0
     while eng.has_unfinished():
         for out in eng.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        metrics.observe_step(eng)
         st = eng.last_stats
         graphed += st.graphed
         mixed += st.graphed and st.num_prefill_tokens > 0 and st.num_decode_tokens > 0
     assert [got[f"r{i}"] for i in range(11)] == want
     assert graphed > 50
+    counted = metrics.registry.get_sample_value
+    assert counted("splitserve_engine_graphed_steps_total") == graphed <= counted("splitserve_engine_steps_total")
     if policy == "continuous":
         assert mixed > 3  # prefill chunks and decodes in one step went through the pieces
 

@@ -35,6 +35,7 @@ ENGINE_METRICS = {
     "splitserve_kv_cache_blocks_free", "splitserve_kv_cache_usage_perc", "splitserve_iteration_sequences",
     "splitserve_iteration_tokens", "splitserve_iteration_token_budget_usage", "splitserve_iteration_duration_seconds",
     "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps", "splitserve_engine_threads",
+    "splitserve_engine_graphed_steps",
 }
 PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
                                     "splitserve_prefill_jobs", "splitserve_arena_used_bytes"}

@@ -119,6 +119,8 @@ class EngineMetrics(Metrics):
         self.threads = self.g("engine_threads", "Compute threads of the engine's last step (fewer while other "
                                                 "engines on its core-share board are busy)")
         self.steps = self.c("engine_steps", "Engine steps (forwards) run")
+        self.graphed = self.c("engine_graphed_steps", "Engine steps that replayed captured CUDA graphs "
+                                                      "(whole, or pieces around attention)")
         self.step_seqs = self.h("iteration_sequences", "Sequences per engine step", SEQ_BUCKETS)
         self.step_tokens = self.h("iteration_tokens", "Tokens computed per engine step (padding included)",
                                   TOKEN_BUCKETS)
@@ -147,6 +149,8 @@ class EngineMetrics(Metrics):
         if not s.num_tokens:
             return
         self.steps.inc()
+        if s.graphed:
+            self.graphed.inc()
         self.step_seqs.observe(s.num_seqs)
         self.step_tokens.observe(s.num_tokens)
         self.budget_use.observe(min(1.0, s.num_tokens / max(1, engine.config.max_num_batched_tokens)))

@@ -392,7 +392,7 @@ class PrefillWorker:
         tracing.tracer().start_span("prefill batch", start_time=tracing.ns(t0), links=links, attributes={
             "splitserve.prefill_worker": self.name, "splitserve.batch.sequences": st.num_seqs,
             "splitserve.batch.tokens": st.num_tokens, "splitserve.batch.prefill_tokens": st.num_prefill_tokens,
-            "splitserve.batch.forward_ms": st.forward_time_s * 1000,
+            "splitserve.batch.forward_ms": st.forward_time_s * 1000, "splitserve.batch.cuda_graphs": st.graphed,
         }).end(end_time=tracing.ns(t0 + st.step_time_s))
 
     # -- loop ---------------------------------------------------------------------------
