@@ -257,3 +257,24 @@ def test_graph_padding_leaves_other_sequences_kv_alone(tiny_engine_factory, devi
     torch.testing.assert_close(eng.cache.kv[:, :, slots], want, rtol=1e-4, atol=1e-4)
     eng.release("parked")
     ref.release("parked")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="makes capture fail by asking for it on a host without CUDA")
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_a_failed_capture_leaves_the_engine_eager_with_the_same_tokens(tiny_engine_factory, policy, caplog):
+    """Graphs that cannot be captured (here: no CUDA at all) are dropped with one warning; the
+    step that found out and every later one run eagerly, and the tokens do not change."""
+    prompts = random_prompts(6, seed=51)
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(6)]
+    want = tiny_engine_factory().generate(prompts, params)
+    eng = tiny_engine_factory(policy=policy, attention_backend="torch", static_batch_size=4, max_wait_ms=1)
+    graph_bodies_without_capture(eng)
+    for g in (eng.graphs, eng.pieces, eng.padded and eng.padded.graphs):
+        if g is not None:
+            g.captured.capture = True  # as on a CUDA device: capture, which fails on this host
+    with caplog.at_level("WARNING", logger="splitserve.engine.engine"):
+        assert eng.generate(prompts, params) == want
+    assert eng.graphs is None and eng.pieces is None and (eng.padded is None or eng.padded.graphs is None)
+    assert not eng.last_stats.graphed
+    warned = [r.getMessage() for r in caplog.records if "capture" in r.getMessage()]
+    assert len(warned) == 1 and "running every step eagerly" in warned[0], warned

@@ -31,6 +31,10 @@ import torch
 from splitserve.engine.attention import RaggedBatch
 
 
+class GraphCaptureError(RuntimeError):
+    """A step could not be captured (this device or torch build); the engine goes on eagerly."""
+
+
 def batch_buckets(max_rows: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8, up to max_rows (always included)."""
     sizes = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8))
@@ -88,6 +92,12 @@ class _Captured:
         return self._capture(key, None, lambda _: fn())
 
     def _capture(self, key: tuple, inputs: torch.Tensor | None, fn: Callable) -> _Graph:
+        try:
+            return self._capture_on_device(key, inputs, fn)
+        except Exception as e:  # anything torch raises here means: no graphs on this device
+            raise GraphCaptureError(f"CUDA graph capture of a step shaped {key} failed: {e}") from e
+
+    def _capture_on_device(self, key: tuple, inputs: torch.Tensor | None, fn: Callable) -> _Graph:
         t = time.perf_counter()
         with torch.cuda.device(self.device):
             if self.pool is None:

@@ -7,6 +7,7 @@ their KV for export after the first token) and as a decode worker (``import_kv``
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,7 +16,7 @@ from splitserve.engine import kv_transfer, native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
-from splitserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, PiecewiseGraphs
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
@@ -35,6 +36,8 @@ from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer
 
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -79,6 +82,13 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
         self.last_stats = StepStats(policy=config.policy)
+
+    def drop_graphs(self, error: Exception) -> None:
+        """Run every later step eagerly (a capture failed on this device)."""
+        log.warning("%s; running every step eagerly from now on", error)
+        self.graphs = self.pieces = None
+        if self.padded is not None:
+            self.padded.graphs = None
 
     def _set_threads(self, n: int) -> None:
         """Threads for this engine's next ops (called on the thread that runs the forward)."""
@@ -221,11 +231,16 @@ class LLMEngine:
         batch = None if whole else self._build_batch(sched)
         stats.graphed = whole or (self.pieces is not None and self.pieces.covers(batch.num_tokens))
         t = time.perf_counter()
-        if whole:
-            logits = self.graphs.run([s.seq for s in sched.scheduled])
-        elif stats.graphed:
-            logits = self.pieces.run(batch)
-        else:
+        try:
+            if whole:
+                logits = self.graphs.run([s.seq for s in sched.scheduled])
+            elif stats.graphed:
+                logits = self.pieces.run(batch)
+        except GraphCaptureError as e:  # captures write nothing the step needs: run it eagerly instead
+            self.drop_graphs(e)
+            stats.graphed = False
+            batch = batch or self._build_batch(sched)
+        if not stats.graphed:
             logits = self.model.forward(batch, self.cache.kv)
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]

@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from splitserve.engine.cuda_graphs import PaddedDecodeGraphs
+from splitserve.engine.cuda_graphs import GraphCaptureError, PaddedDecodeGraphs
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sampling import sample
 from splitserve.engine.sequence import Sequence, Status
@@ -115,7 +115,11 @@ class PaddedBatcher:
         if self.graphs is not None:
             self.last_stats.graphed = True
             replay = lambda: self.graphs.run(self.kv, ids, positions, self.pad, self.cur)  # noqa: E731
-            return self._forward(engine, replay, 1, padding)
+            try:
+                return self._forward(engine, replay, 1, padding)
+            except GraphCaptureError as e:  # raised before the step changed anything: go on eagerly
+                engine.drop_graphs(e)
+                self.last_stats.graphed = False
         keys = torch.arange(self.cur + 1).view(1, -1)
         mask = (keys >= torch.tensor(self.pad).view(B, 1)).view(B, 1, 1, -1)  # [B, 1, 1, cur + 1]
         return self._eager(engine, torch.tensor(ids).view(B, 1), torch.tensor(positions).view(B, 1), mask, padding)
