@@ -49,7 +49,7 @@ class EngineConfig:
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
     small_gemm: bool = True  # matmuls of <= 8 rows through the weight-streaming C kernel (AVX2)
     device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
-    cuda_graphs: bool = True  # CUDA: decode steps replay captured graphs (cuda_graphs.py); off = eager
+    cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)
 
     def __post_init__(self) -> None:

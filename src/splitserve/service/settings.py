@@ -28,7 +28,7 @@ class Settings:
     worker_id: str = ""  # default: role-hostname-pid
     threads: int = 0  # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
     device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
-    cuda_graphs: bool = True  # on CUDA, decode steps replay captured CUDA graphs; false = eager
+    cuda_graphs: bool = True  # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
