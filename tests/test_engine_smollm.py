@@ -111,6 +111,29 @@ def test_streamed_text_is_the_decoded_output(engine):
     assert text.strip()
 
 
+def test_the_streaming_detokenizer_gives_the_window_detokenizers_deltas(smol_loaded, mixed_workload):
+    """The fast tokenizer's DecodeStream path hands out the same deltas as decoding windows,
+    multi-byte characters split across tokens and a flush of incomplete bytes included."""
+    import random
+
+    from splitserve.engine.tokenizer import Tokenizer
+
+    fast, window = Tokenizer(smol_loaded.tokenizer), Tokenizer(smol_loaded.tokenizer)
+    assert fast.rust is not None
+    window.rust = None
+    rng = random.Random(3)
+    emoji = fast.encode("Party 🎉🎉, 日本語, naïve café.")
+    cases = [r["prompt_token_ids"] for r in mixed_workload[:40]] + [emoji]
+    for ids in cases:
+        cut = rng.randrange(1, len(ids) - 1)
+        a, b = fast.detokenizer(ids[:cut]), window.detokenizer(ids[:cut])
+        assert [a.push(t) for t in ids[cut:]] + [a.flush()] == [b.push(t) for t in ids[cut:]] + [b.flush()]
+    split = next(i for i in range(1, len(emoji)) if "\ufffd" in fast.decode(emoji[:i]))  # inside a character
+    a, b = fast.detokenizer(emoji[:1]), window.detokenizer(emoji[:1])
+    got = [[d.push(t) for t in emoji[1:split]] + [d.flush()] for d in (a, b)]
+    assert got[0] == got[1] and got[0][-1].endswith("\ufffd")
+
+
 def test_stop_string_truncates_and_reports_stop(engine, prompts, reference):
     tok = engine.tokenizer
     full = tok.decode(reference[0])
