@@ -181,6 +181,15 @@ def _cgroup(tmp_path, lines: list[str], files: dict[str, str]):
     return str(root), str(proc)
 
 
+@pytest.mark.parametrize("raw, board", [("", ""), ("off", ""), ("/run/x/cores", "/run/x/cores")])
+def test_the_core_share_setting_names_a_board_or_is_off(raw, board):
+    from splitserve.service.settings import Settings
+
+    s = Settings.from_env({"SPLITSERVE_CORE_SHARE": raw})
+    assert s.core_share_board == board
+    assert s.engine_config("prefill").core_share == board == s.engine_config("decode").core_share
+
+
 def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1_the_smallest_on_the_path_wins(tmp_path):
     from splitserve.engine.config import cgroup_cpu_limit
 

@@ -74,7 +74,7 @@ def _up(args) -> int:
                 json.dump(state, f)
         if stack.settings.trace_file:
             print(f"traces: {stack.settings.trace_file}  (splitserve traces)", flush=True)
-        if stack.settings.core_share != "off":
+        if stack.settings.core_share_board:
             print("cores: the workers divide this host's cores among those busy (SPLITSERVE_CORE_SHARE=off: "
                   "each uses all)", flush=True)
         if args.demo:

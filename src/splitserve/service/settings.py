@@ -107,13 +107,18 @@ class Settings:
     def address(self, port: int) -> str:
         return self.advertise or f"{self.host}:{port}"
 
+    @property
+    def core_share_board(self) -> str:
+        """The core-share board file, or "" when sharing is off ("" or off)."""
+        return "" if self.core_share == "off" else self.core_share
+
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
     def engine_config(self, role: str) -> EngineConfig:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
         compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
-                       core_share="" if self.core_share == "off" else self.core_share)
+                       core_share=self.core_share_board)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
