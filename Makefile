@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test run bench bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -55,6 +55,25 @@ bench-sweep: install proto
 
 bench-disagg: install proto
 	$(VENV)/bin/splitserve bench --compare colocated,disaggregated --rate 1.0 --requests 48 --no-progress --out bench-results/disagg
+
+# The GPU figures of the README in one command, on a CUDA machine: capacity of static and
+# continuous batching (64 clients), the policies at a Poisson rate 1.25x static's capacity, and
+# colocated vs disaggregated at 70% of continuous's capacity. GPU_DEVICE=cpu GPU_REQUESTS=8
+# runs the same steps on the CPU (slowly; for checking the recipe).
+GPU_DEVICE ?= cuda
+GPU_REQUESTS ?= 512
+GPU_OUT := bench-results/gpu
+RESULT = $(PY) -c "import json,sys; print(round(float(sys.argv[2]) * json.load(open(sys.argv[1]))['variants'][sys.argv[3]]['request_throughput'], 2))"
+
+bench-gpu: install proto
+	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,continuous --concurrency 64 \
+		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/capacity
+	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,dynamic,continuous \
+		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
+		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity
+	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare colocated,disaggregated \
+		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 0.7 continuous) \
+		--requests $$(($(GPU_REQUESTS) / 2)) --warmup 1 --no-progress --out $(GPU_OUT)/disagg
 
 bench-priority: install proto
 	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
