@@ -241,7 +241,6 @@ class _Pieces:
         self.inputs[2 * tokens :] = spare_slot  # capture runs with every token written to the spare block
         self.attn = torch.zeros(tokens, width, device=device)  # attention output, read by the next piece
         self.state: dict[str, torch.Tensor] = {}  # x, cos, sin as the next piece's body reads them
-        self.graphs: list[_Graph] = []
 
     def views(self):
         t = self.tokens
@@ -298,16 +297,16 @@ class PiecewiseGraphs:
             if self.captured.capture:  # every piece now, in order: each reads the one before
                 for li in range(len(m.layers) + 1):
                     entry = self.captured.capture_piece((tokens, li), lambda li=li: self._body(b, li))
-                    b.graphs.append(entry)
                     b.state.update(entry.output)
                     entry.graph.replay()  # real values (of the padding inputs) for the next warm-up to read
         return b
 
     def _piece(self, b: _Pieces, li: int) -> dict[str, torch.Tensor]:
         """Run piece li; its outputs (a captured piece's are the same tensors at every replay)."""
-        if b.graphs:
-            b.graphs[li].graph.replay()
-            return b.graphs[li].output
+        if self.captured.capture:
+            entry = self.captured.graphs[(b.tokens, li)]
+            entry.graph.replay()
+            return entry.output
         out = self._body(b, li)
         b.state.update(out)
         return out
@@ -315,16 +314,17 @@ class PiecewiseGraphs:
     def _body(self, b: _Pieces, li: int) -> dict[str, torch.Tensor]:
         m, L = self.model, len(self.model.layers)
         ids, pos, slots = b.views()
-        out: dict[str, torch.Tensor] = {}
         if li == 0:
             x = m.embed[ids]
-            out["cos"], out["sin"] = m.rope(pos)
+            cos, sin = m.rope(pos)
+            out: dict[str, torch.Tensor] = {"cos": cos, "sin": sin}
         else:
             x = m.attn_out(li - 1, b.state["x"], b.attn)
+            cos, sin = b.state["cos"], b.state["sin"]
+            out = {}
         if li == L:
             out["h"] = m.rms_norm(x, m.norm)
             return out
-        cos, sin = out.get("cos", b.state.get("cos")), out.get("sin", b.state.get("sin"))
         out["x"] = x
         out["q"], out["k"], out["v"] = m.attn_in(li, x, cos, sin, self.kv, slots)
         return out
