@@ -177,11 +177,17 @@ class LlamaModel:
         """
         x = self.embed[batch.input_ids]  # [T, H]
         cos, sin = self.rope(batch.positions)
+        last = len(self.layers) - 1
         for li in range(len(self.layers)):
             if self.on_layer is not None:
                 self.on_layer()
             q, k, v = self.attn_in(li, x, cos, sin, kv, batch.slot_mapping)
             attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
+            if li == last and batch.logits_rows.shape[0] < x.shape[0]:
+                # Past the last K/V write only the sampled rows matter: a prefill's other rows skip
+                # the last layer's output projection and MLP (~2.8% of a prefill's FLOPs here).
+                rows = batch.logits_rows
+                return self.logits(self.attn_out(li, x[rows], attn[rows]))
             x = self.attn_out(li, x, attn)
         return self.logits(x[batch.logits_rows])
 
