@@ -54,15 +54,33 @@ def test_engine_backends_agree(tiny_engine_factory):
     assert a == b
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("k, n", [(64, 96), (576, 963), (1536, 576)])
-def test_small_gemm_matches_mm(m, k, n):
+def _small_gemm(threads: int = 2):
     lib = native.load_small_gemm(ModelSpec().cache_dir)
     assert lib is not None, "the small-GEMM kernel must build on this (AVX2) machine"
-    sg = native.SmallGemm(lib, 2)
+    return native.SmallGemm(lib, threads)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16, 21, 64, 128])
+@pytest.mark.parametrize("k, n", [(64, 96), (576, 963), (1536, 576)])
+def test_small_gemm_matches_mm(m, k, n):
+    sg = _small_gemm()
     torch.manual_seed(m)
     x, w = torch.randn(m, k), torch.randn(k, n)
     torch.testing.assert_close(sg(x, sg.pack(w), n), x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_small_gemm_row_does_not_depend_on_the_batch():
+    """A row's product is bit-for-bit the same alone, in any group of 8 rows and on any thread count."""
+    torch.manual_seed(0)
+    k, n = 576, 963
+    x, w = torch.randn(37, k), torch.randn(k, n)
+    sg = _small_gemm()
+    packed = sg.pack(w)
+    whole = sg(x, packed, n)
+    for i in (0, 7, 8, 20, 36):
+        assert torch.equal(sg(x[i : i + 1], packed, n)[0], whole[i])
+        assert torch.equal(sg(x[max(0, i - 4) : i + 1], packed, n)[-1], whole[i])
+    assert torch.equal(_small_gemm(1)(x, packed, n), whole)
 
 
 def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):

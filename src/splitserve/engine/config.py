@@ -47,7 +47,7 @@ class EngineConfig:
     # Compute.
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
-    small_gemm: bool = True  # matmuls of <= 8 rows through the weight-streaming C kernel (AVX2)
+    small_gemm: bool = True  # matmuls of <= 128 rows through the weight-streaming C kernel (AVX2)
     device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)

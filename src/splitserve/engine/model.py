@@ -107,7 +107,7 @@ class LlamaModel:
         self.device = device
 
     def use_small_gemm(self, small_gemm) -> None:
-        """Route matmuls of <= 8 rows (decode with few sequences) to the weight-streaming kernel."""
+        """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming kernel."""
         for layer in self.layers:
             layer.packed = {name: small_gemm.pack(getattr(layer, name)) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         self.lm_head_packed = small_gemm.pack(self.lm_head)
