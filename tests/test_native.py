@@ -15,10 +15,11 @@ def kernel():
     return native.PagedAttention(lib, 2)
 
 
-@pytest.mark.parametrize("hq, hkv", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_sdpa_on_decode_and_chunks(kernel, hq, hkv):
+@pytest.mark.parametrize("hq, hkv, D", [(9, 3, 64), (4, 4, 64), (8, 1, 64), (9, 3, 40), (6, 2, 20)])
+def test_kernel_matches_sdpa_on_decode_and_chunks(kernel, hq, hkv, D):
+    """D 64: every vector path; 40: vector scores, generic V sum; 20: the scalar paths."""
     torch.manual_seed(0)
-    D, bs, nblocks = 64, 16, 200
+    bs, nblocks = 16, 200
     kc = torch.randn(nblocks * bs, hkv, D)
     vc = torch.randn(nblocks * bs, hkv, D)
     perm = torch.randperm(nblocks)
