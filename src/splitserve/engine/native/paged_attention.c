@@ -33,7 +33,6 @@ static float dot(const float *a, const float *b, int n) {
     return acc;
 }
 
-
 #ifdef HAVE_AVX2
 /* exp for x <= 0 (scores minus their max), Cephes' expf polynomial: within 2 ulp of expf. */
 static inline __m256 exp256(__m256 x) {
