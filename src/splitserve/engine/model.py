@@ -230,7 +230,7 @@ class LlamaModel:
         B, L = input_ids.shape
         x = self.embed[input_ids.flatten()]  # [B*L, H]
         pos = positions.flatten()
-        cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)
+        cos, sin = self.rope(pos)
         rect = (B, L, s.num_kv_heads, s.head_dim)
         for li, layer in enumerate(self.layers):
             if self.on_layer is not None:

@@ -155,7 +155,6 @@ int paged_attention(const float *q, const float *k, const float *v, const int64_
 #endif
                         const float inv = 1.f / sum;
                         for (j = 0; j < nk; j++) sh[j] *= inv;
-                        for (int d = 0; d < D; d++) o[h * D + d] = 0.f;
                     }
 #ifdef HAVE_AVX2
                 if (D == 64) { /* the weighted sum of V rows in registers: 8 chains per head */
@@ -175,6 +174,8 @@ int paged_attention(const float *q, const float *k, const float *v, const int64_
                     continue;
                 }
 #endif
+                for (int h = h0 * G; h < h1 * G; h++)
+                    for (int d = 0; d < D; d++) o[h * D + d] = 0.f;
                 for (int64_t j = 0; j < nk; j++) {
                     const float *vr = v + sl[j] * Hkv * D;
                     for (int kh = h0; kh < h1; kh++)
