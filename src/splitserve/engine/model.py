@@ -49,7 +49,7 @@ class Layer:
     ln2: torch.Tensor  # [H]
     w_gate_up: torch.Tensor  # [H, 2*I]
     w_down: torch.Tensor  # [I, H]
-    packed: dict[str, torch.Tensor] | None = None  # the same weights as [N/8, K, 8] for SmallGemm
+    packed: dict | None = None  # the same weights packed for SmallGemm (native.Packed)
 
 
 class LlamaModel:
@@ -88,7 +88,7 @@ class LlamaModel:
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
         self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
         self.on_layer = None  # called before every layer (the engine's CoreShare.tick)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed = None  # native.Packed
         self.device = torch.device("cpu")
 
     def to(self, device: torch.device) -> None:

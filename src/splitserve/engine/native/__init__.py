@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,8 +62,18 @@ def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
     return lib
 
 
+class Packed(NamedTuple):
+    """A weight for SmallGemm: fp32 tiles, and 4-bit blocks giving back the same floats (or None)."""
+
+    tiles: Any  # torch.Tensor [N/8, K, 8] float32
+    q4: Any  # torch.Tensor [N/8, K/32, 192] uint8, or None
+
+
 class SmallGemm:
-    """out = x @ W for up to MAX_M rows, W pre-packed as [N/8, K, 8]; streams the weights once.
+    """out = x @ W for up to MAX_M rows, W pre-packed (``pack``); streams the weights once.
+
+    Up to Q4_MAX_M rows read W's 4-bit blocks when it has them, more rows its fp32 tiles;
+    both give the same floats.
 
     MAX_M: up to here the kernel beat MKL's sgemm on this model's weights (2 threads: 3.8x
     at 8 rows, 1.8x at 32, 1.5x at 64, 1.3x at 128; at 256 and 512 they were even), so
@@ -71,30 +82,63 @@ class SmallGemm:
 
     MAX_M = 128
 
+    QK = 32  # k steps per Q4 block (small_gemm.c)
+    Q4_TILES = 4  # tiles of 8 columns per Q4 kernel call (QNT)
+    Q4_MAX_M = 4  # rows the Q4 kernel takes (QMAX_M); beyond that the FMAs bind and fp32 tiles are faster
+
     def __init__(self, lib: ctypes.CDLL, num_threads: int):
         self.fn = lib.small_gemm
+        self.fn_q4 = lib.small_gemm_q4
         self.num_threads = num_threads
 
-    @staticmethod
-    def pack(w_kn):
-        """[K, N] -> [N/8, K, 8] (N padded to a multiple of 8 with zero columns)."""
+    @classmethod
+    def pack(cls, w_kn) -> "Packed":
+        """[K, N] -> its fp32 tiles [N/8, K, 8] (N padded to a multiple of 8 with zero
+        columns), and its Q4 blocks when W is exactly that (``pack_q4``)."""
         import torch
 
         K, N = w_kn.shape
         pad = (-N) % 8
-        if pad:
-            w_kn = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1)
-        return w_kn.view(K, -1, 8).permute(1, 0, 2).contiguous()
+        w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
+        return Packed(w.view(K, -1, 8).permute(1, 0, 2).contiguous(), cls.pack_q4(w_kn))
 
-    def __call__(self, x, packed, n: int):
+    @classmethod
+    def pack_q4(cls, w_kn):
+        """[K, N] -> [N/8, K/32, 192] bytes of Q4 blocks, or None when W is not exactly that.
+
+        Weights de-quantized from 4-bit blocks (GGUF's Q4_1: w = d * q + m for 32 consecutive
+        k of one output column, q in 0..15) are stored that way again, 6 bits a weight with
+        the float scale and offset. A block's m is its least value (q = 0) and its d one of
+        the fp16 values nearest (max - min) / 15; the block is kept only if d * q + m gives
+        back every one of its 32 floats bit for bit, and the tensor only if every block does,
+        so the kernel computes exactly what it would from the fp32 weights.
+        """
+        import torch
+
+        K, N = w_kn.shape
+        if K % cls.QK or N % (8 * cls.Q4_TILES) or w_kn.dtype != torch.float32:
+            return None
+        wb = w_kn.reshape(K // cls.QK, cls.QK, N)
+        if not _q4_blocks(wb[:1])[2].all():  # most weights fail at once
+            return None
+        d, m, ok, q = _q4_blocks(wb)
+        if not ok.all():
+            return None
+        KB = K // cls.QK
+        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).view(KB, cls.QK // 2, N // 8, 8).permute(2, 0, 1, 3)
+        scale = lambda t: t.reshape(KB, N // 8, 8).permute(1, 0, 2).contiguous().view(torch.uint8)  # noqa: E731
+        return torch.cat([scale(d), scale(m), codes.reshape(N // 8, KB, -1)], dim=2).contiguous()
+
+    def __call__(self, x, packed: "Packed", n: int):
         import torch
 
         M, K = x.shape
         if not x.is_contiguous():
             x = x.contiguous()
-        n_pad = packed.shape[0] * 8
+        n_pad = packed.tiles.shape[0] * 8
         out = torch.empty(M, n_pad, dtype=torch.float32)
-        rc = self.fn(x.data_ptr(), packed.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
+        fn, w = (self.fn_q4, packed.q4) if packed.q4 is not None and M <= self.Q4_MAX_M else (self.fn, packed.tiles)
+        rc = fn(x.data_ptr(), w.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
         if rc != 0:
             raise RuntimeError(f"small_gemm failed ({rc})")
         return out if n_pad == n else out[:, :n]
@@ -106,11 +150,36 @@ def load_small_gemm(cache_dir: str) -> ctypes.CDLL | None:
     lib = _build("small_gemm", cache_dir)
     if lib is None:
         return None
-    fn = lib.small_gemm
-    fn.restype = ctypes.c_int
     p = ctypes.c_void_p
-    fn.argtypes = [p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int]
+    for fn in (lib.small_gemm, lib.small_gemm_q4):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int]
     return lib
+
+
+def _q4_blocks(wb):
+    """wb: [blocks, 32, N] fp32 -> d, m [blocks, N], ok [blocks, N] (d * q + m == w bit for bit), q uint8."""
+    import torch
+
+    m = wb.amin(1)
+    est = ((wb.amax(1).double() - m.double()) / 15).half()
+    bits = est.view(torch.int16)
+    best_d, best_q, ok = None, None, None
+    for step in (0, 1, -1):  # the nearest fp16 value first, then its neighbours
+        d = (bits + step).clamp(min=0).view(torch.float16).float() if step else est.float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.where((d > 0).unsqueeze(1), torch.round((wb - m.unsqueeze(1)) / safe.unsqueeze(1)), 0).clamp(0, 15)
+        hit = ((d.unsqueeze(1) * q + m.unsqueeze(1)).view(torch.int32) == wb.view(torch.int32)).all(1)
+        if best_d is None:
+            best_d, best_q, ok = d, q, hit
+        else:
+            take = hit & ~ok
+            best_d = torch.where(take, d, best_d)
+            best_q = torch.where(take.unsqueeze(1), q, best_q)
+            ok = ok | hit
+        if ok.all():
+            break
+    return best_d, m, ok, best_q.to(torch.uint8)
 
 
 def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
