@@ -27,7 +27,7 @@ BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_by
 
 
 def _start(**kw):
-    extra = {k: kw.pop(k) for k in ("prefill", "decode") if k in kw}
+    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env") if k in kw}
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
     return stack
 
@@ -330,16 +330,23 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
         _finish(stack)
 
 
+def _handoffs_waiting(stack) -> int:
+    dec = workers(stack, "decode")[0]
+    metrics = urllib.request.urlopen(f"http://{dec['metrics']}/metrics", timeout=5).read().decode()
+    return int(float(re.search(r"^splitserve_kv_handoffs_waiting (\S+)$", metrics, re.M).group(1)))
+
+
 def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
     # A decode pool of 64 blocks (1024 tokens); a 480-token "hog" decodes in it, leaving 33
     # blocks, and every other prompt (560 tokens) needs 36, so their handoffs wait for blocks.
+    # The hog's 540 steps must outlast four prefills: the decode worker gets one thread.
     kv_per_token = 30 * 2 * 3 * 64 * 4
     stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, arena_bytes=256 << 20, max_queue_requests=64,
-                   max_queue_tokens=1 << 20)
+                   max_queue_tokens=1 << 20, decode_env={"SPLITSERVE_THREADS": "1"})
     try:
         ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
         assert len(ids) >= 1000
-        prompts = {f"normal-{i}": ids[40 * i : 40 * i + 560] for i in range(4)} | {"high": ids[400:960]}
+        prompts = {f"normal-{i}": ids[40 * i : 40 * i + 560] for i in range(3)} | {"high": ids[400:960]}
         first, done = {}, {}
 
         def one(rid, priority=0):
@@ -369,13 +376,10 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
             threads = [threading.Thread(target=one, args=(rid,)) for rid in prompts if rid != "high"]
             for t in threads:
                 t.start()
-            # The first token goes out before the KV: once it is here, the handoff is on its way.
-            wait_for(lambda: len(first) == 4, timeout=60, what="the normal requests' first tokens")
-            time.sleep(0.3)
+            wait_for(lambda: _handoffs_waiting(stack) == 3, timeout=60, what="the normal handoffs waiting for blocks")
             threads.append(threading.Thread(target=one, args=("high", -1)))
             threads[-1].start()
-            wait_for(lambda: "high" in first, timeout=60, what="the high request's first token")
-            time.sleep(0.3)
+            wait_for(lambda: _handoffs_waiting(stack) == 4, timeout=60, what="the high handoff waiting for blocks")
             t_free = time.time()
             hog_at = len(hog_tokens)
             hog.cancel()  # frees 31+ blocks: one waiting handoff fits at a time

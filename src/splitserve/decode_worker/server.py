@@ -65,6 +65,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.s = settings
         self.metrics = metrics or DecodeMetrics()
         self.metrics.streams.set_function(lambda: len(self.slots))
+        self.metrics.handoffs_waiting.set_function(lambda: len(self.adopt_waiting))
         self.runner = runner
         self.engine: LLMEngine = runner.engine
         self.redis = r

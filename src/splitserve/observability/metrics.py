@@ -179,6 +179,7 @@ class DecodeMetrics(EngineMetrics):
     def __init__(self):
         super().__init__()
         self.streams = self.g("decode_streams_open", "Decode streams open (waiting for KV or decoding)")
+        self.handoffs_waiting = self.g("kv_handoffs_waiting", "PutKV calls holding a KV that waits for free blocks")
         self.adopt_seconds = self.h("kv_adopt_seconds", "PutKV received -> KV in the paged pool (blocks waited "
                                     "for included)", PART_BUCKETS, ["transport"])
         self.kv_bytes = self.c("kv_received_bytes", "KV bytes adopted from prefill workers", ["transport"])
