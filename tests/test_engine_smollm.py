@@ -171,3 +171,12 @@ def _run(engine, rid, prompt, params):
     while engine.has_unfinished():
         outs.extend(engine.step())
     return outs
+
+
+def test_the_gguf_weights_are_kept_as_their_blocks_for_small_steps(engine):
+    """The projections come from Q4_1 blocks and the (tied) lm_head from Q8_0: every one is
+    found exact at load, so the steps of 1-4 rows read 6 and 9 bits a weight."""
+    model = engine.model
+    assert model.small_gemm is not None
+    assert {p.fmt for layer in model.layers for p in layer.packed.values()} == {"q4_1"}
+    assert model.lm_head_packed.fmt == "q8_0"

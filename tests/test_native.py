@@ -84,46 +84,53 @@ def test_small_gemm_row_does_not_depend_on_the_batch():
     assert torch.equal(_small_gemm(1)(x, packed, n), whole)
 
 
-def _q4_weight(k: int, n: int, seed: int = 0) -> torch.Tensor:
-    """[K, N] fp32 made the way a GGUF Q4_1 tensor is de-quantized: per 32 k of a column,
-    w = d * q + m with fp16 d and m and q in 0..15, q = 0 and 15 in every block."""
+def _block_weight(fmt: str, k: int, n: int, seed: int = 0) -> torch.Tensor:
+    """[K, N] fp32 made the way a GGUF tensor of that format is de-quantized, per 32 k of a
+    column: q4_1 w = d * q + m (fp16 d and m, q in 0..15, 0 and 15 in every block); q8_0
+    w = d * q (fp16 d, q in -127..127, +-127 in every block)."""
     g = torch.Generator().manual_seed(seed)
     blocks = k // 32
     d = (torch.rand(blocks, 1, n, generator=g) * 0.01 + 1e-4).half().float()
-    m = (torch.randn(blocks, 1, n, generator=g) * 0.05).half().float()
-    q = torch.randint(0, 16, (blocks, 32, n), generator=g).float()
-    q[:, 0], q[:, 1] = 0, 15
-    return (d * q + m).reshape(k, n)
+    if fmt == "q4_1":
+        m = (torch.randn(blocks, 1, n, generator=g) * 0.05).half().float()
+        q = torch.randint(0, 16, (blocks, 32, n), generator=g).float()
+        q[:, 0], q[:, 1] = 0, 15
+        return (d * q + m).reshape(k, n)
+    q = torch.randint(-127, 128, (blocks, 32, n), generator=g).float()
+    q[:, 0] = torch.where(torch.rand(blocks, n, generator=g) < 0.5, -127.0, 127.0)
+    return (d * q).reshape(k, n)
 
 
+@pytest.mark.parametrize("fmt, bits", [("q4_1", 6), ("q8_0", 9)])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 32)])
-def test_q4_weights_give_the_fp32_products_bit_for_bit(k, n):
-    """Weights that are exactly 4-bit blocks are kept as such; every row count the Q4 kernel
-    takes gives the fp32 tiles' products bit for bit, alone or beside other rows."""
+def test_block_weights_give_the_fp32_products_bit_for_bit(fmt, bits, k, n):
+    """Weights that are exactly GGUF blocks are kept as such; every row count the block
+    kernels take gives the fp32 tiles' products bit for bit, alone or beside other rows."""
     sg = _small_gemm()
-    w = _q4_weight(k, n)
+    w = _block_weight(fmt, k, n)
     packed = sg.pack(w)
-    assert packed.q4 is not None and packed.q4.dtype == torch.uint8
-    assert packed.q4.numel() < packed.tiles.numel() * 4 / 5  # 6 bits a weight, not 32
-    fp32_only = packed._replace(q4=None)
+    assert packed.fmt == fmt and packed.blocks.dtype == torch.uint8
+    assert packed.blocks.numel() == k * n * bits // 8  # not 32 bits a weight
+    fp32_only = packed._replace(blocks=None)
     torch.manual_seed(k)
     x = torch.randn(9, k)
     whole = sg(x, fp32_only, n)
     torch.testing.assert_close(whole, x @ w, rtol=1e-4, atol=1e-4)
-    for m in range(1, sg.Q4_MAX_M + 1):
+    for m in range(1, sg.Q_MAX_M + 1):
         for rows in (slice(0, m), slice(9 - m, 9)):
             assert torch.equal(sg(x[rows], packed, n), whole[rows]), (m, rows)
     assert torch.equal(_small_gemm(1)(x[:3], packed, n), whole[:3])
 
 
-def test_weights_that_are_not_4_bit_blocks_stay_fp32():
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_weights_that_are_not_exactly_blocks_stay_fp32(fmt):
     sg = _small_gemm()
-    assert sg.pack(torch.randn(576, 960)).q4 is None
-    w = _q4_weight(576, 960)
+    assert sg.pack(torch.randn(576, 960)).blocks is None
+    w = _block_weight(fmt, 576, 960)
     w[300, 17] = torch.nextafter(w[300, 17], torch.tensor(1.0))  # one weight one ulp off
-    assert sg.pack(w).q4 is None
-    assert sg.pack(_q4_weight(576, 968)).q4 is None  # columns not a multiple of the kernel's 32
-    assert sg.pack(_q4_weight(576, 960)[:560]).q4 is None  # K not a multiple of 32
+    assert sg.pack(w).blocks is None
+    assert sg.pack(_block_weight(fmt, 576, 968)).blocks is None  # columns not a multiple of the kernel's 32
+    assert sg.pack(_block_weight(fmt, 576, 960)[:560]).blocks is None  # K not a multiple of 32
 
 
 def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):

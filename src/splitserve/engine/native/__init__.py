@@ -63,16 +63,17 @@ def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
 
 
 class Packed(NamedTuple):
-    """A weight for SmallGemm: fp32 tiles, and 4-bit blocks giving back the same floats (or None)."""
+    """A weight for SmallGemm: fp32 tiles, and integer blocks giving back the same floats (or None)."""
 
     tiles: Any  # torch.Tensor [N/8, K, 8] float32
-    q4: Any  # torch.Tensor [N/8, K/32, 192] uint8, or None
+    blocks: Any = None  # torch.Tensor [N/8, K/32, bytes per block] uint8, or None
+    fmt: str = ""  # the blocks' format: "q4_1" or "q8_0"
 
 
 class SmallGemm:
     """out = x @ W for up to MAX_M rows, W pre-packed (``pack``); streams the weights once.
 
-    Up to Q4_MAX_M rows read W's 4-bit blocks when it has them, more rows its fp32 tiles;
+    Up to Q_MAX_M rows read W's integer blocks when it has them, more rows its fp32 tiles;
     both give the same floats.
 
     MAX_M: up to here the kernel beat MKL's sgemm on this model's weights (2 threads: 3.8x
@@ -82,52 +83,65 @@ class SmallGemm:
 
     MAX_M = 128
 
-    QK = 32  # k steps per Q4 block (small_gemm.c)
-    Q4_TILES = 4  # tiles of 8 columns per Q4 kernel call (QNT)
-    Q4_MAX_M = 4  # rows the Q4 kernel takes (QMAX_M); beyond that the FMAs bind and fp32 tiles are faster
+    QK = 32  # k steps per block (small_gemm.c)
+    Q_TILES = 4  # tiles of 8 columns per quantized kernel call (QNT)
+    Q_MAX_M = 4  # rows the quantized kernels take (QMAX_M); beyond that the FMAs bind and fp32 tiles are faster
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int):
         self.fn = lib.small_gemm
-        self.fn_q4 = lib.small_gemm_q4
+        self.fn_q = {"q4_1": lib.small_gemm_q4, "q8_0": lib.small_gemm_q8}
         self.num_threads = num_threads
 
     @classmethod
     def pack(cls, w_kn) -> "Packed":
         """[K, N] -> its fp32 tiles [N/8, K, 8] (N padded to a multiple of 8 with zero
-        columns), and its Q4 blocks when W is exactly that (``pack_q4``)."""
+        columns), and its integer blocks when W is exactly made of them (``pack_blocks``)."""
         import torch
 
         K, N = w_kn.shape
         pad = (-N) % 8
         w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
-        return Packed(w.view(K, -1, 8).permute(1, 0, 2).contiguous(), cls.pack_q4(w_kn))
+        tiles = w.view(K, -1, 8).permute(1, 0, 2).contiguous()
+        for fmt in ("q4_1", "q8_0"):
+            blocks = cls.pack_blocks(w_kn, fmt)
+            if blocks is not None:
+                return Packed(tiles, blocks, fmt)
+        return Packed(tiles)
 
     @classmethod
-    def pack_q4(cls, w_kn):
-        """[K, N] -> [N/8, K/32, 192] bytes of Q4 blocks, or None when W is not exactly that.
+    def pack_blocks(cls, w_kn, fmt: str):
+        """[K, N] -> [N/8, K/32, bytes] of GGUF-style blocks, or None when W is not exactly that.
 
-        Weights de-quantized from 4-bit blocks (GGUF's Q4_1: w = d * q + m for 32 consecutive
-        k of one output column, q in 0..15) are stored that way again, 6 bits a weight with
-        the float scale and offset. A block's m is its least value (q = 0) and its d one of
-        the fp16 values nearest (max - min) / 15; the block is kept only if d * q + m gives
-        back every one of its 32 floats bit for bit, and the tensor only if every block does,
-        so the kernel computes exactly what it would from the fp32 weights.
+        Weights de-quantized from GGUF blocks of 32 consecutive k of one output column are
+        stored that way again, with a float scale (and offset):
+          q4_1: w = d * q + m, q in 0..15 (6 bits a weight); m is the block's least value;
+          q8_0: w = d * q, q in -128..127 (9 bits a weight).
+        d is one of the fp16 values nearest the block's range over the code range; a block
+        is kept only if the formula gives back every one of its 32 floats bit for bit, and
+        the tensor only if every block does, so the kernel computes exactly what it would
+        from the fp32 weights.
         """
         import torch
 
         K, N = w_kn.shape
-        if K % cls.QK or N % (8 * cls.Q4_TILES) or w_kn.dtype != torch.float32:
+        if K % cls.QK or N % (8 * cls.Q_TILES) or w_kn.dtype != torch.float32:
             return None
         wb = w_kn.reshape(K // cls.QK, cls.QK, N)
-        if not _q4_blocks(wb[:1])[2].all():  # most weights fail at once
+        if not _fit_blocks(wb[:1], fmt)[1].all():  # most weights fail at once
             return None
-        d, m, ok, q = _q4_blocks(wb)
-        if not ok.all():
-            return None
-        KB = K // cls.QK
-        codes = (q[:, 0::2] | (q[:, 1::2] << 4)).view(KB, cls.QK // 2, N // 8, 8).permute(2, 0, 1, 3)
-        scale = lambda t: t.reshape(KB, N // 8, 8).permute(1, 0, 2).contiguous().view(torch.uint8)  # noqa: E731
-        return torch.cat([scale(d), scale(m), codes.reshape(N // 8, KB, -1)], dim=2).contiguous()
+        KB, step = K // cls.QK, max(1, (1 << 22) // (cls.QK * N))  # bounded temporaries
+        parts = []
+        for i in range(0, KB, step):
+            scales, ok, q = _fit_blocks(wb[i : i + step], fmt)
+            if not ok.all():
+                return None
+            kb = q.shape[0]
+            if fmt == "q4_1":
+                q = q[:, 0::2] | (q[:, 1::2] << 4)  # even k low nibble, odd k high
+            codes = q.view(torch.uint8).reshape(kb, -1, N // 8, 8).permute(2, 0, 1, 3).reshape(N // 8, kb, -1)
+            head = [t.reshape(kb, N // 8, 8).permute(1, 0, 2).contiguous().view(torch.uint8) for t in scales]
+            parts.append(torch.cat([*head, codes], dim=2))
+        return torch.cat(parts, dim=1).contiguous()
 
     def __call__(self, x, packed: "Packed", n: int):
         import torch
@@ -137,7 +151,10 @@ class SmallGemm:
             x = x.contiguous()
         n_pad = packed.tiles.shape[0] * 8
         out = torch.empty(M, n_pad, dtype=torch.float32)
-        fn, w = (self.fn_q4, packed.q4) if packed.q4 is not None and M <= self.Q4_MAX_M else (self.fn, packed.tiles)
+        if packed.blocks is not None and M <= self.Q_MAX_M:
+            fn, w = self.fn_q[packed.fmt], packed.blocks
+        else:
+            fn, w = self.fn, packed.tiles
         rc = fn(x.data_ptr(), w.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
         if rc != 0:
             raise RuntimeError(f"small_gemm failed ({rc})")
@@ -151,25 +168,32 @@ def load_small_gemm(cache_dir: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     p = ctypes.c_void_p
-    for fn in (lib.small_gemm, lib.small_gemm_q4):
+    for fn in (lib.small_gemm, lib.small_gemm_q4, lib.small_gemm_q8):
         fn.restype = ctypes.c_int
         fn.argtypes = [p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int]
     return lib
 
 
-def _q4_blocks(wb):
-    """wb: [blocks, 32, N] fp32 -> d, m [blocks, N], ok [blocks, N] (d * q + m == w bit for bit), q uint8."""
+def _fit_blocks(wb, fmt: str):
+    """wb: [blocks, 32, N] fp32 -> the scales ((d, m) for q4_1, (d,) for q8_0), each [blocks, N];
+    ok [blocks, N] (the formula gives back w bit for bit); the codes [blocks, 32, N] (uint8 / int8)."""
     import torch
 
-    m = wb.amin(1)
-    est = ((wb.amax(1).double() - m.double()) / 15).half()
+    if fmt == "q4_1":
+        m, lo, hi, dtype = wb.amin(1), 0, 15, torch.uint8
+        est = ((wb.amax(1).double() - m.double()) / 15).half()
+    else:
+        m, lo, hi, dtype = None, -128, 127, torch.int8
+        est = (wb.abs().amax(1).double() / 127).half()
+    base = wb - m.unsqueeze(1) if m is not None else wb
     bits = est.view(torch.int16)
     best_d, best_q, ok = None, None, None
     for step in (0, 1, -1):  # the nearest fp16 value first, then its neighbours
         d = (bits + step).clamp(min=0).view(torch.float16).float() if step else est.float()
-        safe = torch.where(d > 0, d, torch.ones_like(d))
-        q = torch.where((d > 0).unsqueeze(1), torch.round((wb - m.unsqueeze(1)) / safe.unsqueeze(1)), 0).clamp(0, 15)
-        hit = ((d.unsqueeze(1) * q + m.unsqueeze(1)).view(torch.int32) == wb.view(torch.int32)).all(1)
+        pos = (d > 0).unsqueeze(1)
+        q = torch.where(pos, torch.round(base / torch.where(pos, d.unsqueeze(1), 1.0)), 0).clamp(lo, hi)
+        w = d.unsqueeze(1) * q + m.unsqueeze(1) if m is not None else d.unsqueeze(1) * q
+        hit = (w.view(torch.int32) == wb.view(torch.int32)).all(1)
         if best_d is None:
             best_d, best_q, ok = d, q, hit
         else:
@@ -179,7 +203,7 @@ def _q4_blocks(wb):
             ok = ok | hit
         if ok.all():
             break
-    return best_d, m, ok, best_q.to(torch.uint8)
+    return ((best_d, m) if m is not None else (best_d,)), ok, best_q.to(dtype)
 
 
 def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:

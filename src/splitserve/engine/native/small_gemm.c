@@ -47,18 +47,33 @@ KERNEL(6)
 KERNEL(7)
 KERNEL(8)
 
-/* Q4 tiles: weights kept as 4-bit codes with a scale and an offset per block of QK k steps
- * and output column (GGUF's Q4_1), w = d * q + m, de-quantized in registers. d * q is exact
- * (an 11-bit fp16 scale times a 4-bit code), so one FMA gives the same float as the
- * multiply-then-add that produced the fp32 weights: every product and every sum is the one
- * the fp32 tile above computes, and so is the result. Reading 6 bits per weight instead
+/* Quantized tiles: weights kept as integer codes with per-block scales (GGUF's blocks of
+ * QK k steps of one output column), de-quantized in registers. Two formats:
+ *   Q4_1: w = d * q + m, q in 0..15 (the model's projections);
+ *   Q8_0: w = d * q, q in -128..127 (its lm_head).
+ * d * q is exact (an 11-bit fp16 scale times a 4- or 8-bit code), so the de-quantized float
+ * is the one that produced the fp32 weights: every product and every sum is the one the
+ * fp32 tile above computes, and so is the result. Reading 6 or 9 bits per weight instead
  * of 32 is what makes a step of a few rows faster; with more rows the FMAs bind instead.
- * Block layout (QBLOCK bytes): d[8], m[8] as float, then QK/2 pairs of k steps, 8 bytes
- * each: column c's code for the even k in the low nibble, the odd k's in the high one. */
+ * Block layouts, per tile of 8 columns and QK k steps (column c at lane c):
+ *   Q4_1 (Q4_BLOCK bytes): d[8], m[8] as float, then QK/2 pairs of k steps, 8 bytes each:
+ *        the even k's code in the low nibble, the odd k's in the high one;
+ *   Q8_0 (Q8_BLOCK bytes): d[8] as float, then QK/2 pairs of k steps, 16 bytes each: the
+ *        even k's 8 codes, then the odd k's. */
 #define QK 32
-#define QBLOCK (16 * 4 + QK / 2 * TILE)
+#define Q4_HEAD 64
+#define Q4_PAIR 8
+#define Q4_BLOCK (Q4_HEAD + QK / 2 * Q4_PAIR)
+#define Q8_HEAD 32
+#define Q8_PAIR 16
+#define Q8_BLOCK (Q8_HEAD + QK / 2 * Q8_PAIR)
 
-static inline void dequant_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
+static inline void Q4_head(const uint8_t *b, __m256 *d, __m256 *m) {
+    *d = _mm256_loadu_ps((const float *)b);
+    *m = _mm256_loadu_ps((const float *)b + 8);
+}
+
+static inline void Q4_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
     const __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(15));
     const __m256i hi = _mm256_srli_epi32(b, 4);
@@ -66,30 +81,40 @@ static inline void dequant_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0
     *w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
 }
 
-/* MM rows times NT Q4 tiles side by side. With one row, one tile is one chain of dependent
- * FMAs (4 cycles each) and the step waits on that chain, not on memory; NT tiles give NT
- * independent chains. Each output element still sums over k in order. */
-#define QKERNEL(MM, NT)                                                                              \
-    static void qtile_##MM(const float *xt, const uint8_t *w, int64_t K, float *out, int64_t ldo,   \
-                           int64_t tile_bytes) {                                                     \
+static inline void Q8_head(const uint8_t *b, __m256 *d, __m256 *m) {
+    *d = _mm256_loadu_ps((const float *)b);
+    *m = _mm256_setzero_ps(); /* unused */
+}
+
+static inline void Q8_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
+    (void)m;
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    *w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    *w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))));
+}
+
+/* MM rows times NT quantized tiles side by side. With one row, one tile is one chain of
+ * dependent FMAs (4 cycles each) and the step waits on that chain, not on memory; NT
+ * tiles give NT independent chains. Each output element still sums over k in order. */
+#define QKERNEL(F, MM, NT)                                                                           \
+    static void F##tile_##MM(const float *xt, const uint8_t *w, int64_t K, float *out, int64_t ldo, \
+                             int64_t tile_bytes) {                                                   \
         __m256 acc[MM][NT];                                                                          \
         for (int m = 0; m < MM; m++)                                                                 \
             for (int j = 0; j < NT; j++) acc[m][j] = _mm256_setzero_ps();                            \
-        for (int64_t k0 = 0; k0 < K; k0 += QK, w += QBLOCK) {                                        \
+        for (int64_t k0 = 0; k0 < K; k0 += QK, w += F##_BLOCK) {                                     \
             __m256 d[NT], mo[NT];                                                                    \
             for (int j = 0; j < NT; j++) {                                                           \
                 const uint8_t *b = w + j * tile_bytes;                                               \
-                _mm_prefetch((const char *)(b + 4 * QBLOCK), _MM_HINT_T0);                           \
-                _mm_prefetch((const char *)(b + 4 * QBLOCK + 64), _MM_HINT_T0);                      \
-                _mm_prefetch((const char *)(b + 4 * QBLOCK + 128), _MM_HINT_T0);                     \
-                d[j] = _mm256_loadu_ps((const float *)b);                                            \
-                mo[j] = _mm256_loadu_ps((const float *)b + 8);                                       \
+                for (int o = 0; o < F##_BLOCK; o += 64)                                              \
+                    _mm_prefetch((const char *)(b + 4 * F##_BLOCK + o), _MM_HINT_T0);                \
+                F##_head(b, &d[j], &mo[j]);                                                          \
             }                                                                                        \
             for (int64_t p = 0; p < QK / 2; p++) {                                                   \
                 const int64_t k = k0 + 2 * p;                                                        \
                 for (int j = 0; j < NT; j++) {                                                       \
                     __m256 w0, w1;                                                                   \
-                    dequant_pair(w + j * tile_bytes + 64 + p * TILE, d[j], mo[j], &w0, &w1);         \
+                    F##_pair(w + j * tile_bytes + F##_HEAD + p * F##_PAIR, d[j], mo[j], &w0, &w1);  \
                     for (int m = 0; m < MM; m++)                                                     \
                         acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xt[k * MM + m]), w0, acc[m][j]);  \
                     for (int m = 0; m < MM; m++)                                                     \
@@ -101,15 +126,20 @@ static inline void dequant_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0
             for (int j = 0; j < NT; j++) _mm256_storeu_ps(out + m * ldo + j * TILE, acc[m][j]);       \
     }
 
-#define QNT 4    /* tiles per call of a Q4 kernel */
+#define QNT 4    /* tiles per call of a quantized kernel */
 #define QMAX_M 4 /* more rows: the FMAs bind, and the fp32 tiles are faster */
-QKERNEL(1, QNT)
-QKERNEL(2, QNT)
-QKERNEL(3, QNT)
-QKERNEL(4, QNT)
+QKERNEL(Q4, 1, QNT)
+QKERNEL(Q4, 2, QNT)
+QKERNEL(Q4, 3, QNT)
+QKERNEL(Q4, 4, QNT)
+QKERNEL(Q8, 1, QNT)
+QKERNEL(Q8, 2, QNT)
+QKERNEL(Q8, 3, QNT)
+QKERNEL(Q8, 4, QNT)
 
 typedef void (*qtile_fn)(const float *, const uint8_t *, int64_t, float *, int64_t, int64_t);
-static const qtile_fn QTILES[QMAX_M + 1] = {0, qtile_1, qtile_2, qtile_3, qtile_4};
+static const qtile_fn Q4TILES[QMAX_M + 1] = {0, Q4tile_1, Q4tile_2, Q4tile_3, Q4tile_4};
+static const qtile_fn Q8TILES[QMAX_M + 1] = {0, Q8tile_1, Q8tile_2, Q8tile_3, Q8tile_4};
 
 typedef void (*tile_fn)(const float *, const float *, int64_t, float *, int64_t);
 static const tile_fn TILES[GROUP + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
@@ -127,17 +157,27 @@ static float *rows_k_major(const float *x, int M, int64_t K) {
     return xt;
 }
 
-/* x: [M, K] with M <= QMAX_M; wq: [N/8][K/QK] Q4 blocks; out: [M, N] (N a multiple of
- * 8 * QNT, K of QK). Returns 0, -1 for a bad M, K or N, -2 when out of memory. */
-int small_gemm_q4(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads) {
+/* x: [M, K] with M <= QMAX_M; wq: [N/8][K/QK] blocks of one format (tiles: its kernels);
+ * out: [M, N] (N a multiple of 8 * QNT, K of QK). Returns 0, -1 for a bad M, K or
+ * N, -2 when out of memory. */
+static int small_gemm_q(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads,
+                        const qtile_fn *tiles, int64_t block) {
     if (M < 1 || M > QMAX_M || N % (TILE * QNT) || K % QK) return -1;
     float *xt = rows_k_major(x, M, K);
     if (!xt) return -2;
-    const int64_t tile_bytes = K / QK * QBLOCK;
+    const int64_t tile_bytes = K / QK * block;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < N / TILE; t += QNT) QTILES[M](xt, wq + t * tile_bytes, K, out + t * TILE, N, tile_bytes);
+    for (int64_t t = 0; t < N / TILE; t += QNT) tiles[M](xt, wq + t * tile_bytes, K, out + t * TILE, N, tile_bytes);
     free(xt);
     return 0;
+}
+
+int small_gemm_q4(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads) {
+    return small_gemm_q(x, wq, M, K, N, out, nthreads, Q4TILES, Q4_BLOCK);
+}
+
+int small_gemm_q8(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads) {
+    return small_gemm_q(x, wq, M, K, N, out, nthreads, Q8TILES, Q8_BLOCK);
 }
 
 /* x: [M, K]; wp: [N/8, K, 8]; out: [M, N] (N a multiple of 8).
