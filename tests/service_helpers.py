@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.service.redis_state import Keys
 
@@ -15,6 +18,17 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "c
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def scrape(address: str) -> dict[str, float]:
+    """A /metrics page: sample name (with labels) -> value."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 def workers(stack, role: str) -> list[dict]:

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service_helpers import kv_idle, wait_for
+from service_helpers import kv_idle, scrape, wait_for
 from splitserve.client import Client
 from splitserve.engine.sampling import SamplingParams
 from splitserve.observability import traceview
@@ -49,17 +49,6 @@ def stack():
     yield s
     s.stop()
     assert s.shm_segments() == []
-
-
-def scrape(address: str) -> dict[str, float]:
-    """Sample name (with labels) -> value."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 def families(address: str) -> set[str]:

@@ -7,12 +7,11 @@ import re
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 
-from service_helpers import keys_without_ttl, kv_idle, wait_for, workers
+from service_helpers import keys_without_ttl, kv_idle, scrape, wait_for, workers
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -330,10 +329,8 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
         _finish(stack)
 
 
-def _handoffs_waiting(stack) -> int:
-    dec = workers(stack, "decode")[0]
-    metrics = urllib.request.urlopen(f"http://{dec['metrics']}/metrics", timeout=5).read().decode()
-    return int(float(re.search(r"^splitserve_kv_handoffs_waiting (\S+)$", metrics, re.M).group(1)))
+def _handoffs_waiting(stack) -> float:
+    return scrape(stack.proc("decode-0").metrics_address)["splitserve_kv_handoffs_waiting"]
 
 
 def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
@@ -347,13 +344,12 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
         ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
         assert len(ids) >= 1000
         prompts = {f"normal-{i}": ids[40 * i : 40 * i + 560] for i in range(3)} | {"high": ids[400:960]}
-        first, done = {}, {}
+        done = {}
 
         def one(rid, priority=0):
             with Client(stack.router_address) as c:
                 for r in c.generate_stream(token_ids=prompts[rid], max_tokens=2, ignore_eos=True, timeout=120,
                                            request_id=rid, priority=priority):
-                    first.setdefault(rid, time.time())
                     if r.finish_reason:
                         done[rid] = r.finish_reason
 
@@ -425,9 +421,7 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
             kv_done = c.get_request("urgent").timestamps["kv_done"]
             assert low_done and kv_done < low_done[0], "the urgent handoff waited for the low request to end"
             # the low one was preempted, recomputed, and produced what it produces alone
-            dec = workers(stack, "decode")[0]
-            metrics = urllib.request.urlopen(f"http://{dec['metrics']}/metrics", timeout=5).read().decode()
-            assert re.search(r"^splitserve_num_preemptions_total ([1-9][0-9.e+]*)$", metrics, re.M), metrics
+            assert scrape(stack.proc("decode-0").metrics_address)["splitserve_num_preemptions_total"] >= 1
             assert low_tokens == list(c.generate(token_ids=ids[:480], max_tokens=200, ignore_eos=True,
                                                  timeout=120).token_ids)
     finally:
