@@ -127,12 +127,11 @@ class SmallGemm:
         if K % cls.QK or N % (8 * cls.Q_TILES) or w_kn.dtype != torch.float32:
             return None
         wb = w_kn.reshape(K // cls.QK, cls.QK, N)
-        if not _fit_blocks(wb[:1], fmt)[1].all():  # most weights fail at once
-            return None
         KB, step = K // cls.QK, max(1, (1 << 22) // (cls.QK * N))  # bounded temporaries
+        starts = [0, *range(1, KB, step)]  # the first block row alone: most weights fail there at once
         parts = []
-        for i in range(0, KB, step):
-            scales, ok, q = _fit_blocks(wb[i : i + step], fmt)
+        for i, j in zip(starts, starts[1:] + [KB]):
+            scales, ok, q = _fit_blocks(wb[i:j], fmt)
             if not ok.all():
                 return None
             kb = q.shape[0]
