@@ -526,6 +526,34 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
+def test_a_handoff_that_comes_before_its_decode_stream_waits_for_it(stack):
+    """The router queues the prefill job while the Decode stream opens, so a first token (or KV)
+    can reach the decode worker first: it is held until the stream opens, and once the stream
+    has ended a late one is refused at once instead of waiting."""
+    from splitserve.decode_worker.server import STREAM_WAIT_S
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    dec = workers(stack, "decode")[0]
+    with grpc.insecure_channel(dec["address"]) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        early = stub.FirstToken.future(w.FirstTokenRequest(request_id="early", token_ids=[7], text="z"), timeout=10)
+        time.sleep(STREAM_WAIT_S / 4)
+        assert not early.done(), "a first token for a stream not yet open was refused instead of held"
+        decode = stub.Decode(w.DecodeRequest(request_id="early", prompt_tokens=4))
+        assert next(decode).accepted
+        ev = next(decode)
+        assert list(ev.token_ids) == [7] and ev.text == "z"
+        early.result(timeout=10)
+        decode.cancel()
+        wait_for(lambda: scrape(dec["metrics"])["splitserve_decode_streams_open"] == 0, what="the stream closed")
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.FirstToken(w.FirstTokenRequest(request_id="early", token_ids=[8]), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert time.monotonic() - t < STREAM_WAIT_S / 2, "a handoff for an ended stream was held"
+
+
 def _queue_counts(stack) -> list[int]:
     """The admission hash's (requests, tokens)."""
     r = stack.redis()

@@ -5,12 +5,15 @@ sends the token it sampled with ``FirstToken`` (relayed at once) and then calls
 ``PutKV`` with a handle (or ``PutKVStream`` with the bytes), the KV is validated
 and copied into the paged pool on the engine thread, and tokens flow back on the
 ``Decode`` stream. A cancelled ``Decode`` aborts the sequence and frees its blocks;
-a ``PutKV`` for a request with no open slot is NOT_FOUND, so the producer frees its region.
+a ``PutKV`` for a request whose stream has ended (or never opens) is NOT_FOUND, so the
+producer frees its region. The router queues the prefill job while ``Decode`` opens, so a
+handoff that comes before its stream waits for it (``STREAM_WAIT_S``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -38,6 +41,10 @@ from splitserve_proto.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = w_pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+# The router queues a request's prefill job while its Decode stream is still opening, so a
+# handoff (FirstToken, PutKV, Fail) may arrive before the stream: it waits this long for it.
+STREAM_WAIT_S = 2.0
+ENDED_KEEP = 4096  # request ids whose stream ended here, remembered so their late handoffs are refused at once
 
 
 @dataclass
@@ -75,6 +82,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.reader = ArenaReader(settings.shm_prefix)
         self.warmed: set[str] = set()
         self.slots: dict[str, Slot] = {}
+        self.arrivals: dict[str, asyncio.Future] = {}  # request id -> its stream, for handoffs that came first
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self._tasks: set[asyncio.Task] = set()
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
@@ -88,10 +97,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not rid:
             raise Invalid("request_id: must be set")
         if self.draining:
+            self._ended(rid)
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
         slot = Slot(rid, request.deadline_unix, priority=request.priority)
+        self.ended.pop(rid, None)
         full = f"{SERVICE}/Decode"
         with tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
                               attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": rid,
@@ -99,6 +110,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             slot.trace = rs
             self.slots[rid] = slot
             self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
+            if (waiting := self.arrivals.pop(rid, None)) is not None and not waiting.done():
+                waiting.set_result(slot)
             try:
                 if request.prompt_token_ids:
                     await self._prefill_here(slot, request)
@@ -112,6 +125,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             finally:
                 self.slots.pop(rid, None)
                 self.runner.sinks.pop(rid, None)
+                self._ended(rid)
                 if slot.imported and not slot.done:  # the router went away: stop decoding, free the KV
                     self.runner.submit_nowait(lambda e: e.abort_request(rid))
                     self.metrics.aborted.inc()
@@ -166,6 +180,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
 
+    def _ended(self, rid: str) -> None:
+        self.ended[rid] = None
+        self.ended.move_to_end(rid)
+        if len(self.ended) > ENDED_KEEP:
+            self.ended.popitem(last=False)
+
+    async def _stream(self, rid: str) -> Slot:
+        """The request's open stream. A handoff can come before it (the router admits the job
+        while the stream opens), so it is waited for, unless it has ended here already."""
+        slot = self.slots.get(rid)
+        if slot is not None:
+            return slot
+        if rid not in self.ended and not self.draining:
+            waiting = self.arrivals.get(rid)
+            if waiting is None:
+                waiting = self.arrivals[rid] = asyncio.get_running_loop().create_future()
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiting), STREAM_WAIT_S)
+            except asyncio.TimeoutError:
+                if self.arrivals.get(rid) is waiting:
+                    del self.arrivals[rid]
+        raise NotFound(f"no decode stream open for request {rid!r} (cancelled, or never opened here)")
+
     # -- FirstToken ---------------------------------------------------------------------
 
     async def FirstToken(self, request: w_pb.FirstTokenRequest, context):
@@ -174,9 +211,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid("request_id: must be set")
         if not request.token_ids:
             raise Invalid("token_ids: the first token must be given")
-        slot = self.slots.get(request.request_id)
-        if slot is None:
-            raise NotFound(f"no decode stream open for request {request.request_id!r} (cancelled, or never opened here)")
+        slot = await self._stream(request.request_id)
         if slot.first_sent or slot.done:  # the KV got here first and its token went out already
             return w_pb.FirstTokenResponse()
         slot.first_sent = True
@@ -198,9 +233,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         code = status_code(request.code)
         if code is None or code == grpc.StatusCode.OK:
             raise Invalid(f"code: {request.code} is not a gRPC error status (1..16)")
-        slot = self.slots.get(request.request_id)
-        if slot is None:
-            raise NotFound(f"no decode stream open for request {request.request_id!r} (ended, or never opened here)")
+        slot = await self._stream(request.request_id)
         return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name))
 
     def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str) -> bool:
@@ -224,7 +257,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def PutKV(self, request: w_pb.PutKVRequest, context):
         with self._put_span("PutKV", request.sequence) as ps:
             try:
-                slot = self._slot_for(request.sequence)
+                slot = await self._slot_for(request.sequence)
                 if request.sequence.finish_reason:
                     return await self._finished_at_prefill(slot, request.sequence)
                 h = request.handle
@@ -250,7 +283,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _put_stream(self, req: w_pb.PutKVRequest, first: w_pb.KVChunk, request_iterator,
                           ps: tracing.rpc_span) -> w_pb.PutKVResponse:
-        slot = self._slot_for(req.sequence)
+        slot = await self._slot_for(req.sequence)
         if req.sequence.finish_reason:
             return await self._finished_at_prefill(slot, req.sequence)
         h = req.handle
@@ -271,10 +304,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid(f"handle.length: {h.length} bytes announced, {got} received")
         return await self._adopt(slot, req.sequence, h, memoryview(buf), ps)
 
-    def _slot_for(self, seq: w_pb.SequenceState) -> Slot:
-        slot = self.slots.get(seq.request_id)
-        if slot is None:
-            raise NotFound(f"no decode stream open for request {seq.request_id!r} (cancelled, or never opened here)")
+    async def _slot_for(self, seq: w_pb.SequenceState) -> Slot:
+        slot = await self._stream(seq.request_id)
         if slot.imported:
             raise AlreadyExists(f"request {seq.request_id!r} already has its KV here")
         return slot

@@ -203,9 +203,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         with dec:
             try:
                 try:
-                    first = await call.read()
-                    if first is grpc.aio.EOF or not first.accepted:
-                        raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
+                    if self.colocated:  # the worker starts on the prompt at once: admit only what it accepted
+                        await self._accepted(call, worker)
                     t_admitted = time.time()
                     job = Job(
                         request_id=rid, token_ids=ids, sampling=sampling_to_dict(params),
@@ -214,6 +213,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
                         priority=request.priority,
                     )
+                    # Disaggregated, the job is queued while the stream opens: a prefill takes longer
+                    # than the stream does, and the decode worker holds a handoff that comes first.
                     ok, q, t = await self.admit_script(
                         keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid)],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
@@ -229,7 +230,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if ok == 0:
                         state = ""
                         raise self._refusal(int(q), int(t), frac)
+                    if not self.colocated:  # refused now: the job is marked failed (finally), so no worker runs it
+                        await self._accepted(call, worker)
                 except BaseException as e:
+                    if isinstance(e, asyncio.CancelledError) and state:
+                        state = "cancelled"
                     self._end_admission(adm, e)
                     raise
                 adm.end()
@@ -280,6 +285,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
                 if state in ("cancelled", "failed"):
                     await self._mark(rid, state)
+
+    @staticmethod
+    async def _accepted(call, worker: WorkerInfo) -> None:
+        first = await call.read()
+        if first is grpc.aio.EOF or not first.accepted:
+            raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
 
     @staticmethod
     def _end_admission(adm, e: BaseException) -> None:
