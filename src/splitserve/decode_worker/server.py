@@ -199,8 +199,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 return await asyncio.wait_for(asyncio.shield(waiting), STREAM_WAIT_S)
             except asyncio.TimeoutError:
+                pass
+            finally:  # timed out or cancelled: never leave a future behind for a stream that may not come
                 if self.arrivals.get(rid) is waiting:
                     del self.arrivals[rid]
+            if (slot := self.slots.get(rid)) is not None:  # opened after another waiter dropped the future
+                return slot
         raise NotFound(f"no decode stream open for request {rid!r} (cancelled, or never opened here)")
 
     # -- FirstToken ---------------------------------------------------------------------
