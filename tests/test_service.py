@@ -26,7 +26,7 @@ BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_by
 
 
 def _start(**kw):
-    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env") if k in kw}
+    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "routers") if k in kw}
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
     return stack
 
@@ -46,7 +46,7 @@ def _finish(stack):
 
 @pytest.fixture(scope="module")
 def stack():
-    s = _start(max_queue_requests=64, max_queue_tokens=1 << 20)
+    s = _start(max_queue_requests=64, max_queue_tokens=1 << 20, routers=2)  # a second router for Abort's tests
     yield s
     _finish(s)
 
@@ -179,6 +179,76 @@ def test_abort_ends_the_stream_with_cancelled(stack, client):
     with pytest.raises(grpc.RpcError) as e:
         client.abort("never-existed")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.fixture(scope="module")
+def other_router(stack):
+    """A client of the stack's second router: it shares the queue, and holds none of `client`'s streams."""
+    with Client(stack.router_addresses[1]) as c:
+        yield c
+
+
+def _consume(stream, into: list) -> threading.Thread:
+    def run():
+        for chunk in stream:
+            into.append(chunk)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_abort_at_another_router_ends_the_stream_and_frees_its_kv(stack, client, other_router):
+    got = []
+    t = _consume(client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
+                                        request_id="abort-elsewhere"), got)
+    wait_for(lambda: sum(len(c.token_ids) for c in got) >= 3, what="first tokens")
+    reply = other_router.abort("abort-elsewhere")
+    assert reply.found and reply.state in ("prefilling", "decoding")
+    t.join(30)
+    assert not t.is_alive(), "the stream did not end after Abort at the other router"
+    assert got[-1].finish_reason == "cancelled"
+    streamed = sum(len(c.token_ids) for c in got)
+    assert streamed < 400 and got[-1].usage.completion_tokens == streamed
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after Abort at the other router")
+    for c in (client, other_router):
+        assert c.get_request("abort-elsewhere").state == "cancelled"
+
+
+def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, client, other_router):
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGSTOP)  # the job stays queued
+    try:
+        got = []
+        t = _consume(client.generate_stream("A queued request", max_tokens=50, request_id="abort-queued-elsewhere",
+                                            timeout=120), got)
+        wait_for(lambda: _state(client, "abort-queued-elsewhere") == "queued", what="request queued")
+        other_router.abort("abort-queued-elsewhere")
+        t.join(10)  # before: the stream waited for a prefill that never comes, until its deadline
+        assert not t.is_alive(), "the stream did not end after Abort at the other router"
+        assert [c.finish_reason for c in got] == ["cancelled"]
+    finally:
+        for pid in _prefill_pids(stack):
+            os.kill(pid, signal.SIGCONT)
+    time.sleep(1.0)  # the worker pulls the job and must skip it
+    info = client.get_request("abort-queued-elsewhere")
+    assert info.state == "cancelled" and info.prefill_worker == ""
+    wait_for(lambda: kv_idle(stack), what="KV idle")
+
+
+def test_a_reused_request_id_is_refused_and_leaves_the_first_request_alone(stack, client):
+    got = []
+    t = _consume(client.generate_stream("Tell me about rivers.", max_tokens=40, ignore_eos=True, request_id="twice"),
+                 got)
+    wait_for(lambda: got, what="first tokens")
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("Something else.", max_tokens=4, request_id="twice")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in e.value.details()
+    t.join(60)
+    assert got[-1].finish_reason == "length" and sum(len(c.token_ids) for c in got) == 40
+    tm = got[-1].timings  # the first request's TTFT parts were not dropped by the refused one
+    assert tm.admission_ms > 0 and tm.first_token_ms > 0
+    assert client.get_request("twice").state == "finished"
 
 
 def _prefill_pids(stack):

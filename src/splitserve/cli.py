@@ -57,16 +57,16 @@ def _up(args) -> int:
         overrides["mode"] = "colocated"
     settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
     n_prefill = 0 if settings.mode == "colocated" else args.prefill
-    stack = Stack(settings, prefill=n_prefill, decode=args.decode)
+    stack = Stack(settings, prefill=n_prefill, decode=args.decode, routers=args.routers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
-          f"{n_prefill} prefill worker(s), router ...", flush=True)
+          f"{n_prefill} prefill worker(s), {args.routers} router(s) ...", flush=True)
     try:
         stack.start()
-        print(f"splitserve is up: router at {stack.router_address}  (logs in {stack.run_dir})", flush=True)
-        state = {"router": stack.router_address, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
+        print(f"splitserve is up: router at {', '.join(stack.router_addresses)}  (logs in {stack.run_dir})", flush=True)
+        state = {"router": stack.router_address, "routers": stack.router_addresses, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
                  "redis_prefix": stack.settings.redis_prefix, "trace_file": stack.settings.trace_file,
                  "run_dir": stack.run_dir, "metrics": {p.name: p.metrics_address for p in stack.procs}}
         for name in ("stack.json", "last-stack.json"):  # the last one outlives the stack, for `splitserve traces`
@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start Redis, the workers and the router; Ctrl-C drains and stops")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers (default 1); they share the queue bounds through Redis, and any of them aborts any request")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
     p.add_argument("--colocated", action="store_true",

@@ -56,7 +56,8 @@ def redis_server_binary() -> str:
 
 class Stack:
     def __init__(self, settings: Settings | None = None, prefill: int = 1, decode: int = 1,
-                 run_dir: str | None = None, prefill_env: dict | None = None, decode_env: dict | None = None):
+                 run_dir: str | None = None, prefill_env: dict | None = None, decode_env: dict | None = None,
+                 routers: int = 1):
         self.stack_id = uuid.uuid4().hex[:8]
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
@@ -67,12 +68,13 @@ class Stack:
         if not base.core_share:  # every worker of this stack shares this host's cores ("off": each uses all)
             base = base.replace(core_share=os.path.join(self.run_dir, "cores"))
         self.settings = base
-        self.n_prefill, self.n_decode = prefill, decode
+        self.n_prefill, self.n_decode, self.n_routers = prefill, decode, max(1, routers)
         self.prefill_env = prefill_env or {}
         self.decode_env = decode_env or {}
         self.redis_proc: subprocess.Popen | None = None
         self.procs: list[Proc] = []
-        self.router_address = ""
+        self.router_address = ""  # the first router's
+        self.router_addresses: list[str] = []
 
     # -- start --------------------------------------------------------------------------
 
@@ -96,9 +98,12 @@ class Stack:
             self._spawn(f"prefill-{i}", "splitserve.prefill_worker", self.prefill_env)
         for p in self.procs:
             self._wait_ready(p, deadline)
-        router = self._spawn("router", "splitserve.router", {})
-        self._wait_ready(router, deadline)
-        self.router_address = router.address
+        routers = [self._spawn("router" if i == 0 else f"router-{i}", "splitserve.router", {})
+                   for i in range(self.n_routers)]
+        for router in routers:
+            self._wait_ready(router, deadline)
+        self.router_addresses = [router.address for router in routers]
+        self.router_address = self.router_addresses[0]
         self._wait_registered(deadline)
 
     def _start_redis(self) -> str:
@@ -193,10 +198,10 @@ class Stack:
     # -- stop ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        order = [p for p in self.procs if p.name == "router"] + \
-                [p for p in self.procs if p.name.startswith("prefill")] + \
-                [p for p in self.procs if p.name.startswith("decode")]
-        for group in (order[:1], order[1:]):
+        routers = [p for p in self.procs if p.name.startswith("router")]
+        workers = [p for p in self.procs if p.name.startswith("prefill")] + \
+                  [p for p in self.procs if p.name.startswith("decode")]
+        for group in (routers, workers):
             for p in group:
                 if p.popen.poll() is None:
                     p.popen.send_signal(signal.SIGTERM)

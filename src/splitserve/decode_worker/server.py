@@ -7,7 +7,9 @@ and copied into the paged pool on the engine thread, and tokens flow back on the
 ``Decode`` stream. A cancelled ``Decode`` aborts the sequence and frees its blocks;
 a ``PutKV`` for a request whose stream has ended (or never opens) is NOT_FOUND, so the
 producer frees its region. The router queues the prefill job while ``Decode`` opens, so a
-handoff that comes before its stream waits for it (``STREAM_WAIT_S``).
+handoff that comes before its stream waits for it (``STREAM_WAIT_S``). ``Cancel`` comes
+from a router whose ``Abort`` found the request's stream held by another router: the
+stream ends with finish_reason "cancelled" and the KV is freed here.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ SERVICE = w_pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 # handoff (FirstToken, PutKV, Fail) may arrive before the stream: it waits this long for it.
 STREAM_WAIT_S = 2.0
 ENDED_KEEP = 4096  # request ids whose stream ended here, remembered so their late handoffs are refused at once
+# A Cancel can come before its stream too (Abort right after admission): a stream that opens
+# this soon after it ends cancelled at once.
+CANCEL_KEEP_S = 10.0
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Slot:
     first_token_at: float = 0.0  # unix time the first token was sampled (0: unknown, use kv_done)
     prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
+    completion_tokens: int = 0  # sent so far
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
@@ -84,6 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.slots: dict[str, Slot] = {}
         self.arrivals: dict[str, asyncio.Future] = {}  # request id -> its stream, for handoffs that came first
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> when, before its stream
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self._tasks: set[asyncio.Task] = set()
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
@@ -103,6 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
         slot = Slot(rid, request.deadline_unix, priority=request.priority)
         self.ended.pop(rid, None)
+        early = self.cancelled.pop(rid, None)
         full = f"{SERVICE}/Decode"
         with tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
                               attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": rid,
@@ -113,7 +121,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if (waiting := self.arrivals.pop(rid, None)) is not None and not waiting.done():
                 waiting.set_result(slot)
             try:
-                if request.prompt_token_ids:
+                if early is not None and time.monotonic() - early < CANCEL_KEEP_S:
+                    self._cancel(slot)  # aborted before its stream opened: it ends at once
+                elif request.prompt_token_ids:
                     await self._prefill_here(slot, request)
                 yield w_pb.DecodeEvent(accepted=True)
                 while True:
@@ -130,6 +140,36 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.runner.submit_nowait(lambda e: e.abort_request(rid))
                     self.metrics.aborted.inc()
                     self._end_decode_span(slot, "cancelled", None)
+
+    # -- Cancel -------------------------------------------------------------------------
+
+    async def Cancel(self, request: w_pb.CancelRequest, context):
+        """Abort, from a router that does not hold this request's stream: end it here."""
+        rid = request.request_id
+        if not rid:
+            raise Invalid("request_id: must be set")
+        slot = self.slots.get(rid)
+        if slot is not None:
+            return w_pb.CancelResponse(found=self._cancel(slot))
+        if rid not in self.ended and not self.draining:  # its stream may still be opening
+            self.cancelled[rid] = time.monotonic()
+            self.cancelled.move_to_end(rid)
+            if len(self.cancelled) > ENDED_KEEP:
+                self.cancelled.popitem(last=False)
+        return w_pb.CancelResponse(found=False)
+
+    def _cancel(self, slot: Slot) -> bool:
+        """End a stream with finish_reason "cancelled" and free its KV; False if it has ended."""
+        if slot.done:
+            return False
+        slot.done = True  # a handoff still on its way is refused (NOT_FOUND): its producer frees the region
+        if slot.imported:
+            rid = slot.request_id
+            self.runner.submit_nowait(lambda e: e.abort_request(rid))
+            self.metrics.aborted.inc()
+        self._end_decode_span(slot, "cancelled", None)
+        slot.events.put_nowait(w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=slot.completion_tokens))
+        return True
 
     async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest) -> None:
         """Colocated mode: this engine prefills the prompt (chunked, inside continuous batching)."""
@@ -160,6 +200,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         span.end()
 
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
+        if slot.done:  # cancelled: its abort is on the way to the engine
+            return
+        slot.completion_tokens = out.num_output_tokens
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
         )
@@ -219,6 +262,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.first_sent or slot.done:  # the KV got here first and its token went out already
             return w_pb.FirstTokenResponse()
         slot.first_sent = True
+        slot.completion_tokens = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
         slot.events.put_nowait(w_pb.DecodeEvent(
@@ -310,6 +354,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _slot_for(self, seq: w_pb.SequenceState) -> Slot:
         slot = await self._stream(seq.request_id)
+        if slot.done:
+            raise NotFound(f"request {seq.request_id!r} has ended here (cancelled)")
         if slot.imported:
             raise AlreadyExists(f"request {seq.request_id!r} already has its KV here")
         return slot
@@ -369,7 +415,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         raise
                 if time.time() > deadline:
                     raise DeadlineExceeded("no free KV blocks before the handle's lease ran out")
-                if seq.request_id not in self.slots:
+                if slot.done or self.slots.get(seq.request_id) is not slot:
                     raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks")
                 self.adopt_waiting.add(rank)
                 waits += 1
@@ -382,7 +428,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if rank in self.adopt_waiting:
                 self.adopt_waiting.discard(rank)
                 self.capacity.set()  # the next in line may try now
-        if seq.request_id not in self.slots:  # cancelled while the KV was copied in
+        if slot.done or self.slots.get(seq.request_id) is not slot:  # cancelled while the KV was copied in
             self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
             raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")
         slot.imported = True

@@ -200,6 +200,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
         state = "failed"
         queued = False
+        active = None
+        sent = 0  # completion tokens streamed so far
         with dec:
             try:
                 try:
@@ -256,6 +258,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
+                        sent = ev.completion_tokens or sent
                         yield rid, len(ids), ev
                         if ev.finish_reason:
                             final = ev
@@ -264,22 +267,23 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if not active.aborted:
                         state = "cancelled"
                         raise
-                    final = w_pb.DecodeEvent(finish_reason="cancelled")
+                    final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
                     yield rid, len(ids), final
                 state = "cancelled" if final.finish_reason == "cancelled" else "finished"
                 with tracing.tracer().start_span("finish", context=rs.ctx):
                     await self._mark(rid, state, final)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED and rid in self.active and self.active[rid].aborted:
+                if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
-                    yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled")
+                    yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
                     await self._mark(rid, state)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
                 raise
             finally:
-                self.active.pop(rid, None)
-                self.first_parts.pop(rid, None)
+                if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
+                    del self.active[rid]
+                    self.first_parts.pop(rid, None)
                 call.cancel()
                 if queued:
                     await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
@@ -442,7 +446,24 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if active is not None:
             active.aborted = True
             active.call.cancel()
+        elif state not in FINAL_STATES:  # another router holds its stream: end it at its decode worker
+            await self._cancel_at_worker(rid, key)
         return gen_pb.AbortResponse(found=True, state=state)
+
+    async def _cancel_at_worker(self, rid: str, key: str) -> None:
+        """Ask the request's decode worker to end its stream (finish_reason "cancelled") and free
+        its KV; the router holding the stream then finishes it as it would its own abort."""
+        wid = await self.redis.hget(key, "decode_worker")
+        m = await self.redis.hgetall(self.keys.worker("decode", wid.decode())) if wid else None
+        if not m:
+            log.warning("abort %s: its decode worker %s is not registered (its stream ends when the worker goes)",
+                        rid, wid)
+            return
+        address = WorkerInfo.from_mapping(m).address
+        try:
+            await self.stub(address).Cancel(w_pb.CancelRequest(request_id=rid), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort %s: Cancel at decode worker %s failed: %s", rid, address, e.code().name)
 
     async def GetRequest(self, request, context):
         rid = request.request_id
