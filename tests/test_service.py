@@ -399,6 +399,31 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
         _finish(stack)
 
 
+def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_workload):
+    # 128-token forwards and a ~1500-token prompt: about 12 forwards. Cancelled during the
+    # first, the rest must never run, and the worker must serve the next request as usual.
+    stack = _start(prefill_token_budget=128, max_queue_requests=64, max_queue_tokens=1 << 20)
+    try:
+        ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]][:1500]
+        assert len(ids) == 1500
+        prefill_metrics = stack.proc("prefill-0").metrics_address
+        key = 'splitserve_prefill_jobs_total{outcome=%s}'
+        with Client(stack.router_address) as c:
+            stream = c.generate_stream(token_ids=ids, max_tokens=4, request_id="long-cancelled", timeout=120)
+            wait_for(lambda: _state(c, "long-cancelled") == "prefilling", interval=0.01, what="prefilling")
+            stream.cancel()
+            wait_for(lambda: scrape(prefill_metrics).get(key % "cancelled_prefilling") == 1.0, timeout=10,
+                     what="the prefill worker aborted the cancelled prompt")
+            info = c.get_request("long-cancelled")
+            assert info.state == "cancelled" and "prefill_end" not in info.timestamps
+            assert scrape(prefill_metrics).get(key % "prefilled", 0.0) == 0.0
+            r = c.generate(token_ids=ids[:200], max_tokens=3, ignore_eos=True, timeout=60)
+            assert len(r.token_ids) == 3
+            assert scrape(prefill_metrics)[key % "prefilled"] == 1.0
+    finally:
+        _finish(stack)
+
+
 def _handoffs_waiting(stack) -> float:
     return scrape(stack.proc("decode-0").metrics_address)["splitserve_kv_handoffs_waiting"]
 

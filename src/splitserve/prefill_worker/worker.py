@@ -224,6 +224,34 @@ class PrefillWorker:
         with self.lock:
             self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span)
 
+    def _drop_cancelled(self) -> None:
+        """Abort the held jobs whose requests ended while they waited or were being prefilled (the
+        client cancelled or went away, Abort, a deadline): no forward is spent on them.
+
+        Checked after each forward, for jobs still unfinished after it: one Redis round trip,
+        and none when every job in hand was prefilled (light load).
+        """
+        with self.lock:
+            pending = [fl for fl in self.inflight.values() if not fl.t_end]
+        if not pending:
+            return
+        with self.redis.pipeline(transaction=False) as p:
+            for fl in pending:
+                p.hget(self.keys.req(fl.job.request_id), "state")
+            states = p.execute()
+        for fl, state in zip(pending, states):
+            if state not in (b"cancelled", b"failed"):
+                continue
+            rid = fl.job.request_id
+            with self.lock:
+                self.inflight.pop(rid, None)
+            self.engine.abort_request(rid)  # frees its KV here; its decode stream has ended already
+            fl.span.set_attribute("splitserve.cancelled_while", "prefilling")
+            fl.span.end()
+            self._ack(fl.stream, fl.entry_id)
+            self.metrics.jobs.labels("cancelled_prefilling").inc()
+            log.info("request %s ended (%s) while held for prefill: aborted", rid, state.decode())
+
     # -- after prefill ------------------------------------------------------------------
 
     def on_output(self, out: RequestOutput) -> None:
@@ -441,6 +469,10 @@ class PrefillWorker:
                 for out in outputs:  # first: the first tokens go out before the bookkeeping
                     self.on_output(out)
                 self._observe_step(t0, links)
+                try:
+                    self._drop_cancelled()
+                except redis.RedisError as e:
+                    log.warning("checking held jobs for cancellation failed: %s", e)
         self.first_pool.shutdown(wait=True)
         self.pool.shutdown(wait=True)
 
