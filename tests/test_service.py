@@ -424,6 +424,36 @@ def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_work
         _finish(stack)
 
 
+def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
+    stack = _start()
+    try:
+        with Client(stack.router_address) as c:
+            assert len(c.generate("hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
+            stack.redis_proc.kill()
+            stack.redis_proc.wait()
+            for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("any"),
+                         lambda: c.abort("any")):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                # retryable, and says why: before, INTERNAL "internal error: ConnectionError ..."
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
+            time.sleep(1.0)  # heartbeats and pulls fail meanwhile
+            assert all(p.popen.poll() is None for p in stack.procs)
+            # Back, but empty: the decode worker registers again (before, its heartbeat task had died
+            # on the first error) and the prefill worker recreates its consumer group (NOGROUP before).
+            stack.start_redis()
+
+            def served():
+                try:
+                    return len(c.generate("hi again", max_tokens=3, ignore_eos=True, timeout=10).token_ids) == 3
+                except grpc.RpcError as e:
+                    assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
+                    return False
+            wait_for(served, timeout=30, interval=0.5, what="served again after Redis came back empty")
+    finally:
+        _finish(stack)
+
+
 def _handoffs_waiting(stack) -> float:
     return scrape(stack.proc("decode-0").metrics_address)["splitserve_kv_handoffs_waiting"]
 

@@ -192,7 +192,7 @@ def _status(args) -> int:
         print(f"splitserve: error: redis at {url}: {e}", file=sys.stderr)
         return 1
     if state.get("router"):
-        print(f"router        {state['router']}")
+        print(f"router        {', '.join(state.get('routers') or [state['router']])}")
     print(f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
           f"(stream entries incl. in-flight: " + ", ".join(f"{c} {n}" for c, n in by_class.items()) + ")")
     print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "

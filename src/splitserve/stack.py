@@ -90,7 +90,7 @@ class Stack:
         # Convert the model once here, so the workers don't all do it at once.
         resolve_folder(ModelSpec(path=self.settings.model or None, cache_dir=self.settings.cache_dir))
         if not self.settings.redis_url:
-            self.settings = self.settings.replace(redis_url=self._start_redis())
+            self.settings = self.settings.replace(redis_url=self.start_redis())
         deadline = time.time() + timeout
         for i in range(self.n_decode):
             self._spawn(f"decode-{i}", "splitserve.decode_worker", self.decode_env)
@@ -106,9 +106,11 @@ class Stack:
         self.router_address = self.router_addresses[0]
         self._wait_registered(deadline)
 
-    def _start_redis(self) -> str:
+    def start_redis(self) -> str:
+        """Start the embedded Redis (no persistence) on this stack's socket; returns its URL. Called
+        again after it died, it starts an empty one there, as a restarted Redis pod would be."""
         sock = os.path.join(self.run_dir, "redis.sock")
-        with open(os.path.join(self.run_dir, "redis.log"), "wb") as out:  # the child keeps its own copy
+        with open(os.path.join(self.run_dir, "redis.log"), "ab") as out:  # the child keeps its own copy
             self.redis_proc = subprocess.Popen(
                 [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
                  "--save", "", "--appendonly", "no", "--dir", self.run_dir],

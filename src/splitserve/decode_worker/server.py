@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 import redis.asyncio as aioredis
 
 from splitserve.engine.engine import LLMEngine
@@ -508,9 +509,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             if metrics_port:
                 info.metrics = f"{settings.host}:{metrics_port}"
             key = keys.worker("decode", name)
-            await r.hset(key, mapping=info.to_mapping() | {"updated": str(time.time())})
-            await r.pexpire(key, int(lease * 1000))
-            await servicer.warm_arenas()
+            try:  # Redis down or restarted empty: keep trying, so the worker registers again when it is back
+                await r.hset(key, mapping=info.to_mapping() | {"updated": str(time.time())})
+                await r.pexpire(key, int(lease * 1000))
+                await servicer.warm_arenas()
+            except redis.RedisError as e:
+                log.warning("heartbeat failed: %s", e)
             await asyncio.sleep(settings.heartbeat_s)
 
     hb = asyncio.create_task(heartbeat())
@@ -524,7 +528,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer.draining = True
     await grpc_server.set_not_serving(health, [SERVICE])
     hb.cancel()
-    await r.delete(keys.worker("decode", name))
+    try:
+        await r.delete(keys.worker("decode", name))
+    except redis.RedisError as e:  # its lease ends it anyway; drain regardless
+        log.warning("could not remove the registry entry: %s", e)
     t_end = time.time() + settings.drain_s
     while servicer.slots and time.time() < t_end:
         await asyncio.sleep(0.05)

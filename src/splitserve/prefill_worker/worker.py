@@ -460,6 +460,11 @@ class PrefillWorker:
                         self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
             except redis.RedisError as e:
                 log.warning("pulling jobs failed: %s", e)
+                if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
+                    try:  # Redis came back empty (restarted without persistence): make the group again
+                        ensure_group(self.redis, self.keys)
+                    except redis.RedisError:
+                        pass
                 time.sleep(0.5)
                 continue
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
@@ -512,7 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.run()
     finally:
         hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        worker.redis.delete(worker.keys.worker("prefill", worker.name))
+        try:
+            worker.redis.delete(worker.keys.worker("prefill", worker.name))
+        except redis.RedisError as e:  # its lease ends it anyway; the arena must still go
+            log.warning("could not remove the registry entry: %s", e)
         worker.arena.close()
         server.stop(grace=1.0)
         worker.metrics.close()

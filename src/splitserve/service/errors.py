@@ -6,11 +6,15 @@ import asyncio
 import logging
 
 import grpc
+import redis.exceptions
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.service.arena import BadHandle
 
 log = logging.getLogger(__name__)
+# Redis down, unreachable or not answering in time: the service cannot admit or look up
+# requests now, and a retry may succeed (UNAVAILABLE, which gRPC retry policies retry).
+REDIS_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class ServiceError(Exception):
@@ -59,6 +63,8 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, REDIS_UNREACHABLE):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, asyncio.TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
@@ -76,6 +82,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     code = code_of(exc)
     if isinstance(exc, ServiceError):
         return code, str(exc), exc.metadata
+    if isinstance(exc, REDIS_UNREACHABLE):
+        log.warning("Redis unreachable: %s", exc)
+        return code, f"the queue state store (Redis) is unreachable, retry shortly: {exc}", ()
     if isinstance(exc, asyncio.TimeoutError):
         return code, "deadline exceeded", ()
     if isinstance(exc, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
