@@ -838,6 +838,54 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
         _finish(s)
 
 
+def test_kill9_decode_worker_fails_its_streams_by_name_and_the_rest_is_served():
+    s = _start(decode=2)
+    try:
+        outcomes = {}
+
+        def run(i):
+            n = 0
+            try:
+                with Client(s.router_address) as c:
+                    for chunk in c.generate_stream(f"Story number {i}:", max_tokens=150, ignore_eos=True,
+                                                   request_id=f"k{i}", timeout=240):
+                        n += len(chunk.token_ids)
+                outcomes[i] = ("OK", n, "")
+            except grpc.RpcError as e:
+                outcomes[i] = (e.code().name, n, e.details())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        victim = s.proc("decode-0")
+        with Client(s.router_address) as c:
+            def both_decoding():
+                infos = [c.get_request(f"k{i}") for i in range(6) if _state(c, f"k{i}")]
+                on = {i.decode_worker.rsplit("-", 1)[0] for i in infos if i.state == "decoding"}
+                return on == {"decode-0", "decode-1"}
+            wait_for(both_decoding, timeout=120, interval=0.1, what="requests decoding on both workers")
+            victim.popen.kill()
+            victim.popen.wait()
+            for t in threads:
+                t.join(240)
+            on_victim = {i for i in range(6) if c.get_request(f"k{i}").decode_worker.startswith("decode-0")}
+            assert on_victim and len(on_victim) < 6
+            for i, (code, n, details) in outcomes.items():
+                if i in on_victim:  # retryable, naming the worker that went away
+                    assert code == "UNAVAILABLE" and f"decode worker decode-0-{s.stack_id}" in details, details
+                    assert c.get_request(f"k{i}").state == "failed"
+                else:
+                    assert (code, n) == ("OK", 150)
+            # Once the victim's lease has run out, every new request goes to the survivor.
+            time.sleep(3 * s.settings.heartbeat_s + 0.5)
+            assert all(len(c.generate("after", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
+                       for _ in range(4))
+    finally:
+        s.procs = [p for p in s.procs if p.name != "decode-0"]  # gone
+        s.n_decode = 1
+        _finish(s)
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

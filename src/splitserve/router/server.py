@@ -279,6 +279,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     await self._mark(rid, state)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # say which worker, not just "Socket closed"
+                    raise Unavailable(f"decode worker {worker.worker_id} at {worker.address} went away "
+                                      f"({e.details()}); retry") from e
                 raise
             finally:
                 if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
