@@ -298,6 +298,45 @@ def small_queue_stack():
     _finish(s)
 
 
+def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_queue_stack):
+    stack = small_queue_stack
+    refused = "splitserve_requests_refused_total{reason=queue_full}"
+    router_metrics = stack.proc("router").metrics_address
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        def filler(i):
+            with Client(stack.router_address) as c:
+                c.generate(f"Filler {i}.", max_tokens=2, ignore_eos=True, timeout=120)
+
+        fill = [threading.Thread(target=filler, args=(i,)) for i in range(6)]
+        for t in fill:
+            t.start()
+        wait_for(lambda: _queue_counts(stack)[0] == 6, what="the queue at its refusal point")
+        with Client(stack.router_address) as plain, pytest.raises(grpc.RpcError) as e:
+            plain.generate("No retries.", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        before = scrape(router_metrics)[refused]
+        result = {}
+
+        def retrying():
+            with Client(stack.router_address, retries=4) as c:
+                result["r"] = c.generate("With retries.", max_tokens=2, ignore_eos=True, timeout=60)
+
+        t = threading.Thread(target=retrying)
+        t.start()
+        wait_for(lambda: scrape(router_metrics)[refused] > before, what="the retrying client refused once")
+    finally:
+        for pid in _prefill_pids(stack):
+            os.kill(pid, signal.SIGCONT)  # the queue drains; a retry after the 500 ms hint gets in
+    t.join(30)
+    assert len(result["r"].token_ids) == 2
+    for f in fill:
+        f.join(60)
+    with pytest.raises(ValueError, match="retries"):
+        Client(stack.router_address, retries=5)
+
+
 def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack):
     stack = small_queue_stack
     # With prefill stopped, the queue fills at 80% of 8 = 6 requests; the rest must be refused at once.

@@ -4,10 +4,15 @@
     with Client("127.0.0.1:50051") as c:
         for chunk in c.generate_stream("Hello", max_tokens=32):
             print(chunk.text, end="", flush=True)
+
+``retries=N`` (N <= 4) lets gRPC retry Generate and GenerateStream refused with
+RESOURCE_EXHAUSTED (the queue is full; nothing was queued) or UNAVAILABLE, before any
+response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hint says.
 """
 
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -16,6 +21,24 @@ from splitserve_proto.v1 import generation_pb2 as pb
 from splitserve_proto.v1 import generation_pb2_grpc
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+MAX_RETRIES = 4  # gRPC makes at most 5 attempts
+
+
+def channel_options(retries: int = 0) -> list[tuple]:
+    """Channel options; with retries, a retry policy for the two Generate methods."""
+    if not 0 <= retries <= MAX_RETRIES:
+        raise ValueError(f"retries must be in 0..{MAX_RETRIES}, got {retries}")
+    if not retries:
+        return list(_OPTIONS)
+    service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    config = {"methodConfig": [{
+        "name": [{"service": service, "method": m} for m in ("Generate", "GenerateStream")],
+        "retryPolicy": {
+            "maxAttempts": retries + 1, "initialBackoff": "0.1s", "maxBackoff": "5s", "backoffMultiplier": 2,
+            "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+        },
+    }]}
+    return [*_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
 
 
 def _trace_metadata() -> tuple:
@@ -62,8 +85,8 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+    def __init__(self, address: str, retries: int = 0):
+        self.channel = grpc.insecure_channel(address, options=channel_options(retries))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
@@ -89,8 +112,8 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+    def __init__(self, address: str, retries: int = 0):
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
