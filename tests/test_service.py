@@ -620,6 +620,33 @@ def test_requests_that_can_never_fit_fail_at_once_naming_the_field():
         _finish(stack)
 
 
+def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, client):
+    f = __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"]).GenerateRequest.DESCRIPTOR
+    bad_utf8 = bytes([(f.fields_by_name["prompt"].number << 3) | 2, 3]) + b"\xff\xfe\x80"
+    corrupt = b"\xff\xff\xff\xff"
+    dec = workers(stack, "decode")[0]["address"]
+    calls = [  # every kind of handler: unary, server streaming, client streaming
+        (stack.router_address, "/splitserve.v1.Generation/Generate", "unary", bad_utf8, "splitserve.v1.GenerateRequest"),
+        (stack.router_address, "/splitserve.v1.Generation/GenerateStream", "stream", corrupt,
+         "splitserve.v1.GenerateRequest"),
+        (dec, "/splitserve.v1.DecodeWorker/PutKV", "unary", corrupt, "splitserve.v1.PutKVRequest"),
+        (dec, "/splitserve.v1.DecodeWorker/PutKVStream", "client-stream", corrupt, "splitserve.v1.KVChunk"),
+    ]
+    for address, method, kind, payload, type_name in calls:
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
+            raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            if kind == "unary":
+                ch.unary_unary(method, **raw)(payload, timeout=10)
+            elif kind == "stream":
+                list(ch.unary_stream(method, **raw)(payload, timeout=10))
+            else:
+                ch.stream_unary(method, **raw)(iter([payload]), timeout=10)
+        # before: UNKNOWN "Unexpected <class 'google.protobuf.message.DecodeError'>"
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+        assert f"does not parse as {type_name}" in e.value.details()
+    assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
+
+
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
@@ -653,19 +680,19 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
             stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
         assert words in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:  # a handle for a request with no open stream
-        stub.PutKV(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
-                                  handle=w.KVHandle(**ok)), timeout=10)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # Handoffs for a request with no open stream: NOT_FOUND once its stream has not opened in
+    # time (all three at once: each waits for it up to STREAM_WAIT_S).
+    nobody = [stub.PutKV.future(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
+                                               handle=w.KVHandle(**ok)), timeout=10),
+              stub.FirstToken.future(w.FirstTokenRequest(request_id="nobody", token_ids=[5]), timeout=10),
+              stub.Fail.future(w.FailRequest(request_id="nobody", code=8), timeout=10)]
+    assert [f.exception().code() for f in nobody] == [grpc.StatusCode.NOT_FOUND] * 3
     # FirstToken: checked like PutKV; a token is relayed once, a repeat is ignored.
     for req, field in ((w.FirstTokenRequest(token_ids=[5]), "request_id"),
                        (w.FirstTokenRequest(request_id="bad-handle"), "token_ids")):
         with pytest.raises(grpc.RpcError) as e:
             stub.FirstToken(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        stub.FirstToken(w.FirstTokenRequest(request_id="nobody", token_ids=[5]), timeout=10)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     stub.FirstToken(w.FirstTokenRequest(request_id="bad-handle", token_ids=[5], text="x", prefill_ms=3.0), timeout=10)
     stub.FirstToken(w.FirstTokenRequest(request_id="bad-handle", token_ids=[6], text="y"), timeout=10)
     ev = next(decode)
@@ -676,9 +703,10 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         with pytest.raises(grpc.RpcError) as e:
             stub.Fail(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        stub.Fail(w.FailRequest(request_id="nobody", code=8), timeout=10)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:  # Cancel: checked the same way
+        stub.Cancel(w.CancelRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+    assert not stub.Cancel(w.CancelRequest(request_id="never-seen-here"), timeout=10).found
     assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message="no room"), timeout=10).ended
     ev = next(decode)
     assert ev.error == "no room" and ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]

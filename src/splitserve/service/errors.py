@@ -112,6 +112,40 @@ async def _guarded(context, make_awaitable):
         await _abort(context, e)
 
 
+class Malformed:
+    """A request message that did not parse (bad wire format, a string that is not UTF-8)."""
+
+    def __init__(self, error: Exception, type_name: str):
+        self.message = f"the request does not parse as {type_name}: {error}"
+
+
+def _tolerant(des, method: str):
+    """The handler's deserializer, returning Malformed instead of raising: gRPC would answer a
+    deserializer's exception with UNKNOWN, and the client's mistake is INVALID_ARGUMENT."""
+    if des is None:
+        return None
+    descriptor = getattr(getattr(des, "__self__", None), "DESCRIPTOR", None)
+    type_name = descriptor.full_name if descriptor is not None else f"the request of {method}"
+
+    def deserialize(data: bytes):
+        try:
+            return des(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or anything a parser raises
+            return Malformed(e, type_name)
+    return deserialize
+
+
+def _check(request) -> None:
+    if isinstance(request, Malformed):
+        raise Invalid(request.message)
+
+
+async def _checked(request_iterator):
+    async for request in request_iterator:
+        _check(request)
+        yield request
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every handler so a domain error becomes the right status, never a crash."""
 
@@ -119,19 +153,22 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        des, ser = handler.request_deserializer, handler.response_serializer
+        des, ser = _tolerant(handler.request_deserializer, details.method), handler.response_serializer
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary_unary(request, context):
-                return await _guarded(context, lambda: inner(request, context))
+                async def run():
+                    _check(request)
+                    return await inner(request, context)
+                return await _guarded(context, run)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
         if handler.stream_unary:
             inner_su = handler.stream_unary
 
             async def stream_unary(request_iterator, context):
-                return await _guarded(context, lambda: inner_su(request_iterator, context))
+                return await _guarded(context, lambda: inner_su(_checked(request_iterator), context))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
         if handler.unary_stream:
@@ -139,6 +176,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 try:
+                    _check(request)
                     async for item in inner_s(request, context):
                         yield item
                 except (asyncio.CancelledError, grpc.aio.AbortError):
