@@ -231,7 +231,10 @@ def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny
     [
         ({"max_tokens": 0}, "sampling.max_tokens"),
         ({"temperature": -1}, "sampling.temperature"),
+        ({"temperature": float("inf")}, "sampling.temperature"),
+        ({"temperature": float("nan")}, "sampling.temperature"),
         ({"top_p": 0}, "sampling.top_p"),
+        ({"top_p": float("nan")}, "sampling.top_p"),
         ({"top_p": 1.5}, "sampling.top_p"),
         ({"top_k": -2}, "sampling.top_k"),
         ({"min_tokens": 9, "max_tokens": 4}, "sampling.min_tokens"),

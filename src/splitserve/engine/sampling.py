@@ -36,7 +36,7 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("sampling.temperature", f"must be >= 0, got {self.temperature}")
+            raise InvalidRequestError("sampling.temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
