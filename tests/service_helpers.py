@@ -45,7 +45,7 @@ def kv_idle(stack) -> bool:
     """Every decode worker holds no KV block and no slot; every prefill arena is empty."""
     dec = workers(stack, "decode")
     pre = workers(stack, "prefill")
-    if len(dec) != stack.n_decode or len(pre) < 1:
+    if len(dec) != stack.n_decode or len(pre) < min(1, stack.n_prefill):  # colocated: no prefill workers
         return False
     if any(int(w["running"]) or int(w["waiting"]) or int(w["pending"]) for w in dec):
         return False

@@ -103,6 +103,34 @@ def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, refe
         _finish(s)
 
 
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_colocated_equals_in_process_and_cancels_free_everything(policy, reference_prompts, reference_outputs):
+    # No prefill workers: the decode worker prefills (chunked, or padded batches for static).
+    s = _start(mode="colocated", policy=policy, prefill=0, max_queue_requests=64, max_queue_tokens=1 << 20)
+    try:
+        n = 8
+        got = _concurrent_generate(s.router_address, reference_prompts[:n])
+        assert [list(r.token_ids) for r in got] == reference_outputs[:n]
+        with Client(s.router_address) as c:
+            info = c.get_request(got[0].request_id)
+            assert info.state == "finished" and info.prefill_worker == "" and info.kv_transport == ""
+            stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="co-cancel")
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    stream.cancel()
+                    break
+            wait_for(lambda: _state(c, "co-cancel") == "cancelled", what="cancelled")
+            got = []
+            t = _consume(c.generate_stream("Count to a thousand:", max_tokens=300, ignore_eos=True,
+                                           request_id="co-abort"), got)
+            wait_for(lambda: len(got) >= 3, what="first tokens")
+            assert c.abort("co-abort").found
+            t.join(30)
+            assert got[-1].finish_reason == "cancelled"
+    finally:
+        _finish(s)  # KV back to zero, and the queue's counts too: colocated, the router returns them
+
+
 def test_unary_streaming_and_chat_forms(client, smol_loaded):
     tok = smol_loaded.tokenizer
     unary = client.generate("The three primary colors are", max_tokens=12)
