@@ -30,8 +30,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
-from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, Job, Keys, WorkerInfo,
-                                           priority_class, queue_counts, sampling_to_dict)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, Job, Keys,
+                                           WorkerInfo, priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -89,6 +89,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.keys = Keys(settings.redis_prefix)
         self.admit_script = r.register_script(ADMIT_LUA)
         self.dequeue_script = r.register_script(DEQUEUE_LUA)
+        self.abort_script = r.register_script(ABORT_LUA)
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.sent: dict[str, int] = {}  # requests sent to each worker since the last registry read
@@ -439,12 +440,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if not rid:
             raise InvalidRequestError("request_id", "must be set")
         key = self.keys.req(rid)
-        state = await self.redis.hget(key, "state")
-        if state is None:
+        # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
+        state = await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s])
+        state = state.decode() if isinstance(state, bytes) else str(state or "")
+        if not state:
             raise NotFound(f"no request {rid!r}")
-        state = state.decode()
-        if state not in FINAL_STATES:
-            await self._mark(rid, "cancelled")  # a prefill worker skips it if still queued
         active = self.active.get(rid)
         if active is not None:
             active.aborted = True

@@ -46,6 +46,19 @@ end
 return {1, q + 1, t + n}
 """
 
+# Abort marks a request cancelled, in one step with reading its state, so a request that has
+# just ended keeps its final state. KEYS[1] the request hash; ARGV: now, the TTL after completion.
+# Returns the state it had ('' when there is no such request).
+ABORT_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return '' end
+if state ~= 'finished' and state ~= 'cancelled' and state ~= 'failed' then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 't_finished', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+end
+return state
+"""
+
 # Colocated mode (no stream): the router returns the counts when the first token came or the request ended.
 DEQUEUE_LUA = """
 redis.call('HINCRBY', KEYS[1], 'requests', -1)
