@@ -735,6 +735,10 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         stub.Cancel(w.CancelRequest(), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
     assert not stub.Cancel(w.CancelRequest(request_id="never-seen-here"), timeout=10).found
+    # A Cancel that comes before its stream (Abort right after admission): the stream ends at once.
+    assert not stub.Cancel(w.CancelRequest(request_id="cancelled-early"), timeout=10).found
+    early = list(stub.Decode(w.DecodeRequest(request_id="cancelled-early", prompt_tokens=4), timeout=10))
+    assert [e.accepted for e in early] == [True, False] and early[-1].finish_reason == "cancelled"
     assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message="no room"), timeout=10).ended
     ev = next(decode)
     assert ev.error == "no room" and ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
