@@ -268,8 +268,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if not active.aborted:
                         state = "cancelled"
                         raise
+                    state = "cancelled"
                     final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
                     yield rid, len(ids), final
+                except GeneratorExit:
+                    # The client cancelled while its handler was writing a message, not reading one:
+                    # the handler's task is cancelled outside this generator, which is then closed.
+                    state = "cancelled"
+                    raise
                 state = "cancelled" if final.finish_reason == "cancelled" else "finished"
                 with tracing.tracer().start_span("finish", context=rs.ctx):
                     await self._mark(rid, state, final)
