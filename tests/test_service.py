@@ -1,6 +1,7 @@
 """The disaggregated service as real processes: router, prefill and decode workers, Redis, gRPC."""
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
@@ -244,9 +245,7 @@ def test_abort_at_another_router_ends_the_stream_and_frees_its_kv(stack, client,
 
 
 def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, client, other_router):
-    for pid in _prefill_pids(stack):
-        os.kill(pid, signal.SIGSTOP)  # the job stays queued
-    try:
+    with _prefill_paused(stack):  # the job stays queued
         got = []
         t = _consume(client.generate_stream("A queued request", max_tokens=50, request_id="abort-queued-elsewhere",
                                             timeout=120), got)
@@ -255,12 +254,7 @@ def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, cli
         t.join(10)  # before: the stream waited for a prefill that never comes, until its deadline
         assert not t.is_alive(), "the stream did not end after Abort at the other router"
         assert [c.finish_reason for c in got] == ["cancelled"]
-    finally:
-        for pid in _prefill_pids(stack):
-            os.kill(pid, signal.SIGCONT)
-    time.sleep(1.0)  # the worker pulls the job and must skip it
-    info = client.get_request("abort-queued-elsewhere")
-    assert info.state == "cancelled" and info.prefill_worker == ""
+    _assert_skipped_by_prefill(client, "abort-queued-elsewhere")
     wait_for(lambda: kv_idle(stack), what="KV idle")
 
 
@@ -283,6 +277,25 @@ def _prefill_pids(stack):
     return [p.popen.pid for p in stack.procs if p.name.startswith("prefill")]
 
 
+@contextlib.contextmanager
+def _prefill_paused(stack):
+    """Every prefill worker stopped (SIGSTOP) inside the block, so nothing leaves the queue; resumed after, always."""
+    for pid in _prefill_pids(stack):
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in _prefill_pids(stack):
+            os.kill(pid, signal.SIGCONT)
+
+
+def _assert_skipped_by_prefill(client, rid: str) -> None:
+    """A request cancelled while queued: once prefill runs again, it is skipped, never picked up."""
+    time.sleep(1.0)  # the worker pulls the job and must skip it
+    info = client.get_request(rid)
+    assert info.state == "cancelled" and info.prefill_worker == ""
+
+
 def _state(client, rid) -> str:
     try:
         return client.get_request(rid).state
@@ -293,19 +306,12 @@ def _state(client, rid) -> str:
 
 
 def test_cancel_while_queued_is_never_prefilled(stack, client):
-    for pid in _prefill_pids(stack):
-        os.kill(pid, signal.SIGSTOP)  # nothing is pulled from the queue while stopped
-    try:
+    with _prefill_paused(stack):  # nothing is pulled from the queue while stopped
         stream = client.generate_stream("A queued request", max_tokens=50, request_id="cancel-queued")
         wait_for(lambda: _state(client, "cancel-queued") == "queued", what="request queued")
         stream.cancel()
         wait_for(lambda: _state(client, "cancel-queued") == "cancelled", what="cancelled state")
-    finally:
-        for pid in _prefill_pids(stack):
-            os.kill(pid, signal.SIGCONT)
-    time.sleep(1.0)  # the worker pulls the job and must skip it
-    info = client.get_request("cancel-queued")
-    assert info.state == "cancelled" and info.prefill_worker == ""
+    _assert_skipped_by_prefill(client, "cancel-queued")
     r = stack.redis()
     assert r.xlen(stack.settings.redis_prefix + ":prefill") == 0  # skipped jobs are acked and deleted
     wait_for(lambda: kv_idle(stack), what="KV idle")
@@ -330,9 +336,7 @@ def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_
     stack = small_queue_stack
     refused = "splitserve_requests_refused_total{reason=queue_full}"
     router_metrics = stack.proc("router").metrics_address
-    for pid in _prefill_pids(stack):
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with _prefill_paused(stack):  # on leaving, the queue drains; a retry after the 500 ms hint gets in
         def filler(i):
             with Client(stack.router_address) as c:
                 c.generate(f"Filler {i}.", max_tokens=2, ignore_eos=True, timeout=120)
@@ -354,9 +358,6 @@ def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_
         t = threading.Thread(target=retrying)
         t.start()
         wait_for(lambda: scrape(router_metrics)[refused] > before, what="the retrying client refused once")
-    finally:
-        for pid in _prefill_pids(stack):
-            os.kill(pid, signal.SIGCONT)  # the queue drains; a retry after the 500 ms hint gets in
     t.join(30)
     assert len(result["r"].token_ids) == 2
     for f in fill:
@@ -369,39 +370,36 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
     stack = small_queue_stack
     # With prefill stopped, the queue fills at 80% of 8 = 6 requests; the rest must be refused at once.
     # High priority (< 0) may use the headroom up to the bound itself, and is prefilled first.
-    for pid in _prefill_pids(stack):
-        os.kill(pid, signal.SIGSTOP)
-    outcomes = {}
-    lock = threading.Lock()
+    with _prefill_paused(stack):
+        outcomes = {}
+        lock = threading.Lock()
 
-    def one(rid, priority=0):
-        t = time.perf_counter()
-        try:
-            with Client(stack.router_address) as c:
-                r = c.generate(f"Flood request {rid}.", max_tokens=8, ignore_eos=True, timeout=120,
-                               request_id=rid, priority=priority)
-            res = ("ok", time.perf_counter() - t, len(r.token_ids), None)
-        except grpc.RpcError as e:
-            md = dict(e.trailing_metadata() or ())
-            res = (e.code().name, time.perf_counter() - t, 0, md)
-        with lock:
-            outcomes[rid] = res
+        def one(rid, priority=0):
+            t = time.perf_counter()
+            try:
+                with Client(stack.router_address) as c:
+                    r = c.generate(f"Flood request {rid}.", max_tokens=8, ignore_eos=True, timeout=120,
+                                   request_id=rid, priority=priority)
+                res = ("ok", time.perf_counter() - t, len(r.token_ids), None)
+            except grpc.RpcError as e:
+                md = dict(e.trailing_metadata() or ())
+                res = (e.code().name, time.perf_counter() - t, 0, md)
+            with lock:
+                outcomes[rid] = res
 
-    def codes(prefix):
-        with lock:
-            return [o[0] for rid, o in outcomes.items() if rid.startswith(prefix)]
+        def codes(prefix):
+            with lock:
+                return [o[0] for rid, o in outcomes.items() if rid.startswith(prefix)]
 
-    threads = [threading.Thread(target=one, args=(f"normal-{i}",)) for i in range(40)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: codes("normal").count("RESOURCE_EXHAUSTED") >= 34, timeout=60,
-             what="refusals while the queue is full")
-    high = [threading.Thread(target=one, args=(f"high-{i}", -1)) for i in range(3)]
-    for t in high:
-        t.start()
-    wait_for(lambda: codes("high").count("RESOURCE_EXHAUSTED") >= 1, timeout=60, what="a refusal at the bound")
-    for pid in _prefill_pids(stack):
-        os.kill(pid, signal.SIGCONT)
+        threads = [threading.Thread(target=one, args=(f"normal-{i}",)) for i in range(40)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: codes("normal").count("RESOURCE_EXHAUSTED") >= 34, timeout=60,
+                 what="refusals while the queue is full")
+        high = [threading.Thread(target=one, args=(f"high-{i}", -1)) for i in range(3)]
+        for t in high:
+            t.start()
+        wait_for(lambda: codes("high").count("RESOURCE_EXHAUSTED") >= 1, timeout=60, what="a refusal at the bound")
     for t in threads + high:
         t.join(120)
     assert set(codes("")) <= {"ok", "RESOURCE_EXHAUSTED"}
@@ -436,16 +434,11 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
                                        request_id=rid, priority=priority)
 
         with Client(stack.router_address) as c:
-            for pid in _prefill_pids(stack):
-                os.kill(pid, signal.SIGSTOP)
             normal = [threading.Thread(target=one, args=(rid,)) for rid in prompts if rid != "high"]
-            try:
+            with _prefill_paused(stack):
                 for t in normal:
                     t.start()
                 wait_for(lambda: all(_state(c, f"normal-{i}") == "queued" for i in range(8)), what="8 queued")
-            finally:
-                for pid in _prefill_pids(stack):
-                    os.kill(pid, signal.SIGCONT)
             # The high job arrives once the worker is busy with the normal ones.
             wait_for(lambda: any(_state(c, f"normal-{i}") != "queued" for i in range(8)), interval=0.01,
                      what="a normal job pulled")

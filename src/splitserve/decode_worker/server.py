@@ -53,6 +53,14 @@ ENDED_KEEP = 4096  # request ids whose stream ended here, remembered so their la
 CANCEL_KEEP_S = 10.0
 
 
+def _remember(ids: collections.OrderedDict, rid: str, value) -> None:
+    """Record a request id as the newest entry, forgetting the oldest past ENDED_KEEP."""
+    ids[rid] = value
+    ids.move_to_end(rid)
+    if len(ids) > ENDED_KEEP:
+        ids.popitem(last=False)
+
+
 @dataclass
 class Slot:
     request_id: str
@@ -153,10 +161,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot is not None:
             return w_pb.CancelResponse(found=self._cancel(slot))
         if rid not in self.ended and not self.draining:  # its stream may still be opening
-            self.cancelled[rid] = time.monotonic()
-            self.cancelled.move_to_end(rid)
-            if len(self.cancelled) > ENDED_KEEP:
-                self.cancelled.popitem(last=False)
+            _remember(self.cancelled, rid, time.monotonic())
         return w_pb.CancelResponse(found=False)
 
     def _cancel(self, slot: Slot) -> bool:
@@ -225,10 +230,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.events.put_nowait(ev)
 
     def _ended(self, rid: str) -> None:
-        self.ended[rid] = None
-        self.ended.move_to_end(rid)
-        if len(self.ended) > ENDED_KEEP:
-            self.ended.popitem(last=False)
+        _remember(self.ended, rid, None)
 
     async def _stream(self, rid: str) -> Slot:
         """The request's open stream. A handoff can come before it (the router admits the job
