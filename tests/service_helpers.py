@@ -59,7 +59,7 @@ def kv_idle(stack) -> bool:
 def keys_without_ttl(stack) -> list[str]:
     r = stack.redis()
     keys = Keys(stack.settings.redis_prefix)
-    allowed = {*keys.streams, keys.admission}
+    allowed = {*keys.streams, keys.admission, keys.routers}
     bad = []
     for key in r.scan_iter(match=f"{stack.settings.redis_prefix}:*"):
         k = key.decode()

@@ -258,6 +258,57 @@ def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, cli
     wait_for(lambda: kv_idle(stack), what="KV idle")
 
 
+def _outcome(stream, into: dict) -> threading.Thread:
+    """Consume a stream in a thread; into["tokens"] counts its tokens, into["code"] its ending."""
+    def run():
+        into["tokens"] = 0
+        try:
+            for chunk in stream:
+                into["tokens"] += len(chunk.token_ids)
+            into["code"], into["details"] = "OK", ""
+        except grpc.RpcError as e:
+            into["code"], into["details"] = e.code().name, e.details()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(stack, client, other_router):
+    router = stack.proc("router-1")
+    name = f"router-1-{stack.stack_id}"
+    decoding, queued = {}, {}
+    with Client(router.address) as doomed:
+        t1 = _outcome(doomed.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
+                                             request_id="orphan-decoding", timeout=120), decoding)
+        wait_for(lambda: decoding.get("tokens", 0) >= 3, timeout=60, what="first tokens")
+        with _prefill_paused(stack):  # the second one stays queued
+            t2 = _outcome(doomed.generate_stream("A queued request", max_tokens=50, request_id="orphan-queued",
+                                                 timeout=120), queued)
+            wait_for(lambda: _state(client, "orphan-queued") == "queued", what="request queued")
+            router.popen.kill()
+            router.popen.wait()
+            # Once its lease (10 heartbeats) has run out the other router marks them failed, naming
+            # the router; before, GetRequest said "decoding" / "queued" for an hour.
+            wait_for(lambda: {_state(client, "orphan-decoding"), _state(client, "orphan-queued")} == {"failed"},
+                     timeout=20, interval=0.1, what="the dead router's requests marked failed")
+        t1.join(30)
+        t2.join(30)
+    assert decoding["code"] == queued["code"] == "UNAVAILABLE"  # their client lost its router
+    assert 3 <= decoding["tokens"] < 400
+    for rid in ("orphan-decoding", "orphan-queued"):
+        info = client.get_request(rid)
+        assert info.state == "failed" and f"router {name} went away" in info.error, info
+    time.sleep(1.0)  # prefill runs again: it skips the failed job, never picks it up
+    assert client.get_request("orphan-queued").prefill_worker == ""
+    wait_for(lambda: kv_idle(stack), timeout=20, what="the dead router's KV freed")
+    assert stack.redis().zscore(f"{stack.settings.redis_prefix}:routers", name) is None
+    # Restarted under the same id and port, it serves again (other_router's channel reconnects).
+    stack.restart("router-1")
+    wait_for(lambda: other_router.generate("hi", max_tokens=2, ignore_eos=True, timeout=30).token_ids,
+             timeout=30, what="the restarted router serving")
+
+
 def test_a_reused_request_id_is_refused_and_leaves_the_first_request_alone(stack, client):
     got = []
     t = _consume(client.generate_stream("Tell me about rivers.", max_tokens=40, ignore_eos=True, request_id="twice"),
@@ -485,23 +536,50 @@ def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_work
 
 
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
-    stack = _start()
+    stack = _start(routers=2)
     try:
         with Client(stack.router_address) as c:
             assert len(c.generate("hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
-            stack.redis_proc.kill()
-            stack.redis_proc.wait()
-            for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("any"),
-                         lambda: c.abort("any")):
-                with pytest.raises(grpc.RpcError) as e:
-                    call()
-                # retryable, and says why: before, INTERNAL "internal error: ConnectionError ..."
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
-            time.sleep(1.0)  # heartbeats and pulls fail meanwhile
-            assert all(p.popen.poll() is None for p in stack.procs)
-            # Back, but empty: the decode worker registers again (before, its heartbeat task had died
-            # on the first error) and the prefill worker recreates its consumer group (NOGROUP before).
-            stack.start_redis()
+            # Redis stalls for longer than a router's lease: when it answers again, every lease has run
+            # out, and no router may take another for dead (it would fail that router's queued requests).
+            held = {}
+            with Client(stack.router_addresses[1]) as c1:
+                with _prefill_paused(stack):
+                    t = _outcome(c1.generate_stream("Held across a stall", max_tokens=3, ignore_eos=True,
+                                                    request_id="stalled", timeout=120), held)
+                    wait_for(lambda: _state(c, "stalled") == "queued", what="request queued")
+                    os.kill(stack.redis_proc.pid, signal.SIGSTOP)
+                    try:
+                        time.sleep(10 * stack.settings.heartbeat_s + 1.0)
+                    finally:
+                        os.kill(stack.redis_proc.pid, signal.SIGCONT)
+                    time.sleep(10 * stack.settings.heartbeat_s + 1.0)  # past the time it takes to renew, and more
+                    assert _state(c, "stalled") == "queued"
+                t.join(60)
+            assert held["code"] == "OK" and held["tokens"] == 3, held
+            lost = {}
+            with _prefill_paused(stack):  # a job that stays queued until Redis has lost it
+                t = _outcome(c.generate_stream("A queued request", max_tokens=5, request_id="lost", timeout=120),
+                             lost)
+                wait_for(lambda: _state(c, "lost") == "queued", what="request queued")
+                stack.redis_proc.kill()
+                stack.redis_proc.wait()
+                for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("any"),
+                             lambda: c.abort("any")):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    # retryable, and says why: before, INTERNAL "internal error: ConnectionError ..."
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
+                time.sleep(1.0)  # heartbeats and pulls fail meanwhile
+                assert all(p.popen.poll() is None for p in stack.procs)
+                # Back, but empty: the decode worker registers again (before, its heartbeat task had died
+                # on the first error) and the prefill worker recreates its consumer group (NOGROUP before).
+                stack.start_redis()
+                # The queued job went with the old Redis: its stream ends now (before: at its deadline).
+                t.join(10)
+                assert not t.is_alive(), "a request whose job Redis lost waited for its deadline"
+            assert lost["code"] == "UNAVAILABLE" and "no longer holds this request" in lost["details"], lost
+            assert c.get_request("lost").state == "failed"
 
             def served():
                 try:

@@ -127,9 +127,26 @@ class Stack:
                 time.sleep(0.05)
         raise RuntimeError("embedded redis did not start")
 
-    def _spawn(self, name: str, module: str, extra_env: dict) -> Proc:
+    def restart(self, name: str, timeout: float = 120.0) -> Proc:
+        """Start process ``name`` again, under the same id and on the same port (killing it first if
+        it still runs), as a restarted container would be; its earlier log is kept as NAME.log.1."""
+        old = self.proc(name)
+        if old.popen.poll() is None:
+            old.popen.kill()
+        old.popen.wait()
+        self.procs.remove(old)
+        os.replace(old.log_path, old.log_path + ".1")
+        module, env = next((m, e) for prefix, m, e in (("router", "splitserve.router", {}),
+                                                        ("prefill", "splitserve.prefill_worker", self.prefill_env),
+                                                        ("decode", "splitserve.decode_worker", self.decode_env))
+                           if name.startswith(prefix))
+        p = self._spawn(name, module, env, port=int(old.address.rsplit(":", 1)[1]))
+        self._wait_ready(p, time.time() + timeout)
+        return p
+
+    def _spawn(self, name: str, module: str, extra_env: dict, port: int = 0) -> Proc:
         env = dict(os.environ)
-        env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=0).to_env())
+        env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port).to_env())
         env.update({k: str(v) for k, v in extra_env.items()})
         env["PYTHONUNBUFFERED"] = "1"
         log_path = os.path.join(self.run_dir, f"{name}.log")

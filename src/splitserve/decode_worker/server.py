@@ -35,7 +35,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of,
                                       status_code)
-from splitserve.service.redis_state import Keys, WorkerInfo
+from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, update_args
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import generation_pb2 as gen_pb
@@ -92,6 +92,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine: LLMEngine = runner.engine
         self.redis = r
         self.keys = keys
+        self.update_script = r.register_script(UPDATE_LUA)
         self.name = name
         self.host = host_id()
         self.reader = ArenaReader(settings.shm_prefix)
@@ -450,10 +451,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
             self._on_output(slot, first)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
-        self._background(self.redis.hset(self.keys.req(seq.request_id), mapping={
+        self._background(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        }))
+        })))
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
 
     def _background(self, coro) -> None:

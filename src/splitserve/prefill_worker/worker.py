@@ -39,8 +39,8 @@ from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.errors import code_of
 from splitserve.service.grpc_server import OPTIONS
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, Job, Keys, WorkerInfo, ensure_group,
-                                             heartbeat)
+from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
+                                             ensure_group, heartbeat, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
@@ -91,6 +91,7 @@ class PrefillWorker:
         self.pickup = self.redis.register_script(PICKUP_LUA)
         self.pull_script = self.redis.register_script(PULL_LUA)
         self.drop_script = self.redis.register_script(DROP_LUA)
+        self.update_script = self.redis.register_script(UPDATE_LUA)
         self.stop = threading.Event()
         self.address = ""
         self.metrics_address = ""
@@ -212,7 +213,7 @@ class PrefillWorker:
                                     priority=job.priority)
         except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
-            self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": str(e)})
+            self._update(job.request_id, {"state": "failed", "error": str(e)})
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
             self.pool.submit(self._fail, job, code_of(e), str(e))  # off the pulling loop
@@ -350,7 +351,7 @@ class PrefillWorker:
             else:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
-                self.redis.hset(self.keys.req(job.request_id), mapping={"state": "failed", "error": f"KV handoff: {e.details()}"})
+                self._update(job.request_id, {"state": "failed", "error": f"KV handoff: {e.details()}"})
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
                 self._fail(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - never lose the worker
@@ -366,7 +367,11 @@ class PrefillWorker:
             self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
-            self.redis.hset(self.keys.req(job.request_id), "t_prefill_end", fl.t_end)
+            self._update(job.request_id, {"t_prefill_end": fl.t_end})
+
+    def _update(self, request_id: str, mapping: dict) -> None:
+        """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA)."""
+        self.update_script(keys=[self.keys.req(request_id)], args=update_args(mapping))
 
     def _fail(self, job: Job, code: grpc.StatusCode, message: str) -> None:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""

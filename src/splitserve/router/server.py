@@ -30,8 +30,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, Job, Keys,
-                                           WorkerInfo, priority_class, queue_counts, sampling_to_dict)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
+                                           Job, Keys, WorkerInfo, priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -40,6 +40,9 @@ from splitserve_proto.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# A router's lease, in heartbeats: longer than a worker's (3), because a router taken for dead
+# while alive has its queued requests failed, and one found dead late costs only a late mark.
+ROUTER_LEASE_HEARTBEATS = 10
 
 
 class UpstreamError(ServiceError):
@@ -54,6 +57,8 @@ class UpstreamError(ServiceError):
 class Active:
     call: object  # the Decode call on the decode worker
     aborted: bool = False
+    first: bool = False  # its first token (or its end) came
+    lost: str = ""  # why Redis no longer holds it (check_waiting): the stream then ends UNAVAILABLE
 
 
 class Frontend:
@@ -90,6 +95,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.admit_script = r.register_script(ADMIT_LUA)
         self.dequeue_script = r.register_script(DEQUEUE_LUA)
         self.abort_script = r.register_script(ABORT_LUA)
+        self.reap_script = r.register_script(REAP_LUA)
+        self.id = settings.worker_name("router")
+        self.lease_s = ROUTER_LEASE_HEARTBEATS * settings.heartbeat_s
+        self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
+        self.renewing_since: float | None = None  # monotonic time since which renewals came every half heartbeat
+        self.last_renewal = 0.0
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.sent: dict[str, int] = {}  # requests sent to each worker since the last registry read
@@ -124,6 +135,78 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         w = min(self.workers, key=load)
         self.sent[w.worker_id] = self.sent.get(w.worker_id, 0) + 1
         return w
+
+    # -- this router's lease, and the requests of routers that died ------------------------
+
+    async def keep_alive(self) -> None:
+        """Renew this router's lease in the routers set (by Redis's clock, so routers on hosts whose
+        clocks differ agree) and its request set's TTL."""
+        try:
+            sec, usec = await self.redis.time()
+            self.clock = (sec + usec / 1e6, time.monotonic())
+            async with self.redis.pipeline(transaction=False) as p:
+                p.zadd(self.keys.routers, {self.id: self.clock[0] + self.lease_s})
+                p.expire(self.keys.router_requests(self.id), self.s.request_ttl_s)
+                await p.execute()
+        except BaseException:
+            self.renewing_since = None
+            raise
+        t = time.monotonic()
+        if self.renewing_since is None or t - self.last_renewal > 2 * self.s.heartbeat_s:
+            self.renewing_since = t  # renewals stalled (Redis did not answer?): so may the others' have
+        self.last_renewal = t
+
+    def redis_now(self) -> float:
+        if not self.clock[1]:  # before the first renewal
+            return time.time()
+        return self.clock[0] + time.monotonic() - self.clock[1]
+
+    async def reap(self, router_id: str | None = None) -> int:
+        """Mark failed the requests that have not ended of every router past its lease, or (forced) of
+        router_id: this router's own id at start (left by an earlier life under the same id) and at
+        stop. Returns how many were marked."""
+        if router_id is None:
+            # Only after a whole lease of timely renewals: when Redis comes back from an outage or
+            # a stall, every router's lease has run out, and the others must get the time to renew.
+            if self.renewing_since is None or time.monotonic() - self.renewing_since < self.lease_s:
+                return 0
+            dead = [x.decode() for x in await self.redis.zrangebyscore(self.keys.routers, "-inf", self.redis_now())]
+        else:
+            dead = [router_id]
+        n = 0
+        for rt in dead:
+            members = await self.redis.smembers(self.keys.router_requests(rt))
+            keys = [self.keys.routers, self.keys.router_requests(rt), *(self.keys.req(m.decode()) for m in members)]
+            marked = await self.reap_script(keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s,
+                                                             1 if router_id else 0])
+            if marked:
+                log.warning("router %s went away: %d of its requests marked failed", rt, marked)
+            n += int(marked)
+        return n
+
+    async def check_waiting(self) -> None:
+        """End, UNAVAILABLE, the streams still waiting for a first token whose request Redis no
+        longer holds (it restarted empty: the job is gone, no prefill worker will run it) or that
+        were reaped (this router missed its lease, so prefill skips them): their clients hear now,
+        not at their deadlines. Colocated, the decode worker holds the prompt itself: not checked."""
+        waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost)]
+        if self.colocated or not waiting:
+            return
+        async with self.redis.pipeline(transaction=False) as p:
+            for rid, _ in waiting:
+                p.hmget(self.keys.req(rid), "t_admitted", "reaped")
+            rows = await p.execute()
+        for (rid, a), (admitted, reaped) in zip(waiting, rows):
+            if a.first or self.active.get(rid) is not a:
+                continue
+            if admitted is None:
+                a.lost = "the queue state store (Redis) no longer holds this request (it restarted empty?); retry"
+            elif reaped:
+                a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
+            else:
+                continue
+            log.warning("request %s: %s", rid, a.lost)
+            a.call.cancel()
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         stub = self.channels.get(address)
@@ -219,9 +302,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
                     ok, q, t = await self.admit_script(
-                        keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid)],
+                        keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
+                              self.keys.router_requests(self.id)],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1],
+                              self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1, self.id],
                     )
                     queued = self.colocated and ok == 1
                     self.queue_seen = (int(q), int(t), time.monotonic())
@@ -252,6 +336,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev.error:
                             code = status_code(ev.error_code) if ev.error_code else None
                             raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
+                        if ev.token_ids or ev.finish_reason:
+                            active.first = True
                         if queued and (ev.token_ids or ev.finish_reason):
                             queued = False
                             await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
@@ -265,6 +351,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             final = ev
                             break
                 except asyncio.CancelledError:
+                    if active.lost:
+                        state = "failed"
+                        raise Unavailable(active.lost) from None
                     if not active.aborted:
                         state = "cancelled"
                         raise
@@ -280,6 +369,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 with tracing.tracer().start_span("finish", context=rs.ctx):
                     await self._mark(rid, state, final)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
+                    state = "failed"
+                    raise Unavailable(active.lost) from None
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
                     yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
@@ -298,7 +390,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if queued:
                     await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
                 if state in ("cancelled", "failed"):
-                    await self._mark(rid, state)
+                    await self._mark(rid, state, error=active.lost if active is not None else "")
 
     @staticmethod
     async def _accepted(call, worker: WorkerInfo) -> None:
@@ -334,16 +426,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.priority"] = request.priority
         return attrs
 
-    async def _mark(self, rid: str, state: str, final=None) -> None:
+    async def _mark(self, rid: str, state: str, final=None, error: str = "") -> None:
         """Record how a request ended (with its last decode event, if any); the hash then expires sooner."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
             mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason)
+        if error:
+            mapping["error"] = error
         try:
             async with self.redis.pipeline(transaction=False) as p:
                 p.hset(key, mapping=mapping)
                 p.expire(key, self.s.finished_ttl_s)
+                p.srem(self.keys.router_requests(self.id), rid)
                 await p.execute()
         except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
             log.exception("could not record the end of %s", rid)
@@ -499,6 +594,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     metrics.queue_limit_requests.set(int(settings.max_queue_requests * settings.admit_fraction))
     metrics.queue_limit_tokens.set(int(settings.max_queue_tokens * settings.admit_fraction))
     servicer = RouterServicer(settings, frontend, r, metrics)
+    await servicer.reap(servicer.id)  # what an earlier life under this id left
+    await servicer.keep_alive()
     await servicer.refresh_workers()
     server = grpc_server.new_server()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -509,11 +606,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(settings.heartbeat_s / 2)
             try:
+                await servicer.keep_alive()
                 await servicer.refresh_workers()
                 q, t = queue_counts(await r.hmget(servicer.keys.admission, *QUEUE_FIELDS))
                 metrics.queue_requests.set(q)
                 metrics.queue_tokens.set(t)
                 metrics.decode_workers.set(len(servicer.workers))
+                await servicer.reap()
+                await servicer.check_waiting()
             except Exception as e:  # noqa: BLE001
                 log.warning("registry refresh failed: %s", e)
 
@@ -527,6 +627,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await grpc_server.set_not_serving(health, [SERVICE])
     task.cancel()
     await server.stop(grace=settings.drain_s)  # in-flight requests finish, new ones are refused
+    try:
+        await servicer.reap(servicer.id)  # leaves the routers set; anything not ended is marked failed
+    except Exception as e:  # noqa: BLE001 - Redis may be gone too
+        log.warning("could not leave the routers set: %s", e)
     await r.aclose()
     metrics.close()
     log.info("router stopped")

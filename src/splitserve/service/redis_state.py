@@ -7,6 +7,8 @@ Keys (all under one prefix):
   {p}:admission          hash: requests, tokens queued (admitted, not yet pulled) (persistent)
   {p}:req:{id}           hash per request; TTL while active, shorter TTL after completion
   {p}:worker:{role}:{id} registry entry; TTL = heartbeat lease
+  {p}:routers            sorted set: router id -> its lease's end (unix); a router past it is dead  (persistent)
+  {p}:router:{id}:requests  set: that router's requests that have not ended; TTL refreshed by its heartbeat
 Payload bulk (KV) never goes through Redis.
 """
 
@@ -21,8 +23,9 @@ from splitserve.engine.sampling import SamplingParams
 GROUP = "prefill"
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
-# KEYS: admission, stream, request hash.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
-# queue the job (0 in colocated mode: the decode worker prefills it itself).
+# KEYS: admission, stream, request hash, the router's request set.  ARGV: tokens, max_requests,
+# max_tokens, fraction, ttl, job json, queue the job (0 in colocated mode: the decode worker
+# prefills it itself), the router's id.
 ADMIT_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {-1, 0, 0}
@@ -38,8 +41,11 @@ redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', n)
 local job = cjson.decode(ARGV[6])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
-           'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'])
+           'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
+           'router', ARGV[8])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
+redis.call('SADD', KEYS[4], job['request_id'])
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
 if ARGV[7] ~= '0' then  -- 'tokens' lets a worker return the counts of a job it cannot read
   redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n)
 end
@@ -57,6 +63,56 @@ if state ~= 'finished' and state ~= 'cancelled' and state ~= 'failed' then
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 end
 return state
+"""
+
+# A worker records progress on a request: only on a hash that exists (one that expired, or that a
+# Redis restarted empty lost, is not recreated without a TTL), and never moving a request out of
+# a final state (a late "decoding" must not hide "cancelled"). KEYS[1] the request hash; ARGV
+# field, value, ...  Returns 1 if the hash exists.
+UPDATE_LUA = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 0 end
+local final = state == 'finished' or state == 'cancelled' or state == 'failed'
+local args = {}
+for i = 1, #ARGV, 2 do
+  if not (final and (ARGV[i] == 'state' or ARGV[i] == 'error')) then
+    args[#args + 1] = ARGV[i]
+    args[#args + 1] = ARGV[i + 1]
+  end
+end
+if #args > 0 then redis.call('HSET', KEYS[1], unpack(args)) end
+return 1
+"""
+
+
+def update_args(mapping: dict) -> list:
+    """UPDATE_LUA's ARGV for a mapping."""
+    return [x for kv in mapping.items() for x in kv]
+
+
+# A router that stopped heartbeating (killed, its host lost) left requests it can no longer
+# answer: each that has not ended is marked failed, so GetRequest tells the truth and a prefill
+# worker skips the ones still queued (or drops them between forwards). Only if the router is
+# still past its lease (unless forced: a router reaps its own id at start and stop), so one
+# that came back keeps its requests. KEYS: the routers set, the router's request set, then its
+# request hashes. ARGV: router id, now, TTL after completion, 1 to force. Returns how many
+# requests it marked.
+REAP_LUA = """
+local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if ARGV[4] ~= '1' and lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
+local n = 0
+for i = 3, #KEYS do
+  local state = redis.call('HGET', KEYS[i], 'state')
+  if state == 'queued' or state == 'prefilling' or state == 'decoding' then
+    redis.call('HSET', KEYS[i], 'state', 'failed', 'reaped', 1, 't_finished', ARGV[2],
+               'error', 'its router ' .. ARGV[1] .. ' went away')
+    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[3]))
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return n
 """
 
 # Colocated mode (no stream): the router returns the counts when the first token came or the request ended.
@@ -168,12 +224,16 @@ class Keys:
         self.by_class = {c: self.stream if c == "normal" else f"{self.stream}:{c}" for c in PRIORITY_CLASSES}
         self.streams = tuple(self.by_class.values())  # in PRIORITY_CLASSES order: the order workers pull in
         self.admission = f"{prefix}:admission"
+        self.routers = f"{prefix}:routers"
 
     def stream_for(self, priority: int) -> str:
         return self.by_class[priority_class(priority)]
 
     def req(self, request_id: str) -> str:
         return f"{self.prefix}:req:{request_id}"
+
+    def router_requests(self, router_id: str) -> str:
+        return f"{self.prefix}:router:{router_id}:requests"
 
     def worker(self, role: str, worker_id: str) -> str:
         return f"{self.prefix}:worker:{role}:{worker_id}"
