@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 
 import grpc
@@ -171,6 +172,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 return await _guarded(context, lambda: inner_su(_checked(request_iterator), context))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
+        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
+            inner_w = handler.unary_stream  # writes its messages with context.write (e.g. Health.Watch)
+
+            async def unary_stream_writer(request, context):
+                async def run():
+                    _check(request)
+                    return await inner_w(request, context)
+                return await _guarded(context, run)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, des, ser)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
