@@ -116,6 +116,14 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
                 assert await a.reap() == 0
                 await asyncio.sleep(s.heartbeat_s / 2)
             assert await ar.hget(keys.req("b1"), "state") == b"queued"
+            # Held up after a renewal (Redis stalled in the middle of a's refresh): a's own lease and
+            # b's run out meanwhile, yet a reaps no one, itself least of all, until it renews on time.
+            await asyncio.sleep(lease + 0.1)
+            assert await a.reap() == 0
+            await a.keep_alive()
+            assert await a.reap() == 0
+            await b.keep_alive()
+            assert await ar.hget(keys.req("b1"), "state") == b"queued"
             # b stops renewing (killed): once its lease has run out, a marks its request failed.
             marked, end = 0, time.monotonic() + 10 * lease
             while not marked and time.monotonic() < end:

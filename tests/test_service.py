@@ -303,6 +303,7 @@ def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(
     assert client.get_request("orphan-queued").prefill_worker == ""
     wait_for(lambda: kv_idle(stack), timeout=20, what="the dead router's KV freed")
     assert stack.redis().zscore(f"{stack.settings.redis_prefix}:routers", name) is None
+    assert scrape(stack.proc("router").metrics_address)["splitserve_requests_reaped_total"] == 2
     # Restarted under the same id and port, it serves again (other_router's channel reconnects).
     stack.restart("router-1")
     wait_for(lambda: other_router.generate("hi", max_tokens=2, ignore_eos=True, timeout=30).token_ids,
@@ -719,6 +720,28 @@ def test_requests_that_can_never_fit_fail_at_once_naming_the_field():
         _finish(stack)
 
 
+def test_every_server_serves_health_check_and_watch_and_reflection(stack):
+    """What grpcurl and Kubernetes gRPC probes use, on the router, the decode and the prefill worker."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {"router": "splitserve.v1.Generation", "decode-0": "splitserve.v1.DecodeWorker", "prefill-0": None}
+    for name, service in expected.items():
+        with grpc.insecure_channel(stack.proc(name).address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=service or ""), timeout=10)
+            assert next(watch).status == serving, name  # before: INTERNAL on the aio servers (the interceptor)
+            watch.cancel()
+            replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = {s.name for r in replies for s in r.list_services_response.service}
+            assert {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names, (name, names)
+            if service:
+                assert service in names, (name, names)
+
+
 def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, client):
     f = __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"]).GenerateRequest.DESCRIPTOR
     bad_utf8 = bytes([(f.fields_by_name["prompt"].number << 3) | 2, 3]) + b"\xff\xfe\x80"
@@ -1008,51 +1031,77 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
         _finish(s)
 
 
-def test_kill9_decode_worker_fails_its_streams_by_name_and_the_rest_is_served():
-    s = _start(decode=2)
+def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
+    """Six streams over two decode workers; `disrupt(proc)` on `victim` once both decode some. The
+    victim's streams must end UNAVAILABLE naming it, and within a minute (their deadline is two);
+    the other worker's must complete."""
+    outcomes = {}
+
+    def run(i):
+        n = 0
+        try:
+            with Client(s.router_address) as cc:
+                for chunk in cc.generate_stream(f"Story number {i}:", max_tokens=150, ignore_eos=True,
+                                                request_id=f"{tag}{i}", timeout=120):
+                    n += len(chunk.token_ids)
+            outcomes[i] = ("OK", n, "")
+        except grpc.RpcError as e:
+            outcomes[i] = (e.code().name, n, e.details())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+
+    def both_decoding():
+        infos = [c.get_request(f"{tag}{i}") for i in range(6) if _state(c, f"{tag}{i}")]
+        on = {i.decode_worker.rsplit("-", 1)[0] for i in infos if i.state == "decoding"}
+        return on == {"decode-0", "decode-1"}
+    wait_for(both_decoding, timeout=120, interval=0.1, what="requests decoding on both workers")
+    disrupt(s.proc(victim))
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a stream on the lost worker waited for its deadline"
+    on_victim = {i for i in range(6) if c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
+    assert on_victim and len(on_victim) < 6
+    for i, (code, n, details) in outcomes.items():
+        if i in on_victim:  # retryable, naming the worker that went away
+            assert code == "UNAVAILABLE" and f"decode worker {victim}-{s.stack_id}" in details, details
+            assert c.get_request(f"{tag}{i}").state == "failed"
+        else:
+            assert (code, n) == ("OK", 150)
+
+
+def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_the_rest_is_served():
+    s = _start(decode=2, keepalive_s=1.0)
+    killed = False
     try:
-        outcomes = {}
-
-        def run(i):
-            n = 0
-            try:
-                with Client(s.router_address) as c:
-                    for chunk in c.generate_stream(f"Story number {i}:", max_tokens=150, ignore_eos=True,
-                                                   request_id=f"k{i}", timeout=240):
-                        n += len(chunk.token_ids)
-                outcomes[i] = ("OK", n, "")
-            except grpc.RpcError as e:
-                outcomes[i] = (e.code().name, n, e.details())
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        victim = s.proc("decode-0")
         with Client(s.router_address) as c:
-            def both_decoding():
-                infos = [c.get_request(f"k{i}") for i in range(6) if _state(c, f"k{i}")]
-                on = {i.decode_worker.rsplit("-", 1)[0] for i in infos if i.state == "decoding"}
-                return on == {"decode-0", "decode-1"}
-            wait_for(both_decoding, timeout=120, interval=0.1, what="requests decoding on both workers")
-            victim.popen.kill()
-            victim.popen.wait()
-            for t in threads:
-                t.join(240)
-            on_victim = {i for i in range(6) if c.get_request(f"k{i}").decode_worker.startswith("decode-0")}
-            assert on_victim and len(on_victim) < 6
-            for i, (code, n, details) in outcomes.items():
-                if i in on_victim:  # retryable, naming the worker that went away
-                    assert code == "UNAVAILABLE" and f"decode worker decode-0-{s.stack_id}" in details, details
-                    assert c.get_request(f"k{i}").state == "failed"
-                else:
-                    assert (code, n) == ("OK", 150)
+            # Hung (SIGSTOP: its sockets stay open, nothing answers): the router's keepalive pings go
+            # unanswered, so its streams end within ~2 s (before: they waited for their deadlines).
+            def hang(p):
+                os.kill(p.popen.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(4.0)
+                finally:
+                    os.kill(p.popen.pid, signal.SIGCONT)
+            _six_streams_one_worker_lost(s, c, "h", "decode-1", hang)
+            wait_for(lambda: kv_idle(s), timeout=30, what="the resumed worker freed its dropped streams' KV")
+
+            # Killed.
+            def kill(p):
+                nonlocal killed
+                p.popen.kill()
+                p.popen.wait()
+                killed = True
+            _six_streams_one_worker_lost(s, c, "k", "decode-0", kill)
             # Once the victim's lease has run out, every new request goes to the survivor.
             time.sleep(3 * s.settings.heartbeat_s + 0.5)
             assert all(len(c.generate("after", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
                        for _ in range(4))
     finally:
-        s.procs = [p for p in s.procs if p.name != "decode-0"]  # gone
-        s.n_decode = 1
+        if killed:
+            s.procs = [p for p in s.procs if p.name != "decode-0"]  # gone
+            s.n_decode = 1
         _finish(s)
 
 

@@ -188,6 +188,9 @@ def _status(args) -> int:
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
         workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=f"{keys.prefix}:worker:*")
                    if (m := r.hgetall(k))]
+        sec, usec = r.time()  # router leases are in Redis's clock
+        routers = [(rid.decode(), lease - (sec + usec / 1e6), r.scard(keys.router_requests(rid.decode())))
+                   for rid, lease in r.zrange(keys.routers, 0, -1, withscores=True)]
     except redis.RedisError as e:
         print(f"splitserve: error: redis at {url}: {e}", file=sys.stderr)
         return 1
@@ -195,6 +198,9 @@ def _status(args) -> int:
         print(f"router        {', '.join(state.get('routers') or [state['router']])}")
     print(f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
           f"(stream entries incl. in-flight: " + ", ".join(f"{c} {n}" for c, n in by_class.items()) + ")")
+    print(f"routers       {len(routers)} in Redis: " + (", ".join(
+        f"{rid} ({held} requests held, lease {left:.1f}s left)" if left > 0 else f"{rid} (lease ran out {-left:.1f}s ago)"
+        for rid, left, held in routers) or "none"))
     print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
           f"{sum(w.role == 'decode' for w in workers)} decode")
     hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} " \

@@ -499,7 +499,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
     runner.start()
-    server = grpc_server.new_server()
+    server = grpc_server.new_server(settings.keepalive_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
     address = settings.address(port)

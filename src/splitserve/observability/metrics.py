@@ -73,6 +73,8 @@ class RouterMetrics(Metrics):
         self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
         self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
         self.success = self.c("request_success", "Requests that finished, by finish reason", ["finished_reason"])
+        self.reaped = self.c("requests_reaped", "Unended requests of routers that went away (lease run out), "
+                                                "marked failed by this router")
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
         self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)

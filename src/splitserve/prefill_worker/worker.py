@@ -37,7 +37,7 @@ from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.errors import code_of
-from splitserve.service.grpc_server import OPTIONS
+from splitserve.service.grpc_server import options
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
                                              ensure_group, heartbeat, update_args)
@@ -383,7 +383,7 @@ class PrefillWorker:
         channel = None
         try:
             if (stub := self.stubs.get(address)) is None:
-                channel = grpc.insecure_channel(address, options=OPTIONS)
+                channel = grpc.insecure_channel(address, options=options(self.s.keepalive_s))
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message), timeout=5)
         except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
@@ -402,7 +402,7 @@ class PrefillWorker:
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         stub = self.stubs.get(address)
         if stub is None:
-            stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(address, options=OPTIONS))
+            stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(address, options=options(self.s.keepalive_s)))
             self.stubs[address] = stub
         return stub
 
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, EngineError) as e:
         print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)
         return 2
-    server = grpc.server(cf.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
+    server = grpc.server(cf.ThreadPoolExecutor(max_workers=4), options=options(settings.keepalive_s))
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

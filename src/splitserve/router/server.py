@@ -166,11 +166,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         router_id: this router's own id at start (left by an earlier life under the same id) and at
         stop. Returns how many were marked."""
         if router_id is None:
-            # Only after a whole lease of timely renewals: when Redis comes back from an outage or
-            # a stall, every router's lease has run out, and the others must get the time to renew.
-            if self.renewing_since is None or time.monotonic() - self.renewing_since < self.lease_s:
+            # Only after a whole lease of timely renewals, the last one just now: when Redis answers
+            # again after an outage or a stall (or this router's loop was held up), every router's
+            # lease may have run out, and the others must get the time to renew theirs.
+            t = time.monotonic()
+            if (self.renewing_since is None or t - self.renewing_since < self.lease_s
+                    or t - self.last_renewal > self.s.heartbeat_s):
                 return 0
-            dead = [x.decode() for x in await self.redis.zrangebyscore(self.keys.routers, "-inf", self.redis_now())]
+            dead = [x.decode() for x in await self.redis.zrangebyscore(self.keys.routers, "-inf", self.redis_now())
+                    if x.decode() != self.id]
         else:
             dead = [router_id]
         n = 0
@@ -179,8 +183,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             keys = [self.keys.routers, self.keys.router_requests(rt), *(self.keys.req(m.decode()) for m in members)]
             marked = await self.reap_script(keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s,
                                                              1 if router_id else 0])
-            if marked:
+            if marked and rt != self.id:
                 log.warning("router %s went away: %d of its requests marked failed", rt, marked)
+                self.metrics.reaped.inc(int(marked))
+            elif marked:
+                log.warning("%d requests left by this router's id (%s) marked failed", marked, rt)
             n += int(marked)
         return n
 
@@ -211,7 +218,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         stub = self.channels.get(address)
         if stub is None:
-            stub = worker_pb2_grpc.DecodeWorkerStub(grpc_server.channel(address))
+            stub = worker_pb2_grpc.DecodeWorkerStub(grpc_server.channel(address, self.s.keepalive_s))
             self.channels[address] = stub
         return stub
 
@@ -542,8 +549,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("request_id", "must be set")
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
-        state = await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s])
-        state = state.decode() if isinstance(state, bytes) else str(state or "")
+        state, wid = (x.decode() if isinstance(x, bytes) else str(x or "")
+                      for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s]))
         if not state:
             raise NotFound(f"no request {rid!r}")
         active = self.active.get(rid)
@@ -551,19 +558,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             active.aborted = True
             active.call.cancel()
         elif state not in FINAL_STATES:  # another router holds its stream: end it at its decode worker
-            await self._cancel_at_worker(rid, key)
+            await self._cancel_at_worker(rid, wid)
         return gen_pb.AbortResponse(found=True, state=state)
 
-    async def _cancel_at_worker(self, rid: str, key: str) -> None:
+    async def _cancel_at_worker(self, rid: str, wid: str) -> None:
         """Ask the request's decode worker to end its stream (finish_reason "cancelled") and free
         its KV; the router holding the stream then finishes it as it would its own abort."""
-        wid = await self.redis.hget(key, "decode_worker")
-        m = await self.redis.hgetall(self.keys.worker("decode", wid.decode())) if wid else None
-        if not m:
+        address = next((w.address for w in self.workers if w.worker_id == wid), "")
+        if not address and wid:  # registered since the last registry read
+            address = (await self.redis.hget(self.keys.worker("decode", wid), "address") or b"").decode()
+        if not address:
             log.warning("abort %s: its decode worker %s is not registered (its stream ends when the worker goes)",
                         rid, wid)
             return
-        address = WorkerInfo.from_mapping(m).address
         try:
             await self.stub(address).Cancel(w_pb.CancelRequest(request_id=rid), timeout=5.0)
         except grpc.aio.AioRpcError as e:
@@ -597,7 +604,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await servicer.reap(servicer.id)  # what an earlier life under this id left
     await servicer.keep_alive()
     await servicer.refresh_workers()
-    server = grpc_server.new_server()
+    server = grpc_server.new_server(settings.keepalive_s)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
     metrics_port = metrics.serve(settings.host, settings.metrics_port)

@@ -17,8 +17,26 @@ OPTIONS = [
 ]
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=OPTIONS)
+def options(keepalive_s: float = 0.0) -> list[tuple[str, int]]:
+    """Channel and server options. With keepalive_s > 0, each end of a connection pings the other
+    when the connection has been quiet for keepalive_s and drops it when no answer comes within
+    keepalive_s more: a peer that hangs (stopped, its host gone, a partition) fails its calls with
+    UNAVAILABLE instead of leaving them waiting for their deadlines, even a stream with nothing to
+    send yet (a decode stream waiting for a long prefill). Servers accept pings that often."""
+    if keepalive_s <= 0:
+        return list(OPTIONS)
+    ms = max(1, int(keepalive_s * 1000))
+    return [*OPTIONS,
+            ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),  # what bounds an unanswered ping in this gRPC (1.85)
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that has nothing to send yet
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 1000)),
+            ("grpc.http2.max_ping_strikes", 0)]  # never answer a peer's pings with GOAWAY
+
+
+def new_server(keepalive_s: float = 0.0) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options(keepalive_s))
 
 
 async def start(server: grpc.aio.Server, host: str, port: int, service_names: list[str]) -> tuple[int, "health_aio.HealthServicer"]:
@@ -40,5 +58,5 @@ async def set_not_serving(health, service_names: list[str]) -> None:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=OPTIONS)
+def channel(address: str, keepalive_s: float = 0.0) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=options(keepalive_s))

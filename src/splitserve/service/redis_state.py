@@ -54,15 +54,16 @@ return {1, q + 1, t + n}
 
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
 # just ended keeps its final state. KEYS[1] the request hash; ARGV: now, the TTL after completion.
-# Returns the state it had ('' when there is no such request).
+# Returns {the state it had ('' when there is no such request), its decode worker's id}.
 ABORT_LUA = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return '' end
+local got = redis.call('HMGET', KEYS[1], 'state', 'decode_worker')
+local state = got[1]
+if not state then return {'', ''} end
 if state ~= 'finished' and state ~= 'cancelled' and state ~= 'failed' then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 't_finished', ARGV[1])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 end
-return state
+return {state, got[2] or ''}
 """
 
 # A worker records progress on a request: only on a hash that exists (one that expired, or that a
