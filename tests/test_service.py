@@ -593,6 +593,44 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
         _finish(stack)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_worker_stuck_in_one_step_reports_not_serving_and_lets_its_lease_lapse(role):
+    """A step that does not return leaves the process up: its health must say so (a liveness probe
+    then restarts it) and its registry lease must lapse. A 1900-token prefill forward, with the
+    limit at 1 s, stands in for a hung one (a decode worker's: colocated, it prefills itself);
+    when it returns the worker serves again."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stall = {"SPLITSERVE_ENGINE_STALL_S": "1"}
+    if role == "prefill":
+        s = _start(prefill_env=stall)
+    else:
+        s = _start(mode="colocated", prefill=0, decode_env={**stall, "SPLITSERVE_MAX_NUM_BATCHED_TOKENS": "2048"})
+    try:
+        worker = s.proc(f"{role}-0")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        with Client(s.router_address) as c, grpc.insecure_channel(worker.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+            out = {}
+            t = _outcome(c.generate_stream(token_ids=list(range(100, 2000)), max_tokens=3, ignore_eos=True,
+                                           timeout=120), out)
+            seen = []
+
+            def stalled_and_unregistered():
+                seen.append((health.Check(health_pb2.HealthCheckRequest(), timeout=10).status,
+                             len(workers(s, role)), scrape(worker.metrics_address)["splitserve_engine_stalled"]))
+                return seen[-1] == (health_pb2.HealthCheckResponse.NOT_SERVING, 0, 1.0)
+            wait_for(stalled_and_unregistered, timeout=60, interval=0.05, what="NOT_SERVING, unregistered, stalled")
+            t.join(120)
+            assert out["code"] == "OK" and out["tokens"] == 3, out
+            wait_for(lambda: (health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+                              and len(workers(s, role)) == 1), timeout=10, what="serving again")
+            assert scrape(worker.metrics_address)["splitserve_engine_stalled"] == 0
+    finally:
+        _finish(s)
+
+
 def _handoffs_waiting(stack) -> float:
     return scrape(stack.proc("decode-0").metrics_address)["splitserve_kv_handoffs_waiting"]
 

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2
 import redis
 import redis.asyncio as aioredis
 
@@ -37,6 +38,7 @@ from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid,
                                       status_code)
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, update_args
 from splitserve.service.runner import EngineRunner
+from splitserve.service.watchdog import StepWatch
 from splitserve.service.settings import Settings, host_id
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -495,7 +497,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         metrics.observe_step(engine)
         loop.call_soon_threadsafe(servicer_ref[0].capacity.set)
 
-    runner = EngineRunner(engine, loop, on_step=on_step)
+    runner = EngineRunner(engine, loop, on_step=on_step, watch=StepWatch(settings.engine_stall_s, f"decode worker {name}"))
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
     runner.start()
@@ -507,7 +509,18 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     lease = 3 * settings.heartbeat_s
 
     async def heartbeat():
+        serving = True
         while True:
+            stalled = runner.watch.stalled()
+            metrics.stalled.set(int(stalled))
+            if stalled == serving:  # a step that does not return: report it, and let the lease lapse
+                serving = not stalled
+                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+                for svc in ("", SERVICE):
+                    await health.set(svc, status)
+            if stalled:
+                await asyncio.sleep(settings.heartbeat_s)
+                continue
             info = servicer.info(address)
             if metrics_port:
                 info.metrics = f"{settings.host}:{metrics_port}"

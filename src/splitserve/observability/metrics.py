@@ -121,6 +121,8 @@ class EngineMetrics(Metrics):
         self.threads = self.g("engine_threads", "Compute threads of the engine's last step (fewer while other "
                                                 "engines on its core-share board are busy)")
         self.steps = self.c("engine_steps", "Engine steps (forwards) run")
+        self.stalled = self.g("engine_stalled", "1 while the engine's step in progress has run longer than "
+                                                "ENGINE_STALL_S (the worker then reports NOT_SERVING)")
         self.graphed = self.c("engine_graphed_steps", "Engine steps that replayed captured CUDA graphs "
                                                       "(whole, or pieces around attention)")
         self.step_seqs = self.h("iteration_sequences", "Sequences per engine step", SEQ_BUCKETS)

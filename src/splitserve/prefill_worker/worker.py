@@ -42,6 +42,7 @@ from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
                                              ensure_group, heartbeat, update_args)
 from splitserve.service.settings import Settings, host_id
+from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
 
@@ -93,6 +94,8 @@ class PrefillWorker:
         self.drop_script = self.redis.register_script(DROP_LUA)
         self.update_script = self.redis.register_script(UPDATE_LUA)
         self.stop = threading.Event()
+        self.watch = StepWatch(settings.engine_stall_s, f"prefill worker {self.name}")
+        self.on_stall = None  # called by the heartbeat with whether the engine is stalled (sets health)
         self.address = ""
         self.metrics_address = ""
         self._last_claim = 0.0
@@ -436,6 +439,12 @@ class PrefillWorker:
     def heartbeat_loop(self) -> None:
         lease = 3 * self.s.heartbeat_s
         while not self.stop.wait(self.s.heartbeat_s):
+            stalled = self.watch.stalled()
+            self.metrics.stalled.set(int(stalled))
+            if self.on_stall is not None:
+                self.on_stall(stalled)
+            if stalled:  # a step that does not return: let the lease and the held jobs' claims lapse
+                continue  # (after CLAIM_IDLE_MS another worker claims the jobs)
             try:
                 e = self.engine
                 heartbeat(self.redis, self.keys, WorkerInfo(
@@ -474,7 +483,8 @@ class PrefillWorker:
                 continue
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
                 t0 = time.time()
-                outputs = self.engine.step()
+                with self.watch.step():
+                    outputs = self.engine.step()
                 links = self._batch_links()  # before the handoffs drop their requests
                 for out in outputs:  # first: the first tokens go out before the bookkeeping
                     self.on_output(out)
@@ -507,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics_port = worker.metrics.serve(settings.host, settings.metrics_port)
     worker.metrics_address = f"{settings.host}:{metrics_port}" if metrics_port else ""
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def on_stall(stalled: bool) -> None:
+        if not worker.stop.is_set():
+            hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING)
+    worker.on_stall = on_stall
 
     def on_signal(*_):
         worker.stop.set()

@@ -15,13 +15,16 @@ from typing import Callable
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
+from splitserve.service.watchdog import StepWatch
 
 log = logging.getLogger(__name__)
 
 
 class EngineRunner:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: Callable[[], None] | None = None):
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, on_step: Callable[[], None] | None = None,
+                 watch: StepWatch | None = None):
         self.engine = engine
+        self.watch = watch or StepWatch(0, "engine")
         self.loop = loop
         self.sinks: dict[str, Callable[[RequestOutput], None]] = {}  # touched on the loop thread only
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -77,7 +80,8 @@ class EngineRunner:
                 break
             if eng.has_unfinished():
                 try:
-                    outputs = eng.step()
+                    with self.watch.step():
+                        outputs = eng.step()
                 except Exception:  # noqa: BLE001 - never lose the process; fail what was running
                     log.exception("engine step failed; failing its requests")
                     outputs = [o for rid in list(eng.seqs) if (o := eng.abort_request(rid)) is not None]

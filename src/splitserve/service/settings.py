@@ -31,6 +31,7 @@ class Settings:
     cuda_graphs: bool = True  # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
+    engine_stall_s: float = 60.0  # a worker whose engine has been in one step this long reports NOT_SERVING and stops renewing its lease; 0 = off
     keepalive_s: float = 10.0  # gRPC keepalive between the stack's processes: a peer silent for this long is pinged, and dropped if it does not answer within as long again; 0 = off
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
@@ -79,6 +80,8 @@ class Settings:
         check_device(self.device)
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if not 0 <= self.engine_stall_s < float("inf"):
+            raise ValueError(f"engine_stall_s must be a finite number >= 0 (0 = off), got {self.engine_stall_s}")
         if not 0 <= self.keepalive_s < float("inf"):
             raise ValueError(f"keepalive_s must be a finite number >= 0 (0 = off), got {self.keepalive_s}")
 
