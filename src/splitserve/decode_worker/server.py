@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2
 import redis
 import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import CapacityError, InvalidRequestError
@@ -38,8 +38,8 @@ from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid,
                                       status_code)
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, update_args
 from splitserve.service.runner import EngineRunner
-from splitserve.service.watchdog import StepWatch
 from splitserve.service.settings import Settings, host_id
+from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
@@ -497,7 +497,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         metrics.observe_step(engine)
         loop.call_soon_threadsafe(servicer_ref[0].capacity.set)
 
-    runner = EngineRunner(engine, loop, on_step=on_step, watch=StepWatch(settings.engine_stall_s, f"decode worker {name}"))
+    watch = StepWatch(settings.engine_stall_s, f"decode worker {name}")
+    runner = EngineRunner(engine, loop, on_step=on_step, watch=watch)
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
     runner.start()
@@ -515,7 +516,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             metrics.stalled.set(int(stalled))
             if stalled == serving:  # a step that does not return: report it, and let the lease lapse
                 serving = not stalled
-                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else \
+                    health_pb2.HealthCheckResponse.SERVING
                 for svc in ("", SERVICE):
                     await health.set(svc, status)
             if stalled:
