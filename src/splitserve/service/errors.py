@@ -155,16 +155,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         des, ser = _tolerant(handler.request_deserializer, details.method), handler.response_serializer
-        if handler.unary_unary:
-            inner = handler.unary_unary
 
-            async def unary_unary(request, context):
+        def awaited(inner):
+            """A handler that returns its answer, or writes its messages with context.write."""
+            async def call(request, context):
                 async def run():
                     _check(request)
                     return await inner(request, context)
                 return await _guarded(context, run)
+            return call
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(awaited(handler.unary_unary), des, ser)
         if handler.stream_unary:
             inner_su = handler.stream_unary
 
@@ -172,16 +174,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 return await _guarded(context, lambda: inner_su(_checked(request_iterator), context))
 
             return grpc.stream_unary_rpc_method_handler(stream_unary, des, ser)
-        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
-            inner_w = handler.unary_stream  # writes its messages with context.write (e.g. Health.Watch)
-
-            async def unary_stream_writer(request, context):
-                async def run():
-                    _check(request)
-                    return await inner_w(request, context)
-                return await _guarded(context, run)
-
-            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, des, ser)
+        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):  # e.g. Health.Watch
+            return grpc.unary_stream_rpc_method_handler(awaited(handler.unary_stream), des, ser)
         if handler.unary_stream:
             inner_s = handler.unary_stream
 
