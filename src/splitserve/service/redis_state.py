@@ -22,6 +22,11 @@ from splitserve.engine.sampling import SamplingParams
 
 GROUP = "prefill"
 
+ACTIVE_STATES = ("queued", "prefilling", "decoding")
+FINAL_STATES = ("finished", "cancelled", "failed")
+# The scripts' test for a request that has ended (a nil state, no request, is not final).
+_IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for x in FINAL_STATES) + " end\n"
+
 # Admission, request hash and job in one atomic step: nothing is half-queued.
 # KEYS: admission, stream, request hash, the router's request set.  ARGV: tokens, max_requests,
 # max_tokens, fraction, ttl, job json, queue the job (0 in colocated mode: the decode worker
@@ -55,11 +60,11 @@ return {1, q + 1, t + n}
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
 # just ended keeps its final state. KEYS[1] the request hash; ARGV: now, the TTL after completion.
 # Returns {the state it had ('' when there is no such request), its decode worker's id}.
-ABORT_LUA = """
+ABORT_LUA = _IS_FINAL + """
 local got = redis.call('HMGET', KEYS[1], 'state', 'decode_worker')
 local state = got[1]
 if not state then return {'', ''} end
-if state ~= 'finished' and state ~= 'cancelled' and state ~= 'failed' then
+if not is_final(state) then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 't_finished', ARGV[1])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
 end
@@ -70,10 +75,10 @@ return {state, got[2] or ''}
 # Redis restarted empty lost, is not recreated without a TTL), and never moving a request out of
 # a final state (a late "decoding" must not hide "cancelled"). KEYS[1] the request hash; ARGV
 # field, value, ...  Returns 1 if the hash exists.
-UPDATE_LUA = """
+UPDATE_LUA = _IS_FINAL + """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 0 end
-local final = state == 'finished' or state == 'cancelled' or state == 'failed'
+local final = is_final(state)
 local args = {}
 for i = 1, #ARGV, 2 do
   if not (final and (ARGV[i] == 'state' or ARGV[i] == 'error')) then
@@ -98,13 +103,13 @@ def update_args(mapping: dict) -> list:
 # that came back keeps its requests. KEYS: the routers set, the router's request set, then its
 # request hashes. ARGV: router id, now, TTL after completion, 1 to force. Returns how many
 # requests it marked.
-REAP_LUA = """
+REAP_LUA = _IS_FINAL + """
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[4] ~= '1' and lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
 local n = 0
 for i = 3, #KEYS do
   local state = redis.call('HGET', KEYS[i], 'state')
-  if state == 'queued' or state == 'prefilling' or state == 'decoding' then
+  if state and not is_final(state) then
     redis.call('HSET', KEYS[i], 'state', 'failed', 'reaped', 1, 't_finished', ARGV[2],
                'error', 'its router ' .. ARGV[1] .. ' went away')
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[3]))
@@ -142,9 +147,9 @@ end
 # 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none).
 # Returns "prefilling", "expired" (marked failed), or the final state / "" of a request
 # that is no longer wanted.
-PICKUP_LUA = _LEAVE_QUEUE + """
+PICKUP_LUA = _IS_FINAL + _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
-if not state or state == 'cancelled' or state == 'failed' or state == 'finished' then
+if not state or is_final(state) then
   return state or ''
 end
 local deadline = tonumber(ARGV[5])
@@ -214,8 +219,6 @@ def priority_class(priority: int) -> str:
     return "high" if priority < 0 else "low" if priority > 0 else "normal"
 
 
-ACTIVE_STATES = ("queued", "prefilling", "decoding")
-FINAL_STATES = ("finished", "cancelled", "failed")
 
 
 class Keys:
