@@ -93,13 +93,12 @@ class Stack:
             self.settings = self.settings.replace(redis_url=self.start_redis())
         deadline = time.time() + timeout
         for i in range(self.n_decode):
-            self._spawn(f"decode-{i}", "splitserve.decode_worker", self.decode_env)
+            self._spawn(f"decode-{i}")
         for i in range(self.n_prefill):
-            self._spawn(f"prefill-{i}", "splitserve.prefill_worker", self.prefill_env)
+            self._spawn(f"prefill-{i}")
         for p in self.procs:
             self._wait_ready(p, deadline)
-        routers = [self._spawn("router" if i == 0 else f"router-{i}", "splitserve.router", {})
-                   for i in range(self.n_routers)]
+        routers = [self._spawn("router" if i == 0 else f"router-{i}") for i in range(self.n_routers)]
         for router in routers:
             self._wait_ready(router, deadline)
         self.router_addresses = [router.address for router in routers]
@@ -136,15 +135,16 @@ class Stack:
         old.popen.wait()
         self.procs.remove(old)
         os.replace(old.log_path, old.log_path + ".1")
-        module, env = next((m, e) for prefix, m, e in (("router", "splitserve.router", {}),
-                                                        ("prefill", "splitserve.prefill_worker", self.prefill_env),
-                                                        ("decode", "splitserve.decode_worker", self.decode_env))
-                           if name.startswith(prefix))
-        p = self._spawn(name, module, env, port=int(old.address.rsplit(":", 1)[1]))
+        p = self._spawn(name, port=int(old.address.rsplit(":", 1)[1]))
         self._wait_ready(p, time.time() + timeout)
         return p
 
-    def _spawn(self, name: str, module: str, extra_env: dict, port: int = 0) -> Proc:
+    def _spawn(self, name: str, port: int = 0) -> Proc:
+        """Start the process ``name`` (router…, prefill-N or decode-N) with its role's module and env."""
+        role = name.split("-")[0]
+        module = {"router": "splitserve.router", "prefill": "splitserve.prefill_worker",
+                  "decode": "splitserve.decode_worker"}[role]
+        extra_env = {"prefill": self.prefill_env, "decode": self.decode_env}.get(role, {})
         env = dict(os.environ)
         env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port).to_env())
         env.update({k: str(v) for k, v in extra_env.items()})
