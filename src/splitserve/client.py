@@ -8,6 +8,11 @@
 ``retries=N`` (N <= 4) lets gRPC retry Generate and GenerateStream refused with
 RESOURCE_EXHAUSTED (the queue is full; nothing was queued) or UNAVAILABLE, before any
 response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hint says.
+
+``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
+connection has been quiet that long. A router that stops answering (its host gone, a
+partition, a hung process) fails the open calls with UNAVAILABLE after about two such
+intervals, instead of leaving them waiting for their deadlines, or forever without one.
 """
 
 from __future__ import annotations
@@ -22,14 +27,31 @@ from splitserve_proto.v1 import generation_pb2_grpc
 
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 MAX_RETRIES = 4  # gRPC makes at most 5 attempts
+KEEPALIVE_S = 30.0
 
 
-def channel_options(retries: int = 0) -> list[tuple]:
-    """Channel options; with retries, a retry policy for the two Generate methods."""
+def keepalive_options(keepalive_s: float, when_idle: bool = False) -> list[tuple]:
+    """Options that ping the peer once a connection has been quiet keepalive_s, and drop it when
+    no answer comes within keepalive_s more; when_idle pings connections with no call open too."""
+    if keepalive_s < 0:
+        raise ValueError(f"keepalive_s must be >= 0, got {keepalive_s}")
+    if not keepalive_s:
+        return []
+    ms = max(1, int(keepalive_s * 1000))
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),  # what bounds an unanswered ping in gRPC 1.85
+            ("grpc.keepalive_permit_without_calls", int(when_idle)),
+            ("grpc.http2.max_pings_without_data", 0)]  # a stream waiting for its first token is pinged too
+
+
+def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S) -> list[tuple]:
+    """Channel options: keepalive pings on open calls unless keepalive_s is 0; with retries, a
+    retry policy for the two Generate methods."""
     if not 0 <= retries <= MAX_RETRIES:
         raise ValueError(f"retries must be in 0..{MAX_RETRIES}, got {retries}")
+    options = [*_OPTIONS, *keepalive_options(keepalive_s)]
     if not retries:
-        return list(_OPTIONS)
+        return options
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     config = {"methodConfig": [{
         "name": [{"service": service, "method": m} for m in ("Generate", "GenerateStream")],
@@ -38,7 +60,7 @@ def channel_options(retries: int = 0) -> list[tuple]:
             "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
         },
     }]}
-    return [*_OPTIONS, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+    return [*options, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
 
 
 def _trace_metadata() -> tuple:
@@ -85,8 +107,8 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str, retries: int = 0):
-        self.channel = grpc.insecure_channel(address, options=channel_options(retries))
+    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S):
+        self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
@@ -112,8 +134,8 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, retries: int = 0):
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries))
+    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S):
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:

@@ -7,6 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.client import keepalive_options
 from splitserve.service.errors import ErrorInterceptor
 
 MAX_MESSAGE = 64 << 20
@@ -17,22 +18,19 @@ OPTIONS = [
 ]
 
 
+# Accept a peer's keepalive pings as often as once a second, and never answer them with GOAWAY
+# (by default gRPC allows one every 5 minutes on a quiet connection and then drops it): the
+# clients' and the other processes' keepalives must not cost a stream that is quietly waiting.
+PING_POLICY = [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]
+
+
 def options(keepalive_s: float = 0.0) -> list[tuple[str, int]]:
     """Channel and server options. With keepalive_s > 0, each end of a connection pings the other
     when the connection has been quiet for keepalive_s and drops it when no answer comes within
     keepalive_s more: a peer that hangs (stopped, its host gone, a partition) fails its calls with
     UNAVAILABLE instead of leaving them waiting for their deadlines, even a stream with nothing to
-    send yet (a decode stream waiting for a long prefill). Servers accept pings that often."""
-    if keepalive_s <= 0:
-        return list(OPTIONS)
-    ms = max(1, int(keepalive_s * 1000))
-    return [*OPTIONS,
-            ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.ping_timeout_ms", ms),  # what bounds an unanswered ping in this gRPC (1.85)
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that has nothing to send yet
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 1000)),
-            ("grpc.http2.max_ping_strikes", 0)]  # never answer a peer's pings with GOAWAY
+    send yet (a decode stream waiting for a long prefill)."""
+    return [*OPTIONS, *PING_POLICY, *keepalive_options(keepalive_s, when_idle=True)]
 
 
 def new_server(keepalive_s: float = 0.0) -> grpc.aio.Server:

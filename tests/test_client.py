@@ -1,0 +1,104 @@
+"""The Python client's keepalive, against a real gRPC server process that never answers.
+
+The server is the stack's own aio server (`grpc_server.new_server`: the router's options and
+interceptor) with a Generation service whose streams stay open and silent, as a router's do
+while a long prompt waits for prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from splitserve.client import AsyncClient, Client, channel_options
+
+SILENT_SERVER = textwrap.dedent("""
+    import asyncio, sys
+    from splitserve.service import grpc_server
+    from splitserve_proto.v1 import generation_pb2_grpc
+
+    class Silent(generation_pb2_grpc.GenerationServicer):
+        async def GenerateStream(self, request, context):
+            await asyncio.Event().wait()
+            yield
+
+    async def main():
+        server = grpc_server.new_server(float(sys.argv[1]))
+        generation_pb2_grpc.add_GenerationServicer_to_server(Silent(), server)
+        port, _ = await grpc_server.start(server, "127.0.0.1", 0, ["splitserve.v1.Generation"])
+        print(port, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+""")
+
+
+@pytest.fixture
+def silent_server():
+    """A server process (its own keepalive off, as with SPLITSERVE_KEEPALIVE_S=0) and its address."""
+    proc = subprocess.Popen([sys.executable, "-c", SILENT_SERVER, "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = proc.stdout.readline().strip()
+        assert port.isdigit(), f"the server did not start: {port!r}"
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _first_error(stream) -> tuple[grpc.StatusCode, float]:
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        next(iter(stream))
+    return e.value.code(), time.monotonic() - t0
+
+
+def test_keepalive_ends_a_stream_to_a_hung_router(silent_server):
+    proc, address = silent_server
+    with Client(address, keepalive_s=1) as quiet, Client(address, keepalive_s=1) as hung:
+        # A server that answers pings but sends nothing: the stream stays open until its deadline.
+        # The server's ping policy must accept a ping a second on a stream that sends no data
+        # (gRPC's default policy answers the client's fourth or fifth ping with GOAWAY, ~5 s in).
+        code, took = _first_error(quiet.generate_stream("hi", max_tokens=4, timeout=8))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and took > 7.5, (code, took)
+
+        stream = hung.generate_stream("hi", max_tokens=4, timeout=30)
+        time.sleep(0.5)  # the call is open
+        os.kill(proc.pid, signal.SIGSTOP)
+        code, took = _first_error(stream)
+    # About two keepalives after the last sign of life; without keepalive it waits 30 s.
+    assert code == grpc.StatusCode.UNAVAILABLE and took < 10, (code, took)
+
+
+def test_async_client_keepalive(silent_server):
+    proc, address = silent_server
+
+    async def run() -> tuple[grpc.StatusCode, float]:
+        async with AsyncClient(address, keepalive_s=1) as c:
+            stream = c.generate_stream("hi", max_tokens=4, timeout=30)
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.5)
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                await first
+            return e.value.code(), time.monotonic() - t0
+
+    code, took = asyncio.run(run())
+    assert code == grpc.StatusCode.UNAVAILABLE and took < 10, (code, took)
+
+
+def test_keepalive_option_checked():
+    assert not any(k.startswith("grpc.keepalive") for k, _ in channel_options(keepalive_s=0))
+    assert ("grpc.keepalive_time_ms", 2500) in channel_options(keepalive_s=2.5)
+    with pytest.raises(ValueError, match="keepalive_s"):
+        Client("127.0.0.1:1", keepalive_s=-1)
