@@ -467,7 +467,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     # -- registry -----------------------------------------------------------------------
 
     async def warm_arenas(self) -> None:
-        """Map the arenas of prefill workers on this host before their first handoff."""
+        """Map the arenas of prefill workers on this host before their first handoff, and unmap
+        those of prefill workers that have gone."""
+        for name in await asyncio.to_thread(self.reader.drop_stale):
+            self.warmed.discard(name)
+            log.info("unmapped arena %s: its prefill worker has gone", name)
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
             arena, host = await self.redis.hmget(key, "arena", "host_id")
             if arena and host and host.decode() == self.host and arena.decode() not in self.warmed:

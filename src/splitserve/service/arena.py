@@ -115,11 +115,40 @@ class ArenaReader:
 
     def region(self, name: str, offset: int, length: int) -> memoryview:
         mm = self._map(name)
-        if offset < 0 or length <= 0 or offset + length > len(mm):
-            raise BadHandle(
-                f"handle.offset/length [{offset}, {offset + length}) is outside arena {name!r} ({len(mm)} bytes)"
-            )
-        return memoryview(mm)[offset : offset + length]
+        with self._lock:  # drop_stale() cannot close the map before the view holds it
+            if mm.closed:
+                raise BadHandle(f"handle.arena {name!r} is gone (its prefill worker stopped)")
+            if offset < 0 or length <= 0 or offset + length > len(mm):
+                raise BadHandle(
+                    f"handle.offset/length [{offset}, {offset + length}) is outside arena {name!r} ({len(mm)} bytes)"
+                )
+            return memoryview(mm)[offset : offset + length]
+
+    def drop_stale(self) -> list[str]:
+        """Unmap the arenas whose segment is gone or was replaced (a prefill worker that stopped
+        or restarted): a mapping keeps an unlinked segment's memory alive. One still read by a
+        handoff stays until the next call. Returns the names unmapped."""
+        dropped = []
+        with self._lock:
+            for name, (ino, mm) in list(self._maps.items()):
+                try:
+                    st = os.stat(os.path.join(SHM_DIR, name))
+                    if st.st_ino == ino and st.st_size == len(mm):
+                        continue
+                except FileNotFoundError:
+                    pass
+                try:
+                    mm.close()
+                except BufferError:  # a view of it is alive: a handoff is reading it
+                    continue
+                del self._maps[name]
+                dropped.append(name)
+        return dropped
+
+    @property
+    def mapped(self) -> list[str]:
+        with self._lock:
+            return list(self._maps)
 
     def warm(self, name: str) -> bool:
         """Map an arena ahead of its first handoff (mapping and populating it costs tens of ms)."""
