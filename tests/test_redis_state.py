@@ -137,3 +137,47 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
             await ar.aclose()
 
     asyncio.run(go())
+
+
+def test_requests_sent_count_towards_a_worker_until_its_entry_is_rewritten(r):
+    """A burst spread over two decode workers stays even across registry reads that bring no
+    newer entry (a worker writes its load once a heartbeat; a router reads twice as often)."""
+    import asyncio
+    from collections import Counter
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.server import RouterServicer
+    from splitserve.service.redis_state import WorkerInfo
+    from splitserve.service.settings import Settings
+
+    sock = r.connection_pool.connection_kwargs["path"]
+    s = Settings(redis_prefix="p", heartbeat_s=0.1)
+    keys = Keys("p")
+
+    def entry(wid: str, running: int, updated: float) -> dict:
+        return WorkerInfo(worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h",
+                          running=running, free_kv_tokens=10_000, kv_capacity_tokens=10_000,
+                          updated=updated).to_mapping()
+
+    async def go():
+        ar = aioredis.Redis(unix_socket_path=sock)
+        try:
+            await ar.hset(keys.worker("decode", "d0"), mapping=entry("d0", 0, 1.0))
+            await ar.hset(keys.worker("decode", "d1"), mapping=entry("d1", 0, 1.0))
+            router = RouterServicer(s.replace(worker_id="a"), None, ar)
+            await router.refresh_workers()
+            picks = Counter()
+            for i in range(6):
+                picks[router.pick(10).worker_id] += 1
+                if i % 2 == 0:
+                    await router.refresh_workers()  # no worker has written since: the sends still count
+            assert picks == {"d0": 3, "d1": 3}
+            # d0 writes a newer entry (one stream left running): its own count replaces the router's.
+            await ar.hset(keys.worker("decode", "d0"), mapping=entry("d0", 1, 2.0))
+            await router.refresh_workers()
+            assert [router.pick(10).worker_id for _ in range(2)] == ["d0", "d0"]  # 1, 2 < d1's 3 sent
+        finally:
+            await ar.aclose()
+
+    asyncio.run(go())

@@ -30,6 +30,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
+from splitserve.service.peers import Peers
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
                                            Job, Keys, WorkerInfo, priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
@@ -56,6 +57,7 @@ class UpstreamError(ServiceError):
 @dataclass
 class Active:
     call: object  # the Decode call on the decode worker
+    address: str  # the decode worker's
     aborted: bool = False
     first: bool = False  # its first token (or its end) came
     lost: str = ""  # why Redis no longer holds it (check_waiting): the stream then ends UNAVAILABLE
@@ -103,8 +105,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.last_renewal = 0.0
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
-        self.sent: dict[str, int] = {}  # requests sent to each worker since the last registry read
-        self.channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+        # Requests sent to each worker since its registry entry was last written: (that entry's
+        # `updated`, count). They count towards its load until it writes a newer entry, which
+        # counts them itself; a registry read alone does not (the entry can be a heartbeat old).
+        self.sent: dict[str, tuple[float, int]] = {}
+        self.peers = Peers(lambda address: grpc_server.channel(address, settings.keepalive_s))
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
@@ -119,7 +124,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if m:
                 found.append(WorkerInfo.from_mapping(m))
         self.workers = found
-        self.sent = {}
+        live = {w.worker_id: w.updated for w in found}
+        self.sent = {wid: v for wid, v in self.sent.items() if live.get(wid) == v[0]}
 
     def pick(self, need_tokens: int) -> WorkerInfo:
         if not self.workers:
@@ -129,11 +135,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens = {need_tokens} tokens can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
+        def sent(w: WorkerInfo) -> int:
+            at, n = self.sent.get(w.worker_id, (None, 0))
+            return n if at == w.updated else 0
+
         def load(w: WorkerInfo) -> tuple:
-            return (w.free_kv_tokens < need_tokens, w.running + w.waiting + w.pending + self.sent.get(w.worker_id, 0))
+            return (w.free_kv_tokens < need_tokens, w.running + w.waiting + w.pending + sent(w))
 
         w = min(self.workers, key=load)
-        self.sent[w.worker_id] = self.sent.get(w.worker_id, 0) + 1
+        self.sent[w.worker_id] = (w.updated, sent(w) + 1)
         return w
 
     # -- this router's lease, and the requests of routers that died ------------------------
@@ -216,11 +226,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             a.call.cancel()
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        stub = self.channels.get(address)
-        if stub is None:
-            stub = worker_pb2_grpc.DecodeWorkerStub(grpc_server.channel(address, self.s.keepalive_s))
-            self.channels[address] = stub
-        return stub
+        return self.peers.get(address).stub
+
+    async def close_idle_channels(self) -> None:
+        """Close the channels to decode workers that have left the registry and carry no stream."""
+        keep = {w.address for w in self.workers} | {a.address for a in self.active.values()}
+        for peer in self.peers.prune(keep):
+            await peer.channel.close()
 
     # -- the request path ---------------------------------------------------------------
 
@@ -333,7 +345,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise
                 adm.end()
                 m.prompt_tokens.inc(len(ids))
-                active = self.active[rid] = Active(call)
+                active = self.active[rid] = Active(call, worker.address)
                 final = None
                 try:
                     while True:
@@ -621,6 +633,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 metrics.decode_workers.set(len(servicer.workers))
                 await servicer.reap()
                 await servicer.check_waiting()
+                await servicer.close_idle_channels()
             except Exception as e:  # noqa: BLE001
                 log.warning("registry refresh failed: %s", e)
 
