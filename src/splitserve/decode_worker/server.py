@@ -484,7 +484,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             worker_id=self.name, role="decode", address=address, host_id=self.host,
             running=e.num_running, waiting=e.num_waiting,
             free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, kv_capacity_tokens=e.kv_capacity_tokens,
-            pending=len(self.slots),
+            pending=sum(1 for slot in self.slots.values() if not slot.imported),  # open streams still without KV
         )
 
 
