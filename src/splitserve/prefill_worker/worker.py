@@ -302,10 +302,10 @@ class PrefillWorker:
     def _first_token(self, fl: InFlight, out: RequestOutput) -> cf.Future:
         """Start sending the first token; a sender thread carries it while the caller exports the KV."""
         job = fl.job
-        fut = self.peers.submit(job.decode_address, "first-token", self._stub(job.decode_address).FirstToken, w_pb.FirstTokenRequest(
-            request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
-            queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
-        ), timeout=HANDOFF_LEASE_S)
+        req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
+                                     queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end)
+        fut = self.peers.submit(job.decode_address, "first-token", self._stub(job.decode_address).FirstToken, req,
+                                timeout=HANDOFF_LEASE_S)
 
         def done(f) -> None:  # a failure here is reported (and handled) by the KV handoff that follows
             if f.exception() is not None:
