@@ -1171,3 +1171,38 @@ def test_async_client_streams_and_generates(stack, client):
     assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
     assert chunks[-1].finish_reason == unary.finish_reason == "length"
     assert info.state == "finished" and info.completion_tokens == 6
+
+
+def test_a_client_that_stops_reading_a_stream_cancels_its_request(stack, client):
+    """Leaving the loop over a stream (no cancel(), no close) cancels the request everywhere, with
+    the sync client (the call is dropped) and the asyncio client (its generator is finalized)."""
+    import asyncio
+
+    from splitserve.client import AsyncClient
+
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+
+    def walk_away():
+        for chunk in client.generate_stream("Write a very long story about a ship.", max_tokens=400,
+                                            ignore_eos=True, request_id="walked-away"):
+            if chunk.token_ids:
+                break
+    walk_away()
+    assert wait_for(lambda: client.get_request("walked-away").state == "cancelled", timeout=10,
+                    what="the sync client's abandoned stream cancelled")
+
+    async def go():
+        async with AsyncClient(stack.router_address) as ac:
+            async for chunk in ac.generate_stream("Write a very long story about a train.", max_tokens=400,
+                                                  ignore_eos=True, request_id="walked-away-async"):
+                if chunk.token_ids:
+                    break
+            end = time.monotonic() + 10  # the channel stays open: only the generator's end can cancel it
+            while time.monotonic() < end:
+                if (await ac.get_request("walked-away-async")).state == "cancelled":
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+    assert asyncio.run(go()), "the asyncio client's abandoned stream was not cancelled"
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after both streams were abandoned")

@@ -143,8 +143,11 @@ class AsyncClient:
 
     async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
-        async for resp in call:
-            yield resp
+        try:
+            async for resp in call:
+                yield resp
+        finally:  # left early (break, an exception, the task cancelled): the request is cancelled too
+            call.cancel()
 
     async def abort(self, request_id: str) -> pb.AbortResponse:
         return await self.stub.Abort(pb.AbortRequest(request_id=request_id))
