@@ -96,8 +96,13 @@ class Peers:
         """Drop every peer, shutting down its pools (wait: after what they hold has run);
         returns them for the owner to close."""
         with self._lock:
-            gone, self._peers = list(self._peers.values()), {}
-        for p in gone:
-            for ex in p.pools.values():
+            peers = list(self._peers.values())
+        for p in peers:  # first, while calls in hand may still use their peer's channel
+            for ex in list(p.pools.values()):
                 ex.shutdown(wait=wait)
+        with self._lock:
+            gone, self._peers = list(self._peers.values()), {}
+        for p in gone:  # and any pool opened meanwhile
+            for ex in p.pools.values():
+                ex.shutdown(wait=False)
         return gone
