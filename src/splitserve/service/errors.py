@@ -56,8 +56,8 @@ class Invalid(ServiceError):
 
 def code_of(exc: BaseException) -> grpc.StatusCode:
     """The status an exception leaves an RPC with (no logging: for spans and metrics)."""
-    if isinstance(exc, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: a stream's client went
+        return grpc.StatusCode.CANCELLED  # away while its handler was writing, not awaiting
     if isinstance(exc, ServiceError):
         return exc.code
     if isinstance(exc, (InvalidRequestError, KVImportError, BadHandle)):
