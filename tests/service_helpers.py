@@ -47,7 +47,7 @@ def kv_idle(stack) -> bool:
     pre = workers(stack, "prefill")
     if len(dec) != stack.n_decode or len(pre) < min(1, stack.n_prefill):  # colocated: no prefill workers
         return False
-    if any(int(w["running"]) or int(w["waiting"]) or int(w["pending"]) for w in dec):
+    if any(int(w["running"]) or int(w["waiting"]) or int(w["pending"]) or w["opened"] != w["closed"] for w in dec):
         return False
     capacity = stack.settings.kv_cache_bytes // (2 * 30 * 3 * 64 * 4 * stack.settings.block_size) * stack.settings.block_size
     if any(int(w["free_kv_tokens"]) != capacity for w in dec):

@@ -139,9 +139,12 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
     asyncio.run(go())
 
 
-def test_requests_sent_count_towards_a_worker_until_its_entry_is_rewritten(r):
-    """A burst spread over two decode workers stays even across registry reads that bring no
-    newer entry (a worker writes its load once a heartbeat; a router reads twice as often)."""
+def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
+    """A decode worker writes its stream counts once a heartbeat, and a router reads them twice
+    as often, so an entry can be a heartbeat old. The router corrects it by its own streams: those
+    it placed since (counted once, however many reads bring no newer entry, and not again once a
+    newer entry counts them) and those that ended since (right after a busy spell, a worker whose
+    entry still shows its streams is idle)."""
     import asyncio
     from collections import Counter
 
@@ -155,28 +158,64 @@ def test_requests_sent_count_towards_a_worker_until_its_entry_is_rewritten(r):
     s = Settings(redis_prefix="p", heartbeat_s=0.1)
     keys = Keys("p")
 
-    def entry(wid: str, running: int, updated: float) -> dict:
-        return WorkerInfo(worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h",
-                          running=running, free_kv_tokens=10_000, kv_capacity_tokens=10_000,
-                          updated=updated).to_mapping()
+    async def write(wid: str, opened: int, closed: int, epoch: str = "e1") -> None:
+        await ar.hset(keys.worker("decode", wid), mapping=WorkerInfo(
+            worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h", running=opened - closed,
+            free_kv_tokens=10_000, kv_capacity_tokens=10_000, opened=opened, closed=closed, epoch=epoch,
+        ).to_mapping())
+
+    ar = aioredis.Redis(unix_socket_path=sock)
 
     async def go():
-        ar = aioredis.Redis(unix_socket_path=sock)
         try:
-            await ar.hset(keys.worker("decode", "d0"), mapping=entry("d0", 0, 1.0))
-            await ar.hset(keys.worker("decode", "d1"), mapping=entry("d1", 0, 1.0))
+            await write("d0", 0, 0)
+            await write("d1", 0, 0)
             router = RouterServicer(s.replace(worker_id="a"), None, ar)
             await router.refresh_workers()
-            picks = Counter()
+            streams = {"d0": [], "d1": []}
             for i in range(6):
-                picks[router.pick(10).worker_id] += 1
+                w, placed = router.pick(10)
+                streams[w.worker_id].append(placed)
                 if i % 2 == 0:
-                    await router.refresh_workers()  # no worker has written since: the sends still count
-            assert picks == {"d0": 3, "d1": 3}
-            # d0 writes a newer entry (one stream left running): its own count replaces the router's.
-            await ar.hset(keys.worker("decode", "d0"), mapping=entry("d0", 1, 2.0))
+                    await router.refresh_workers()  # no worker has written since: the picks still count
+            assert Counter({k: len(v) for k, v in streams.items()}) == {"d0": 3, "d1": 3}
+            for wid, ps in streams.items():  # each worker accepts its three: streams 1, 2, 3 there
+                for n, placed in enumerate(ps, 1):
+                    router.placements.accepted(placed, "e1", n)
+            assert [router.placements.load(w) for w in router.workers] == [3, 3]
+            # d1 writes an entry that counts its three: they are not counted twice.
+            await write("d1", 3, 0)
             await router.refresh_workers()
-            assert [router.pick(10).worker_id for _ in range(2)] == ["d0", "d0"]  # 1, 2 < d1's 3 sent
+            assert sorted(router.placements.load(w) for w in router.workers) == [3, 3]
+
+            # The busy spell ends: d0's three close (streams 1, 2, 3 it closed), d1's first one too.
+            # d0's entry still shows three open, d1's (rewritten since) one of two.
+            for n, placed in enumerate(streams["d0"], 1):
+                router.placements.ended("d0", placed, close_seq=n)
+            router.placements.ended("d1", streams["d1"][0], close_seq=1)
+            await write("d1", 3, 1)
+            await router.refresh_workers()
+            load = {w.worker_id: router.placements.load(w) for w in router.workers}
+            assert load == {"d0": 0, "d1": 2}  # by the entries alone: 3 and 2
+            picks = [router.pick(10)[0].worker_id for _ in range(2)]
+            assert picks == ["d0", "d0"]  # 1 < 2, then 2 ties with 2
+
+            # d0's next entry counts its closed streams: those three are forgotten, the new two stay.
+            await write("d0", 3, 3)
+            await router.refresh_workers()
+            assert len(router.placements.at["d0"]) == 2
+            assert {w.worker_id: router.placements.load(w) for w in router.workers} == {"d0": 2, "d1": 2}
+
+            # A stream that ended without its last event (cancelled here) is left to the entry.
+            router.placements.ended("d1", streams["d1"][1])
+            assert {w.worker_id: router.placements.load(w) for w in router.workers}["d1"] == 2
+
+            # d1 restarts (a new epoch, its counts from zero): the ended streams of its last run are
+            # forgotten; the one still open here counts (its new entry does not).
+            await write("d1", 0, 0, epoch="e2")
+            await router.refresh_workers()
+            assert len(router.placements.at["d1"]) == 1
+            assert {w.worker_id: router.placements.load(w) for w in router.workers}["d1"] == 1
         finally:
             await ar.aclose()
 

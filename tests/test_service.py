@@ -1,5 +1,6 @@
 """The disaggregated service as real processes: router, prefill and decode workers, Redis, gRPC."""
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import json
@@ -184,14 +185,18 @@ def test_cancel_mid_stream_frees_everything(stack, client):
     for chunk in stream:
         got += len(chunk.token_ids)
         if got >= 5:
-            # Its worker's registry entry counts it once, as running: pending is for streams still
-            # waiting for their KV (the router adds running + waiting + pending to the streams it
-            # sent since, so a stream counted twice sent the next ones all to the other workers).
-            wait_for(lambda: [(w["running"], w["pending"]) for w in workers(stack, "decode")] == [("1", "0")],
-                     timeout=5, what="the decoding stream counted once in the registry")
+            # Its worker's registry entry counts it once: as running, not as pending (streams still
+            # waiting for their KV), and as one open stream (opened - closed, the load the router
+            # goes by); a stream counted twice sent the next ones all to the other workers.
+            def counted_once():
+                return [(w["running"], w["pending"], int(w["opened"]) - int(w["closed"]))
+                        for w in workers(stack, "decode")] == [("1", "0", 1)]
+            wait_for(counted_once, timeout=5, what="the decoding stream counted once in the registry")
             stream.cancel()
             break
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a mid-stream cancel")
+    wait_for(lambda: [w["opened"] == w["closed"] for w in workers(stack, "decode")] == [True], timeout=5,
+             what="the cancelled stream closed in the registry")
     assert wait_for(lambda: client.get_request("cancel-mid-stream").state == "cancelled")
 
 
@@ -1126,6 +1131,16 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
     killed = False
     try:
         with Client(s.router_address) as c:
+            # First, bursts right after a busy spell spread evenly: the second burst goes out as the
+            # first ends, while the registry entries (a heartbeat old) still show the first's streams.
+            for burst in range(3):
+                rids = [f"b{burst}-{i}" for i in range(6)]
+                with cf.ThreadPoolExecutor(6) as pool:
+                    list(pool.map(lambda rid: c.generate("Once upon a time", max_tokens=24, ignore_eos=True,
+                                                         request_id=rid, timeout=120), rids))
+                placed = collections.Counter(c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid in rids)
+                assert placed == {"decode-0": 3, "decode-1": 3}, (burst, placed)
+
             # Hung (SIGSTOP: its sockets stay open, nothing answers): the router's keepalive pings go
             # unanswered, so its streams end within ~2 s (before: they waited for their deadlines).
             def hang(p):

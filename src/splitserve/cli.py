@@ -203,13 +203,13 @@ def _status(args) -> int:
         for rid, left, held in routers) or "none"))
     print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
           f"{sum(w.role == 'decode' for w in workers)} decode")
-    hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} " \
+    hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} {'open':>5} " \
           f"{'free KV tok':>11} {'seen':>6}  metrics"
     print(hdr)
     now = time.time()
     for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {w.role:8} {w.worker_id[:28]:28} {w.address:22} {w.running:7d} {w.waiting:7d} {w.pending:7d} "
-              f"{w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}")
+              f"{w.opened - w.closed:5d} {w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}")
     return 0
 
 

@@ -19,6 +19,7 @@ import collections
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,6 +78,8 @@ class Slot:
     first_token_at: float = 0.0  # unix time the first token was sampled (0: unknown, use kv_done)
     prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
     first_sent: bool = False
+    open_seq: int = 0  # its number among the streams this worker opened
+    close_seq: int = 0  # ... and closed (0: still open)
     completion_tokens: int = 0  # sent so far
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     trace: tracing.rpc_span | None = None  # the Decode server span
@@ -108,6 +111,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
         self._arrivals = itertools.count()
         self.draining = False
+        # Streams opened and closed, reported with each heartbeat: a router corrects that entry by
+        # the streams it has seen open and close since (their numbers come on their events).
+        self.epoch = uuid.uuid4().hex[:12]
+        self.opened = 0
+        self.closed = 0
 
     # -- Decode -------------------------------------------------------------------------
 
@@ -129,6 +137,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                                          "splitserve.decode_worker": self.name}) as rs:
             slot.trace = rs
             self.slots[rid] = slot
+            self.opened += 1
+            slot.open_seq = self.opened
             self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
             if (waiting := self.arrivals.pop(rid, None)) is not None and not waiting.done():
                 waiting.set_result(slot)
@@ -137,14 +147,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self._cancel(slot)  # aborted before its stream opened: it ends at once
                 elif request.prompt_token_ids:
                     await self._prefill_here(slot, request)
-                yield w_pb.DecodeEvent(accepted=True)
+                yield w_pb.DecodeEvent(accepted=True, open_seq=slot.open_seq, epoch=self.epoch)
                 while True:
                     ev = await slot.events.get()
-                    yield ev
                     if ev.finish_reason or ev.error:
+                        ev.close_seq = self._close(slot)
                         slot.done = True
+                        yield ev
                         return
+                    yield ev
             finally:
+                self._close(slot)
                 self.slots.pop(rid, None)
                 self.runner.sinks.pop(rid, None)
                 self._ended(rid)
@@ -152,6 +165,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.runner.submit_nowait(lambda e: e.abort_request(rid))
                     self.metrics.aborted.inc()
                     self._end_decode_span(slot, "cancelled", None)
+
+    def _close(self, slot: Slot) -> int:
+        if not slot.close_seq:
+            self.closed += 1
+            slot.close_seq = self.closed
+        return slot.close_seq
 
     # -- Cancel -------------------------------------------------------------------------
 
@@ -485,6 +504,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             running=e.num_running, waiting=e.num_waiting,
             free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, kv_capacity_tokens=e.kv_capacity_tokens,
             pending=sum(1 for slot in self.slots.values() if not slot.imported),  # open streams still without KV
+            opened=self.opened, closed=self.closed, epoch=self.epoch,
         )
 
 

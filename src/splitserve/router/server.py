@@ -28,6 +28,7 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
+from splitserve.router.placement import Placement, Placements
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
 from splitserve.service.peers import Peers
@@ -105,10 +106,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.last_renewal = 0.0
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
-        # Requests sent to each worker since its registry entry was last written: (that entry's
-        # `updated`, count). They count towards its load until it writes a newer entry, which
-        # counts them itself; a registry read alone does not (the entry can be a heartbeat old).
-        self.sent: dict[str, tuple[float, int]] = {}
+        self.placements = Placements()  # corrects the registry's loads for what happened since
         self.peers = Peers(lambda address: grpc_server.channel(address, settings.keepalive_s))
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
@@ -124,10 +122,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if m:
                 found.append(WorkerInfo.from_mapping(m))
         self.workers = found
-        live = {w.worker_id: w.updated for w in found}
-        self.sent = {wid: v for wid, v in self.sent.items() if live.get(wid) == v[0]}
+        self.placements.prune(found)
 
-    def pick(self, need_tokens: int) -> WorkerInfo:
+    def pick(self, need_tokens: int) -> tuple[WorkerInfo, Placement]:
         if not self.workers:
             raise Unavailable("no decode worker is registered; retry shortly")
         largest = max(w.kv_capacity_tokens for w in self.workers)
@@ -135,16 +132,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens = {need_tokens} tokens can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
-        def sent(w: WorkerInfo) -> int:
-            at, n = self.sent.get(w.worker_id, (None, 0))
-            return n if at == w.updated else 0
-
         def load(w: WorkerInfo) -> tuple:
-            return (w.free_kv_tokens < need_tokens, w.running + w.waiting + w.pending + sent(w))
+            return (w.free_kv_tokens < need_tokens, self.placements.load(w))
 
         w = min(self.workers, key=load)
-        self.sent[w.worker_id] = (w.updated, sent(w) + 1)
-        return w
+        return w, self.placements.place(w.worker_id)
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
@@ -288,10 +280,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise self._refusal(q, t, frac)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
-            worker = self.pick(len(ids) + params.max_tokens)
+            worker, placed = self.pick(len(ids) + params.max_tokens)
         except BaseException as e:
             self._end_admission(adm, e)
             raise
+        close_seq = 0  # from the stream's last event
         dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
@@ -300,7 +293,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if self.colocated:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
-        call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
+        try:
+            call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
+        except BaseException:
+            self.placements.ended(worker.worker_id, placed)
+            raise
         state = "failed"
         queued = False
         active = None
@@ -309,7 +306,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             try:
                 try:
                     if self.colocated:  # the worker starts on the prompt at once: admit only what it accepted
-                        await self._accepted(call, worker)
+                        await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
                         request_id=rid, token_ids=ids, sampling=sampling_to_dict(params),
@@ -337,7 +334,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         state = ""
                         raise self._refusal(int(q), int(t), frac)
                     if not self.colocated:  # refused now: the job is marked failed (finally), so no worker runs it
-                        await self._accepted(call, worker)
+                        await self._accepted(call, worker, placed)
                 except BaseException as e:
                     if isinstance(e, asyncio.CancelledError) and state:
                         state = "cancelled"
@@ -352,6 +349,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         ev = await call.read()
                         if ev is grpc.aio.EOF:
                             raise Unavailable("decode stream ended without a finish")
+                        close_seq = ev.close_seq or close_seq
                         if ev.error:
                             code = status_code(ev.error_code) if ev.error_code else None
                             raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
@@ -402,6 +400,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                       f"({e.details()}); retry") from e
                 raise
             finally:
+                self.placements.ended(worker.worker_id, placed, close_seq)
                 if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
                     del self.active[rid]
                     self.first_parts.pop(rid, None)
@@ -412,10 +411,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     await self._mark(rid, state, error=active.lost if active is not None else "")
 
     @staticmethod
-    async def _accepted(call, worker: WorkerInfo) -> None:
+    async def _accepted(call, worker: WorkerInfo, placed: Placement) -> None:
         first = await call.read()
         if first is grpc.aio.EOF or not first.accepted:
             raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
+        Placements.accepted(placed, first.epoch, first.open_seq)
 
     @staticmethod
     def _end_admission(adm, e: BaseException) -> None:

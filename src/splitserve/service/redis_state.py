@@ -302,6 +302,10 @@ class WorkerInfo:
     free_kv_tokens: int = 0
     kv_capacity_tokens: int = 0  # decode: the most tokens one sequence can ever hold here (0 = unknown)
     pending: int = 0  # decode: streams waiting for their KV
+    # decode: streams opened and closed by this run (epoch) of the worker; opened - closed are open
+    opened: int = 0
+    closed: int = 0
+    epoch: str = ""
     updated: float = 0.0
     metrics: str = ""  # host:port of its /metrics
     arena: str = ""  # prefill: its shared-memory arena (decode workers on its host map it ahead)
@@ -316,7 +320,8 @@ class WorkerInfo:
             worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"],
             running=int(m.get("running", 0)), waiting=int(m.get("waiting", 0)),
             free_kv_tokens=int(m.get("free_kv_tokens", 0)), kv_capacity_tokens=int(m.get("kv_capacity_tokens", 0)),
-            pending=int(m.get("pending", 0)),
+            pending=int(m.get("pending", 0)), opened=int(m.get("opened", 0)), closed=int(m.get("closed", 0)),
+            epoch=m.get("epoch", ""),
             updated=float(m.get("updated", 0)), metrics=m.get("metrics", ""), arena=m.get("arena", ""),
         )
 
