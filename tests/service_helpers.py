@@ -34,7 +34,7 @@ def scrape(address: str) -> dict[str, float]:
 def workers(stack, role: str) -> list[dict]:
     r = stack.redis()
     out = []
-    for key in r.scan_iter(match=f"{stack.settings.redis_prefix}:worker:{role}:*"):
+    for key in r.scan_iter(match=stack.keys.worker_pattern(role)):
         m = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
         if m:
             out.append(m)
@@ -61,7 +61,7 @@ def keys_without_ttl(stack) -> list[str]:
     keys = Keys(stack.settings.redis_prefix)
     allowed = {*keys.streams, keys.admission, keys.routers}
     bad = []
-    for key in r.scan_iter(match=f"{stack.settings.redis_prefix}:*"):
+    for key in r.scan_iter(match=f"{stack.keys.prefix}:*"):
         k = key.decode()
         if k in allowed:
             continue

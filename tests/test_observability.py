@@ -233,7 +233,7 @@ def test_generate_command_streams_and_names_the_bad_field(stack):
         ref = c.generate("The capital of France is", max_tokens=5)
     assert out.stdout == ref.text and ref.text
     assert info.state == "finished" and f"[{info.finish_reason}, {info.completion_tokens} tokens" in out.stderr
-    assert stack.redis().hget(f"{stack.settings.redis_prefix}:req:cli-gen", "priority") == b"-1"
+    assert stack.redis().hget(stack.keys.req("cli-gen"), "priority") == b"-1"
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
 

@@ -312,7 +312,7 @@ def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(
     time.sleep(1.0)  # prefill runs again: it skips the failed job, never picks it up
     assert client.get_request("orphan-queued").prefill_worker == ""
     wait_for(lambda: kv_idle(stack), timeout=20, what="the dead router's KV freed")
-    assert stack.redis().zscore(f"{stack.settings.redis_prefix}:routers", name) is None
+    assert stack.redis().zscore(stack.keys.routers, name) is None
     assert scrape(stack.proc("router").metrics_address)["splitserve_requests_reaped_total"] == 2
     # Restarted under the same id and port, it serves again (other_router's channel reconnects).
     stack.restart("router-1")
@@ -375,7 +375,7 @@ def test_cancel_while_queued_is_never_prefilled(stack, client):
         wait_for(lambda: _state(client, "cancel-queued") == "cancelled", what="cancelled state")
     _assert_skipped_by_prefill(client, "cancel-queued")
     r = stack.redis()
-    assert r.xlen(stack.settings.redis_prefix + ":prefill") == 0  # skipped jobs are acked and deleted
+    assert r.xlen(stack.keys.stream) == 0  # skipped jobs are acked and deleted
     wait_for(lambda: kv_idle(stack), what="KV idle")
 
 
@@ -923,7 +923,7 @@ def test_a_handoff_that_comes_before_its_decode_stream_waits_for_it(stack):
 def _queue_counts(stack) -> list[int]:
     """The admission hash's (requests, tokens)."""
     r = stack.redis()
-    return list(queue_counts(r.hmget(f"{stack.settings.redis_prefix}:admission", *QUEUE_FIELDS)))
+    return list(queue_counts(r.hmget(stack.keys.admission, *QUEUE_FIELDS)))
 
 
 def _admitted_by_hand(stack, stub, rid: str, n: int):
@@ -931,7 +931,7 @@ def _admitted_by_hand(stack, stub, rid: str, n: int):
     hash and the admission counts. Returns the decode stream."""
     from splitserve_proto.v1 import worker_pb2 as w
 
-    r, p = stack.redis(), stack.settings.redis_prefix
+    r, p = stack.redis(), stack.keys.prefix
     stream = stub.Decode(w.DecodeRequest(request_id=rid, prompt_tokens=n), timeout=60)
     assert next(stream).accepted
     r.hset(f"{p}:req:{rid}", mapping={"state": "queued", "prompt_tokens": n})
@@ -954,7 +954,7 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     from splitserve_proto.v1 import worker_pb2_grpc
 
     r = stack.redis()
-    p = stack.settings.redis_prefix
+    p = stack.keys.prefix
     stream = f"{p}:prefill"
     dec = workers(stack, "decode")[0]
     job = _job_json(dec, "newer", [1, 504, 3277, 28, 8296, 30])
@@ -994,7 +994,7 @@ def test_a_job_pulled_by_a_worker_that_died_before_picking_it_up_returns_its_cou
     from splitserve_proto.v1 import worker_pb2_grpc
 
     r = stack.redis()
-    p = stack.settings.redis_prefix
+    p = stack.keys.prefix
     stream = f"{p}:prefill"
     dec = workers(stack, "decode")[0]
     ch = grpc.insecure_channel(dec["address"])
@@ -1045,7 +1045,7 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
     s = _start(prefill=2, claim_idle_ms=1500)
     try:
         r = s.redis()
-        stream, group = s.settings.redis_prefix + ":prefill", "prefill"
+        stream, group = s.keys.stream, "prefill"
         victim = s.proc("prefill-0")
         os.kill(s.proc("prefill-1").popen.pid, signal.SIGSTOP)  # so the victim takes the jobs
         results = {}

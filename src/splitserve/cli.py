@@ -174,7 +174,7 @@ def _status(args) -> int:
 
     import redis
 
-    from splitserve.service.redis_state import QUEUE_FIELDS, Keys, WorkerInfo, queue_counts
+    from splitserve.service.redis_state import QUEUE_FIELDS, Keys, WorkerInfo, connect, queue_counts
 
     state = _read_state() or {}
     url = args.redis_url or state.get("redis_url") or os.environ.get("REDIS_URL", "")
@@ -182,11 +182,11 @@ def _status(args) -> int:
         print("splitserve: error: no --redis-url, no REDIS_URL and no running stack", file=sys.stderr)
         return 2
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
-    r = redis.Redis.from_url(url)
+    r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto")
     try:
         q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
-        workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=f"{keys.prefix}:worker:*")
+        workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=keys.worker_pattern("*"))
                    if (m := r.hgetall(k))]
         sec, usec = r.time()  # router leases are in Redis's clock
         routers = [(rid.decode(), lease - (sec + usec / 1e6), r.scard(keys.router_requests(rid.decode())))

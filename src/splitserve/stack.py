@@ -28,6 +28,7 @@ from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import resolve_folder
 from splitserve.observability.tracing import exporter_kind
 from splitserve.service.arena import SHM_DIR
+from splitserve.service.redis_state import Keys, connect
 from splitserve.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -182,10 +183,8 @@ class Stack:
             return False
 
     def _wait_registered(self, deadline: float) -> None:
-        import redis
-
-        r = redis.Redis.from_url(self.settings.redis_url)
-        pattern = f"{self.settings.redis_prefix}:worker:decode:*"
+        r = self.redis()
+        pattern = Keys(self.settings.redis_prefix).worker_pattern("decode")
         while time.time() < deadline:
             if len(list(r.scan_iter(match=pattern))) >= self.n_decode:
                 time.sleep(self.settings.heartbeat_s)  # the router reads the registry every half heartbeat
@@ -207,9 +206,11 @@ class Stack:
         return next(p for p in self.procs if p.name == name)
 
     def redis(self):
-        import redis
+        return connect(self.settings.redis_url, self.settings.redis_cluster)
 
-        return redis.Redis.from_url(self.settings.redis_url)
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.settings.redis_prefix)
 
     def shm_segments(self) -> list[str]:
         return sorted(os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, self.settings.shm_prefix + "*")))

@@ -42,7 +42,7 @@ def memcpy_gbps(nbytes: int = 256 << 20, reps: int = 7) -> float:
 
 def _wait_idle(stack, timeout: float = 10.0) -> None:
     r = stack.redis()
-    key = f"{stack.settings.redis_prefix}:worker:decode:decode-0-{stack.stack_id}"
+    key = stack.keys.worker("decode", f"decode-0-{stack.stack_id}")
     end = time.time() + timeout
     time.sleep(stack.settings.heartbeat_s)  # let a heartbeat after the cancel land
     while time.time() < end:

@@ -37,7 +37,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of,
                                       status_code)
-from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, update_args
+from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
@@ -511,7 +511,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     engine = await asyncio.to_thread(LLMEngine, settings.engine_config("decode"))
-    r = aioredis.from_url(settings.redis_url)
+    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     keys = Keys(settings.redis_prefix)
     name = settings.worker_name("decode")
     servicer_ref: list[DecodeServicer] = []

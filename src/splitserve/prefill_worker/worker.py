@@ -41,7 +41,7 @@ from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
-                                             ensure_group, heartbeat, update_args)
+                                             connect, ensure_group, heartbeat, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -78,7 +78,7 @@ class PrefillWorker:
     def __init__(self, settings: Settings):
         self.s = settings
         self.engine = LLMEngine(settings.engine_config("prefill"))
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = connect(settings.redis_url, settings.redis_cluster)
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.worker_name("prefill")
         self.host = host_id()

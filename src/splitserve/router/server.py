@@ -33,7 +33,8 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
 from splitserve.service.peers import Peers
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
-                                           Job, Keys, WorkerInfo, priority_class, queue_counts, sampling_to_dict)
+                                           Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
+                                           sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -608,7 +609,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     frontend = await asyncio.to_thread(Frontend, settings)
-    r = aioredis.from_url(settings.redis_url)
+    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     metrics = RouterMetrics()
     metrics.queue_limit_requests.set(int(settings.max_queue_requests * settings.admit_fraction))
     metrics.queue_limit_tokens.set(int(settings.max_queue_tokens * settings.admit_fraction))

@@ -1,6 +1,7 @@
 """Queue state in Redis: the prefill stream, request hashes, admission, worker registry.
 
-Keys (all under one prefix):
+Keys (all under one prefix, in braces: a Redis Cluster hash tag, so every key is in one slot
+and the scripts, which touch several keys at once, run on a cluster too):
   {p}:prefill            stream of prefill jobs, consumer group "prefill"  (persistent)
   {p}:prefill:high       the same for priority < 0 (pulled first)            (persistent)
   {p}:prefill:low        the same for priority > 0 (pulled last)             (persistent)
@@ -15,10 +16,13 @@ Payload bulk (KV) never goes through Redis.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from splitserve.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 GROUP = "prefill"
 
@@ -223,6 +227,8 @@ def priority_class(priority: int) -> str:
 
 class Keys:
     def __init__(self, prefix: str):
+        # A prefix with a hash tag of its own ("a{b}") is kept; any other is the tag: "{splitserve}".
+        prefix = prefix if "{" in prefix and "}" in prefix.split("{", 1)[1] else "{" + prefix + "}"
         self.prefix = prefix
         self.stream = f"{prefix}:prefill"  # normal priority
         self.by_class = {c: self.stream if c == "normal" else f"{self.stream}:{c}" for c in PRIORITY_CLASSES}
@@ -345,6 +351,43 @@ def ensure_group(r, keys: Keys) -> None:
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
+
+
+CLUSTER_MODES = ("auto", "on", "off")
+
+
+def is_cluster(url: str, cluster: str = "auto") -> bool:
+    """Whether `url` is a Redis Cluster node: `cluster` on or off says so; auto asks the server.
+    A server that cannot be reached is taken as not a cluster (with a warning)."""
+    if cluster not in CLUSTER_MODES:
+        raise ValueError(f"redis_cluster must be one of {', '.join(CLUSTER_MODES)}, got {cluster!r}")
+    if cluster != "auto":
+        return cluster == "on"
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=5) as r:
+            return bool(r.info("cluster").get("cluster_enabled"))
+    except (redis.RedisError, OSError) as e:
+        log.warning("could not ask Redis at %s whether it is a cluster (%s): taken as not one; "
+                    "set SPLITSERVE_REDIS_CLUSTER=on for a cluster", url, e)
+        return False
+
+
+def connect(url: str, cluster: str = "auto", *, asyncio: bool = False):
+    """A client for the Redis at `url`, sync or asyncio: a cluster client for a Redis Cluster node
+    (any node: it finds the others)."""
+    if is_cluster(url, cluster):
+        if asyncio:
+            from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+            return AsyncRedisCluster.from_url(url)
+        from redis.cluster import RedisCluster
+        return RedisCluster.from_url(url)
+    if asyncio:
+        import redis.asyncio as aioredis
+        return aioredis.from_url(url)
+    import redis
+    return redis.Redis.from_url(url)
 
 
 def now() -> float:

