@@ -599,6 +599,21 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                     assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
                     return False
             wait_for(served, timeout=30, interval=0.5, what="served again after Redis came back empty")
+
+            # A request a prefill worker is running when Redis comes back empty completes: the worker
+            # puts its hash back at its next heartbeat, within the router's grace of two heartbeats
+            # for a missing hash (before, the router ended it UNAVAILABLE like a lost queued job).
+            midway = {}
+            t = _outcome(c.generate_stream(token_ids=list(range(100, 2000)), max_tokens=3, ignore_eos=True,
+                                           request_id="midway", timeout=120), midway)
+            wait_for(lambda: _state(c, "midway") == "prefilling", interval=0.02, what="its prefill started")
+            stack.redis_proc.kill()
+            stack.redis_proc.wait()
+            stack.start_redis()
+            t.join(120)
+            assert midway["code"] == "OK" and midway["tokens"] == 3, midway
+            assert stack.redis().hget(stack.keys.req("midway"), "restored") == b"1"  # not finished before Redis went
+            assert c.get_request("midway").state == "finished"
     finally:
         _finish(stack)
 

@@ -40,8 +40,8 @@ from splitserve.service.errors import code_of
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
-                                             connect, ensure_group, heartbeat, update_args)
+from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys,
+                                             WorkerInfo, connect, ensure_group, heartbeat, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -96,6 +96,7 @@ class PrefillWorker:
         self.pull_script = self.redis.register_script(PULL_LUA)
         self.drop_script = self.redis.register_script(DROP_LUA)
         self.update_script = self.redis.register_script(UPDATE_LUA)
+        self.restore_script = self.redis.register_script(RESTORE_LUA)
         self.stop = threading.Event()
         self.watch = StepWatch(settings.engine_stall_s, f"prefill worker {self.name}")
         self.on_stall = None  # called by the heartbeat with whether the engine is stalled (sets health)
@@ -459,6 +460,7 @@ class PrefillWorker:
                     free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
                     metrics=self.metrics_address, arena=self.arena.name,
                 ), lease)
+                self._restore_lost()
                 with self.lock:
                     held = [(fl.stream, fl.entry_id) for fl in self.inflight.values()]
                 for stream in {st for st, _ in held}:  # keep our in-flight jobs ours: reset their idle time
@@ -466,6 +468,26 @@ class PrefillWorker:
                     self.redis.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
+
+    def _restore_lost(self) -> None:
+        """Put back the hashes of the requests held here for prefill that Redis has lost (it restarted
+        empty): their routers wait for them a grace of two heartbeats, then end them UNAVAILABLE."""
+        with self.lock:
+            held = [fl for fl in self.inflight.values() if not fl.t_end]
+        if not held:
+            return
+        with self.redis.pipeline(transaction=False) as p:
+            for fl in held:
+                j = fl.job
+                fields = {"state": "prefilling", "prompt_tokens": len(j.token_ids), "priority": j.priority,
+                          "t_received": j.t_received, "t_admitted": j.t_admitted, "decode_worker": j.decode_worker,
+                          "t_prefill_start": fl.t_start, "prefill_worker": self.name, "dequeued": 1, "restored": 1}
+                self.restore_script(keys=[self.keys.req(j.request_id)],
+                                    args=[self.s.request_ttl_s, *update_args(fields)], client=p)
+            restored = p.execute()
+        for fl, n in zip(held, restored):
+            if n:
+                log.warning("request %s: Redis had lost its hash (restarted empty?); put back", fl.job.request_id)
 
     def run(self) -> None:
         ensure_group(self.redis, self.keys)

@@ -46,6 +46,9 @@ SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # A router's lease, in heartbeats: longer than a worker's (3), because a router taken for dead
 # while alive has its queued requests failed, and one found dead late costs only a late mark.
 ROUTER_LEASE_HEARTBEATS = 10
+# A waiting request whose hash is gone is ended after this long: a prefill worker that holds it
+# puts the hash back at its next heartbeat (Redis restarted empty), a queued job is lost for good.
+LOST_GRACE_HEARTBEATS = 2
 
 
 class UpstreamError(ServiceError):
@@ -63,6 +66,7 @@ class Active:
     aborted: bool = False
     first: bool = False  # its first token (or its end) came
     lost: str = ""  # why Redis no longer holds it (check_waiting): the stream then ends UNAVAILABLE
+    missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
 
 
 class Frontend:
@@ -198,7 +202,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         """End, UNAVAILABLE, the streams still waiting for a first token whose request Redis no
         longer holds (it restarted empty: the job is gone, no prefill worker will run it) or that
         were reaped (this router missed its lease, so prefill skips them): their clients hear now,
-        not at their deadlines. Colocated, the decode worker holds the prompt itself: not checked."""
+        not at their deadlines. A hash gone for less than LOST_GRACE_HEARTBEATS is waited for: a
+        prefill worker already running the request puts it back. Colocated, the decode worker holds
+        the prompt itself: not checked."""
         waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost)]
         if self.colocated or not waiting:
             return
@@ -206,14 +212,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             for rid, _ in waiting:
                 p.hmget(self.keys.req(rid), "t_admitted", "reaped")
             rows = await p.execute()
+        now = time.monotonic()
         for (rid, a), (admitted, reaped) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
             if admitted is None:
+                a.missing_since = a.missing_since or now
+                if now - a.missing_since < LOST_GRACE_HEARTBEATS * self.s.heartbeat_s:
+                    continue  # a prefill worker holding it puts its hash back at its next heartbeat
                 a.lost = "the queue state store (Redis) no longer holds this request (it restarted empty?); retry"
             elif reaped:
                 a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
             else:
+                a.missing_since = 0.0
                 continue
             log.warning("request %s: %s", rid, a.lost)
             a.call.cancel()
