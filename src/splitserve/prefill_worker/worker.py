@@ -476,18 +476,17 @@ class PrefillWorker:
             held = [fl for fl in self.inflight.values() if not fl.t_end]
         if not held:
             return
-        with self.redis.pipeline(transaction=False) as p:
+        with self.redis.pipeline(transaction=False) as p:  # one round trip when nothing is lost
             for fl in held:
-                j = fl.job
-                fields = {"state": "prefilling", "prompt_tokens": len(j.token_ids), "priority": j.priority,
-                          "t_received": j.t_received, "t_admitted": j.t_admitted, "decode_worker": j.decode_worker,
-                          "t_prefill_start": fl.t_start, "prefill_worker": self.name, "dequeued": 1, "restored": 1}
-                self.restore_script(keys=[self.keys.req(j.request_id)],
-                                    args=[self.s.request_ttl_s, *update_args(fields)], client=p)
-            restored = p.execute()
-        for fl, n in zip(held, restored):
-            if n:
-                log.warning("request %s: Redis had lost its hash (restarted empty?); put back", fl.job.request_id)
+                p.exists(self.keys.req(fl.job.request_id))
+            there = p.execute()
+        for fl in (fl for fl, n in zip(held, there) if not n):
+            j = fl.job
+            fields = {"state": "prefilling", "prompt_tokens": len(j.token_ids), "priority": j.priority,
+                      "t_received": j.t_received, "t_admitted": j.t_admitted, "decode_worker": j.decode_worker,
+                      "t_prefill_start": fl.t_start, "prefill_worker": self.name, "dequeued": 1, "restored": 1}
+            if self.restore_script(keys=[self.keys.req(j.request_id)], args=[self.s.request_ttl_s, *update_args(fields)]):
+                log.warning("request %s: Redis had lost its hash (restarted empty?); put back", j.request_id)
 
     def run(self) -> None:
         ensure_group(self.redis, self.keys)
