@@ -613,6 +613,8 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             t.join(120)
             assert midway["code"] == "OK" and midway["tokens"] == 3, midway
             assert stack.redis().hget(stack.keys.req("midway"), "restored") == b"1"  # not finished before Redis went
+            # and its router took it back (its set of requests held, for reaping, went with the old Redis)
+            assert stack.redis().hget(stack.keys.req("midway"), "router") == f"router-{stack.stack_id}".encode()
             assert c.get_request("midway").state == "finished"
     finally:
         _finish(stack)

@@ -210,10 +210,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             return
         async with self.redis.pipeline(transaction=False) as p:
             for rid, _ in waiting:
-                p.hmget(self.keys.req(rid), "t_admitted", "reaped")
+                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router")
             rows = await p.execute()
         now = time.monotonic()
-        for (rid, a), (admitted, reaped) in zip(waiting, rows):
+        restored = []
+        for (rid, a), (admitted, reaped, router) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
             if admitted is None:
@@ -225,9 +226,20 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
             else:
                 a.missing_since = 0.0
+                if router is None:  # put back by its prefill worker: this router holds it again
+                    restored.append(rid)
                 continue
             log.warning("request %s: %s", rid, a.lost)
             a.call.cancel()
+        if restored:  # so that they are reaped if this router dies
+            async with self.redis.pipeline(transaction=False) as p:
+                for rid in restored:
+                    p.hset(self.keys.req(rid), "router", self.id)
+                p.sadd(self.keys.router_requests(self.id), *restored)
+                p.expire(self.keys.router_requests(self.id), self.s.request_ttl_s)
+                await p.execute()
+            if ended := [rid for rid in restored if rid not in self.active]:  # ended meanwhile (_mark removed it)
+                await self.redis.srem(self.keys.router_requests(self.id), *ended)
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub
