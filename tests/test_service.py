@@ -615,6 +615,25 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             assert stack.redis().hget(stack.keys.req("midway"), "restored") == b"1"  # not finished before Redis went
             # and its router took it back (its set of requests held, for reaping, went with the old Redis)
             assert stack.redis().hget(stack.keys.req("midway"), "router") == f"router-{stack.stack_id}".encode()
+
+            # A Redis that hangs does not stall the prompts a prefill worker holds: a 3000-token prompt
+            # (two forwards) whose first forward runs when Redis stops gets its tokens while Redis is
+            # still stopped (before, the worker's next pull waited on Redis), and its stream entry is
+            # acked once Redis answers again.
+            away = {}
+            t = _outcome(c.generate_stream(token_ids=list(range(100, 3100)), max_tokens=3, ignore_eos=True,
+                                           request_id="away", timeout=120), away)
+            wait_for(lambda: _state(c, "away") == "prefilling", interval=0.02, what="its prefill started")
+            os.kill(stack.redis_proc.pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: away["tokens"] == 3, timeout=60, interval=0.1, what="its tokens with Redis stopped")
+            finally:
+                os.kill(stack.redis_proc.pid, signal.SIGCONT)
+            t.join(60)
+            assert away["code"] == "OK", away
+            r = stack.redis()
+            wait_for(lambda: r.xlen(stack.keys.stream) == 0 and r.xpending(stack.keys.stream, "prefill")["pending"] == 0,
+                     timeout=20, what="its entry acked and deleted once Redis answered")
             assert c.get_request("midway").state == "finished"
     finally:
         _finish(stack)

@@ -49,6 +49,7 @@ from splitserve_proto.v1 import worker_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
 HANDOFF_LEASE_S = 60.0
+REDIS_TIMEOUT_S = 5.0  # a call to a Redis that does not answer fails after this
 # The status a client gets when its KV handoff failed. No blocks on the decode side in time is
 # overload; a decode worker gone is unavailable; anything else is ours (INTERNAL), not the client's.
 HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -78,7 +79,9 @@ class PrefillWorker:
     def __init__(self, settings: Settings):
         self.s = settings
         self.engine = LLMEngine(settings.engine_config("prefill"))
-        self.redis = connect(settings.redis_url, settings.redis_cluster)
+        # A Redis that hangs (stopped, its host lost) fails a call within seconds instead of holding
+        # the loop: the jobs in hand go on being prefilled meanwhile. (Pulls block for 0.2 s at most.)
+        self.redis = connect(settings.redis_url, settings.redis_cluster, socket_timeout=REDIS_TIMEOUT_S)
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.worker_name("prefill")
         self.host = host_id()
@@ -91,6 +94,7 @@ class PrefillWorker:
                            pools={"handoff": 8, "first-token": 4})
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
+        self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
         self.lock = threading.Lock()
         self.pickup = self.redis.register_script(PICKUP_LUA)
         self.pull_script = self.redis.register_script(PULL_LUA)
@@ -375,7 +379,10 @@ class PrefillWorker:
             self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
-            self._update(job.request_id, {"t_prefill_end": fl.t_end})
+            try:
+                self._update(job.request_id, {"t_prefill_end": fl.t_end})
+            except redis.RedisError as e:  # Redis away: the request goes on without this timestamp
+                log.warning("could not record the end of %s's prefill: %s", job.request_id, e)
 
     def _update(self, request_id: str, mapping: dict) -> None:
         """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA)."""
@@ -413,10 +420,30 @@ class PrefillWorker:
         return self.peers.get(address).stub
 
     def _ack(self, stream: str, entry_id: str) -> None:
+        """Done with a stream entry: acked and deleted. While Redis is away, it is kept to ack at the
+        next heartbeat that reaches Redis (it stays this worker's meanwhile: no one claims it)."""
+        try:
+            with self.redis.pipeline() as p:
+                p.xack(stream, GROUP, entry_id)
+                p.xdel(stream, entry_id)
+                p.execute()
+        except redis.RedisError as e:
+            log.warning("could not ack %s %s (acked later): %s", stream, entry_id, e)
+            with self.lock:
+                self.unacked.add((stream, entry_id))
+
+    def _ack_later(self) -> None:
+        with self.lock:
+            todo = list(self.unacked)
+        if not todo:
+            return
         with self.redis.pipeline() as p:
-            p.xack(stream, GROUP, entry_id)
-            p.xdel(stream, entry_id)
+            for stream, entry_id in todo:
+                p.xack(stream, GROUP, entry_id)
+                p.xdel(stream, entry_id)
             p.execute()
+        with self.lock:
+            self.unacked.difference_update(todo)
 
     def _batch_links(self) -> list:
         """Links to the prefill span of every request the last step carried."""
@@ -461,6 +488,7 @@ class PrefillWorker:
                     metrics=self.metrics_address, arena=self.arena.name,
                 ), lease)
                 self._restore_lost()
+                self._ack_later()
                 with self.lock:
                     held = [(fl.stream, fl.entry_id) for fl in self.inflight.values()]
                 for stream in {st for st, _ in held}:  # keep our in-flight jobs ours: reset their idle time
@@ -491,6 +519,7 @@ class PrefillWorker:
     def run(self) -> None:
         ensure_group(self.redis, self.keys)
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
+        pull_failing = False
         while not self.stop.is_set():
             try:
                 for stream, entry_id, job, first in self.pull():
@@ -499,15 +528,20 @@ class PrefillWorker:
                     except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
                         # its pickup has returned the admission counts already (tokens None: not again)
                         self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
+                pull_failing = False
             except redis.RedisError as e:
-                log.warning("pulling jobs failed: %s", e)
+                if not pull_failing:
+                    log.warning("pulling jobs failed (again each step until Redis answers): %s", e)
+                pull_failing = True
                 if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
                     try:  # Redis came back empty (restarted without persistence): make the group again
                         ensure_group(self.redis, self.keys)
                     except redis.RedisError:
                         pass
-                time.sleep(0.5)
-                continue
+                if not self.engine.has_unfinished():
+                    time.sleep(0.5)
+                    continue
+                # The jobs in hand need no Redis to be prefilled and handed over: go on with them.
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
                 t0 = time.time()
                 with self.watch.step():
@@ -517,7 +551,8 @@ class PrefillWorker:
                     self.on_output(out)
                 self._observe_step(t0, links)
                 try:
-                    self._drop_cancelled()
+                    if not pull_failing:  # Redis away: it would fail too
+                        self._drop_cancelled()
                 except redis.RedisError as e:
                     log.warning("checking held jobs for cancellation failed: %s", e)
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first

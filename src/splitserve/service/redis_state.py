@@ -385,20 +385,20 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
         return False
 
 
-def connect(url: str, cluster: str = "auto", *, asyncio: bool = False):
+def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs):
     """A client for the Redis at `url`, sync or asyncio: a cluster client for a Redis Cluster node
-    (any node: it finds the others)."""
+    (any node: it finds the others). `kwargs` go to the client (socket_timeout, ...)."""
     if is_cluster(url, cluster):
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-            return AsyncRedisCluster.from_url(url)
+            return AsyncRedisCluster.from_url(url, **kwargs)
         from redis.cluster import RedisCluster
-        return RedisCluster.from_url(url)
+        return RedisCluster.from_url(url, **kwargs)
     if asyncio:
         import redis.asyncio as aioredis
-        return aioredis.from_url(url)
+        return aioredis.from_url(url, **kwargs)
     import redis
-    return redis.Redis.from_url(url)
+    return redis.Redis.from_url(url, **kwargs)
 
 
 def now() -> float:
