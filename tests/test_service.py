@@ -627,6 +627,13 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             os.kill(stack.redis_proc.pid, signal.SIGSTOP)
             try:
                 wait_for(lambda: away["tokens"] == 3, timeout=60, interval=0.1, what="its tokens with Redis stopped")
+                # A new request meanwhile is UNAVAILABLE naming Redis once the call times out (it waited
+                # for its deadline before).
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate("hi", max_tokens=3, timeout=30)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details(), e.value
+                assert time.monotonic() - t0 < 15
             finally:
                 os.kill(stack.redis_proc.pid, signal.SIGCONT)
             t.join(60)

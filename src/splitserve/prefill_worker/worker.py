@@ -49,7 +49,6 @@ from splitserve_proto.v1 import worker_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill")
 HANDOFF_LEASE_S = 60.0
-REDIS_TIMEOUT_S = 5.0  # a call to a Redis that does not answer fails after this
 # The status a client gets when its KV handoff failed. No blocks on the decode side in time is
 # overload; a decode worker gone is unavailable; anything else is ours (INTERNAL), not the client's.
 HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -79,9 +78,8 @@ class PrefillWorker:
     def __init__(self, settings: Settings):
         self.s = settings
         self.engine = LLMEngine(settings.engine_config("prefill"))
-        # A Redis that hangs (stopped, its host lost) fails a call within seconds instead of holding
-        # the loop: the jobs in hand go on being prefilled meanwhile. (Pulls block for 0.2 s at most.)
-        self.redis = connect(settings.redis_url, settings.redis_cluster, socket_timeout=REDIS_TIMEOUT_S)
+        # A Redis that hangs fails a call within CALL_TIMEOUT_S: the jobs in hand go on meanwhile.
+        self.redis = connect(settings.redis_url, settings.redis_cluster)
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.worker_name("prefill")
         self.host = host_id()

@@ -365,6 +365,10 @@ def ensure_group(r, keys: Keys) -> None:
 
 
 CLUSTER_MODES = ("auto", "on", "off")
+# A call to a Redis that does not answer (stopped, its host lost) fails after this, as
+# UNAVAILABLE for a client, instead of holding a request or a worker's loop until Redis is back.
+# No call the stack makes blocks in Redis for longer (a prefill worker's pull: 0.2 s).
+CALL_TIMEOUT_S = 5.0
 
 
 def is_cluster(url: str, cluster: str = "auto") -> bool:
@@ -377,7 +381,7 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
     import redis
 
     try:
-        with redis.Redis.from_url(url, socket_timeout=5) as r:
+        with redis.Redis.from_url(url, socket_timeout=CALL_TIMEOUT_S) as r:
             return bool(r.info("cluster").get("cluster_enabled"))
     except (redis.RedisError, OSError) as e:
         log.warning("could not ask Redis at %s whether it is a cluster (%s): taken as not one; "
@@ -388,6 +392,7 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
 def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs):
     """A client for the Redis at `url`, sync or asyncio: a cluster client for a Redis Cluster node
     (any node: it finds the others). `kwargs` go to the client (socket_timeout, ...)."""
+    kwargs.setdefault("socket_timeout", CALL_TIMEOUT_S)
     if is_cluster(url, cluster):
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
