@@ -633,7 +633,7 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("hi", max_tokens=3, timeout=30)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details(), e.value
-                assert time.monotonic() - t0 < 15
+                assert time.monotonic() - t0 < 10  # one call timeout (5 s), not two
             finally:
                 os.kill(stack.redis_proc.pid, signal.SIGCONT)
             t.join(60)

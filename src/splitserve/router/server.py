@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.placement import Placement, Placements
 from splitserve.service import convert, grpc_server
-from splitserve.service.errors import AlreadyExists, NotFound, Refused, ServiceError, Unavailable, code_of, status_code
+from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, NotFound, Refused, ServiceError, Unavailable,
+                                      code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
                                            Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
@@ -117,6 +119,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.metrics = metrics or RouterMetrics()
+        self._tasks: set[asyncio.Task] = set()  # bookkeeping left running (strong references)
 
     # -- registry -----------------------------------------------------------------------
 
@@ -432,7 +435,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if queued:
                     await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
                 if state in ("cancelled", "failed"):
-                    await self._mark(rid, state, error=active.lost if active is not None else "")
+                    mark = self._mark(rid, state, error=active.lost if active is not None else "")
+                    # Redis not answering: recording it would keep the client waiting as long again.
+                    if isinstance(sys.exc_info()[1], REDIS_UNREACHABLE):
+                        self._in_background(mark)
+                    else:
+                        await mark
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _accepted(call, worker: WorkerInfo, placed: Placement) -> None:
