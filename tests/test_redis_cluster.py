@@ -5,7 +5,6 @@ REDIS_URL names a node that does not hold that slot."""
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -83,17 +82,23 @@ def test_a_cluster_node_is_told_from_a_single_redis(cluster, tmp_path):
     url = f"redis://127.0.0.1:{cluster[0]}"
     assert is_cluster(url) and is_cluster(url, "on") and not is_cluster(url, "off")
     assert isinstance(connect(url), RedisCluster)
-    single = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", str(tmp_path / "r.sock"),
-                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    port = _free_port_pair()
+    single = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
-        wait_for(lambda: (tmp_path / "r.sock").exists(), timeout=10, what="redis-server up")
-        time.sleep(0.2)
-        assert not is_cluster(f"unix://{tmp_path / 'r.sock'}")
-        assert type(connect(f"unix://{tmp_path / 'r.sock'}")) is redis.Redis
+        def up():
+            try:
+                return redis.Redis(port=port).ping()
+            except redis.ConnectionError:
+                return False
+        wait_for(up, timeout=10, what="redis-server up")
+        assert not is_cluster(f"redis://127.0.0.1:{port}")  # asked: not a cluster
+        assert type(connect(f"redis://127.0.0.1:{port}")) is redis.Redis
     finally:
         single.terminate()
         single.wait(10)
-    assert not is_cluster(f"unix://{tmp_path / 'none.sock'}")  # unreachable: taken as a single Redis
+    assert not is_cluster(f"redis://127.0.0.1:{port}")  # unreachable: taken as a single Redis
+    assert not is_cluster(f"unix://{tmp_path / 'r.sock'}")  # a socket is never a cluster node: not asked
     with pytest.raises(ValueError, match="redis_cluster"):
         is_cluster(url, "yes")
 

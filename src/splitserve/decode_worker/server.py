@@ -37,6 +37,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of,
                                       status_code)
+from splitserve.service.process import Background
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
@@ -107,7 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> when, before its stream
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
-        self._tasks: set[asyncio.Task] = set()
+        self.background = Background()
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
         self._arrivals = itertools.count()
         self.draining = False
@@ -472,16 +473,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
             self._on_output(slot, first)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
-        self._background(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
+        self.background.start(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
         })))
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
-
-    def _background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- registry -----------------------------------------------------------------------
 

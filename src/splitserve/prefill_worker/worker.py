@@ -421,10 +421,7 @@ class PrefillWorker:
         """Done with a stream entry: acked and deleted. While Redis is away, it is kept to ack at the
         next heartbeat that reaches Redis (it stays this worker's meanwhile: no one claims it)."""
         try:
-            with self.redis.pipeline() as p:
-                p.xack(stream, GROUP, entry_id)
-                p.xdel(stream, entry_id)
-                p.execute()
+            self._ack_all([(stream, entry_id)])
         except redis.RedisError as e:
             log.warning("could not ack %s %s (acked later): %s", stream, entry_id, e)
             with self.lock:
@@ -433,15 +430,17 @@ class PrefillWorker:
     def _ack_later(self) -> None:
         with self.lock:
             todo = list(self.unacked)
-        if not todo:
-            return
+        if todo:
+            self._ack_all(todo)
+            with self.lock:
+                self.unacked.difference_update(todo)
+
+    def _ack_all(self, entries: list[tuple[str, str]]) -> None:
         with self.redis.pipeline() as p:
-            for stream, entry_id in todo:
+            for stream, entry_id in entries:
                 p.xack(stream, GROUP, entry_id)
                 p.xdel(stream, entry_id)
             p.execute()
-        with self.lock:
-            self.unacked.difference_update(todo)
 
     def _batch_links(self) -> list:
         """Links to the prefill span of every request the last step carried."""

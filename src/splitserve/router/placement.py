@@ -58,10 +58,8 @@ class Placements:
             return w.running + w.waiting + w.pending
         n = w.opened - w.closed
         for p in self.at.get(w.worker_id, ()):
-            if p.epoch != w.epoch:  # not accepted yet, or by a later run than the entry's
-                n += not p.ended
-            elif p.open_seq > w.opened:
-                n += not p.ended
+            if p.epoch != w.epoch or p.open_seq > w.opened:
+                n += not p.ended  # not in the entry: not accepted yet, by another run, or after it was written
             elif p.ended and p.close_seq > w.closed:
                 n -= 1
         return max(n, 0)

@@ -34,6 +34,7 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, NotFound, Refused, ServiceError, Unavailable,
                                       code_of, status_code)
 from splitserve.service.peers import Peers
+from splitserve.service.process import Background
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
                                            Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
                                            sampling_to_dict)
@@ -119,7 +120,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.metrics = metrics or RouterMetrics()
-        self._tasks: set[asyncio.Task] = set()  # bookkeeping left running (strong references)
+        self.background = Background()
 
     # -- registry -----------------------------------------------------------------------
 
@@ -438,14 +439,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     mark = self._mark(rid, state, error=active.lost if active is not None else "")
                     # Redis not answering: recording it would keep the client waiting as long again.
                     if isinstance(sys.exc_info()[1], REDIS_UNREACHABLE):
-                        self._in_background(mark)
+                        self.background.start(mark)
                     else:
                         await mark
-
-    def _in_background(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     async def _accepted(call, worker: WorkerInfo, placed: Placement) -> None:

@@ -13,6 +13,19 @@ from splitserve.observability.tracing import setup_tracing, shutdown_tracing
 from splitserve.service.settings import Settings
 
 
+class Background:
+    """Coroutines left running off a request's path (bookkeeping), held until they finish: the
+    event loop keeps only weak references to its tasks."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+
+    def start(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
 def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap = argparse.ArgumentParser(prog=f"python -m splitserve.{role}", description=f"splitserve {role}")
     ap.add_argument("--host")

@@ -378,6 +378,8 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
         raise ValueError(f"redis_cluster must be one of {', '.join(CLUSTER_MODES)}, got {cluster!r}")
     if cluster != "auto":
         return cluster == "on"
+    if url.startswith("unix://"):  # cluster nodes are reached over TCP: nothing to ask (the embedded Redis)
+        return False
     import redis
 
     try:
