@@ -139,6 +139,16 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
     asyncio.run(go())
 
 
+async def _write_decode_entry(ar, keys, wid: str, opened: int, closed: int, epoch: str = "e1",
+                             free: int = 10_000) -> None:
+    from splitserve.service.redis_state import WorkerInfo
+
+    await ar.hset(keys.worker("decode", wid), mapping=WorkerInfo(
+        worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h", running=opened - closed,
+        free_kv_tokens=free, kv_capacity_tokens=10_000, opened=opened, closed=closed, epoch=epoch,
+    ).to_mapping())
+
+
 def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
     """A decode worker writes its stream counts once a heartbeat, and a router reads them twice
     as often, so an entry can be a heartbeat old. The router corrects it by its own streams: those
@@ -151,7 +161,6 @@ def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
     import redis.asyncio as aioredis
 
     from splitserve.router.server import RouterServicer
-    from splitserve.service.redis_state import WorkerInfo
     from splitserve.service.settings import Settings
 
     sock = r.connection_pool.connection_kwargs["path"]
@@ -159,10 +168,7 @@ def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
     keys = Keys("p")
 
     async def write(wid: str, opened: int, closed: int, epoch: str = "e1") -> None:
-        await ar.hset(keys.worker("decode", wid), mapping=WorkerInfo(
-            worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h", running=opened - closed,
-            free_kv_tokens=10_000, kv_capacity_tokens=10_000, opened=opened, closed=closed, epoch=epoch,
-        ).to_mapping())
+        await _write_decode_entry(ar, keys, wid, opened, closed, epoch)
 
     ar = aioredis.Redis(unix_socket_path=sock)
 
@@ -216,6 +222,49 @@ def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
             await router.refresh_workers()
             assert len(router.placements.at["d1"]) == 1
             assert {w.worker_id: router.placements.load(w) for w in router.workers}["d1"] == 1
+        finally:
+            await ar.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_routers_pick_corrects_stale_free_kv_by_its_own_streams(r):
+    """The free KV an entry shows is as old as the entry. A stream the router placed since takes
+    its prompt + max_tokens off it, and one that closed since gives back what it held, so two
+    long requests in a row do not both go to the worker whose entry still shows room for one."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.server import RouterServicer
+    from splitserve.service.settings import Settings
+
+    s = Settings(redis_prefix="p", heartbeat_s=0.1)
+    keys = Keys("p")
+    ar = aioredis.Redis(unix_socket_path=r.connection_pool.connection_kwargs["path"])
+
+    async def go():
+        try:
+            await _write_decode_entry(ar, keys, "d0", 0, 0, free=1000)
+            await _write_decode_entry(ar, keys, "d1", 1, 0, free=1000)  # one stream open, as much room
+            router = RouterServicer(s.replace(worker_id="a"), None, ar)
+            await router.refresh_workers()
+            a_worker, a = router.pick(800)
+            assert a_worker.worker_id == "d0"  # fewer streams
+            router.placements.accepted(a, "e1", 1)
+            assert {w.worker_id: router.placements.free_kv(w) for w in router.workers} == {"d0": 200, "d1": 1000}
+            # One stream each now; d0's entry still says 1000 free, but a's 800 are spoken for there.
+            assert router.pick(800)[0].worker_id == "d1"
+            assert router.pick(100)[0].worker_id == "d0"  # a small one still fits at d0
+
+            # d0's next entry counts a (and the small one it has not accepted yet: still taken off),
+            # then a ends having held 700 tokens: they count as free before d0's entry says so.
+            await _write_decode_entry(ar, keys, "d0", 1, 0, free=300)
+            await router.refresh_workers()
+            d0 = next(w for w in router.workers if w.worker_id == "d0")
+            assert router.placements.free_kv(d0) == 300 - 100
+            router.placements.ended("d0", a, close_seq=1, held=700)
+            assert router.placements.free_kv(d0) == 300 - 100 + 700
         finally:
             await ar.aclose()
 

@@ -12,6 +12,12 @@ in those counts, so the router knows exactly which of its own streams the entry 
 - a stream in the entry (`open_seq <= opened`) that closed after it was written
   (`close_seq > closed`): -1.
 
+The same streams correct the entry's free KV (`free_kv_tokens`), which the router checks
+against a request's prompt + max_tokens: a stream not in the entry takes its own prompt +
+max_tokens off it; a stream that closed after the entry was written gives back its prompt and
+the tokens it generated (what it held when it closed; block rounding aside). That is an
+estimate, and only a preference: a worker short of KV is picked last, never refused.
+
 Other routers' streams are as the entry says. A stream that ended without the worker's last
 event (cancelled here, or its worker went away) is left to the entry: the worker closes it on
 its own, and a later entry says so.
@@ -24,21 +30,22 @@ from splitserve.service.redis_state import WorkerInfo
 class Placement:
     """One stream this router opened at a decode worker."""
 
-    __slots__ = ("epoch", "open_seq", "close_seq", "ended")
+    __slots__ = ("epoch", "open_seq", "close_seq", "ended", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: int = 0) -> None:
         self.epoch = ""  # the run of the worker that accepted it ("": not accepted yet)
         self.open_seq = 0
         self.close_seq = 0
         self.ended = False
+        self.tokens = tokens  # KV it may take: prompt + max_tokens; once ended, prompt + generated
 
 
 class Placements:
     def __init__(self) -> None:
         self.at: dict[str, set[Placement]] = {}  # worker id -> the streams that may still correct its entry
 
-    def place(self, worker_id: str) -> Placement:
-        p = Placement()
+    def place(self, worker_id: str, tokens: int = 0) -> Placement:
+        p = Placement(tokens)
         self.at.setdefault(worker_id, set()).add(p)
         return p
 
@@ -46,9 +53,12 @@ class Placements:
     def accepted(p: Placement, epoch: str, open_seq: int) -> None:
         p.epoch, p.open_seq = epoch, open_seq
 
-    def ended(self, worker_id: str, p: Placement, close_seq: int = 0) -> None:
-        """The stream is over; `close_seq` from its last event, 0 when that event never came."""
+    def ended(self, worker_id: str, p: Placement, close_seq: int = 0, held: int | None = None) -> None:
+        """The stream is over; `close_seq` from its last event, 0 when that event never came;
+        `held`: the tokens it held at the end (prompt + generated)."""
         p.ended, p.close_seq = True, close_seq
+        if held is not None:
+            p.tokens = held
         if not close_seq or not p.open_seq:
             self._drop(worker_id, p)
 
@@ -56,13 +66,27 @@ class Placements:
         """Open streams at `w` now, as far as this router can tell."""
         if not w.epoch:  # a worker that does not count its streams: its engine's counts
             return w.running + w.waiting + w.pending
-        n = w.opened - w.closed
+        opened, closed = self._since(w)
+        return max(w.opened - w.closed + len(opened) - len(closed), 0)
+
+    def free_kv(self, w: WorkerInfo) -> int:
+        """Free KV tokens at `w` now, as far as this router can tell (an estimate)."""
+        if not w.epoch:
+            return w.free_kv_tokens
+        opened, closed = self._since(w)
+        return w.free_kv_tokens - sum(p.tokens for p in opened) + sum(p.tokens for p in closed)
+
+    def _since(self, w: WorkerInfo) -> tuple[list[Placement], list[Placement]]:
+        """This router's streams at `w` that opened and are not in its entry, and those in its
+        entry that have closed since it was written."""
+        opened, closed = [], []
         for p in self.at.get(w.worker_id, ()):
             if p.epoch != w.epoch or p.open_seq > w.opened:
-                n += not p.ended  # not in the entry: not accepted yet, by another run, or after it was written
+                if not p.ended:  # not in the entry: not accepted yet, by another run, or after it was written
+                    opened.append(p)
             elif p.ended and p.close_seq > w.closed:
-                n -= 1
-        return max(n, 0)
+                closed.append(p)
+        return opened, closed
 
     def prune(self, workers: list[WorkerInfo]) -> None:
         """Forget the ended streams that no entry of `workers` (a fresh registry read) counts."""

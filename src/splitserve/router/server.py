@@ -142,10 +142,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
         def load(w: WorkerInfo) -> tuple:
-            return (w.free_kv_tokens < need_tokens, self.placements.load(w))
+            return (self.placements.free_kv(w) < need_tokens, self.placements.load(w))
 
         w = min(self.workers, key=load)
-        return w, self.placements.place(w.worker_id)
+        return w, self.placements.place(w.worker_id, need_tokens)
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
@@ -428,7 +428,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                       f"({e.details()}); retry") from e
                 raise
             finally:
-                self.placements.ended(worker.worker_id, placed, close_seq)
+                self.placements.ended(worker.worker_id, placed, close_seq, len(ids) + sent)
                 if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
                     del self.active[rid]
                     self.first_parts.pop(rid, None)
