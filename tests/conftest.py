@@ -1,6 +1,7 @@
 import json
 import os
 import pathlib
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,20 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def pytest_configure(config):
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stack_run_dirs(tmp_path_factory):
+    """Stacks started by the tests keep their run dirs (logs, Redis socket, span file) under
+    pytest's base temp dir, which pytest prunes to the last three runs, not loose in /tmp."""
+    before, before_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(tmp_path_factory.getbasetemp())  # TMPDIR: `splitserve up` children
+    yield tempfile.tempdir
+    tempfile.tempdir = before
+    if before_env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before_env
 
 
 @pytest.fixture(scope="session")
