@@ -506,7 +506,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    engine = await asyncio.to_thread(LLMEngine, settings.engine_config("decode"))
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     keys = Keys(settings.redis_prefix)
     name = settings.worker_name("decode")
@@ -518,10 +517,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         loop.call_soon_threadsafe(servicer_ref[0].capacity.set)
 
     watch = StepWatch(settings.engine_stall_s, f"decode worker {name}")
-    runner = EngineRunner(engine, loop, on_step=on_step, watch=watch)
+    runner = EngineRunner(lambda: LLMEngine(settings.engine_config("decode")), loop, on_step=on_step, watch=watch)
+    engine = await runner.start()  # no step runs before the servicer below takes a request
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
-    runner.start()
     server = grpc_server.new_server(settings.keepalive_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])

@@ -1,0 +1,55 @@
+"""EngineRunner: the one thread that builds and steps a worker's engine."""
+import asyncio
+import threading
+
+import pytest
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling import SamplingParams
+from splitserve.service.runner import EngineRunner
+
+
+def test_the_engine_is_built_and_stepped_on_the_runners_thread(tiny_loaded):
+    built_on, stepped_on = [], set()
+
+    def make():
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1), loaded=tiny_loaded)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        runner = EngineRunner(make, loop, on_step=lambda: stepped_on.add(threading.current_thread().name))
+        engine = await runner.start()
+        assert runner.engine is engine
+        done = loop.create_future()
+        tokens = []
+
+        def sink(out):
+            tokens.extend(out.new_token_ids)
+            if out.finished and not done.done():
+                done.set_result(out.finish_reason)
+
+        runner.sinks["r"] = sink
+        await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True)))
+        reason = await asyncio.wait_for(done, 30)
+        runner.stop()
+        return reason, tokens
+
+    reason, tokens = asyncio.run(go())
+    assert built_on == ["engine"] and stepped_on == {"engine"}
+    assert reason == "length" and len(tokens) == 4
+
+
+def test_an_engine_that_cannot_be_built_fails_start_with_its_error():
+    def make():
+        raise ValueError("kv_cache_bytes too small for one block")
+
+    async def go():
+        runner = EngineRunner(make, asyncio.get_running_loop())
+        with pytest.raises(ValueError, match="kv_cache_bytes"):
+            await runner.start()
+        runner._thread.join(timeout=5)
+        assert not runner._thread.is_alive()
+
+    asyncio.run(go())
