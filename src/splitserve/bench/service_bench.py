@@ -1,9 +1,10 @@
 """The full service against the in-process engine on the same requests, side by side.
 
-    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--out results.json]
+    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--mode M] [--out results.json]
 
 Throughput: the first N requests of workload_mixed.jsonl, all submitted at once, greedy,
-exactly max_tokens each, through the stack (router + 1 prefill + 1 decode worker) and
+exactly max_tokens each, through the stack (router + 1 prefill + 1 decode worker, or with
+--mode colocated router + 1 decode worker that prefills as well) and
 through one in-process engine, alternated for --rounds rounds; the ratio is the median
 of the per-round ratios. Light load: one request at a time, each prompt sent through
 the service and through the in-process engine (alternating which goes first); the TTFT the service path adds is
@@ -75,13 +76,26 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--light", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    ap.add_argument("--worker-env", action="append", default=[], metavar="ROLE:NAME=VALUE",
+                    help="an environment variable for the stack's prefill or decode workers (for A/B runs), "
+                         "e.g. decode:GOMP_SPINCOUNT=30000; may be repeated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, args.light))
     heavy = items[: args.requests]
-    results: dict = {"requests": len(heavy), "rounds": []}
-    settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24)
-    with Stack(settings) as stack:
+    results: dict = {"requests": len(heavy), "mode": args.mode, "rounds": []}
+    settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
+                                 mode=args.mode)
+    worker_env: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+    for spec in args.worker_env:
+        role, _, kv = spec.partition(":")
+        name, eq, value = kv.partition("=")
+        if role not in worker_env or not name or not eq:
+            ap.error(f"--worker-env wants ROLE:NAME=VALUE with ROLE prefill or decode, got {spec!r}")
+        worker_env[role][name] = value
+    with Stack(settings, prefill=0 if args.mode == "colocated" else 1, prefill_env=worker_env["prefill"],
+               decode_env=worker_env["decode"]) as stack:
         engine = LLMEngine(EngineConfig(num_threads=args.threads, device=settings.device))
         service_run(stack.router_address, items[:2])  # warm-up
         run_workload(engine, items[:2])
