@@ -506,8 +506,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
-    keys = Keys(settings.redis_prefix)
     name = settings.worker_name("decode")
     servicer_ref: list[DecodeServicer] = []
     metrics = DecodeMetrics()
@@ -519,6 +517,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     watch = StepWatch(settings.engine_stall_s, f"decode worker {name}")
     runner = EngineRunner(lambda: LLMEngine(settings.engine_config("decode")), loop, on_step=on_step, watch=watch)
     engine = await runner.start()  # no step runs before the servicer below takes a request
+    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
+    keys = Keys(settings.redis_prefix)
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)
     server = grpc_server.new_server(settings.keepalive_s)
