@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from service_helpers import wait_for
-from splitserve.service.redis_state import REAP_LUA, UPDATE_LUA, Keys, update_args
+from splitserve.service.redis_state import REAP_LUA, UPDATE_LUA, Keys, run_scripts, update_args
 from splitserve.stack import redis_server_binary
 
 
@@ -269,3 +269,19 @@ def test_a_routers_pick_corrects_stale_free_kv_by_its_own_streams(r):
             await ar.aclose()
 
     asyncio.run(go())
+
+
+def test_run_scripts_runs_each_once_in_order_and_reloads_a_lost_script(r):
+    incr = r.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+    echo = r.register_script("return 'got ' .. ARGV[1]")
+    r.delete("t:n")
+    assert run_scripts(r, [(incr, ["t:n"], [2]), (echo, [], ["a"]), (incr, ["t:n"], [5])]) == [2, "got a", 7]
+    # The server lost its scripts (a restart): each still runs exactly once, none twice.
+    r.script_flush()
+    assert run_scripts(r, [(incr, ["t:n"], [1]), (echo, [], ["b"])]) == [8, "got b"]
+    assert int(r.get("t:n")) == 8
+    # One that fails is raised; the others have run.
+    boom = r.register_script("return redis.error_reply('boom')")
+    with pytest.raises(redis.ResponseError, match="boom"):
+        run_scripts(r, [(incr, ["t:n"], [1]), (boom, [], [])])
+    assert int(r.get("t:n")) == 9

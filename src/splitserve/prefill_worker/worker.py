@@ -41,7 +41,8 @@ from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys,
-                                             WorkerInfo, connect, ensure_group, heartbeat, update_args)
+                                             WorkerInfo, connect, ensure_group, heartbeat, run_scripts,
+                                             update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -111,7 +112,7 @@ class PrefillWorker:
 
     # -- pulling ------------------------------------------------------------------------
 
-    def pull(self) -> list[tuple[str, str, Job, bool]]:
+    def pull(self) -> list[tuple[str, str, Job, bool, object]]:
         """New jobs, high priority first (and, every so often, jobs of dead workers).
 
         Tops the engine up to its token budget: jobs are pulled while the prompt tokens still
@@ -120,9 +121,10 @@ class PrefillWorker:
         forward's work and leaves the rest in the stream for the next free worker, a job that
         arrives while a forward runs joins at the next one, and one of higher priority is
         scheduled ahead of the held jobs not yet started.
-        Returns (stream, entry id, job, first delivery) in the order to prefill them.
+        Each job's pickup (PICKUP_LUA) goes in one round trip with the top-up that follows it.
+        Returns (stream, entry id, job, first delivery, pickup outcome) in the order to prefill them.
         """
-        out: list[tuple[str, str, Job, bool]] = []
+        held: list[tuple[str, str, Job, bool]] = []
         now = time.monotonic()
         if now - self._last_claim > self.s.claim_idle_ms / 4000:
             self._last_claim = now
@@ -130,21 +132,38 @@ class PrefillWorker:
                 _, claimed, *_ = self.redis.xautoclaim(
                     stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
                 )
-                out += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
-                                   for entry_id, fields in claimed if fields], first=False)
-            if out:
-                log.info("claimed %d job(s) left by a dead prefill worker", len(out))
-                self.metrics.jobs.labels("claimed").inc(len(out))
-        if not out and not self.engine.has_unfinished():  # idle: wait for a job in any class
+                held += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
+                                    for entry_id, fields in claimed if fields], first=False)
+            if held:
+                log.info("claimed %d job(s) left by a dead prefill worker", len(held))
+                self.metrics.jobs.labels("claimed").inc(len(held))
+        if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
             got = self._read({stream: ">" for stream in self.keys.streams}, 1, 200)
-            out = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
-            if not out:
-                return out
-        jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(out)
-        tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in out)
-        if jobs > 0 and tokens > 0:
-            out += self._jobs(self.pull_script(keys=list(self.keys.streams), args=[GROUP, self.name, jobs, tokens]))
+            held = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
+            if not held:
+                return []
+        # Our own job, re-delivered by a claim, is in hand already.
+        held = [e for e in held if e[3] or e[2].request_id not in self.inflight]
+        jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(held)
+        tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in held)
+        calls = [self._pickup_call(job, first) for _, _, job, first in held]
+        top_up = jobs > 0 and tokens > 0
+        if top_up:
+            calls.append((self.pull_script, list(self.keys.streams), [GROUP, self.name, jobs, tokens]))
+        if not calls:
+            return []
+        results = run_scripts(self.redis, calls)
+        out = [(*e, outcome) for e, outcome in zip(held, results)]
+        if top_up and (more := self._jobs(results[-1])):
+            outcomes = run_scripts(self.redis, [self._pickup_call(job, first) for _, _, job, first in more])
+            out += [(*e, outcome) for e, outcome in zip(more, outcomes)]
         return out
+
+    def _pickup_call(self, job: Job, first: bool) -> tuple:
+        """PICKUP_LUA for a job: leave the admission counts (new deliveries), check the request is
+        still wanted and in time, and mark it prefilling."""
+        return (self.pickup, [self.keys.admission, self.keys.req(job.request_id)],
+                [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0])
 
     def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
@@ -199,13 +218,9 @@ class PrefillWorker:
         if request_id and decode_address:
             self.pool.submit(self._fail_stream, request_id, decode_address, grpc.StatusCode.INTERNAL, message)
 
-    def admit(self, stream: str, entry_id: str, job: Job, first: bool) -> None:
-        if not first and job.request_id in self.inflight:  # our own job, re-delivered: already in hand
-            return
-        # One round trip: leave the admission counts (new deliveries), check the request is
-        # still wanted and in time, and mark it prefilling.
-        outcome = self.pickup(keys=[self.keys.admission, self.keys.req(job.request_id)],
-                              args=[len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0])
+    def admit(self, stream: str, entry_id: str, job: Job, first: bool, outcome) -> None:
+        """Start prefilling a pulled job, by its pickup's outcome: 'prefilling', or the state of a
+        request that has ended (or 'expired') and is skipped."""
         outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         t = time.time()
         parent = tracing.context_of(job.traceparent)
@@ -519,9 +534,9 @@ class PrefillWorker:
         pull_failing = False
         while not self.stop.is_set():
             try:
-                for stream, entry_id, job, first in self.pull():
+                for stream, entry_id, job, first, outcome in self.pull():
                     try:
-                        self.admit(stream, entry_id, job, first)
+                        self.admit(stream, entry_id, job, first, outcome)
                     except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
                         # its pickup has returned the admission counts already (tokens None: not again)
                         self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)

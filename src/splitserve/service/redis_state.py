@@ -353,6 +353,34 @@ def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
         p.execute()
 
 
+def run_scripts(r, calls: list[tuple]) -> list:
+    """Sync client: several registered scripts, each (script, keys, args), in one round trip.
+
+    A pipeline of EVALSHA: redis-py's own pipelined scripts cost one more round trip (SCRIPT
+    EXISTS) each time. A script the server has lost (it restarted) is loaded and run again, only
+    that one: the others have run. Any other error is raised after all have been sent.
+    A Redis Cluster client cannot pipeline EVALSHA: there they run one after another.
+    """
+    from redis.cluster import RedisCluster
+    from redis.exceptions import NoScriptError
+
+    if len(calls) == 1 or isinstance(r, RedisCluster):
+        return [script(keys=keys, args=args) for script, keys, args in calls]
+
+    with r.pipeline(transaction=False) as p:
+        for script, keys, args in calls:
+            p.evalsha(script.sha, len(keys), *keys, *args)
+        results = p.execute(raise_on_error=False)
+    out = []
+    for (script, keys, args), result in zip(calls, results):
+        if isinstance(result, NoScriptError):
+            result = script(keys=keys, args=args)
+        elif isinstance(result, Exception):
+            raise result
+        out.append(result)
+    return out
+
+
 def ensure_group(r, keys: Keys) -> None:
     import redis
 
