@@ -74,9 +74,8 @@ class EngineRunner:
             return
         self._built.set_result(eng)
         while not self._stop.is_set():
-            block = not eng.has_unfinished()
-            try:
-                item = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+            try:  # with nothing to compute, sleep until a command comes (stop() sends None): no polling
+                item = self._cmds.get_nowait() if eng.has_unfinished() else self._cmds.get()
             except queue.Empty:
                 item = ()
             while item:
