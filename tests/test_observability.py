@@ -272,3 +272,85 @@ def test_span_file_is_otlp_json_with_hex_ids(stack):
     assert len(span["traceId"]) == 32 and int(span["traceId"], 16) > 0
     assert len(span["spanId"]) == 16
     assert time.time() * 1e9 - int(span["startTimeUnixNano"]) < 3600e9
+
+
+_WRITER = r"""
+import sys
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from splitserve.observability.tracing import JsonFileSpanExporter
+path, cap, tag, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(JsonFileSpanExporter(path, cap)))
+tracer = provider.get_tracer("t")
+for i in range(n):
+    tracer.start_span(f"{tag}-{i}", attributes={"pad": "x" * 300}).end()
+provider.shutdown()
+"""
+
+
+def test_span_file_is_capped_and_rotated_once_by_processes_writing_together(tmp_path):
+    """Three processes append to one capped span file: it rotates to .1 at the cap, no two of them
+    rotate the same generation (a .1 below the cap would be a second rename of a fresh file), every
+    line on disk is whole, and the viewer reads both files."""
+    path, cap = str(tmp_path / "traces.jsonl"), 40_000
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, path, str(cap), f"p{k}", "300"]) for k in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    line_max = max(len(line) for f in (path, path + ".1") for line in open(f, "rb"))
+    assert os.path.getsize(path + ".1") >= cap  # renamed only once full
+    assert os.path.getsize(path) < cap + 3 * line_max  # the current file has not run past the cap
+    spans = traceview.load_spans(path)
+    names = [s.name for s in spans]
+    assert len(names) == len(set(names))  # nothing written twice
+    on_disk = sum(1 for f in (path, path + ".1") for _ in open(f))
+    assert len(spans) == on_disk < 900  # whole lines only; the older generations are gone
+    last = {max((int(n.split("-")[1]) for n in names if n.startswith(f"p{k}-")), default=-1) for k in range(3)}
+    assert 299 in last  # the newest spans are kept (at least one writer's last)
+
+
+def test_span_exporter_follows_a_rotation_made_by_another_process(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from splitserve.observability.tracing import JsonFileSpanExporter
+
+    path = str(tmp_path / "t.jsonl")
+    tracers = []
+    for cap in (1, 0):  # the first rotates after each write; the second never rotates on its own
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(JsonFileSpanExporter(path, cap)))
+        tracers.append((provider, provider.get_tracer("t")))
+    (pa, ta), (pb, tb) = tracers
+    tb.start_span("b-0").end()
+    ta.start_span("a-0").end()  # reaches the cap: the file with b-0 and a-0 becomes .1
+    with open(path + ".1") as f:
+        assert [s.name for s in traceview._parse(f.readlines())] == ["b-0", "a-0"]
+    assert os.path.getsize(path) == 0
+    tb.start_span("b-1").end()  # no cap of its own, but it writes into the new file
+    with open(path) as f:
+        assert [s.name for s in traceview._parse(f.readlines())] == ["b-1"]
+    pa.shutdown()
+    pb.shutdown()
+
+
+def test_two_exporters_reaching_the_cap_together_rename_the_full_file_once(tmp_path):
+    from splitserve.observability.tracing import JsonFileSpanExporter
+
+    path = str(tmp_path / "t.jsonl")
+    a, b = JsonFileSpanExporter(path, 10), JsonFileSpanExporter(path, 10)
+    os.write(a._fd, b"x" * 20 + b"\n")  # both saw the file at its cap after their writes
+    a._rotate()
+    b._rotate()  # its file was renamed already: it must not rename the fresh one over it
+    assert os.path.getsize(path + ".1") == 21
+    assert os.path.getsize(path) == 0
+    os.write(b._fd, b"y\n")
+    assert open(path).read() == "y\n"
+    a.shutdown()
+    b.shutdown()
+
+
+def test_trace_file_cap_setting_is_read_and_checked():
+    assert Settings.from_env({"SPLITSERVE_TRACE_FILE_MAX_BYTES": "1024"}).trace_file_max_bytes == 1024
+    assert Settings().trace_file_max_bytes == 64 << 20
+    with pytest.raises(ValueError, match="trace_file_max_bytes"):
+        Settings(trace_file_max_bytes=-1)

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("traces", help="print a request's trace from the local span file as a timeline")
     p.add_argument("request_id", nargs="?", default=None, help="request id (default: the last --last requests)")
     p.add_argument("--last", type=int, default=1, help="how many of the latest requests (default 1)")
-    p.add_argument("--file", default="", help="OTLP-JSON span file (default: the running or last stack's)")
+    p.add_argument("--file", default="", help="OTLP-JSON span file, read after its rotated FILE.1 (default: the running or last stack's)")
     p.set_defaults(func=_traces)
 
     p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")

@@ -59,36 +59,48 @@ def _attrs(items) -> dict:
 
 
 def load_spans(path: str) -> list[Span]:
+    """The spans in an OTLP-JSON span file, after those of its rotated predecessor ``<path>.1``."""
+    lines: list[str] = []
+    for p in (path + ".1", path):
+        try:
+            with open(p) as f:
+                lines += f.readlines()
+        except FileNotFoundError:
+            if p == path:
+                raise
+    return _parse(lines)
+
+
+def _parse(lines: list[str]) -> list[Span]:
     spans = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed process
-            for rs in doc.get("resourceSpans", []):
-                res = _attrs(rs.get("resource", {}).get("attributes"))
-                service = res.get("service.name", "?")
-                if res.get("service.instance.id"):
-                    service = f"{service}[{res['service.instance.id']}]"
-                for ss in rs.get("scopeSpans", []):
-                    for s in ss.get("spans", []):
-                        st = s.get("status", {})
-                        code = st.get("code", "")
-                        status = {"STATUS_CODE_OK": "OK", "STATUS_CODE_ERROR": "ERROR", 1: "OK", 2: "ERROR"}.get(code, "")
-                        if status == "ERROR" and st.get("message"):
-                            status += ": " + st["message"]
-                        spans.append(Span(
-                            trace_id=s["traceId"], span_id=s["spanId"], parent_id=s.get("parentSpanId", ""),
-                            name=s["name"], service=service, kind=KIND.get(_kind(s.get("kind")), "internal"),
-                            start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
-                            attrs=_attrs(s.get("attributes")), status=status,
-                            events=[(int(e["timeUnixNano"]), e["name"]) for e in s.get("events", [])],
-                            links=[(ln["traceId"], ln["spanId"]) for ln in s.get("links", [])],
-                        ))
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed process
+        for rs in doc.get("resourceSpans", []):
+            res = _attrs(rs.get("resource", {}).get("attributes"))
+            service = res.get("service.name", "?")
+            if res.get("service.instance.id"):
+                service = f"{service}[{res['service.instance.id']}]"
+            for ss in rs.get("scopeSpans", []):
+                for s in ss.get("spans", []):
+                    st = s.get("status", {})
+                    code = st.get("code", "")
+                    status = {"STATUS_CODE_OK": "OK", "STATUS_CODE_ERROR": "ERROR", 1: "OK", 2: "ERROR"}.get(code, "")
+                    if status == "ERROR" and st.get("message"):
+                        status += ": " + st["message"]
+                    spans.append(Span(
+                        trace_id=s["traceId"], span_id=s["spanId"], parent_id=s.get("parentSpanId", ""),
+                        name=s["name"], service=service, kind=KIND.get(_kind(s.get("kind")), "internal"),
+                        start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
+                        attrs=_attrs(s.get("attributes")), status=status,
+                        events=[(int(e["timeUnixNano"]), e["name"]) for e in s.get("events", [])],
+                        links=[(ln["traceId"], ln["spanId"]) for ln in s.get("links", [])],
+                    ))
     return spans
 
 

@@ -20,6 +20,7 @@ the Redis job and in the KV handoff's ``SequenceState``.
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import logging
 import os
@@ -69,7 +70,7 @@ def exporter_kind(environ=None, trace_file: str = "") -> str:
     return "none"
 
 
-def setup_tracing(role: str, instance: str = "", trace_file: str = "") -> str:
+def setup_tracing(role: str, instance: str = "", trace_file: str = "", trace_file_max_bytes: int = 0) -> str:
     """Install the SDK for this process (once); returns the exporter kind in use."""
     global _provider
     with _lock:
@@ -95,7 +96,7 @@ def setup_tracing(role: str, instance: str = "", trace_file: str = "") -> str:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             exporter = OTLPSpanExporter()
         elif kind == "file":
-            exporter = JsonFileSpanExporter(trace_file)
+            exporter = JsonFileSpanExporter(trace_file, trace_file_max_bytes)
         else:
             exporter = ConsoleSpanExporter()
         delay = None if os.environ.get("OTEL_BSP_SCHEDULE_DELAY") else (500 if kind == "file" else None)
@@ -172,12 +173,51 @@ def _hex_ids(obj):
 
 
 class JsonFileSpanExporter:
-    """Appends OTLP-JSON lines to a file shared by every process of a stack (O_APPEND, one write per batch)."""
+    """Appends OTLP-JSON lines to a file shared by every process of a stack (O_APPEND, one write per batch).
 
-    def __init__(self, path: str):
+    With ``max_bytes``, the file is capped: the process whose write takes it to the cap renames
+    it to ``<path>.1`` (replacing the one before) and starts a new one, so a stack that serves for
+    days keeps at most about twice the cap on disk. The others notice the new file (another inode
+    at the path) before their next write and reopen. The rename happens under an exclusive flock on
+    the full file, so of two processes that reach the cap together only one renames it.
+    """
+
+    def __init__(self, path: str, max_bytes: int = 0):
         self.path = path
+        self.old_path = path + ".1"
+        self.max_bytes = max_bytes
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = -1
+        self._lock = threading.Lock()  # export and shutdown may come from different threads
+        self._open()
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = fd
+
+    def _follow(self) -> None:
+        """Reopen when another process has rotated the file (the path names another inode now)."""
+        try:
+            moved = os.stat(self.path).st_ino != os.fstat(self._fd).st_ino
+        except FileNotFoundError:  # rotated and its successor not created yet, or removed
+            moved = True
+        if moved:
+            self._open()
+
+    def _rotate(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            try:
+                ours = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+            except FileNotFoundError:
+                ours = False
+            if ours:  # not rotated meanwhile by a process that held the lock before us
+                os.replace(self.path, self.old_path)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._open()
 
     def export(self, spans):
         from google.protobuf.json_format import MessageToDict
@@ -185,18 +225,27 @@ class JsonFileSpanExporter:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         try:
-            doc = _hex_ids(MessageToDict(encode_spans(spans)))
-            os.write(self._fd, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
+            line = (json.dumps(_hex_ids(MessageToDict(encode_spans(spans))), separators=(",", ":")) + "\n").encode()
+            with self._lock:
+                if self._fd < 0:
+                    return SpanExportResult.FAILURE
+                self._follow()  # whatever its own cap, a file rotated by another process is left
+                os.write(self._fd, line)
+                if self.max_bytes and os.fstat(self._fd).st_size >= self.max_bytes:
+                    self._rotate()
             return SpanExportResult.SUCCESS
         except Exception:  # noqa: BLE001 - losing spans must not lose the process
             log.exception("writing spans to %s failed", self.path)
             return SpanExportResult.FAILURE
 
     def shutdown(self):
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        with self._lock:
+            if self._fd >= 0:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+                self._fd = -1
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

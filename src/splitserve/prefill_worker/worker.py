@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill_worker %(levelname)s %(message)s")
     try:
         settings = parse_settings("prefill_worker", argv)
-        tracing.setup_tracing("prefill", settings.worker_name("prefill"), settings.trace_file)
+        tracing.setup_tracing("prefill", settings.worker_name("prefill"), settings.trace_file, settings.trace_file_max_bytes)
         worker = PrefillWorker(settings)
     except (ValueError, EngineError) as e:
         print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)

@@ -53,7 +53,7 @@ def run(role: str, main_coro, argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main_coro(settings, stop)
 
-    setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file)
+    setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file, settings.trace_file_max_bytes)
     try:
         asyncio.run(runner())
     except (EngineError, ValueError) as e:  # a setting the engine refuses at start-up (device, core_share, ...)

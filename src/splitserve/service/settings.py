@@ -36,6 +36,7 @@ class Settings:
     keepalive_s: float = 10.0  # gRPC keepalive between the stack's processes: a peer silent for this long is pinged, and dropped if it does not answer within as long again; 0 = off
     metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
+    trace_file_max_bytes: int = 64 << 20  # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
     core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
     # Router
@@ -81,6 +82,8 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_device(self.device)
+        if self.trace_file_max_bytes < 0:
+            raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not 0 <= self.engine_stall_s < float("inf"):
