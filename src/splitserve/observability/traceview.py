@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 KIND = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
@@ -60,18 +61,18 @@ def _attrs(items) -> dict:
 
 def load_spans(path: str) -> list[Span]:
     """The spans in an OTLP-JSON span file, after those of its rotated predecessor ``<path>.1``."""
-    lines: list[str] = []
+    spans = []
     for p in (path + ".1", path):
         try:
             with open(p) as f:
-                lines += f.readlines()
+                spans += _parse(f)
         except FileNotFoundError:
             if p == path:
                 raise
-    return _parse(lines)
+    return spans
 
 
-def _parse(lines: list[str]) -> list[Span]:
+def _parse(lines: Iterable[str]) -> list[Span]:
     spans = []
     for line in lines:
         line = line.strip()

@@ -197,23 +197,22 @@ class JsonFileSpanExporter:
             os.close(self._fd)
         self._fd = fd
 
-    def _follow(self) -> None:
-        """Reopen when another process has rotated the file (the path names another inode now)."""
+    def _current(self) -> bool:
+        """Whether the path still names the file this exporter writes (no rotation since it opened it)."""
         try:
-            moved = os.stat(self.path).st_ino != os.fstat(self._fd).st_ino
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
         except FileNotFoundError:  # rotated and its successor not created yet, or removed
-            moved = True
-        if moved:
+            return False
+
+    def _follow(self) -> None:
+        """Reopen when another process has rotated the file."""
+        if not self._current():
             self._open()
 
     def _rotate(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            try:
-                ours = os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
-            except FileNotFoundError:
-                ours = False
-            if ours:  # not rotated meanwhile by a process that held the lock before us
+            if self._current():  # not rotated meanwhile by a process that held the lock before us
                 os.replace(self.path, self.old_path)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
