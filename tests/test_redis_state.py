@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from service_helpers import wait_for
-from splitserve.service.redis_state import REAP_LUA, UPDATE_LUA, Keys, run_scripts, update_args
+from splitserve.service.redis_state import DEQUEUE_LUA, REAP_LUA, UPDATE_LUA, Keys, run_scripts, update_args
 from splitserve.stack import redis_server_binary
 
 
@@ -60,7 +60,7 @@ def test_reap_fails_a_dead_routers_unended_requests_and_leaves_a_live_router_alo
 
     def run(router, force=0):
         members = r.smembers(keys.router_requests(router))
-        return reap(keys=[keys.routers, keys.router_requests(router), *(keys.req(m) for m in members)],
+        return reap(keys=[keys.routers, keys.router_requests(router), keys.admission, *(keys.req(m) for m in members)],
                     args=[router, time.time(), 60, force])
 
     assert run("live") == 0  # within its lease: untouched
@@ -79,6 +79,30 @@ def test_reap_fails_a_dead_routers_unended_requests_and_leaves_a_live_router_alo
 
     assert run("live", force=1) == 3  # a router's own id at start or stop: whatever its lease
     assert not r.exists(keys.routers)  # its last member gone
+
+
+def test_local_prefills_leave_the_queue_counts_once_by_their_router_or_by_its_reaper(r):
+    """A request its decode worker prefills holds the queue's counts until its first token; its
+    router returns them, or, if that router died first, the reaper does: once either way."""
+    keys = Keys("l")
+    reap, dequeue = r.register_script(REAP_LUA), r.register_script(DEQUEUE_LUA)
+    r.hset(keys.admission, mapping={"requests": 4, "tokens": 400, "local_tokens": 300})
+    for rid, state, local in (("a", "queued", 1), ("b", "decoding", 1), ("c", "queued", 0), ("d", "finished", 1)):
+        r.hset(keys.req(rid), mapping={"state": state, "prompt_tokens": 100, **({"local": 1} if local else {})})
+        r.sadd(keys.router_requests("dead"), rid)
+    assert dequeue(keys=[keys.admission, keys.req("b")], args=[100]) == 1  # b's first token came
+    assert dequeue(keys=[keys.admission, keys.req("b")], args=[100]) == 0  # ... and its end: not again
+    assert r.hgetall(keys.admission) == {"requests": "3", "tokens": "300", "local_tokens": "200"}
+    r.zadd(keys.routers, {"dead": time.time() - 1})
+    members = r.smembers(keys.router_requests("dead"))
+    assert reap(keys=[keys.routers, keys.router_requests("dead"), keys.admission, *(keys.req(m) for m in members)],
+                args=["dead", time.time(), 60, 0]) == 3  # a, b, c failed; d had finished
+    # a and d (d's router died between its end and returning its counts) are returned; b was
+    # already; c, queued for a prefill worker, is returned when a prefill worker skips it.
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "100", "local_tokens": "0"}
+    assert dequeue(keys=[keys.admission, keys.req("a")], args=[100]) == 0  # its router, alive after all
+    assert dequeue(keys=[keys.admission, keys.req("gone")], args=[100]) == 1  # hash gone: returned, never below 0
+    assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
 
 
 def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):

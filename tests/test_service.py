@@ -19,7 +19,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
-from splitserve.service.redis_state import QUEUE_FIELDS, queue_counts
+from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
@@ -39,6 +39,7 @@ def _finish(stack):
         wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
         assert keys_without_ttl(stack) == []
         assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
+        assert int(stack.redis().hget(stack.keys.admission, LOCAL_FIELD) or 0) == 0  # ... those prefilled locally too
     finally:
         stack.stop()
     assert all(p.popen.poll() is not None for p in stack.procs)
@@ -131,6 +132,50 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
             assert got[-1].finish_reason == "cancelled"
     finally:
         _finish(s)  # KV back to zero, and the queue's counts too: colocated, the router returns them
+
+
+def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_decode_worker(reference_prompts,
+                                                                                             reference_outputs):
+    """Disaggregated, with local prefill on: prompts of at most local_prefill_max_tokens, and every
+    prompt while prefill workers are behind by more than local_prefill_queue_tokens, are prefilled
+    by their decode worker. Greedy output stays the in-process engine's, and the counts go back."""
+    s = _start(local_prefill_max_tokens=100, local_prefill_queue_tokens=150, max_queue_requests=64,
+               max_queue_tokens=1 << 20)
+    try:
+        got = _concurrent_generate(s.router_address, reference_prompts)
+        assert [list(r.token_ids) for r in got] == reference_outputs
+        with Client(s.router_address) as c:
+            infos = [c.get_request(r.request_id) for r in got]
+            local = [(not i.prefill_worker, i.kv_transport) for i in infos]
+            for (p, _), (here, transport) in zip(reference_prompts, local):
+                assert not here or transport == ""  # no KV handed over for a prompt prefilled where it decodes
+                if len(p) <= 100:
+                    assert here, f"a {len(p)}-token prompt went to a prefill worker"
+            router = s.proc("router").metrics_address
+            assert scrape(router)["splitserve_local_prefills_total"] == sum(h for h, _ in local)
+            assert any(not h for h, _ in local)  # the long ones went to the prefill worker at least at first
+
+            short = next(p for p, _ in reference_prompts if len(p) <= 100)
+            ia, ib = [i for i, (p, _) in enumerate(reference_prompts) if len(p) > 150][:2]
+            (a, n_a), (b, n_b) = reference_prompts[ia], reference_prompts[ib]
+            c.generate(token_ids=short, max_tokens=2)  # its admission shows this router an empty prefill queue
+            with _prefill_paused(s):
+                out_a = {}
+                t = threading.Thread(target=lambda: out_a.update(
+                    r=c.generate(token_ids=a, max_tokens=n_a, ignore_eos=True, request_id="cond-a", timeout=120)))
+                t.start()
+                wait_for(lambda: _state(c, "cond-a") == "queued", what="a long prompt queued for prefill")
+                # More than 150 tokens now wait for the (stopped) prefill worker: the next long prompt
+                # is prefilled by its decode worker, and finishes while the prefill worker is stopped.
+                out_b = c.generate(token_ids=b, max_tokens=n_b, ignore_eos=True, request_id="cond-b", timeout=120)
+                assert list(out_b.token_ids) == reference_outputs[ib]
+                assert c.get_request("cond-b").prefill_worker == ""
+                assert _state(c, "cond-a") == "queued"
+            t.join(120)
+            assert list(out_a["r"].token_ids) == reference_outputs[ia]
+            assert c.get_request("cond-a").prefill_worker != ""
+    finally:
+        _finish(s)
 
 
 def test_unary_streaming_and_chat_forms(client, smol_loaded):

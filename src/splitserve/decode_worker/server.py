@@ -77,7 +77,7 @@ class Slot:
     transfer_ms: float = 0.0
     kv_done: float = 0.0  # unix time the KV was adopted
     first_token_at: float = 0.0  # unix time the first token was sampled (0: unknown, use kv_done)
-    prefill_start: float = 0.0  # colocated: when this worker's engine took the prompt
+    prefill_start: float = 0.0  # prefilled here: when this worker's engine took the prompt
     first_sent: bool = False
     open_seq: int = 0  # its number among the streams this worker opened
     close_seq: int = 0  # ... and closed (0: still open)
@@ -201,11 +201,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return True
 
     async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest) -> None:
-        """Colocated mode: this engine prefills the prompt (chunked, inside continuous batching)."""
+        """This engine prefills the prompt (chunked, inside continuous batching): colocated, or a
+        request the router kept off the prefill workers (conditional disaggregation)."""
         ids = list(request.prompt_token_ids)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         t0 = time.time()
-        self._start_decode_span(slot, {"splitserve.colocated": True, "gen_ai.usage.input_tokens": len(ids)})
+        self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
         slot.imported = True
         slot.prefill_start = t0
@@ -240,7 +241,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                kv_transfer_ms=slot.transfer_ms))
         if not slot.first_sent:
             slot.first_sent = True
-            if slot.prefill_start:  # colocated: the engine's own prefill produced this token
+            if slot.prefill_start:  # prefilled here: the engine's own prefill produced this token
                 slot.kv_done = slot.first_token_at = time.time()
                 slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
                 ev.timings.prefill_ms = slot.prefill_ms

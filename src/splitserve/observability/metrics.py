@@ -76,6 +76,8 @@ class RouterMetrics(Metrics):
         self.reaped = self.c("requests_reaped", "Unended requests of routers that went away (lease run out), "
                                                 "marked failed by this router")
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
+        self.local_prefills = self.c("local_prefills", "Admitted requests prefilled by their decode worker, not a "
+                                                   "prefill worker (colocated, or conditional disaggregation)")
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
         self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)
         self.tpot = self.h("time_per_output_token_seconds", "Mean time between output tokens, per request",

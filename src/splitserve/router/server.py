@@ -35,8 +35,8 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, NotFoun
                                       code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, QUEUE_FIELDS, REAP_LUA,
-                                           Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, QUEUE_FIELDS,
+                                           REAP_LUA, Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
                                            sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
@@ -66,6 +66,7 @@ class UpstreamError(ServiceError):
 class Active:
     call: object  # the Decode call on the decode worker
     address: str  # the decode worker's
+    local: bool = False  # its decode worker prefills it (colocated, or conditional disaggregation)
     aborted: bool = False
     first: bool = False  # its first token (or its end) came
     lost: str = ""  # why Redis no longer holds it (check_waiting): the stream then ends UNAVAILABLE
@@ -119,6 +120,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
+        self.local_seen = 0  # ... and of those tokens, the ones their decode workers prefill
         self.metrics = metrics or RouterMetrics()
         self.background = Background()
 
@@ -191,7 +193,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         n = 0
         for rt in dead:
             members = await self.redis.smembers(self.keys.router_requests(rt))
-            keys = [self.keys.routers, self.keys.router_requests(rt), *(self.keys.req(m.decode()) for m in members)]
+            keys = [self.keys.routers, self.keys.router_requests(rt), self.keys.admission,
+                    *(self.keys.req(m.decode()) for m in members)]
             marked = await self.reap_script(keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s,
                                                              1 if router_id else 0])
             if marked and rt != self.id:
@@ -207,10 +210,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         longer holds (it restarted empty: the job is gone, no prefill worker will run it) or that
         were reaped (this router missed its lease, so prefill skips them): their clients hear now,
         not at their deadlines. A hash gone for less than LOST_GRACE_HEARTBEATS is waited for: a
-        prefill worker already running the request puts it back. Colocated, the decode worker holds
-        the prompt itself: not checked."""
-        waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost)]
-        if self.colocated or not waiting:
+        prefill worker already running the request puts it back. One its decode worker prefills
+        (colocated, or conditional disaggregation) is held there, not in Redis: not checked."""
+        waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost or a.local)]
+        if not waiting:
             return
         async with self.redis.pipeline(transaction=False) as p:
             for rid, _ in waiting:
@@ -283,6 +286,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         frac = self.s.admit_fraction / 2
         return q + 1 > self.s.max_queue_requests * frac or t + tokens > self.s.max_queue_tokens * frac
 
+    def _prefill_locally(self, tokens: int) -> bool:
+        """Whether the chosen decode worker prefills this prompt itself rather than a prefill worker:
+        always when colocated; disaggregated (conditional disaggregation), when the prompt is short
+        (local_prefill_max_tokens) or when prefill workers are behind (more than
+        local_prefill_queue_tokens queued for them at the last admission this router saw)."""
+        if self.colocated:
+            return True
+        if tokens <= self.s.local_prefill_max_tokens:
+            return True
+        backlog = self.queue_seen[1] - self.local_seen
+        return 0 < self.s.local_prefill_queue_tokens < backlog and time.monotonic() - self.queue_seen[2] <= 10.0
+
     def _refusal(self, q: int, t: int, frac: float) -> Refused:
         hint = self.s.retry_after_ms
         return Refused(
@@ -302,13 +317,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
             if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
-                q, t = queue_counts(await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS))
-                self.queue_seen = (q, t, time.monotonic())
+                *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
+                q, t = queue_counts(counts)
+                self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
                 if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
                     raise self._refusal(q, t, frac)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
             worker, placed = self.pick(len(ids) + params.max_tokens)
+            local = self._prefill_locally(len(ids))
+            adm.set_attribute("splitserve.prefill.local", local)
         except BaseException as e:
             self._end_admission(adm, e)
             raise
@@ -318,7 +336,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
         dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline,
                                   priority=request.priority)
-        if self.colocated:  # the decode worker prefills it itself; the queue counts it until its first token
+        if local:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
         try:
@@ -333,7 +351,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         with dec:
             try:
                 try:
-                    if self.colocated:  # the worker starts on the prompt at once: admit only what it accepted
+                    if local:  # the worker starts on the prompt at once: admit only what it accepted
                         await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
@@ -345,23 +363,24 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
-                    ok, q, t = await self.admit_script(
+                    ok, q, t, lt = await self.admit_script(
                         keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
                               self.keys.router_requests(self.id)],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json(), 0 if self.colocated else 1, self.id],
+                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id],
                     )
-                    queued = self.colocated and ok == 1
-                    self.queue_seen = (int(q), int(t), time.monotonic())
-                    adm.set_attributes({"splitserve.queue.requests": int(q), "splitserve.queue.tokens": int(t),
+                    ok, q, t, lt = int(ok), int(q), int(t), int(lt)
+                    queued = local and ok == 1
+                    self.queue_seen, self.local_seen = (q, t, time.monotonic()), lt
+                    adm.set_attributes({"splitserve.queue.requests": q, "splitserve.queue.tokens": t,
                                         "splitserve.admitted": ok == 1})
                     if ok == -1:
                         state = ""
                         raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
                     if ok == 0:
                         state = ""
-                        raise self._refusal(int(q), int(t), frac)
-                    if not self.colocated:  # refused now: the job is marked failed (finally), so no worker runs it
+                        raise self._refusal(q, t, frac)
+                    if not local:  # refused now: the job is marked failed (finally), so no worker runs it
                         await self._accepted(call, worker, placed)
                 except BaseException as e:
                     if isinstance(e, asyncio.CancelledError) and state:
@@ -370,7 +389,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise
                 adm.end()
                 m.prompt_tokens.inc(len(ids))
-                active = self.active[rid] = Active(call, worker.address)
+                if local:
+                    m.local_prefills.inc()
+                active = self.active[rid] = Active(call, worker.address, local)
                 final = None
                 try:
                     while True:
@@ -385,7 +406,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             active.first = True
                         if queued and (ev.token_ids or ev.finish_reason):
                             queued = False
-                            await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
+                            await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
                         if ev.first_token_unix:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
@@ -434,7 +455,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     self.first_parts.pop(rid, None)
                 call.cancel()
                 if queued:
-                    await self.dequeue_script(keys=[self.keys.admission], args=[len(ids)])
+                    await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
                 if state in ("cancelled", "failed"):
                     mark = self._mark(rid, state, error=active.lost if active is not None else "")
                     # Redis not answering: recording it would keep the client waiting as long again.

@@ -5,7 +5,9 @@ and the scripts, which touch several keys at once, run on a cluster too):
   {p}:prefill            stream of prefill jobs, consumer group "prefill"  (persistent)
   {p}:prefill:high       the same for priority < 0 (pulled first)            (persistent)
   {p}:prefill:low        the same for priority > 0 (pulled last)             (persistent)
-  {p}:admission          hash: requests, tokens queued (admitted, not yet pulled) (persistent)
+  {p}:admission          hash: requests, tokens queued (admitted, not yet pulled, or prefilled by their
+                         decode worker and not yet at their first token), local_tokens: those
+                         prefilled by their decode worker (persistent)
   {p}:req:{id}           hash per request; TTL while active, shorter TTL after completion
   {p}:worker:{role}:{id} registry entry; TTL = heartbeat lease
   {p}:routers            sorted set: router id -> its lease's end (unix); a router past it is dead  (persistent)
@@ -33,18 +35,21 @@ _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
 # KEYS: admission, stream, request hash, the router's request set.  ARGV: tokens, max_requests,
-# max_tokens, fraction, ttl, job json, queue the job (0 in colocated mode: the decode worker
-# prefills it itself), the router's id.
+# max_tokens, fraction, ttl, job json, queue the job (0: its decode worker prefills it itself,
+# colocated or by conditional disaggregation; its hash says 'local'), the router's id.
+# Returns {admitted (1, 0 refused, -1 the id exists), requests, tokens, local_tokens}, the counts
+# with this request when it was admitted.
 ADMIT_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {-1, 0, 0}
+  return {-1, 0, 0, 0}
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
 local t = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+local lt = tonumber(redis.call('HGET', KEYS[1], 'local_tokens') or '0')
 local n = tonumber(ARGV[1])
 local frac = tonumber(ARGV[4])
 if q + 1 > math.floor(tonumber(ARGV[2]) * frac) or t + n > math.floor(tonumber(ARGV[3]) * frac) then
-  return {0, q, t}
+  return {0, q, t, lt}
 end
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', n)
@@ -57,8 +62,12 @@ redis.call('SADD', KEYS[4], job['request_id'])
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
 if ARGV[7] ~= '0' then  -- 'tokens' lets a worker return the counts of a job it cannot read
   redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n)
+else
+  redis.call('HINCRBY', KEYS[1], 'local_tokens', n)
+  redis.call('HSET', KEYS[3], 'local', 1)
+  lt = lt + n
 end
-return {1, q + 1, t + n}
+return {1, q + 1, t + n, lt}
 """
 
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
@@ -100,25 +109,42 @@ def update_args(mapping: dict) -> list:
     return [x for kv in mapping.items() for x in kv]
 
 
+# A request its decode worker prefills (colocated, or by conditional disaggregation) leaves the
+# queue at its first token or its end: its router returns the counts then, or, if that router
+# went away, REAP_LUA does. Exactly once: the request hash remembers it ('dequeued'); a hash that
+# is gone (expired, or Redis restarted empty) returns them, never below zero.
+_LEAVE_LOCAL = """
+local function leave_local(admission, req, n)
+  if redis.call('EXISTS', req) == 1 and redis.call('HSETNX', req, 'dequeued', 1) == 0 then return 0 end
+  for _, f in ipairs({'requests', 'tokens', 'local_tokens'}) do
+    if redis.call('HINCRBY', admission, f, f == 'requests' and -1 or -n) < 0 then redis.call('HSET', admission, f, 0) end
+  end
+  return 1
+end
+"""
+
 # A router that stopped heartbeating (killed, its host lost) left requests it can no longer
 # answer: each that has not ended is marked failed, so GetRequest tells the truth and a prefill
 # worker skips the ones still queued (or drops them between forwards). Only if the router is
 # still past its lease (unless forced: a router reaps its own id at start and stop), so one
-# that came back keeps its requests. KEYS: the routers set, the router's request set, then its
-# request hashes. ARGV: router id, now, TTL after completion, 1 to force. Returns how many
-# requests it marked.
-REAP_LUA = _IS_FINAL + """
+# that came back keeps its requests. The queue counts of its requests that their decode workers
+# prefill (which their router returns) are returned here, once. KEYS: the routers set, the
+# router's request set, the admission hash, then its request hashes. ARGV: router id, now, TTL
+# after completion, 1 to force. Returns how many requests it marked.
+REAP_LUA = _IS_FINAL + _LEAVE_LOCAL + """
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[4] ~= '1' and lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
 local n = 0
-for i = 3, #KEYS do
-  local state = redis.call('HGET', KEYS[i], 'state')
+for i = 4, #KEYS do
+  local got = redis.call('HMGET', KEYS[i], 'state', 'local', 'prompt_tokens')
+  local state = got[1]
   if state and not is_final(state) then
     redis.call('HSET', KEYS[i], 'state', 'failed', 'reaped', 1, 't_finished', ARGV[2],
                'error', 'its router ' .. ARGV[1] .. ' went away')
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[3]))
     n = n + 1
   end
+  if state and got[2] == '1' then leave_local(KEYS[3], KEYS[i], tonumber(got[3] or '0')) end
 end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
@@ -136,12 +162,8 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return 1
 """
 
-# Colocated mode (no stream): the router returns the counts when the first token came or the request ended.
-DEQUEUE_LUA = """
-redis.call('HINCRBY', KEYS[1], 'requests', -1)
-redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1]))
-return 1
-"""
+# KEYS[1] admission, KEYS[2] the request hash; ARGV[1] prompt tokens. Returns 1 if it returned them.
+DEQUEUE_LUA = _LEAVE_LOCAL + "return leave_local(KEYS[1], KEYS[2], tonumber(ARGV[1]))\n"
 
 # Leaving the queue returns a job's admission counts exactly once. The request hash remembers
 # it ('dequeued'), so a job claimed from a worker that died between pulling and picking it up
@@ -218,6 +240,7 @@ return out
 """
 
 QUEUE_FIELDS = ("requests", "tokens")  # the admission hash: queued requests and prompt tokens, all routers together
+LOCAL_FIELD = "local_tokens"  # ... and of those, the prompt tokens that their decode workers prefill
 
 
 def queue_counts(values) -> tuple[int, int]:

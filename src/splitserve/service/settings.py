@@ -40,10 +40,12 @@ class Settings:
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
     core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
     # Router
-    max_queue_requests: int = 256  # queued (admitted, not yet prefilling) requests, all routers together
+    max_queue_requests: int = 256  # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
     admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
+    local_prefill_max_tokens: int = 0  # disaggregated: prompts of at most this many tokens are prefilled by their decode worker, not a prefill worker; 0 = off
+    local_prefill_queue_tokens: int = 0  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
     default_max_tokens: int = 16
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
@@ -82,6 +84,9 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_device(self.device)
+        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.trace_file_max_bytes < 0:
             raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
         if self.heartbeat_s <= 0:
