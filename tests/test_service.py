@@ -23,8 +23,9 @@ from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_coun
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
+# Every prompt goes to a prefill worker (local_prefill_queue_tokens 0): these tests are of the handoff.
 BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
-            drain_s=3.0, claim_idle_ms=1500)
+            drain_s=3.0, claim_idle_ms=1500, local_prefill_queue_tokens=0)
 
 
 def _start(**kw):

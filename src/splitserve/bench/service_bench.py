@@ -36,11 +36,13 @@ def service_run(address: str, items) -> dict:
         futs = [ex.submit(c.generate, token_ids=it.prompt_token_ids, max_tokens=it.max_tokens, ignore_eos=True,
                           timeout=3600) for it in items]
         res = [f.result() for f in futs]
-    wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        # prefilled by their decode worker (colocated, or conditional disaggregation): no prefill worker named
+        local = sum(not c.get_request(r.request_id).prefill_worker for r in res)
     tokens = sum(len(r.token_ids) for r in res)
     assert tokens == sum(it.max_tokens for it in items)
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
-            "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50)}
+            "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50), "prefilled_locally": local}
 
 
 def light_ttft_service(client: Client, it) -> tuple[float, object]:
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
             ratio = svc["output_tok_per_s"] / eng["output_tok_per_s"]
             results["rounds"].append({"service": svc, "in_process": eng, "throughput_ratio": ratio})
             print(f"round {r + 1}: mixed, first {len(heavy)} requests at once: service {svc['output_tok_per_s']:.1f} "
-                  f"tok/s, in-process {eng['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f}", flush=True)
+                  f"tok/s, in-process {eng['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f} ({svc['prefilled_locally']} "
+                  f"prefilled by the decode worker)", flush=True)
         svc_light, eng_light, parts = [], [], []
         with Client(stack.router_address) as c:
             light_ttft_service(c, items[0])  # warm path

@@ -62,8 +62,9 @@ class Metrics:
 class RouterMetrics(Metrics):
     def __init__(self):
         super().__init__()
-        self.queue_requests = self.g("queue_requests", "Admitted requests not yet picked up by a prefill worker "
-                                                       "(all routers; from Redis)")
+        self.queue_requests = self.g("queue_requests", "Admitted requests not yet picked up by a prefill worker, or "
+                                                       "not yet at their first token when their decode worker "
+                                                       "prefills them (all routers; from Redis)")
         self.queue_tokens = self.g("queue_tokens", "Prompt tokens of the queued requests (all routers; from Redis)")
         self.queue_limit_requests = self.g("queue_limit_requests", "Queued requests from which admission refuses")
         self.queue_limit_tokens = self.g("queue_limit_tokens", "Queued prompt tokens from which admission refuses")

@@ -45,7 +45,7 @@ class Settings:
     admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
     local_prefill_max_tokens: int = 0  # disaggregated: prompts of at most this many tokens are prefilled by their decode worker, not a prefill worker; 0 = off
-    local_prefill_queue_tokens: int = 0  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
+    local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
     default_max_tokens: int = 16
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
