@@ -55,6 +55,14 @@ def test_goodput_counts_requests_meeting_both_limits():
     assert s["tpot_s"]["p50"] == pytest.approx(0.1)  # TPOTs 0.1, 0.1, 0.3
     no_slo = loadgen.summarize(results, wall_s=2.0)
     assert no_slo["good_requests"] == 4
+    assert no_slo["prefilled_locally"] is None  # nobody asked the router
+
+
+def test_prefilled_locally_counts_the_successes_their_decode_worker_prefilled():
+    results = [_result(i, ttft=0.1, e2e=1.0, n=5) for i in range(4)] + [_result(4, 0, 0, 0, ok=False)]
+    for r, who in zip(results, ["prefill-a", "", "", None, ""]):
+        r.prefill_worker = who
+    assert loadgen.summarize(results, wall_s=1.0)["prefilled_locally"] == 2  # the failure is not counted
 
 
 def test_knee_rule():
@@ -92,6 +100,9 @@ def test_every_request_is_accounted_for_under_overload(tiny_stack):
     for r in results:
         if r.ok:  # every success got exactly the tokens it asked for (EOS ignored)
             assert r.output_tokens == items[r.index].max_tokens and 0 < r.ttft_s <= r.e2e_s
+            # a few short prompts never reach the local-prefill threshold: a prefill worker did them
+            assert r.request_id and r.prefill_worker and r.prefill_worker.startswith("prefill"), r
+    assert s["prefilled_locally"] == 0
 
 
 def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
@@ -118,6 +129,8 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
     assert (out / "latency_vs_throughput.png").stat().st_size > 1000
     assert (out / "latency_vs_concurrency.png").stat().st_size > 1000
     assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout and "priority high" in run.stdout
+    assert "prefilled by their decode worker (colocated, or conditional disaggregation): concurrency=1 0 of 10, " \
+           "concurrency=3 0 of 10" in run.stdout
 
 
 def test_bench_rejects_a_bad_compare():

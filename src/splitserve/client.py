@@ -120,8 +120,8 @@ class Client:
     def abort(self, request_id: str) -> pb.AbortResponse:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id))
 
-    def get_request(self, request_id: str) -> pb.RequestInfo:
-        return self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id))
+    def get_request(self, request_id: str, *, timeout: float | None = None) -> pb.RequestInfo:
+        return self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -152,8 +152,8 @@ class AsyncClient:
     async def abort(self, request_id: str) -> pb.AbortResponse:
         return await self.stub.Abort(pb.AbortRequest(request_id=request_id))
 
-    async def get_request(self, request_id: str) -> pb.RequestInfo:
-        return await self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id))
+    async def get_request(self, request_id: str, *, timeout: float | None = None) -> pb.RequestInfo:
+        return await self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -273,6 +273,10 @@ def runs_table(points: list[dict]) -> str:
         for name, c in p.get("by_priority", {}).items():  # TPOT is not split by class: its cells stay blank
             rows.append(f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | "
                         f"{_ttft_cells(c['ttft_s'])} | {'':>15} | {_e2e_cells(c['e2e_s'])}")
+    local = [f"{p['label']} {p['prefilled_locally']} of {p['succeeded']}" for p in points
+             if p.get("prefilled_locally") is not None]
+    if local:
+        rows.append("prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local))
     return "\n".join(rows)
 
 
@@ -291,6 +295,10 @@ def compare_table(report: dict) -> str:
                     f"{_ms(p['ttft_s']['p99']):>8} {_ms(p['tpot_s']['p99']):>8}")
     rows.append(f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
                 f"higher is better)")
+    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}" for name, p in vs.items()
+             if p.get("prefilled_locally") is not None]
+    if local:
+        rows.append("prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local))
     return "\n".join(rows)
 
 

@@ -35,6 +35,10 @@ class Result:
     ttft_s: float = float("nan")
     e2e_s: float = float("nan")
     priority: int = 0
+    request_id: str = ""
+    # Who prefilled it, by GetRequest after the run: a prefill worker's name, "" for its decode
+    # worker (colocated, or conditional disaggregation), None when not known.
+    prefill_worker: str | None = None
 
     @property
     def tpot_s(self) -> float:
@@ -64,6 +68,7 @@ async def _one(client: AsyncClient, i: int, item: WorkItem, t_run: float, timeou
     try:
         async for chunk in client.generate_stream(token_ids=item.prompt_token_ids, max_tokens=item.max_tokens,
                                                   ignore_eos=True, priority=item.priority, timeout=timeout):
+            res.request_id = res.request_id or chunk.request_id
             if chunk.token_ids and math.isnan(res.ttft_s):
                 res.ttft_s = time.perf_counter() - t0
             res.output_tokens += len(chunk.token_ids)
@@ -111,8 +116,24 @@ async def run(address: str, items: list[WorkItem], spec: RunSpec, progress=None)
         else:
             raise ValueError(f"mode must be rate or concurrency, got {spec.mode!r}")
         wall = time.perf_counter() - t_run
+        await _who_prefilled(client, results)
     results.sort(key=lambda r: r.index)
     return results, wall
+
+
+async def _who_prefilled(client: AsyncClient, results: list[Result]) -> None:
+    """Ask the router who prefilled each successful request (after the timed run, so it costs the
+    figures nothing); a request it no longer knows stays None."""
+    gate = asyncio.Semaphore(16)
+
+    async def one(r: Result) -> None:
+        async with gate:
+            try:
+                r.prefill_worker = (await client.get_request(r.request_id, timeout=30)).prefill_worker
+            except grpc.aio.AioRpcError:
+                pass
+
+    await asyncio.gather(*(one(r) for r in results if r.ok and r.request_id))
 
 
 async def warm_up(address: str, items: list[WorkItem]) -> None:
@@ -161,6 +182,9 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
         "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
         "good_requests": n_good,
         "goodput": n_good / wall_s if wall_s > 0 else 0.0,
+        # prefilled by their decode worker (None: not known for any request)
+        "prefilled_locally": (sum(1 for r in ok if r.prefill_worker == "")
+                              if any(r.prefill_worker is not None for r in ok) else None),
     }
     if any(r.priority for r in results):  # latency by priority class
         out["by_priority"] = {}
