@@ -260,6 +260,14 @@ def _e2e_cells(e: dict) -> str:
     return f"{_ms(e['p50']):>8} {_ms(e['p90']):>6} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7}"
 
 
+def _local_prefills_line(named_points) -> list[str]:
+    """One line counting, per (name, point), the requests their decode worker prefilled; none when
+    no point knows."""
+    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}" for name, p in named_points
+             if p.get("prefilled_locally") is not None]
+    return ["prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local)] if local else []
+
+
 def runs_table(points: list[dict]) -> str:
     head = (f"{'load':>16} {'ok/sent':>8} {'req/s':>7} {'tok/s':>7} {'goodput':>8} | "
             f"{'TTFT p50':>8} {'p90':>6} {'p99':>6} {'p99.9':>6} | {'TPOT p50':>8} {'p99':>6} | "
@@ -273,10 +281,7 @@ def runs_table(points: list[dict]) -> str:
         for name, c in p.get("by_priority", {}).items():  # TPOT is not split by class: its cells stay blank
             rows.append(f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | "
                         f"{_ttft_cells(c['ttft_s'])} | {'':>15} | {_e2e_cells(c['e2e_s'])}")
-    local = [f"{p['label']} {p['prefilled_locally']} of {p['succeeded']}" for p in points
-             if p.get("prefilled_locally") is not None]
-    if local:
-        rows.append("prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local))
+    rows += _local_prefills_line((p["label"], p) for p in points)
     return "\n".join(rows)
 
 
@@ -295,10 +300,7 @@ def compare_table(report: dict) -> str:
                     f"{_ms(p['ttft_s']['p99']):>8} {_ms(p['tpot_s']['p99']):>8}")
     rows.append(f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
                 f"higher is better)")
-    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}" for name, p in vs.items()
-             if p.get("prefilled_locally") is not None]
-    if local:
-        rows.append("prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local))
+    rows += _local_prefills_line(vs.items())
     return "\n".join(rows)
 
 
