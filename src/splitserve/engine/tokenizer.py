@@ -15,6 +15,9 @@ except ImportError:  # pragma: no cover - tokenizers comes with transformers
 _CONTEXT_TOKENS = 5
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
@@ -35,6 +38,9 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not m.get("role"):
                 raise InvalidRequestError(f"messages[{i}].role", "must be set")
+            if m["role"] not in CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role",
+                                          f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def decode(self, ids: list[int]) -> str:

@@ -263,6 +263,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         convert.check_request_id(request.request_id)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         ids = self.front.prompt_ids(request)
+        if len(ids) >= self.front.context:  # no room for even one token: the input is what is too long
+            raise InvalidRequestError(request.WhichOneof("input"), f"is {len(ids)} tokens; the context length is "
+                                      f"{self.front.context}, prompt and completion together")
         total = len(ids) + params.max_tokens
         if total > self.front.context:
             raise InvalidRequestError(

@@ -55,9 +55,6 @@ def input_of(req: gen_pb.GenerateRequest) -> tuple[str, object]:
         msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
         if not msgs:
             raise InvalidRequestError("messages", "must not be empty")
-        for i, m in enumerate(msgs):
-            if not m["role"]:
-                raise InvalidRequestError(f"messages[{i}].role", "must be set")
         return kind, msgs
     ids = list(req.token_ids.ids)
     if not ids:
