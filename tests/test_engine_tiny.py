@@ -256,6 +256,8 @@ def test_bad_requests_name_the_field(tiny_engine_factory):
         eng.add_request("a", [5, 512], SamplingParams())
     with pytest.raises(InvalidRequestError, match="sampling.max_tokens.*context length 1024"):
         eng.add_request("a", [5] * 1000, SamplingParams(max_tokens=100))
+    with pytest.raises(InvalidRequestError, match="prompt: is 1024 tokens; the context length is 1024"):
+        eng.add_request("a", [5] * 1024, SamplingParams(max_tokens=1))
     with pytest.raises(InvalidRequestError, match="sampling.stop"):
         eng.add_request("a", [5], SamplingParams(stop=("x",)))  # no tokenizer
     eng.add_request("a", [5, 6], SamplingParams(max_tokens=2))

@@ -30,7 +30,7 @@ from splitserve.engine.outputs import (
     StepStats,
 )
 from splitserve.engine.padded import PaddedBatcher
-from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample
+from splitserve.engine.sampling import SampleRow, SamplingParams, check_context, new_generator, sample
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer
@@ -115,13 +115,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        check_context(len(prompt_token_ids), params, self.max_model_len)
         total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length {self.max_model_len}",
-            )
         if prefill_only and not self.fits(len(prompt_token_ids) + 1):
             raise InvalidRequestError(
                 "prompt",

@@ -59,6 +59,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def check_context(prompt_len: int, params: SamplingParams, context: int, input_field: str = "prompt") -> None:
+    """Raise InvalidRequestError if prompt + max_tokens exceed the context: naming the input when it
+    alone leaves no room for even one token, else sampling.max_tokens."""
+    if prompt_len >= context:
+        raise InvalidRequestError(input_field, f"is {prompt_len} tokens; the context length is {context}, "
+                                               "prompt and completion together")
+    total = prompt_len + params.max_tokens
+    if total > context:
+        raise InvalidRequestError(
+            "sampling.max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length "
+            f"{context}",
+        )
+
+
 def new_generator(params: SamplingParams) -> torch.Generator | None:
     """A generator for a random request; None for greedy ones."""
     if params.greedy:

@@ -25,7 +25,7 @@ from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import load_frontend
 from splitserve.engine.model import context_length
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.sampling import SamplingParams, check_context
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
@@ -263,16 +263,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         convert.check_request_id(request.request_id)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         ids = self.front.prompt_ids(request)
-        if len(ids) >= self.front.context:  # no room for even one token: the input is what is too long
-            raise InvalidRequestError(request.WhichOneof("input"), f"is {len(ids)} tokens; the context length is "
-                                      f"{self.front.context}, prompt and completion together")
-        total = len(ids) + params.max_tokens
-        if total > self.front.context:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length "
-                f"{self.front.context}",
-            )
+        check_context(len(ids), params, self.front.context, request.WhichOneof("input"))
         if any(t < 0 or t >= self.front.vocab for t in params.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         return request.request_id or uuid.uuid4().hex, ids, params
