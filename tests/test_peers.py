@@ -1,4 +1,5 @@
-"""Channels to decode workers (service/peers.py), with real channels to a real gRPC server."""
+"""Channels to decode workers (service/peers.py) and the prefill worker's first-token streams, with
+real channels to real gRPC servers."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve.prefill_worker.worker import TokenStreams
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
+from splitserve_proto.v1 import worker_pb2 as w
+from splitserve_proto.v1 import worker_pb2_grpc
+from service_helpers import wait_for
 
 
 @pytest.fixture
@@ -70,3 +75,69 @@ def test_a_blocked_peer_holds_only_its_own_threads(two_servers):
     assert peers.get(a).pools["handoff"] is not peers.get(b).pools["handoff"]
     for p in peers.clear(wait=True):
         p.channel.close()
+
+
+class _Decode(worker_pb2_grpc.DecodeWorkerServicer):
+    """FirstTokens as a decode worker serves it: records each stream's messages; a stream that
+    gets request_id "break" ends with UNAVAILABLE."""
+
+    def __init__(self):
+        self.streams: list[list[str]] = []
+        self.closed = threading.Event()
+
+    def FirstTokens(self, request_iterator, context):
+        got: list[str] = []
+        self.streams.append(got)
+        for req in request_iterator:
+            got.append(req.request_id)
+            if req.request_id == "break":
+                context.abort(grpc.StatusCode.UNAVAILABLE, "went away")
+        self.closed.set()
+        return w.FirstTokenResponse()
+
+
+class _OlderDecode(worker_pb2_grpc.DecodeWorkerServicer):
+    """A decode worker from before FirstTokens: UNIMPLEMENTED (the generated base class)."""
+
+
+def _serve(servicer):
+    server = grpc.server(cf.ThreadPoolExecutor(4), options=options())
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    return server, address
+
+
+def test_first_tokens_share_one_stream_per_decode_worker_and_fall_back_to_calls():
+    new, old = _Decode(), _OlderDecode()
+    (s1, a1), (s2, a2) = _serve(new), _serve(old)
+    peers = Peers(lambda address: grpc.insecure_channel(address))
+    streams = TokenStreams()
+    try:
+        def send(address, rid):
+            return streams.send(address, peers.get(address).stub, w.FirstTokenRequest(request_id=rid, token_ids=[1]), 5)
+
+        assert all(send(a1, rid) for rid in ("a", "b", "c"))
+        wait_for(lambda: new.streams and new.streams[0] == ["a", "b", "c"], what="three messages on one stream")
+        assert len(new.streams) == 1
+        # A stream that broke is opened again on the next token; what it lost is not resent.
+        assert send(a1, "break")
+        wait_for(lambda: streams._streams[a1].ended, what="the broken stream ended")
+        assert send(a1, "d")
+        wait_for(lambda: len(new.streams) == 2 and new.streams[1] == ["d"], what="a second stream")
+        # Closing a worker's stream ends its call cleanly on the server.
+        streams.drop([a1])
+        assert new.closed.wait(5)
+        # An older worker: the first token is lost with its stream (UNIMPLEMENTED), then the caller
+        # is told to use FirstToken calls, and no stream is opened again.
+        assert send(a2, "x")
+        wait_for(lambda: streams._streams[a2].ended, what="UNIMPLEMENTED")
+        assert streams._streams[a2].unsupported
+        first = streams._streams[a2]
+        assert not send(a2, "y") and streams._streams[a2] is first
+    finally:
+        streams.close()
+        for peer in peers.clear():
+            peer.channel.close()
+        s1.stop(None)
+        s2.stop(None)

@@ -893,6 +893,7 @@ def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, 
          "splitserve.v1.GenerateRequest"),
         (dec, "/splitserve.v1.DecodeWorker/PutKV", "unary", corrupt, "splitserve.v1.PutKVRequest"),
         (dec, "/splitserve.v1.DecodeWorker/PutKVStream", "client-stream", corrupt, "splitserve.v1.KVChunk"),
+        (dec, "/splitserve.v1.DecodeWorker/FirstTokens", "client-stream", corrupt, "splitserve.v1.FirstTokenRequest"),
     ]
     for address, method, kind, payload, type_name in calls:
         with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as e:
@@ -1010,6 +1011,52 @@ def test_a_handoff_that_comes_before_its_decode_stream_waits_for_it(stack):
             stub.FirstToken(w.FirstTokenRequest(request_id="early", token_ids=[8]), timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert time.monotonic() - t < STREAM_WAIT_S / 2, "a handoff for an ended stream was held"
+
+
+def test_first_tokens_come_on_the_prefill_workers_stream_and_bad_messages_are_dropped(stack, client):
+    """Prefill workers send first tokens on one FirstTokens stream per decode worker. A message
+    there that is bad, or whose request has no stream, is dropped and counted (there is no status
+    to answer it with: its KV handoff carries the token), and the stream and the worker go on."""
+    import queue
+
+    from splitserve.decode_worker.server import STREAM_WAIT_S
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    dec = workers(stack, "decode")[0]
+    before = scrape(dec["metrics"])
+    via = lambda m, how: m.get(f"splitserve_first_tokens_total{{via={how}}}", 0)  # noqa: E731
+    dropped = lambda m, why: m.get(f"splitserve_first_tokens_dropped_total{{reason={why}}}", 0)  # noqa: E731
+    assert len(client.generate("a first token by stream", max_tokens=3).token_ids) == 3
+    after = scrape(dec["metrics"])
+    if via(after, "local") == via(before, "local"):  # not prefilled by the decode worker itself
+        assert via(after, "stream") == via(before, "stream") + 1, after
+    with grpc.insecure_channel(dec["address"]) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        tokens = stub.FirstTokens.future(iter(q.get, None), timeout=30)
+        q.put(w.FirstTokenRequest(request_id="ft-early", token_ids=[7], text="z"))  # before its stream
+        q.put(w.FirstTokenRequest(token_ids=[5]))  # no request_id
+        q.put(w.FirstTokenRequest(request_id="ft-early"))  # no token
+        time.sleep(STREAM_WAIT_S / 4)
+        decode = stub.Decode(w.DecodeRequest(request_id="ft-early", prompt_tokens=4))
+        assert next(decode).accepted
+        ev = next(decode)
+        assert list(ev.token_ids) == [7] and ev.text == "z" and ev.first_token_unix > 0
+        q.put(w.FirstTokenRequest(request_id="ft-early", token_ids=[8]))  # a repeat: ignored
+        q.put(None)
+        tokens.result(timeout=10)  # every message has been handled
+        decode.cancel()
+        wait_for(lambda: scrape(dec["metrics"])["splitserve_decode_streams_open"] == 0, what="the stream closed")
+        late = stub.FirstTokens(iter([w.FirstTokenRequest(request_id="ft-early", token_ids=[9])]), timeout=10)
+        assert isinstance(late, w.FirstTokenResponse)  # its stream has ended: dropped, the call is fine
+    wait_for(lambda: dropped(scrape(dec["metrics"]), "no_stream") > dropped(before, "no_stream"), timeout=10,
+             what="the late token dropped")
+    m = scrape(dec["metrics"])
+    assert dropped(m, "invalid") == dropped(before, "invalid") + 2
+    assert dropped(m, "no_stream") == dropped(before, "no_stream") + 1
+    assert via(m, "stream") == via(after, "stream") + 1
+    assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
 def _queue_counts(stack) -> list[int]:

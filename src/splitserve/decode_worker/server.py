@@ -1,7 +1,8 @@
 """The DecodeWorker service.
 
 Per request: the router opens ``Decode`` (a slot waits for the KV), a prefill worker
-sends the token it sampled with ``FirstToken`` (relayed at once) and then calls
+sends the token it sampled with ``FirstToken`` (relayed at once; or as a message on the
+``FirstTokens`` stream it keeps open to this worker) and then calls
 ``PutKV`` with a handle (or ``PutKVStream`` with the bytes), the KV is validated
 and copied into the paged pool on the engine thread, and tokens flow back on the
 ``Decode`` stream. A cancelled ``Decode`` aborts the sequence and frees its blocks;
@@ -109,6 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> when, before its stream
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self.background = Background()
+        self.token_streams: set[asyncio.Task] = set()  # FirstTokens handlers: they last as long as their peer
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
         self._arrivals = itertools.count()
         self.draining = False
@@ -241,6 +243,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                kv_transfer_ms=slot.transfer_ms))
         if not slot.first_sent:
             slot.first_sent = True
+            self.metrics.first_tokens.labels("local" if slot.prefill_start else "kv").inc()
             if slot.prefill_start:  # prefilled here: the engine's own prefill produced this token
                 slot.kv_done = slot.first_token_at = time.time()
                 slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
@@ -281,14 +284,58 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def FirstToken(self, request: w_pb.FirstTokenRequest, context):
         """The token prefill sampled, ahead of its KV: it goes to the client now."""
+        self._check_first(request)
+        self._relay_first(await self._stream(request.request_id), request, "call")
+        return w_pb.FirstTokenResponse()
+
+    async def FirstTokens(self, request_iterator, context):
+        """FirstToken's messages over a stream a prefill worker keeps open. One that is bad or whose
+        request has no stream here is dropped (and counted): its KV's handoff carries the token."""
+        task = asyncio.current_task()
+        self.token_streams.add(task)
+        try:
+            await self._first_tokens(request_iterator)
+        finally:
+            self.token_streams.discard(task)
+        return w_pb.FirstTokenResponse()
+
+    async def _first_tokens(self, request_iterator) -> None:
+        async for request in request_iterator:
+            try:
+                self._check_first(request)
+            except Invalid as e:
+                self._drop_first(request, "invalid", e)
+                continue
+            slot = self.slots.get(request.request_id)
+            if slot is not None:
+                self._relay_first(slot, request, "stream")
+            else:  # its stream may still be opening: wait for it off this stream
+                self.background.start(self._relay_first_later(request))
+
+    async def _relay_first_later(self, request: w_pb.FirstTokenRequest) -> None:
+        try:
+            slot = await self._stream(request.request_id)
+        except NotFound as e:
+            self._drop_first(request, "no_stream", e)
+            return
+        self._relay_first(slot, request, "stream")
+
+    def _drop_first(self, request: w_pb.FirstTokenRequest, reason: str, e: Exception) -> None:
+        self.metrics.first_tokens_dropped.labels(reason).inc()
+        log.debug("first token of %r dropped: %s", request.request_id, e)
+
+    @staticmethod
+    def _check_first(request: w_pb.FirstTokenRequest) -> None:
         if not request.request_id:
             raise Invalid("request_id: must be set")
         if not request.token_ids:
             raise Invalid("token_ids: the first token must be given")
-        slot = await self._stream(request.request_id)
+
+    def _relay_first(self, slot: Slot, request: w_pb.FirstTokenRequest, via: str) -> None:
         if slot.first_sent or slot.done:  # the KV got here first and its token went out already
-            return w_pb.FirstTokenResponse()
+            return
         slot.first_sent = True
+        self.metrics.first_tokens.labels(via).inc()
         slot.completion_tokens = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
@@ -297,7 +344,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
             first_token_unix=slot.first_token_at,
         ))
-        return w_pb.FirstTokenResponse()
 
     # -- Fail ---------------------------------------------------------------------------
 
@@ -573,6 +619,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     t_end = time.time() + settings.drain_s
     while servicer.slots and time.time() < t_end:
         await asyncio.sleep(0.05)
+    for task in servicer.token_streams:  # prefill workers keep these open: not worth the grace period
+        task.cancel()
     await server.stop(grace=1.0)
     runner.stop()
     servicer.reader.close()

@@ -192,3 +192,9 @@ class DecodeMetrics(EngineMetrics):
         self.kv_bytes = self.c("kv_received_bytes", "KV bytes adopted from prefill workers", ["transport"])
         self.handoffs_refused = self.c("kv_handoffs_refused", "PutKV calls refused, by gRPC status", ["code"])
         self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")
+        self.first_tokens = self.c("first_tokens", "First tokens sent on Decode streams, by where they came from: "
+                                   "stream (FirstTokens), call (FirstToken), kv (with the KV: no token came "
+                                   "ahead of it), local (prefilled here)", ["via"])
+        self.first_tokens_dropped = self.c("first_tokens_dropped", "FirstTokens stream messages dropped (invalid, or "
+                                           "no Decode stream open for the request): the KV handoff carries the "
+                                           "token instead", ["reason"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import queue
 import signal
 import sys
 import threading
@@ -56,6 +57,82 @@ HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RES
                           grpc.StatusCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
 
+class TokenStream:
+    """One FirstTokens stream to a decode worker. Messages go from a queue, fed by the worker's
+    loop, to the thread gRPC runs to send them."""
+
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub):
+        self.stub = stub
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.future = stub.FirstTokens.future(self._messages())
+        self.future.add_done_callback(self._ended)
+
+    def _messages(self):
+        while (item := self._queue.get()) is not None:
+            request, sent = item
+            yield request
+            sent.set()  # gRPC asks for the next message once it has sent this one
+
+    def _ended(self, f) -> None:
+        self._queue.put(None)  # its sending thread stops, if it waits for a message
+        if f.code() not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+            log.info("first-token stream to a decode worker ended: %s %s", f.code().name, f.details())
+
+    @property
+    def ended(self) -> bool:
+        return self.future.done()
+
+    @property
+    def unsupported(self) -> bool:
+        """The decode worker has no FirstTokens (an older version)."""
+        return self.future.done() and self.future.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def send(self, request: w_pb.FirstTokenRequest) -> threading.Event:
+        sent = threading.Event()
+        self._queue.put((request, sent))
+        return sent
+
+    def close(self) -> None:
+        self._queue.put(None)  # the call ends once what is queued has gone
+
+
+class TokenStreams:
+    """The FirstTokens streams a prefill worker keeps open, one per decode worker. A message on an
+    open stream costs about half of a new call (0.57 against 1.03 ms p50 measured here, 0.2 s
+    apart). One that a broken stream loses is not resent: the KV's handoff carries the token too.
+    A stream that ended is opened again on the next token, and so is one on a channel reopened."""
+
+    def __init__(self):
+        self._streams: dict[str, TokenStream] = {}
+        self._lock = threading.Lock()
+
+    def send(self, address: str, stub: worker_pb2_grpc.DecodeWorkerStub, request: w_pb.FirstTokenRequest,
+             wait_s: float) -> bool:
+        """Send on the stream to address, waiting up to wait_s for it to leave; False (nothing sent)
+        if that worker has no FirstTokens."""
+        with self._lock:
+            ts = self._streams.get(address)
+            if ts is None or ts.stub is not stub or ts.ended and not ts.unsupported:
+                ts = self._streams[address] = TokenStream(stub)
+        if ts.unsupported:
+            return False
+        ts.send(request).wait(wait_s)
+        return True
+
+    def drop(self, addresses) -> None:
+        """Close the streams to these workers (their channels are being closed)."""
+        with self._lock:
+            gone = [self._streams.pop(a) for a in addresses if a in self._streams]
+        for ts in gone:
+            ts.close()
+
+    def close(self) -> None:
+        with self._lock:
+            gone, self._streams = list(self._streams.values()), {}
+        for ts in gone:
+            ts.close()
+
+
 @dataclass
 class InFlight:
     job: Job
@@ -91,6 +168,7 @@ class PrefillWorker:
         # of the light-load TTFT). The shared pool is for what has no known worker.
         self.peers = Peers(lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
                            pools={"handoff": 8, "first-token": 4})
+        self.token_streams = TokenStreams()
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
@@ -297,11 +375,7 @@ class PrefillWorker:
             # The token goes out ahead of the KV: its copies (export, import) are off the TTFT path.
             # Waiting a moment for it keeps the export's copy from slowing its trip (measured: first
             # token part 2.9 -> 2.0 ms at light load); a busy decode worker costs at most 5 ms here.
-            fut = self._first_token(fl, out)
-            try:
-                fut.result(timeout=0.005)
-            except (cf.TimeoutError, grpc.RpcError):
-                pass  # still on its way, or failed: the handoff below reports failures
+            self._first_token(fl, out, wait_s=0.005)
             nbytes = self.engine.kv_nbytes(out.request_id)
             try:
                 off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
@@ -317,19 +391,22 @@ class PrefillWorker:
             self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, None, None,
                               out.finish_reason or "error")
 
-    def _first_token(self, fl: InFlight, out: RequestOutput) -> cf.Future:
-        """Start sending the first token; a sender thread carries it while the caller exports the KV."""
+    def _first_token(self, fl: InFlight, out: RequestOutput, wait_s: float) -> None:
+        """Send the first token to its decode worker, on the stream kept open to it (with a call of
+        its own to a worker that has no FirstTokens); waits up to wait_s for it to leave."""
         job = fl.job
         req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
                                      queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end)
-        fut = self.peers.submit(job.decode_address, "first-token", self._stub(job.decode_address).FirstToken, req,
-                                timeout=HANDOFF_LEASE_S)
+        peer = self.peers.get(job.decode_address)
+        if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
+            return
+        fut = self.peers.submit(job.decode_address, "first-token", peer.stub.FirstToken, req, timeout=HANDOFF_LEASE_S)
 
         def done(f) -> None:  # a failure here is reported (and handled) by the KV handoff that follows
             if f.exception() is not None:
                 log.debug("first token of %s not sent: %s", job.request_id, f.exception())
         fut.add_done_callback(done)
-        return fut
+        cf.wait([fut], timeout=wait_s)
 
     def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "") -> None:
         job = fl.job
@@ -483,7 +560,9 @@ class PrefillWorker:
         while not self.stop.wait(self.s.heartbeat_s):
             with self.lock:
                 calling = {fl.job.decode_address for fl in self.inflight.values()}
-            for peer in self.peers.prune(calling):  # decode workers not called for a while (gone, moved)
+            pruned = self.peers.prune(calling)  # decode workers not called for a while (gone, moved)
+            self.token_streams.drop(p.address for p in pruned)
+            for peer in pruned:
                 peer.channel.close()
             stalled = self.watch.stalled()
             self.metrics.stalled.set(int(stalled))
@@ -567,6 +646,7 @@ class PrefillWorker:
                         self._drop_cancelled()
                 except redis.RedisError as e:
                     log.warning("checking held jobs for cancellation failed: %s", e)
+        self.token_streams.close()
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first
             peer.channel.close()
         self.pool.shutdown(wait=True)
