@@ -1127,6 +1127,45 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     assert all(pr.popen.poll() is None for pr in stack.procs)
 
 
+def test_a_job_queued_alone_is_picked_up_beside_its_forward_and_dropped_if_it_ended(stack, client):
+    """An idle prefill worker starts the forward of a job that was queued alone and runs its pickup
+    beside it. A request that ended in the queue meanwhile is dropped after that forward: no
+    first token goes out, its KV is freed, the entry is acked and its admission counts come back
+    once. One that did not end is served as usual."""
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    r, p = stack.redis(), stack.keys.prefix
+    stream = f"{p}:prefill"
+    dec, pre = workers(stack, "decode")[0], workers(stack, "prefill")[0]
+    jobs = lambda m, outcome: m.get(f"splitserve_prefill_jobs_total{{outcome={outcome}}}", 0)  # noqa: E731
+    firsts = lambda: sum(v for k, v in scrape(dec["metrics"]).items()  # noqa: E731
+                         if k.startswith("splitserve_first_tokens_total"))
+    ids = [1, 504, 3277, 28, 8296, 30]
+    before, m0, f0 = _queue_counts(stack), scrape(pre["metrics"]), firsts()
+    with grpc.insecure_channel(dec["address"]) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        gone = _admitted_by_hand(stack, stub, "alone-ended", len(ids))
+        r.hset(f"{p}:req:alone-ended", "state", "cancelled")  # as Abort leaves it, before any pickup
+        r.xadd(stream, {"job": json.dumps(_job_json(dec, "alone-ended", ids)), "tokens": str(len(ids)), "queued": "1"})
+        wait_for(lambda: jobs(scrape(pre["metrics"]), "skipped_cancelled") == jobs(m0, "skipped_cancelled") + 1,
+                 what="the ended job skipped")
+        wait_for(lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0, what="its entry acked")
+        wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
+        assert r.hget(f"{p}:req:alone-ended", "state") == b"cancelled"
+        assert firsts() == f0, "a first token went out for a request that had ended"
+        steps = scrape(pre["metrics"])["splitserve_engine_steps_total"]
+        assert steps == m0["splitserve_engine_steps_total"] + 1, "its forward did not run beside its pickup"
+        gone.cancel()
+        served = _admitted_by_hand(stack, stub, "alone-served", len(ids))
+        r.xadd(stream, {"job": json.dumps(_job_json(dec, "alone-served", ids)), "tokens": str(len(ids)), "queued": "1"})
+        events = list(served)
+    assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
+    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == \
+        [t for e in events for t in e.token_ids]
+    wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
+
+
 def test_a_job_pulled_by_a_worker_that_died_before_picking_it_up_returns_its_counts_once(stack, client):
     """A worker that read a job and died before its pickup never returned the job's admission
     counts; the worker that claims it must, once, and serve it."""

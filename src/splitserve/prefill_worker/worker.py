@@ -142,6 +142,7 @@ class InFlight:
     t_end: float = 0.0
     span: object = None  # this request's prefill span (batch spans link to it)
     kv_span: object = None  # prefill done -> PutKV answered
+    pickup: cf.Future | None = None  # its pickup, running beside its first forward (see pull)
 
     @property
     def queue_ms(self) -> float:
@@ -169,6 +170,7 @@ class PrefillWorker:
         self.peers = Peers(lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
                            pools={"handoff": 8, "first-token": 4})
         self.token_streams = TokenStreams()
+        self.pickups = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pickup")
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
@@ -200,7 +202,8 @@ class PrefillWorker:
         arrives while a forward runs joins at the next one, and one of higher priority is
         scheduled ahead of the held jobs not yet started.
         Each job's pickup (PICKUP_LUA) goes in one round trip with the top-up that follows it.
-        Returns (stream, entry id, job, first delivery, pickup outcome) in the order to prefill them.
+        Returns (stream, entry id, job, first delivery, pickup outcome) in the order to prefill them
+        (the outcome is a future for a job queued alone, whose pickup runs beside its forward).
         """
         held: list[tuple[str, str, Job, bool]] = []
         now = time.monotonic()
@@ -216,10 +219,18 @@ class PrefillWorker:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
-            got = self._read({stream: ">" for stream in self.keys.streams}, 1, 200)
+            got = self._read({stream: ">" for stream in self.keys.streams}, 1, 200, alone := set())
             held = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
             if not held:
                 return []
+            if len(held) == 1 and held[0][1] in alone and not 0 < held[0][2].deadline_unix < time.time():
+                # Queued alone: there is nothing to top up with, and its pickup runs beside its first
+                # forward (settled before that forward's outputs): a round trip off the TTFT path.
+                # A request that ended meanwhile costs that one forward (chunk), as if it had ended
+                # a moment later, during it.
+                stream, entry_id, job, first = held[0]
+                return [(stream, entry_id, job, first, self.pickups.submit(run_scripts, self.redis,
+                                                                           [self._pickup_call(job, first)]))]
         # Our own job, re-delivered by a claim, is in hand already.
         held = [e for e in held if e[3] or e[2].request_id not in self.inflight]
         jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(held)
@@ -243,10 +254,13 @@ class PrefillWorker:
         return (self.pickup, [self.keys.admission, self.keys.req(job.request_id)],
                 [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0])
 
-    def _read(self, streams: dict, count: int, block: int | None) -> list[tuple[str, str, Job, bool]]:
+    def _read(self, streams: dict, count: int, block: int | None, alone: set[str]) -> list[tuple[str, str, Job, bool]]:
+        """New entries; adds to alone the ids of those admitted when no other request was queued."""
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
+        entries = [(stream, entry_id, fields) for stream, got in resp or [] for entry_id, fields in got]
+        alone.update(entry_id.decode() for _, entry_id, fields in entries if fields.get(b"queued") == b"1")
         return self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
-                           for stream, entries in resp or [] for entry_id, fields in entries])
+                           for stream, entry_id, fields in entries])
 
     def _jobs(self, entries: list, first: bool = True) -> list[tuple[str, str, Job, bool]]:
         """(stream, entry id, raw job, raw token count) as Redis returns them -> (stream, entry id, job,
@@ -297,9 +311,11 @@ class PrefillWorker:
             self.pool.submit(self._fail_stream, request_id, decode_address, grpc.StatusCode.INTERNAL, message)
 
     def admit(self, stream: str, entry_id: str, job: Job, first: bool, outcome) -> None:
-        """Start prefilling a pulled job, by its pickup's outcome: 'prefilling', or the state of a
-        request that has ended (or 'expired') and is skipped."""
-        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        """Start prefilling a pulled job, by its pickup's outcome: 'prefilling', the state of a
+        request that has ended (or 'expired') and is skipped, or the pickup still running (a
+        future: settled after the forward, by _settle_pickups)."""
+        pickup = outcome if isinstance(outcome, cf.Future) else None
+        outcome = "prefilling" if pickup is not None else outcome.decode() if isinstance(outcome, bytes) else str(outcome)
         t = time.time()
         parent = tracing.context_of(job.traceparent)
         if first:
@@ -315,6 +331,8 @@ class PrefillWorker:
                                     priority=job.priority)
         except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
+            if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
+                cf.wait([pickup])
             self._update(job.request_id, {"state": "failed", "error": str(e)})
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
@@ -325,7 +343,34 @@ class PrefillWorker:
             "gen_ai.usage.input_tokens": len(job.token_ids),
         })
         with self.lock:
-            self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span)
+            self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span, pickup=pickup)
+
+    def _settle_pickups(self) -> None:
+        """The outcomes of the pickups that ran beside the forward just done: a request that ended
+        (or expired) in the queue is dropped as admit drops it, before its outputs are handled.
+        One whose pickup failed (Redis away) is dropped unacked, as a failed pull leaves it: it is
+        claimed and picked up again later."""
+        with self.lock:
+            pending = [fl for fl in self.inflight.values() if fl.pickup is not None]
+        for fl in pending:
+            try:
+                outcome = fl.pickup.result()[0]
+                outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+            except redis.RedisError as e:
+                log.warning("pickup of %s failed (picked up again once claimed): %s", fl.job.request_id, e)
+                outcome = None
+            fl.pickup = None
+            if outcome == "prefilling":
+                continue
+            rid = fl.job.request_id
+            with self.lock:
+                self.inflight.pop(rid, None)
+            self.engine.abort_request(rid)  # frees its KV here, prefilled or not
+            fl.span.set_attribute("splitserve.skipped", outcome or "pickup failed")
+            fl.span.end()
+            if outcome is not None:
+                self._ack(fl.stream, fl.entry_id)
+                self.metrics.jobs.labels("expired" if outcome == "expired" else "skipped_cancelled").inc()
 
     def _drop_cancelled(self) -> None:
         """Abort the held jobs whose requests ended while they waited or were being prefilled (the
@@ -617,6 +662,8 @@ class PrefillWorker:
                     try:
                         self.admit(stream, entry_id, job, first, outcome)
                     except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
+                        if isinstance(outcome, cf.Future):  # its 'prefilling' must not land after the drop's 'failed'
+                            cf.wait([outcome])
                         # its pickup has returned the admission counts already (tokens None: not again)
                         self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
                 pull_failing = False
@@ -637,6 +684,7 @@ class PrefillWorker:
                 t0 = time.time()
                 with self.watch.step():
                     outputs = self.engine.step()
+                self._settle_pickups()
                 links = self._batch_links()  # before the handoffs drop their requests
                 for out in outputs:  # first: the first tokens go out before the bookkeeping
                     self.on_output(out)
@@ -650,6 +698,7 @@ class PrefillWorker:
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first
             peer.channel.close()
         self.pool.shutdown(wait=True)
+        self.pickups.shutdown(wait=True)
 
 
 def main(argv: list[str] | None = None) -> int:

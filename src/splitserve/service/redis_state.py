@@ -61,7 +61,8 @@ redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 redis.call('SADD', KEYS[4], job['request_id'])
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
 if ARGV[7] ~= '0' then  -- 'tokens' lets a worker return the counts of a job it cannot read
-  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n)
+  -- 'queued': the requests queued with this one; 1 tells an idle worker nothing else waits
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n, 'queued', q + 1)
 else
   redis.call('HINCRBY', KEYS[1], 'local_tokens', n)
   redis.call('HSET', KEYS[3], 'local', 1)
