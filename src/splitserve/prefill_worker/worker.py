@@ -164,9 +164,10 @@ class PrefillWorker:
         self.host = host_id()
         self.arena = Arena(f"{settings.shm_prefix}{self.name}", settings.arena_bytes)
         # Calls to decode workers run on each worker's own threads: one that hangs holds its own
-        # handoffs until keepalive drops it, not the others'. First tokens go out on threads that
-        # stay up: a gRPC future would start a thread per call on an idle channel (measured: 0.7 ms
-        # of the light-load TTFT). The shared pool is for what has no known worker.
+        # handoffs until keepalive drops it, not the others'. First tokens go on a stream kept open
+        # to each worker (token_streams); to a worker without one, on threads that stay up (a gRPC
+        # future would start a thread per call on an idle channel: 0.7 ms of the light-load TTFT).
+        # The shared pool is for what has no known worker.
         self.peers = Peers(lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
                            pools={"handoff": 8, "first-token": 4})
         self.token_streams = TokenStreams()
