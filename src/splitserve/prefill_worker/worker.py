@@ -57,6 +57,16 @@ HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RES
                           grpc.StatusCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
 
 
+def _state(raw) -> str:
+    """A pickup's outcome as Redis returns it."""
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _skipped(outcome: str) -> str:
+    """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue."""
+    return "expired" if outcome == "expired" else "skipped_cancelled"
+
+
 class TokenStream:
     """One FirstTokens stream to a decode worker. Messages go from a queue, fed by the worker's
     loop, to the thread gRPC runs to send them."""
@@ -128,9 +138,8 @@ class TokenStreams:
 
     def close(self) -> None:
         with self._lock:
-            gone, self._streams = list(self._streams.values()), {}
-        for ts in gone:
-            ts.close()
+            addresses = list(self._streams)
+        self.drop(addresses)
 
 
 @dataclass
@@ -316,7 +325,7 @@ class PrefillWorker:
         request that has ended (or 'expired') and is skipped, or the pickup still running (a
         future: settled after the forward, by _settle_pickups)."""
         pickup = outcome if isinstance(outcome, cf.Future) else None
-        outcome = "prefilling" if pickup is not None else outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        outcome = "prefilling" if pickup is not None else _state(outcome)
         t = time.time()
         parent = tracing.context_of(job.traceparent)
         if first:
@@ -325,7 +334,7 @@ class PrefillWorker:
             }).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
             self._ack(stream, entry_id)  # cancelled while queued, finished, or expired: skip it
-            self.metrics.jobs.labels("expired" if outcome == "expired" else "skipped_cancelled").inc()
+            self.metrics.jobs.labels(_skipped(outcome)).inc()
             return
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
@@ -355,23 +364,14 @@ class PrefillWorker:
             pending = [fl for fl in self.inflight.values() if fl.pickup is not None]
         for fl in pending:
             try:
-                outcome = fl.pickup.result()[0]
-                outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+                outcome = _state(fl.pickup.result()[0])
             except redis.RedisError as e:
                 log.warning("pickup of %s failed (picked up again once claimed): %s", fl.job.request_id, e)
                 outcome = None
             fl.pickup = None
-            if outcome == "prefilling":
-                continue
-            rid = fl.job.request_id
-            with self.lock:
-                self.inflight.pop(rid, None)
-            self.engine.abort_request(rid)  # frees its KV here, prefilled or not
-            fl.span.set_attribute("splitserve.skipped", outcome or "pickup failed")
-            fl.span.end()
-            if outcome is not None:
-                self._ack(fl.stream, fl.entry_id)
-                self.metrics.jobs.labels("expired" if outcome == "expired" else "skipped_cancelled").inc()
+            if outcome != "prefilling":
+                self._abandon(fl, {"splitserve.skipped": outcome or "pickup failed"},
+                              _skipped(outcome) if outcome is not None else None)
 
     def _drop_cancelled(self) -> None:
         """Abort the held jobs whose requests ended while they waited or were being prefilled (the
@@ -391,15 +391,21 @@ class PrefillWorker:
         for fl, state in zip(pending, states):
             if state not in (b"cancelled", b"failed"):
                 continue
-            rid = fl.job.request_id
-            with self.lock:
-                self.inflight.pop(rid, None)
-            self.engine.abort_request(rid)  # frees its KV here; its decode stream has ended already
-            fl.span.set_attribute("splitserve.cancelled_while", "prefilling")
-            fl.span.end()
+            self._abandon(fl, {"splitserve.cancelled_while": "prefilling"}, "cancelled_prefilling")
+            log.info("request %s ended (%s) while held for prefill: aborted", fl.job.request_id, state.decode())
+
+    def _abandon(self, fl: InFlight, span_attributes: dict, outcome: str | None) -> None:
+        """Stop holding a job: its KV is freed here (prefilled or not; its decode stream has ended
+        or never hears of it), its span ends saying why, and it is acked and counted under outcome
+        (None: left unacked, for a claim to pick it up again)."""
+        with self.lock:
+            self.inflight.pop(fl.job.request_id, None)
+        self.engine.abort_request(fl.job.request_id)
+        fl.span.set_attributes(span_attributes)
+        fl.span.end()
+        if outcome is not None:
             self._ack(fl.stream, fl.entry_id)
-            self.metrics.jobs.labels("cancelled_prefilling").inc()
-            log.info("request %s ended (%s) while held for prefill: aborted", rid, state.decode())
+            self.metrics.jobs.labels(outcome).inc()
 
     # -- after prefill ------------------------------------------------------------------
 
