@@ -246,6 +246,10 @@ def test_cancel_mid_stream_frees_everything(stack, client):
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a mid-stream cancel")
     wait_for(lambda: [w["opened"] == w["closed"] for w in workers(stack, "decode")] == [True], timeout=5,
              what="the cancelled stream closed in the registry")
+    # The decode worker's gauges say so too (an autoscaler reads num_requests_running): no step ran
+    # after the abort, and they must not keep that last step's sequence and blocks.
+    m = scrape(stack.proc("decode-0").metrics_address)
+    assert (m["splitserve_num_requests_running"], m["splitserve_kv_cache_blocks_used"]) == (0, 0), m
     assert wait_for(lambda: client.get_request("cancel-mid-stream").state == "cancelled")
 
 

@@ -564,6 +564,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     watch = StepWatch(settings.engine_stall_s, f"decode worker {name}")
     runner = EngineRunner(lambda: LLMEngine(settings.engine_config("decode")), loop, on_step=on_step, watch=watch)
     engine = await runner.start()  # no step runs before the servicer below takes a request
+    metrics.follow(engine)
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     keys = Keys(settings.redis_prefix)
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)

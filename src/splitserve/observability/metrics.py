@@ -142,14 +142,19 @@ class EngineMetrics(Metrics):
         self.padding_ratio = self.h("iteration_padding_ratio", "Padding / computed positions per step",
                                     RATIO_BUCKETS)
 
+    def follow(self, engine) -> None:
+        """Read the engine's batch and KV pool at each scrape. Set per step, these gauges kept the
+        last step's figures while a worker sat idle: a prefill worker whose last batch had been
+        exported, or a decode worker whose last sequence was aborted, showed KV still in use."""
+        pool = engine.cache.pool
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.blocks_used.set_function(lambda: pool.num_used)
+        self.blocks_free.set_function(lambda: pool.num_free)
+        self.kv_usage.set_function(lambda: pool.num_used / max(1, pool.num_blocks))
+
     def observe_step(self, engine) -> None:
         s = engine.last_stats
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        used, free = s.kv_blocks_used, s.kv_blocks_free
-        self.blocks_used.set(used)
-        self.blocks_free.set(free)
-        self.kv_usage.set(used / max(1, used + free))
         self.threads.set(engine.num_threads)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)

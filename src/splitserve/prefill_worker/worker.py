@@ -197,6 +197,7 @@ class PrefillWorker:
         self.metrics_address = ""
         self._last_claim = 0.0
         self.metrics = PrefillMetrics()
+        self.metrics.follow(self.engine)
         self.metrics.arena_size.set(self.arena.size)
         self.metrics.arena_used.set_function(lambda: self.arena.used_bytes)
 
