@@ -1403,3 +1403,102 @@ def test_a_client_that_stops_reading_a_stream_cancels_its_request(stack, client)
 
     assert asyncio.run(go()), "the asyncio client's abandoned stream was not cancelled"
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after both streams were abandoned")
+
+
+def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_correct_and_nothing_held(
+        stack, smol_loaded, mixed_workload):
+    """Six clients over both routers send a seeded mix: plain greedy requests (streamed, unary,
+    sampled), streams cancelled after some tokens or after a delay, Aborts sent to either router,
+    short deadlines and invalid requests, so that the endings land in every phase of other
+    requests (queued, prefilling, handing over, decoding). Every call ends with the status its
+    kind allows; every greedy request that completes equals the in-process engine's output;
+    afterwards every request has a final state, and no KV block, arena region, queue count or
+    running sequence is left anywhere."""
+    import random
+
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    prompts = [it["prompt_token_ids"][: 24 + 17 * (i % 9)] for i, it in enumerate(mixed_workload[:40])]
+    rng = random.Random(7)
+    plan = []  # (request_id, kind, prompt index, max_tokens, delay_s or tokens before the cancel)
+    kinds = ["stream", "stream", "unary", "sampled", "cancel_after_tokens", "cancel_after_delay", "abort",
+             "abort_elsewhere", "deadline", "bad"]
+    for k in range(72):
+        kind = kinds[k % len(kinds)] if k < len(kinds) else rng.choice(kinds)
+        plan.append((f"mix-{k}", kind, rng.randrange(len(prompts)), rng.randint(1, 24),
+                     rng.randint(0, 5) if kind == "cancel_after_tokens" else rng.uniform(0.0, 0.6)))
+    max_tokens = {p[0]: p[3] for p in plan}
+    greedy = [p for p in plan if p[1] in ("stream", "unary", "cancel_after_delay", "abort", "abort_elsewhere",
+                                          "deadline")]
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20), loaded=smol_loaded)
+    want = dict(zip((p[0] for p in greedy), eng.generate(
+        [prompts[p[2]] for p in greedy], [SamplingParams(max_tokens=p[3], ignore_eos=True) for p in greedy])))
+    allowed = {"stream": {"OK"}, "unary": {"OK"}, "sampled": {"OK"}, "bad": {"INVALID_ARGUMENT"},
+               "cancel_after_tokens": {"OK", "CANCELLED"}, "cancel_after_delay": {"OK", "CANCELLED"},
+               "abort": {"OK"}, "abort_elsewhere": {"OK"}, "deadline": {"OK", "DEADLINE_EXCEEDED"}}
+    got: dict[str, tuple] = {}
+    clients = [Client(a) for a in stack.router_addresses]
+    timers: list[threading.Timer] = []
+
+    def run(rid, kind, pi, n, arg, c, other):
+        kw = dict(token_ids=prompts[pi], max_tokens=n, ignore_eos=True, request_id=rid)
+        tokens, finish = [], ""
+        try:
+            if kind == "bad":
+                c.generate(**{**kw, "top_p": 1.5}, timeout=30)
+            elif kind in ("unary", "sampled"):
+                r = c.generate(**kw, **({"temperature": 0.9, "top_p": 0.9, "seed": pi} if kind == "sampled" else {}),
+                               timeout=120)
+                tokens, finish = list(r.token_ids), r.finish_reason
+            else:
+                stream = c.generate_stream(**kw, timeout=arg if kind == "deadline" else 120)
+                if kind in ("cancel_after_delay", "abort", "abort_elsewhere"):
+                    end = {"cancel_after_delay": stream.cancel, "abort": lambda: c.abort(rid),
+                           "abort_elsewhere": lambda: other.abort(rid)}[kind]
+                    timers.append(threading.Timer(arg, end))
+                    timers[-1].start()
+                for chunk in stream:
+                    tokens += chunk.token_ids
+                    finish = chunk.finish_reason or finish
+                    if kind == "cancel_after_tokens" and len(tokens) >= arg:
+                        stream.cancel()
+                        return "CANCELLED", tokens, "cancelled by the client"
+            return "OK", tokens, finish
+        except grpc.RpcError as e:
+            return e.code().name, tokens, e.details()
+
+    def client_loop(i):
+        c, other = clients[i % 2], clients[1 - i % 2]
+        for rid, kind, pi, n, arg in plan[i::6]:
+            got[rid] = (kind, *run(rid, kind, pi, n, arg, c, other))
+            time.sleep(0.05 * (i % 3))
+
+    try:
+        with cf.ThreadPoolExecutor(6) as ex:
+            list(ex.map(client_loop, range(6)))
+        for rid, kind, *_ in plan:
+            code, tokens, finish = got[rid][1:]
+            assert code in allowed[kind], (rid, kind, code, finish)
+            if rid in want and code == "OK" and finish == "length":  # ran to the end: token for token
+                assert tokens == want[rid], (rid, kind)
+            elif rid in want and code == "OK":  # an Abort ends the stream with 'cancelled', after a prefix
+                assert finish == "cancelled" and kind in ("abort", "abort_elsewhere"), (rid, kind, finish)
+                assert tokens == want[rid][: len(tokens)], (rid, kind)
+            if kind in ("stream", "unary", "sampled"):
+                assert finish == "length" and len(tokens) == max_tokens[rid], (rid, tokens, finish)
+        sent = [rid for rid, (kind, *_) in got.items() if kind != "bad"]
+        wait_for(lambda: {clients[0].get_request(rid).state for rid in sent} <= {"finished", "cancelled"},
+                 timeout=20, what="every request in a final state")
+        assert sum(kind == "bad" for kind, *_ in got.values()) >= 7
+        assert sum(code == "CANCELLED" for _, code, *_ in got.values()) >= 5
+        assert sum(kind.startswith("abort") and finish == "cancelled" for kind, _, _, finish in got.values()) >= 3
+        wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
+        assert _queue_counts(stack) == [0, 0]
+        for name in ("prefill-0", "decode-0"):
+            m = scrape(stack.proc(name).metrics_address)
+            assert (m["splitserve_num_requests_running"], m["splitserve_kv_cache_blocks_used"]) == (0, 0), (name, m)
+        assert all(p.popen.poll() is None for p in stack.procs)
+    finally:
+        for t in timers:
+            t.join()
+        for c in clients:
+            c.close()
