@@ -1352,6 +1352,47 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
         _finish(s)
 
 
+def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_rejoins_once_restarted():
+    """Killed, a decode worker stays in the registry until its lease runs out (3 heartbeats, 6 s
+    here). The router's channel to it fails to connect at once, and the router places nothing
+    there meanwhile (before, about half of the new requests went to it and failed UNAVAILABLE).
+    Restarted at the same address, it is connected again and given requests within seconds."""
+    s = _start(decode=2, heartbeat_s=2.0)
+    try:
+        with Client(s.router_address) as c:
+            def burst(tag: str) -> collections.Counter:
+                rids = [f"{tag}-{i}" for i in range(4)]
+                with cf.ThreadPoolExecutor(4) as pool:
+                    done = list(pool.map(lambda rid: c.generate("Once upon a time", max_tokens=16, ignore_eos=True,
+                                                                request_id=rid, timeout=60), rids))
+                assert all(len(r.token_ids) == 16 for r in done)
+                return collections.Counter(c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid in rids)
+
+            assert set(burst("warm")) == {"decode-0", "decode-1"}  # the router is connected to both
+            victim = s.proc("decode-1")
+            old_epoch = next(w["epoch"] for w in workers(s, "decode") if w["worker_id"].startswith("decode-1"))
+            victim.popen.kill()
+            victim.popen.wait()
+            t_killed = time.monotonic()
+            time.sleep(0.3)
+            for r in range(3):
+                assert burst(f"after-kill-{r}") == {"decode-0": 4}, r
+            assert time.monotonic() - t_killed < 3 * s.settings.heartbeat_s
+            assert len(workers(s, "decode")) == 2  # still registered: the router did not learn it from there
+
+            s.restart("decode-1")
+
+            def epoch_of_decode_1() -> str:
+                return next((w["epoch"] for w in workers(s, "decode") if w["worker_id"].startswith("decode-1")), "")
+            wait_for(lambda: epoch_of_decode_1() not in ("", old_epoch), what="decode-1 registered again")
+            end = time.monotonic() + 15
+            placed = collections.Counter()
+            while "decode-1" not in placed and time.monotonic() < end:
+                placed = burst(f"after-restart-{int(time.monotonic() * 1000)}")
+            assert "decode-1" in placed, placed
+    finally:
+        _finish(s)
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

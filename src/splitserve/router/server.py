@@ -116,7 +116,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.placements = Placements()  # corrects the registry's loads for what happened since
-        self.peers = Peers(lambda address: grpc_server.channel(address, settings.keepalive_s))
+        self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
@@ -146,8 +146,36 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         def load(w: WorkerInfo) -> tuple:
             return (self.placements.free_kv(w) < need_tokens, self.placements.load(w))
 
-        w = min(self.workers, key=load)
+        # A worker this router cannot connect to (killed, its registry entry not yet lapsed) gets
+        # nothing while another can take the request; if none can, the request fails naming it.
+        w = min([w for w in self.workers if self._reachable(w)] or self.workers, key=load)
         return w, self.placements.place(w.worker_id, need_tokens)
+
+    def _reachable(self, w: WorkerInfo) -> bool:
+        """False while this router's channel to w is in TRANSIENT_FAILURE: its last connection
+        attempt failed, and gRPC keeps it so (retrying in the background) until one succeeds."""
+        peer = self.peers.cached(w.address)
+        return peer is None or peer.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
+    def _open_channel(self, address: str) -> grpc.aio.Channel:
+        channel = grpc_server.channel(address, self.s.keepalive_s)
+        self.background.start(self._watch(channel))
+        return channel
+
+    @staticmethod
+    async def _watch(channel: grpc.aio.Channel) -> None:
+        """Reconnect a channel as soon as its connection drops: a worker that was killed then shows
+        as TRANSIENT_FAILURE within a moment (connection refused), not at the next request placed
+        there, and one that comes back (same address) is connected before it is picked."""
+        state = channel.get_state()
+        try:
+            while state != grpc.ChannelConnectivity.SHUTDOWN:
+                if state == grpc.ChannelConnectivity.IDLE:
+                    state = channel.get_state(try_to_connect=True)
+                await channel.wait_for_state_change(state)
+                state = channel.get_state()
+        except (asyncio.CancelledError, RuntimeError, ValueError):  # the channel or the loop closed
+            return
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
@@ -695,6 +723,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await grpc_server.set_not_serving(health, [SERVICE])
     task.cancel()
     await server.stop(grace=settings.drain_s)  # in-flight requests finish, new ones are refused
+    for peer in servicer.peers.clear():  # their watchers end with them
+        await peer.channel.close()
     try:
         await servicer.reap(servicer.id)  # leaves the routers set; anything not ended is marked failed
     except Exception as e:  # noqa: BLE001 - Redis may be gone too

@@ -15,6 +15,10 @@ OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
+    # A peer that went away is tried again at most 2 s apart (gRPC's default backs off to 120 s),
+    # so a worker restarted at its address is connected again within about that.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 
