@@ -37,6 +37,50 @@ def _check(peer) -> int:
     return health_pb2_grpc.HealthStub(peer.channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
+def test_a_new_run_at_an_address_gets_a_new_channel_that_connects_at_once():
+    """A server restarted at its address (a new run) is reached through a new channel at once,
+    where the channel that saw it die fails every call until gRPC's next reconnection attempt;
+    a run seen before the current one (placed before the restart) changes nothing."""
+    def serve(port: int = 0):
+        server = grpc.server(cf.ThreadPoolExecutor(2), options=options())
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        port = server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        return server, port
+
+    server, port = serve()
+    address = f"127.0.0.1:{port}"
+    peers = Peers(lambda a: grpc.insecure_channel(a, options=options()))
+    try:
+        assert peers.follow(address, "") is None and address not in peers  # no run: nothing to follow
+        assert peers.follow(address, "run-1") is None
+        first = peers.get(address)
+        assert first.run == "run-1" and _check(first) == health_pb2.HealthCheckResponse.SERVING
+        server.stop(None)
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # refused, again and again: its attempts back off to ~1 s apart
+            with pytest.raises(grpc.RpcError) as e:
+                _check(first)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            time.sleep(0.05)
+        server, _ = serve(port)
+        with pytest.raises(grpc.RpcError):  # still backing off: fails without trying
+            _check(first)
+        assert peers.follow(address, "run-1") is None and peers.get(address) is first
+        old = peers.follow(address, "run-2")
+        assert old is first
+        fresh = peers.get(address)
+        assert fresh is not first and fresh.run == "run-2" and fresh.earlier == ("run-1",)
+        assert _check(fresh) == health_pb2.HealthCheckResponse.SERVING
+        assert peers.follow(address, "run-1") is None and peers.get(address) is fresh  # an earlier run
+        assert fresh.run == "run-2"
+        old.channel.close()
+    finally:
+        for p in peers.clear():
+            p.channel.close()
+        server.stop(None)
+
+
 def test_idle_channels_are_closed_unless_kept(two_servers):
     a, b = two_servers
     peers = Peers(lambda address: grpc.insecure_channel(address), idle_s=0.3)

@@ -1114,7 +1114,7 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     ended = list(typo)
     assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
     assert "malformed prefill job" in ended[0].error and "token_ids" in ended[0].error
-    assert r.hget(f"{p}:req:typo", "state") == b"failed"
+    assert r.hmget(f"{p}:req:typo", "state", "code") == [b"failed", str(grpc.StatusCode.INTERNAL.value[0]).encode()]
     # A job from a newer router: a field this version does not know. Queued as the router would.
     ids = job["token_ids"]
     decode = _admitted_by_hand(stack, stub, "newer", len(ids))
@@ -1393,6 +1393,77 @@ def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_re
             assert "decode-1" in placed, placed
     finally:
         _finish(s)
+
+
+def test_a_lone_decode_worker_restarted_at_its_address_takes_the_next_requests_at_once():
+    """Killed while a prefill for it runs, a lone decode worker leaves both the router's and the
+    prefill worker's channels to its address failing to connect (the handoff was tried), and
+    gRPC retries those on its backoff, up to 2 s apart. Restarted there, it must complete the
+    very next requests: the router and the prefill worker each open a new channel to its new
+    run (the epoch it registers). Before, the first requests failed UNAVAILABLE at the router,
+    and one that got through hung to its deadline: its handoff failed at once, and so did the
+    call that should have ended its stream."""
+    s = _start(decode=1)
+    try:
+        with Client(s.router_address) as c:
+            assert c.generate("Once upon a time", max_tokens=4).finish_reason == "length"
+            old_epoch = workers(s, "decode")[0]["epoch"]
+            failed = []
+
+            def long_one():  # one forward of ~1500 tokens: its handoff is tried after the kill
+                try:
+                    c.generate("word " * 1500, max_tokens=4, request_id="cut-off", timeout=60)
+                except grpc.RpcError as e:
+                    failed.append(e.code())
+            t = threading.Thread(target=long_one)
+            t.start()
+            wait_for(lambda: _state(c, "cut-off") == "prefilling", timeout=30, interval=0.02,
+                     what="the long prompt in its prefill forward")
+            s.proc("decode-0").popen.kill()
+            s.proc("decode-0").popen.wait()
+            t.join(60)
+            assert failed == [grpc.StatusCode.UNAVAILABLE]
+            wait_for(lambda: all(w["running"] == "0" for w in workers(s, "prefill")), timeout=30,
+                     what="the prefill worker done with the handoff it could not make")
+
+            s.restart("decode-0")
+            assert workers(s, "decode")[0]["epoch"] != old_epoch
+            for i in range(8):
+                r = c.generate("Once upon a time", max_tokens=4, ignore_eos=True, request_id=f"after-restart-{i}",
+                               timeout=20)
+                assert len(r.token_ids) == 4, i
+    finally:
+        _finish(s)
+
+
+def test_a_request_a_prefill_worker_recorded_as_failed_ends_with_its_status_though_no_worker_ends_it(stack, client):
+    """A prefill worker that fails a request records the status in its hash and tells the decode
+    worker, which ends the stream; if that worker is out of its reach, the router reads the hash
+    (each half heartbeat, for the requests waiting for a first token) and ends the call with the
+    recorded status and message. Here the record is written while the prefill forward runs, as a
+    prefill worker would write it, and nothing tells the decode worker."""
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    got = []
+
+    def long_one():
+        try:
+            client.generate("word " * 1500, max_tokens=4, request_id="recorded-failure", timeout=60)
+        except grpc.RpcError as e:
+            got.append((e.code(), e.details(), time.monotonic()))
+    t = threading.Thread(target=long_one)
+    t.start()
+    wait_for(lambda: _state(client, "recorded-failure") == "prefilling", timeout=30, interval=0.02,
+             what="the long prompt in its prefill forward")
+    stack.redis().hset(stack.keys.req("recorded-failure"), mapping={
+        "state": "failed", "error": "KV handoff to the decode worker failed: UNAVAILABLE: unreachable",
+        "code": grpc.StatusCode.UNAVAILABLE.value[0]})
+    t_written = time.monotonic()
+    t.join(60)
+    assert [(code, details) for code, details, _ in got] == [
+        (grpc.StatusCode.UNAVAILABLE, "KV handoff to the decode worker failed: UNAVAILABLE: unreachable")]
+    assert got[0][2] - t_written < 5 * stack.settings.heartbeat_s  # not at the end of the forward, nor the deadline
+    assert client.get_request("recorded-failure").state == "failed"
+    wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of the failed request freed")
 
 
 def test_async_client_streams_and_generates(stack, client):

@@ -42,8 +42,8 @@ from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys,
-                                             WorkerInfo, connect, ensure_group, heartbeat, run_scripts,
-                                             update_args)
+                                             WorkerInfo, connect, ensure_group, failed, heartbeat,
+                                             run_scripts, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -65,6 +65,13 @@ def _state(raw) -> str:
 def _skipped(outcome: str) -> str:
     """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue."""
     return "expired" if outcome == "expired" else "skipped_cancelled"
+
+
+def _retire(peer) -> None:
+    """Close a replaced peer's channel once the calls its threads hold have ended."""
+    for ex in peer.pools.values():
+        ex.shutdown(wait=True)
+    peer.channel.close()
 
 
 class TokenStream:
@@ -315,7 +322,7 @@ class PrefillWorker:
         except ValueError:
             n = -1
         key = self.keys.req(request_id) if request_id else f"{self.keys.prefix}:dropped"  # no request's key
-        self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message])
+        self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message, grpc.StatusCode.INTERNAL.value[0]])
         self._ack(stream, entry_id)
         self.metrics.jobs.labels("malformed").inc()
         if request_id and decode_address:
@@ -337,6 +344,10 @@ class PrefillWorker:
             self._ack(stream, entry_id)  # cancelled while queued, finished, or expired: skip it
             self.metrics.jobs.labels(_skipped(outcome)).inc()
             return
+        if (old := self.peers.follow(job.decode_address, job.decode_epoch)) is not None:
+            log.info("decode worker at %s restarted: connecting to it anew", job.decode_address)
+            self.token_streams.drop([job.decode_address])
+            threading.Thread(target=_retire, args=(old,), name="retire", daemon=True).start()
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
                                     priority=job.priority)
@@ -344,7 +355,7 @@ class PrefillWorker:
             log.warning("job %s refused: %s", job.request_id, e)
             if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
                 cf.wait([pickup])
-            self._update(job.request_id, {"state": "failed", "error": str(e)})
+            self._update(job.request_id, failed(code_of(e), str(e)))
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
             self.peers.submit(job.decode_address, "handoff", self._fail, job, code_of(e), str(e))  # off the pulling loop
@@ -506,13 +517,12 @@ class PrefillWorker:
             else:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
-                self._update(job.request_id, {"state": "failed", "error": f"KV handoff: {e.details()}"})
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
-                self._fail(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
+                self._give_up(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
             span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
-            self._fail(job, grpc.StatusCode.INTERNAL, f"KV handoff failed: {e!r}"[:300])
+            self._give_up(job, grpc.StatusCode.INTERNAL, f"KV handoff failed: {e!r}"[:300])
         finally:
             span.end()
             if view is not None:
@@ -530,6 +540,15 @@ class PrefillWorker:
     def _update(self, request_id: str, mapping: dict) -> None:
         """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA)."""
         self.update_script(keys=[self.keys.req(request_id)], args=update_args(mapping))
+
+    def _give_up(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+        """The request has failed: so its hash says (which its router also reads, should the decode
+        worker not be told), and its decode stream ends with this status."""
+        try:
+            self._update(job.request_id, failed(code, message))
+        except redis.RedisError as e:
+            log.warning("could not record %s's failure: %s", job.request_id, e)
+        self._fail(job, code, message)
 
     def _fail(self, job: Job, code: grpc.StatusCode, message: str) -> None:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""

@@ -69,7 +69,8 @@ class Active:
     local: bool = False  # its decode worker prefills it (colocated, or conditional disaggregation)
     aborted: bool = False
     first: bool = False  # its first token (or its end) came
-    lost: str = ""  # why Redis no longer holds it (check_waiting): the stream then ends UNAVAILABLE
+    lost: str = ""  # why it ends without its decode worker's word (check_waiting), with lost_code
+    lost_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
 
 
@@ -115,6 +116,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.last_renewal = 0.0
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
+        self.runs: dict[str, str] = {}  # decode worker address -> the run (epoch) last registered there
+        self.read_from = 0.0  # monotonic time the latest registry read (finished) began
+        self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
         self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
@@ -127,13 +131,41 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     # -- registry -----------------------------------------------------------------------
 
     async def refresh_workers(self) -> None:
+        started = time.monotonic()
         found = []
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern("decode"), count=100):
             m = await self.redis.hgetall(key)
             if m:
                 found.append(WorkerInfo.from_mapping(m))
         self.workers = found
+        self.read_from = max(self.read_from, started)
         self.placements.prune(found)
+        await self._reconnect_restarted(found)
+
+    async def _reconnect_restarted(self, found: list[WorkerInfo]) -> None:
+        """A decode worker that registers a new run (restarted) at an address whose channel failed
+        to connect gets a new channel, which connects at once: the old one retries on gRPC's
+        backoff (up to 2 s apart), and until then every request placed there fails UNAVAILABLE.
+        A channel connected, or connecting, may carry streams to the new run: it stays."""
+        seen = {}
+        for w in found:
+            seen[w.address] = w.epoch
+            if not w.epoch or self.runs.get(w.address, w.epoch) == w.epoch:
+                continue
+            peer = self.peers.cached(w.address)
+            if peer is not None and peer.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                log.info("decode worker %s at %s restarted: connecting to it anew", w.worker_id, w.address)
+                self.peers.drop(w.address)
+                await peer.channel.close()
+        # an address that left the registry keeps its run while a channel to it is open
+        self.runs = {a: e for a, e in self.runs.items() if self.peers.cached(a) is not None} | seen
+
+    async def refresh_since(self, t: float) -> None:
+        """Make sure the registry has been read since monotonic time t: one read, one at a time,
+        serves every caller that came before it began."""
+        async with self.refreshing:
+            if self.read_from < t:
+                await self.refresh_workers()
 
     def pick(self, need_tokens: int) -> tuple[WorkerInfo, Placement]:
         if not self.workers:
@@ -234,22 +266,24 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return n
 
     async def check_waiting(self) -> None:
-        """End, UNAVAILABLE, the streams still waiting for a first token whose request Redis no
-        longer holds (it restarted empty: the job is gone, no prefill worker will run it) or that
-        were reaped (this router missed its lease, so prefill skips them): their clients hear now,
-        not at their deadlines. A hash gone for less than LOST_GRACE_HEARTBEATS is waited for: a
-        prefill worker already running the request puts it back. One its decode worker prefills
-        (colocated, or conditional disaggregation) is held there, not in Redis: not checked."""
+        """End the streams still waiting for a first token whose request Redis no longer holds (it
+        restarted empty: the job is gone, no prefill worker will run it) or that were reaped (this
+        router missed its lease, so prefill skips them), UNAVAILABLE, and those a prefill worker
+        failed, with the status it recorded (it tells the decode worker, which ends the stream,
+        but that worker may be out of its reach): their clients hear now, not at their deadlines.
+        A hash gone for less than LOST_GRACE_HEARTBEATS is waited for: a prefill worker already
+        running the request puts it back. One its decode worker prefills (colocated, or conditional
+        disaggregation) is held there, not in Redis: not checked."""
         waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost or a.local)]
         if not waiting:
             return
         async with self.redis.pipeline(transaction=False) as p:
             for rid, _ in waiting:
-                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router")
+                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router", "state", "error", "code")
             rows = await p.execute()
         now = time.monotonic()
         restored = []
-        for (rid, a), (admitted, reaped, router) in zip(waiting, rows):
+        for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
             if admitted is None:
@@ -259,6 +293,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 a.lost = "the queue state store (Redis) no longer holds this request (it restarted empty?); retry"
             elif reaped:
                 a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
+            elif state == b"failed":
+                a.lost = (error or b"a worker failed this request").decode(errors="replace")
+                got = status_code(int(code)) if code and code.isdigit() else None
+                a.lost_code = got if got not in (None, grpc.StatusCode.OK) else grpc.StatusCode.UNAVAILABLE
             else:
                 a.missing_since = 0.0
                 if router is None:  # put back by its prefill worker: this router holds it again
@@ -346,6 +384,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise self._refusal(q, t, frac)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
+            if not any(self._reachable(w) for w in self.workers):
+                # None registered, or none connected: a worker that has just (re)started may be
+                # registered by now, and is placed at once (not after the next periodic read).
+                await self.refresh_since(time.monotonic())
             worker, placed = self.pick(len(ids) + params.max_tokens)
             local = self._prefill_locally(len(ids))
             adm.set_attribute("splitserve.prefill.local", local)
@@ -378,7 +420,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     t_admitted = time.time()
                     job = Job(
                         request_id=rid, token_ids=ids, sampling=sampling_to_dict(params),
-                        decode_worker=worker.worker_id, decode_address=worker.address,
+                        decode_worker=worker.worker_id, decode_address=worker.address, decode_epoch=worker.epoch,
                         decode_host_id=worker.host_id, deadline_unix=deadline,
                         traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
                         priority=request.priority,
@@ -441,7 +483,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 except asyncio.CancelledError:
                     if active.lost:
                         state = "failed"
-                        raise Unavailable(active.lost) from None
+                        raise UpstreamError(active.lost, active.lost_code) from None
                     if not active.aborted:
                         state = "cancelled"
                         raise
@@ -459,7 +501,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
                     state = "failed"
-                    raise Unavailable(active.lost) from None
+                    raise UpstreamError(active.lost, active.lost_code) from None
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
                     yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)

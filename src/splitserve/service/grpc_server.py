@@ -19,6 +19,9 @@ OPTIONS = [
     # so a worker restarted at its address is connected again within about that.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # Each channel has its own connections: by default channels to one address share them, and a
+    # new channel opened to a worker restarted there would wait out the old one's backoff.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 

@@ -25,6 +25,7 @@ from splitserve_proto.v1 import worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 IDLE_S = 300.0
+RUNS_KEPT = 8  # earlier runs remembered per address
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Peer:
     stub: worker_pb2_grpc.DecodeWorkerStub
     last_used: float
     pools: dict[str, cf.ThreadPoolExecutor] = field(default_factory=dict)
+    run: str = ""  # the run (epoch) of the worker at address this channel was opened for (see follow)
+    earlier: tuple[str, ...] = ()  # the runs at address before it, latest last: their processes are gone
 
 
 class Peers:
@@ -61,6 +64,28 @@ class Peers:
             peer.last_used = time.monotonic()
             return peer
 
+    def follow(self, address: str, run: str) -> Peer | None:
+        """Note that the worker at address is in run (its epoch, new at each start). A channel
+        opened for an earlier run is replaced: the process it reached is gone, and while its
+        reconnection backs off (up to gRPC's maximum backoff) every call on it fails at once, where
+        a new channel connects now. Returns the replaced peer, its pools shut down, for the owner
+        to close once the calls in hand have ended. A run seen before the current one (a request
+        placed there before the restart), or none, changes nothing."""
+        if not run:
+            return None
+        with self._lock:
+            old = self._peers.get(address)
+            if old is not None and not old.run:  # opened before any run was known: taken as this one's
+                old.run = run
+            if old is not None and (old.run == run or run in old.earlier):
+                return None
+            channel = self._open(address)
+            self._peers[address] = Peer(address, channel, worker_pb2_grpc.DecodeWorkerStub(channel), time.monotonic(),
+                                        run=run, earlier=(*old.earlier, old.run)[-RUNS_KEPT:] if old else ())
+        if old is not None:
+            _shut_down(old)
+        return old
+
     def cached(self, address: str) -> Peer | None:
         """The peer at address if a channel to it is open; opens nothing."""
         with self._lock:
@@ -87,10 +112,18 @@ class Peers:
             for p in gone:
                 del self._peers[p.address]
         for p in gone:
-            for ex in p.pools.values():
-                ex.shutdown(wait=False)
+            _shut_down(p)
             log.info("closing the channel to %s (unused for %.0f s)", p.address, now - p.last_used)
         return gone
+
+    def drop(self, address: str) -> Peer | None:
+        """Forget the peer at address (the next get opens a new channel); returns it, its pools shut
+        down, for the owner to close, or None if there was none."""
+        with self._lock:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            _shut_down(peer)
+        return peer
 
     def clear(self, wait: bool = False) -> list[Peer]:
         """Drop every peer, shutting down its pools (wait: after what they hold has run);
@@ -103,6 +136,11 @@ class Peers:
         with self._lock:
             gone, self._peers = list(self._peers.values()), {}
         for p in gone:  # and any pool opened meanwhile
-            for ex in p.pools.values():
-                ex.shutdown(wait=False)
+            _shut_down(p)
         return gone
+
+
+def _shut_down(peer: Peer) -> None:
+    """Stop the peer's pools taking calls (those queued still run)."""
+    for ex in list(peer.pools.values()):
+        ex.shutdown(wait=False)

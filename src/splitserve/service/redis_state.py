@@ -95,7 +95,7 @@ if not state then return 0 end
 local final = is_final(state)
 local args = {}
 for i = 1, #ARGV, 2 do
-  if not (final and (ARGV[i] == 'state' or ARGV[i] == 'error')) then
+  if not (final and (ARGV[i] == 'state' or ARGV[i] == 'error' or ARGV[i] == 'code')) then
     args[#args + 1] = ARGV[i]
     args[#args + 1] = ARGV[i + 1]
   end
@@ -108,6 +108,12 @@ return 1
 def update_args(mapping: dict) -> list:
     """UPDATE_LUA's ARGV for a mapping."""
     return [x for kv in mapping.items() for x in kv]
+
+
+def failed(code, error: str) -> dict:
+    """The fields of a request a worker failed, for UPDATE_LUA: with the status its client gets
+    (code, a grpc.StatusCode), which its router reads there if the decode worker cannot be told."""
+    return {"state": "failed", "error": error, "code": code.value[0]}
 
 
 # A request its decode worker prefills (colocated, or by conditional disaggregation) leaves the
@@ -202,10 +208,11 @@ return 'prefilling'
 # A prefill worker drops a job it cannot read. KEYS: admission hash, the request hash (a key no
 # request has when the id is unreadable). ARGV: the entry's 'tokens' as admission counted them
 # (-1: the entry has none, so admission never counted it), 1 (a dropped entry is acked, so this
-# is the only time it is seen), the error. Returns 1.
+# is the only time it is seen), the error, and optionally the status code its client gets. Returns 1.
 DROP_LUA = "if ARGV[1] ~= '-1' then" + _LEAVE_QUEUE + """end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('HSET', KEYS[2], 'state', 'failed', 'error', ARGV[3])
+  if ARGV[4] then redis.call('HSET', KEYS[2], 'code', ARGV[4]) end
 end
 return 1
 """
@@ -302,6 +309,7 @@ class Job:
     t_received: float
     t_admitted: float
     priority: int = 0  # < 0 high, 0 normal, > 0 low: picks the stream (Keys.stream_for)
+    decode_epoch: str = ""  # the decode worker's run, as the router found it registered
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
