@@ -23,9 +23,10 @@ from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_coun
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
-# Every prompt goes to a prefill worker (local_prefill_queue_tokens 0): these tests are of the handoff.
+# Every prompt goes to a prefill worker (local_prefill_queue_tokens 0, and none prefilled by its decode
+# worker while the prefill workers are stopped and out of the registry): these tests are of the handoff.
 BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
-            drain_s=3.0, claim_idle_ms=1500, local_prefill_queue_tokens=0)
+            drain_s=3.0, claim_idle_ms=1500, local_prefill_queue_tokens=0, local_prefill_without_prefill_workers=False)
 
 
 def _start(**kw):
@@ -1432,6 +1433,36 @@ def test_a_lone_decode_worker_restarted_at_its_address_takes_the_next_requests_a
                 r = c.generate("Once upon a time", max_tokens=4, ignore_eos=True, request_id=f"after-restart-{i}",
                                timeout=20)
                 assert len(r.token_ids) == 4, i
+    finally:
+        _finish(s)
+
+
+def test_with_no_prefill_worker_registered_the_decode_worker_prefills_and_a_returning_one_takes_over():
+    """Disaggregated, with every prefill worker gone (killed, its lease run out), a new request is
+    prefilled by its decode worker (LOCAL_PREFILL_WITHOUT_PREFILL_WORKERS, on by default) and
+    gives the same greedy output; before, it waited in the queue for a prefill worker until its
+    deadline. A prefill worker that registers again takes the next request."""
+    s = _start(local_prefill_without_prefill_workers=True)
+    prompt = "The capital of France is"
+    try:
+        with Client(s.router_address) as c:
+            first = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="before")
+            assert c.get_request("before").prefill_worker.startswith("prefill-0")
+            s.proc("prefill-0").popen.kill()
+            s.proc("prefill-0").popen.wait()
+            wait_for(lambda: not workers(s, "prefill"), timeout=10, what="the prefill worker's lease run out")
+            time.sleep(s.settings.heartbeat_s)  # the router reads the registry every half heartbeat
+            alone = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="without", timeout=20)
+            assert list(alone.token_ids) == list(first.token_ids)
+            info = c.get_request("without")
+            assert info.state == "finished" and info.prefill_worker == "" and info.kv_transport == ""
+
+            s.restart("prefill-0")
+            wait_for(lambda: workers(s, "prefill"), timeout=10, what="the prefill worker registered again")
+            time.sleep(s.settings.heartbeat_s)
+            again = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="after")
+            assert list(again.token_ids) == list(first.token_ids)
+            assert c.get_request("after").prefill_worker.startswith("prefill-0")
     finally:
         _finish(s)
 

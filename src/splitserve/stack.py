@@ -183,14 +183,16 @@ class Stack:
             return False
 
     def _wait_registered(self, deadline: float) -> None:
+        """Until every worker is in the registry, and the routers have read it since."""
         r = self.redis()
-        pattern = Keys(self.settings.redis_prefix).worker_pattern("decode")
+        keys = Keys(self.settings.redis_prefix)
         while time.time() < deadline:
-            if len(list(r.scan_iter(match=pattern))) >= self.n_decode:
+            if all(len(list(r.scan_iter(match=keys.worker_pattern(role)))) >= n
+                   for role, n in (("decode", self.n_decode), ("prefill", self.n_prefill))):
                 time.sleep(self.settings.heartbeat_s)  # the router reads the registry every half heartbeat
                 return
             time.sleep(0.05)
-        raise TimeoutError("decode workers did not register in Redis")
+        raise TimeoutError("workers did not register in Redis")
 
     @staticmethod
     def _tail(p: Proc, n: int = 30) -> str:

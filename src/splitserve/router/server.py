@@ -116,6 +116,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.last_renewal = 0.0
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
+        self.prefill_workers: int | None = None  # prefill workers registered (None: not read yet)
         self.runs: dict[str, str] = {}  # decode worker address -> the run (epoch) last registered there
         self.read_from = 0.0  # monotonic time the latest registry read (finished) began
         self.refreshing = asyncio.Lock()
@@ -137,6 +138,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             m = await self.redis.hgetall(key)
             if m:
                 found.append(WorkerInfo.from_mapping(m))
+        if not self.colocated:
+            self.prefill_workers = sum([1 async for _ in self.redis.scan_iter(
+                match=self.keys.worker_pattern("prefill"), count=100)])
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
@@ -348,10 +352,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     def _prefill_locally(self, tokens: int) -> bool:
         """Whether the chosen decode worker prefills this prompt itself rather than a prefill worker:
-        always when colocated; disaggregated (conditional disaggregation), when the prompt is short
-        (local_prefill_max_tokens) or when prefill workers are behind (more than
+        always when colocated; disaggregated (conditional disaggregation), when no prefill worker
+        is registered (local_prefill_without_prefill_workers: all died, or hang), when the prompt is
+        short (local_prefill_max_tokens) or when prefill workers are behind (more than
         local_prefill_queue_tokens queued for them at the last admission this router saw)."""
         if self.colocated:
+            return True
+        if self.prefill_workers == 0 and self.s.local_prefill_without_prefill_workers:
             return True
         if tokens <= self.s.local_prefill_max_tokens:
             return True
