@@ -117,7 +117,6 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.prefill_workers: int | None = None  # prefill workers registered (None: not read yet)
-        self.runs: dict[str, str] = {}  # decode worker address -> the run (epoch) last registered there
         self.read_from = 0.0  # monotonic time the latest registry read (finished) began
         self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
@@ -138,7 +137,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             m = await self.redis.hgetall(key)
             if m:
                 found.append(WorkerInfo.from_mapping(m))
-        if not self.colocated:
+        if not self.colocated and self.s.local_prefill_without_prefill_workers:
             self.prefill_workers = sum([1 async for _ in self.redis.scan_iter(
                 match=self.keys.worker_pattern("prefill"), count=100)])
         self.workers = found
@@ -151,18 +150,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         to connect gets a new channel, which connects at once: the old one retries on gRPC's
         backoff (up to 2 s apart), and until then every request placed there fails UNAVAILABLE.
         A channel connected, or connecting, may carry streams to the new run: it stays."""
-        seen = {}
         for w in found:
-            seen[w.address] = w.epoch
-            if not w.epoch or self.runs.get(w.address, w.epoch) == w.epoch:
-                continue
             peer = self.peers.cached(w.address)
-            if peer is not None and peer.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            if peer is None or not w.epoch or peer.run == w.epoch:
+                continue
+            if peer.run and peer.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                 log.info("decode worker %s at %s restarted: connecting to it anew", w.worker_id, w.address)
                 self.peers.drop(w.address)
                 await peer.channel.close()
-        # an address that left the registry keeps its run while a channel to it is open
-        self.runs = {a: e for a, e in self.runs.items() if self.peers.cached(a) is not None} | seen
+            else:  # a channel connected (or connecting) to the new run, or one opened before any
+                peer.run = w.epoch
 
     async def refresh_since(self, t: float) -> None:
         """Make sure the registry has been read since monotonic time t: one read, one at a time,
@@ -411,7 +408,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
         try:
-            call = self.stub(worker.address).Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
+            peer = self.peers.get(worker.address)
+            peer.run = peer.run or worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
+            call = peer.stub.Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
         except BaseException:
             self.placements.ended(worker.worker_id, placed)
             raise
