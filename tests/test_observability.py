@@ -29,7 +29,7 @@ ROUTER_METRICS = {
     "splitserve_request_admission_time_seconds", "splitserve_request_queue_time_seconds",
     "splitserve_request_prefill_time_seconds", "splitserve_request_kv_transfer_time_seconds",
     "splitserve_request_first_token_time_seconds", "splitserve_prompt_tokens", "splitserve_generation_tokens",
-    "splitserve_local_prefills",
+    "splitserve_local_prefills", "splitserve_requests_taken_back",
 }
 ENGINE_METRICS = {
     "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",

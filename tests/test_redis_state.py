@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from service_helpers import wait_for
-from splitserve.service.redis_state import DEQUEUE_LUA, REAP_LUA, UPDATE_LUA, Keys, run_scripts, update_args
+from splitserve.service.redis_state import (DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
+                                           update_args)
 from splitserve.stack import redis_server_binary
 
 
@@ -102,6 +103,35 @@ def test_local_prefills_leave_the_queue_counts_once_by_their_router_or_by_its_re
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "100", "local_tokens": "0"}
     assert dequeue(keys=[keys.admission, keys.req("a")], args=[100]) == 0  # its router, alive after all
     assert dequeue(keys=[keys.admission, keys.req("gone")], args=[100]) == 1  # hash gone: returned, never below 0
+    assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
+
+
+def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r):
+    """A router takes back a queued request (no prefill worker registered) for its decode worker
+    to prefill: only one still queued and not picked up. A prefill worker that pulls its job later
+    skips it ('local') without touching the counts, which its router returns at its first token;
+    one picked up first is not taken back."""
+    keys = Keys("tb")
+    take, pickup, dequeue = (r.register_script(x) for x in (TAKE_BACK_LUA, PICKUP_LUA, DEQUEUE_LUA))
+    r.hset(keys.admission, mapping={"requests": 3, "tokens": 300, "local_tokens": 0})
+    for rid in ("a", "b", "c"):
+        r.hset(keys.req(rid), mapping={"state": "queued", "prompt_tokens": 100})
+    r.hset(keys.req("c"), "state", "cancelled")
+
+    def picked(rid):
+        return pickup(keys=[keys.admission, keys.req(rid)], args=[100, 1, time.time(), "prefill-x", 0])
+
+    assert picked("b") == "prefilling"  # b is picked up first: it left the queue counts
+    assert [take(keys=[keys.admission, keys.req(rid)], args=[100, 7.5]) for rid in ("a", "b", "c", "gone")] == [
+        1, 0, 0, 0]
+    assert take(keys=[keys.admission, keys.req("a")], args=[100, 8.0]) == 0  # once
+    assert r.hget(keys.req("a"), "local") == "1" and r.hget(keys.req("a"), "t_taken_back") == "7.5"
+    assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "200", "local_tokens": "100"}
+    assert picked("a") == "local"  # its job pulled later: skipped, the counts untouched, still queued
+    assert r.hget(keys.req("a"), "state") == "queued" and r.hget(keys.req("a"), "prefill_worker") is None
+    assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "200", "local_tokens": "100"}
+    assert dequeue(keys=[keys.admission, keys.req("a")], args=[100]) == 1  # its first token, at its router
+    assert picked("c") == "cancelled"  # c: cancelled while queued, left at its pickup
     assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
 
 

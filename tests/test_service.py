@@ -979,6 +979,30 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     assert not stub.Cancel(w.CancelRequest(request_id="cancelled-early"), timeout=10).found
     early = list(stub.Decode(w.DecodeRequest(request_id="cancelled-early", prompt_tokens=4), timeout=10))
     assert [e.accepted for e in early] == [True, False] and early[-1].finish_reason == "cancelled"
+    # PrefillHere (a request taken back from the prefill queue): checked the same way; refused for
+    # a stream whose first token came from a prefill worker, and for one with no stream here.
+    for req, code, words in (
+            (w.PrefillHereRequest(prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+            (w.PrefillHereRequest(request_id="bad-handle"), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+            (w.PrefillHereRequest(request_id="never-seen-here", prompt_token_ids=[1]), grpc.StatusCode.NOT_FOUND,
+             "never-seen-here"),
+            (w.PrefillHereRequest(request_id="bad-handle", prompt_token_ids=[1]), grpc.StatusCode.FAILED_PRECONDITION,
+             "bad-handle")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PrefillHere(req, timeout=10)
+        assert e.value.code() == code and words in e.value.details(), (req, e.value.details())
+    here = stub.Decode(w.DecodeRequest(request_id="prefill-here", prompt_tokens=3))
+    assert next(here).accepted
+    with pytest.raises(grpc.RpcError) as e:  # the engine's own check; the stream waits on
+        stub.PrefillHere(w.PrefillHereRequest(request_id="prefill-here", prompt_token_ids=[1, 10**9, 2]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token id" in e.value.details()
+    take = w.PrefillHereRequest(request_id="prefill-here", prompt_token_ids=[1, 504, 3277], queue_ms=12.5)
+    take.sampling.max_tokens = 2
+    take.sampling.ignore_eos = True
+    stub.PrefillHere(take, timeout=10)
+    events = list(here)
+    assert sum(len(ev.token_ids) for ev in events) == 2 and events[-1].finish_reason == "length"
+    assert events[0].timings.queue_ms == 12.5 and events[0].first_token_unix > 0
     assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message="no room"), timeout=10).ended
     ev = next(decode)
     assert ev.error == "no room" and ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -1462,6 +1486,46 @@ def test_with_no_prefill_worker_registered_the_decode_worker_prefills_and_a_retu
             time.sleep(s.settings.heartbeat_s)
             again = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="after")
             assert list(again.token_ids) == list(first.token_ids)
+            assert c.get_request("after").prefill_worker.startswith("prefill-0")
+    finally:
+        _finish(s)
+
+
+def test_requests_queued_when_the_last_prefill_worker_hangs_are_taken_back_and_prefilled_by_their_decode_worker():
+    """Requests queued for the only prefill worker when it hangs (SIGSTOP: it stops pulling and its
+    lease runs out) are taken back by their router once no prefill worker is registered, and
+    their decode worker prefills them: the same greedy output, their queue time reported. Before,
+    they waited for a prefill worker until their deadlines. The worker, resumed, skips their jobs
+    (taken_back), the queue's counts come back to zero (_finish), and it takes the next request."""
+    s = _start(local_prefill_without_prefill_workers=True, heartbeat_s=1.0)  # a lease of 3 s to queue in
+    prompts = ["The capital of France is", "Write a haiku about autumn.", "1, 2, 3, 4,", "Tell me about owls."]
+    try:
+        with Client(s.router_address) as c:
+            ref = [list(c.generate(p, max_tokens=8, ignore_eos=True).token_ids) for p in prompts]
+            pre = workers(s, "prefill")[0]
+            with _prefill_paused(s):
+                t_paused = time.monotonic()
+                with cf.ThreadPoolExecutor(len(prompts)) as ex:
+                    futs = [ex.submit(c.generate, p, max_tokens=8, ignore_eos=True, request_id=f"taken-{i}", timeout=30)
+                            for i, p in enumerate(prompts)]
+                    wait_for(lambda: all(_state(c, f"taken-{i}") for i in range(len(prompts))), timeout=5,
+                             interval=0.02, what="all four admitted")
+                    assert time.monotonic() - t_paused < 3 * s.settings.heartbeat_s, "admitted after the lease ran out"
+                    got = [f.result() for f in futs]
+                assert [list(g.token_ids) for g in got] == ref
+                for i, g in enumerate(got):
+                    info = c.get_request(f"taken-{i}")
+                    assert info.state == "finished" and info.prefill_worker == "" and info.kv_transport == ""
+                    assert "taken_back" in info.timestamps  # queued for a prefill worker, then taken back
+                    assert g.timings.queue_ms >= 1000 * (info.timestamps["taken_back"] - info.timestamps["admitted"])
+                router = scrape(s.proc("router").metrics_address)
+                assert router["splitserve_requests_taken_back_total"] == len(prompts)
+            skipped = lambda: scrape(pre["metrics"]).get("splitserve_prefill_jobs_total{outcome=taken_back}", 0)  # noqa: E731
+            wait_for(lambda: skipped() == len(prompts), timeout=10, what="the resumed worker skipping the four jobs")
+            wait_for(lambda: workers(s, "prefill"), timeout=10, what="the prefill worker registered again")
+            time.sleep(s.settings.heartbeat_s)  # the router reads the registry every half heartbeat
+            again = c.generate(prompts[0], max_tokens=8, ignore_eos=True, request_id="after")
+            assert list(again.token_ids) == ref[0]
             assert c.get_request("after").prefill_worker.startswith("prefill-0")
     finally:
         _finish(s)

@@ -36,8 +36,8 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
-from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, Invalid, NotFound, Unavailable, code_of,
-                                      status_code)
+from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Invalid, NotFound,
+                                      Unavailable, code_of, status_code)
 from splitserve.service.process import Background
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
 from splitserve.service.runner import EngineRunner
@@ -202,14 +202,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.events.put_nowait(w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=slot.completion_tokens))
         return True
 
-    async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest) -> None:
-        """This engine prefills the prompt (chunked, inside continuous batching): colocated, or a
-        request the router kept off the prefill workers (conditional disaggregation)."""
+    async def PrefillHere(self, request: w_pb.PrefillHereRequest, context):
+        """A request whose stream is open here, taken back from the prefill queue by its router (no
+        prefill worker is registered): this engine prefills it, as if it had come so."""
+        rid = request.request_id
+        if not rid:
+            raise Invalid("request_id: must be set")
+        if not request.prompt_token_ids:
+            raise Invalid("prompt_token_ids: must not be empty")
+        slot = self.slots.get(rid)
+        if slot is None or slot.done:
+            raise NotFound(f"no decode stream open for request {rid!r} (it ended, or never opened here)")
+        if slot.imported or slot.prefill_start or slot.first_sent:
+            raise FailedPrecondition(f"request {rid!r} is prefilled here already, or its KV came from a prefill worker")
+        slot.queue_ms = max(0.0, request.queue_ms)
+        await self._prefill_here(slot, request)
+        return w_pb.PrefillHereResponse()
+
+    async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest | w_pb.PrefillHereRequest) -> None:
+        """This engine prefills the prompt (chunked, inside continuous batching): colocated, a
+        request the router kept off the prefill workers (conditional disaggregation), or one it took
+        back from their queue (PrefillHere)."""
         ids = list(request.prompt_token_ids)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
-        t0 = time.time()
+        t0 = slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
-        await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
+        try:
+            await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
+        except asyncio.CancelledError:  # the engine takes it yet (its commands run in order): the stream's end aborts it
+            slot.imported = True
+            raise
+        except Exception:
+            slot.prefill_start = 0.0
+            self._end_decode_span(slot, "error", None)
+            raise
         slot.imported = True
         slot.prefill_start = t0
 
@@ -429,8 +455,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot = await self._stream(seq.request_id)
         if slot.done:
             raise NotFound(f"request {seq.request_id!r} has ended here (cancelled)")
-        if slot.imported:
-            raise AlreadyExists(f"request {seq.request_id!r} already has its KV here")
+        if slot.imported or slot.prefill_start:
+            raise AlreadyExists(f"request {seq.request_id!r} already has its KV here (or is prefilled here)")
         return slot
 
     def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:

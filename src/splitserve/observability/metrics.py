@@ -79,6 +79,9 @@ class RouterMetrics(Metrics):
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
         self.local_prefills = self.c("local_prefills", "Admitted requests prefilled by their decode worker, not a "
                                                    "prefill worker (colocated, or conditional disaggregation)")
+        self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
+                                                        "prefill worker was registered, for their decode worker "
+                                                        "to prefill")
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
         self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)
         self.tpot = self.h("time_per_output_token_seconds", "Mean time between output tokens, per request",

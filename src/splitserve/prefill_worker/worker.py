@@ -63,8 +63,9 @@ def _state(raw) -> str:
 
 
 def _skipped(outcome: str) -> str:
-    """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue."""
-    return "expired" if outcome == "expired" else "skipped_cancelled"
+    """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue, or
+    taken back by its router for its decode worker to prefill."""
+    return {"expired": "expired", "local": "taken_back"}.get(outcome, "skipped_cancelled")
 
 
 def _retire(peer) -> None:
@@ -341,7 +342,7 @@ class PrefillWorker:
                 "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
             }).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
-            self._ack(stream, entry_id)  # cancelled while queued, finished, or expired: skip it
+            self._ack(stream, entry_id)  # cancelled while queued, finished, expired or taken back: skip it
             self.metrics.jobs.labels(_skipped(outcome)).inc()
             return
         if (old := self.peers.follow(job.decode_address, job.decode_epoch)) is not None:

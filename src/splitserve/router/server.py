@@ -36,8 +36,8 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, NotFoun
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, QUEUE_FIELDS,
-                                           REAP_LUA, Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
-                                           sampling_to_dict)
+                                           REAP_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect, priority_class,
+                                           queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -66,7 +66,12 @@ class UpstreamError(ServiceError):
 class Active:
     call: object  # the Decode call on the decode worker
     address: str  # the decode worker's
-    local: bool = False  # its decode worker prefills it (colocated, or conditional disaggregation)
+    ids: list[int]  # the prompt
+    params: SamplingParams
+    priority: int = 0
+    local: bool = False  # its decode worker prefills it (colocated, conditional disaggregation, taken back)
+    queued: bool = False  # local, in the queue's counts until its first token: this router returns them
+    t_admitted: float = 0.0  # unix time
     aborted: bool = False
     first: bool = False  # its first token (or its end) came
     lost: str = ""  # why it ends without its decode worker's word (check_waiting), with lost_code
@@ -109,6 +114,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.dequeue_script = r.register_script(DEQUEUE_LUA)
         self.abort_script = r.register_script(ABORT_LUA)
         self.reap_script = r.register_script(REAP_LUA)
+        self.take_back_script = r.register_script(TAKE_BACK_LUA)
         self.id = settings.worker_name("router")
         self.lease_s = ROUTER_LEASE_HEARTBEATS * settings.heartbeat_s
         self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
@@ -274,7 +280,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         but that worker may be out of its reach): their clients hear now, not at their deadlines.
         A hash gone for less than LOST_GRACE_HEARTBEATS is waited for: a prefill worker already
         running the request puts it back. One its decode worker prefills (colocated, or conditional
-        disaggregation) is held there, not in Redis: not checked."""
+        disaggregation) is held there, not in Redis: not checked.
+        While no prefill worker is registered (local_prefill_without_prefill_workers), those still
+        queued are taken back for their decode workers to prefill (take_back)."""
         waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost or a.local)]
         if not waiting:
             return
@@ -284,9 +292,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             rows = await p.execute()
         now = time.monotonic()
         restored = []
+        take_back = self.prefill_workers == 0 and self.s.local_prefill_without_prefill_workers
         for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
+            if take_back and state == b"queued":
+                await self.take_back(rid, a)
             if admitted is None:
                 a.missing_since = a.missing_since or now
                 if now - a.missing_since < LOST_GRACE_HEARTBEATS * self.s.heartbeat_s:
@@ -314,6 +325,39 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 await p.execute()
             if ended := [rid for rid in restored if rid not in self.active]:  # ended meanwhile (_mark removed it)
                 await self.redis.srem(self.keys.router_requests(self.id), *ended)
+
+    async def take_back(self, rid: str, a: Active) -> None:
+        """Take a request that waits in the prefill queue back for its decode worker to prefill, on
+        the Decode stream it has open there: no prefill worker is registered (all died, or hang),
+        and without this it would wait for one to return, or for its deadline. A prefill worker
+        that has picked it up keeps it (the script takes back only a request still queued), and one
+        that pulls its job later skips it. It then counts as one its decode worker prefills."""
+        took = await self.take_back_script(keys=[self.keys.admission, self.keys.req(rid)],
+                                           args=[len(a.ids), time.time()])
+        if not int(took):
+            return
+        if self.active.get(rid) is not a:  # it ended meanwhile, its counts not returned: they go back now
+            await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(a.ids)])
+            return
+        a.local = a.queued = True  # returned at its first token, or its end
+        self.metrics.taken_back.inc()
+        log.warning("request %s: no prefill worker is registered; its decode worker at %s prefills it", rid, a.address)
+        self.background.start(self._prefill_at_decode_worker(rid, a))
+
+    async def _prefill_at_decode_worker(self, rid: str, a: Active) -> None:
+        req = w_pb.PrefillHereRequest(request_id=rid, prompt_token_ids=a.ids, priority=a.priority,
+                                      sampling=convert.sampling_to_pb(a.params),
+                                      queue_ms=(time.time() - a.t_admitted) * 1000)
+        try:
+            await self.stub(a.address).PrefillHere(req, timeout=10.0)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND or self.active.get(rid) is not a:
+                return  # its stream has ended (the client went, or its worker): nothing waits for it
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                a.lost_code = e.code()
+            a.lost = f"no prefill worker is registered, and its decode worker could not prefill it: {e.details()}"
+            log.warning("request %s: %s", rid, a.lost)
+            a.call.cancel()
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub
@@ -461,7 +505,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 m.prompt_tokens.inc(len(ids))
                 if local:
                     m.local_prefills.inc()
-                active = self.active[rid] = Active(call, worker.address, local)
+                active = self.active[rid] = Active(call, worker.address, ids, params, request.priority, local, queued,
+                                                   t_admitted)
+                queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
                     while True:
@@ -474,8 +520,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
-                        if queued and (ev.token_ids or ev.finish_reason):
-                            queued = False
+                        if active.queued and (ev.token_ids or ev.finish_reason):
+                            active.queued = False
                             await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
                         if ev.first_token_unix:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
@@ -524,7 +570,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     del self.active[rid]
                     self.first_parts.pop(rid, None)
                 call.cancel()
-                if queued:
+                if queued or (active is not None and active.queued):
                     await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
                 if state in ("cancelled", "failed"):
                     mark = self._mark(rid, state, error=active.lost if active is not None else "")

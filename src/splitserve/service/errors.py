@@ -54,6 +54,10 @@ class Invalid(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 def code_of(exc: BaseException) -> grpc.StatusCode:
     """The status an exception leaves an RPC with (no logging: for spans and metrics)."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: a stream's client went

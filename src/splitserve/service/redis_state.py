@@ -169,6 +169,20 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 return 1
 """
 
+# A router takes a request back from the prefill queue (no prefill worker is registered: they
+# died, or hang) for its decode worker to prefill: only one still queued and not picked up (a
+# pickup and a take-back exclude each other). It is then counted as a request its decode worker
+# prefills, admitted so (ADMIT_LUA): it leaves the queue at its first token (DEQUEUE_LUA), and a
+# prefill worker that pulls its job skips it (PICKUP_LUA). KEYS: admission hash, request hash.
+# ARGV: prompt tokens, now. Returns 1 if it took it back.
+TAKE_BACK_LUA = """
+local got = redis.call('HMGET', KEYS[2], 'state', 'local', 'dequeued')
+if got[1] ~= 'queued' or got[2] == '1' or got[3] then return 0 end
+redis.call('HSET', KEYS[2], 'local', 1, 't_taken_back', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'local_tokens', tonumber(ARGV[1]))
+return 1
+"""
+
 # KEYS[1] admission, KEYS[2] the request hash; ARGV[1] prompt tokens. Returns 1 if it returned them.
 DEQUEUE_LUA = _LEAVE_LOCAL + "return leave_local(KEYS[1], KEYS[2], tonumber(ARGV[1]))\n"
 
@@ -189,9 +203,10 @@ end
 
 # A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
 # 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none).
-# Returns "prefilling", "expired" (marked failed), or the final state / "" of a request
-# that is no longer wanted.
-PICKUP_LUA = _IS_FINAL + _LEAVE_QUEUE + """
+# Returns "prefilling", "expired" (marked failed), "local" (taken back by its router: its decode
+# worker prefills it, and its router returns the counts, TAKE_BACK_LUA), or the final state / ""
+# of a request that is no longer wanted.
+PICKUP_LUA = _IS_FINAL + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if not state or is_final(state) then
   return state or ''

@@ -46,7 +46,7 @@ class Settings:
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
     local_prefill_max_tokens: int = 0  # disaggregated: prompts of at most this many tokens are prefilled by their decode worker, not a prefill worker; 0 = off
     local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
-    local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker; false = they wait in the queue for one
+    local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those still queued are taken back for it to prefill; false = they wait in the queue for one
     default_max_tokens: int = 16
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
