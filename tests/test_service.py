@@ -322,6 +322,33 @@ def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, cli
     wait_for(lambda: kv_idle(stack), what="KV idle")
 
 
+def test_an_abort_that_overtakes_its_request_refuses_it_as_cancelled(stack, client, other_router):
+    """An Abort that reaches a router before its request reached any (it overtook its Generate,
+    sent to another router) is NOT_FOUND, and is remembered: the request, when it comes, is
+    refused CANCELLED naming the Abort instead of running. Before, it ran to its end."""
+    with pytest.raises(grpc.RpcError) as e:
+        other_router.abort("overtaken")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "refused as cancelled" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # a second Abort: the same
+        client.abort("overtaken")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    before = scrape(stack.proc("router").metrics_address)
+    for call in (lambda: client.generate("Count to one thousand:", max_tokens=50, request_id="overtaken"),
+                 lambda: list(client.generate_stream("Count to one thousand:", max_tokens=50, request_id="overtaken"))):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted before it arrived" in e.value.details()
+    after = scrape(stack.proc("router").metrics_address)
+    key = "splitserve_requests_cancelled_total{reason=abort}"
+    assert after.get(key, 0) - before.get(key, 0) == 2
+    with pytest.raises(grpc.RpcError) as e:
+        client.get_request("overtaken")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "Abort" in e.value.details()
+    assert 0 < stack.redis().ttl(stack.keys.req("overtaken")) <= 60
+    assert client.generate("Count to one thousand:", max_tokens=4, request_id="not-overtaken").usage.completion_tokens == 4
+    wait_for(lambda: kv_idle(stack), what="KV idle")
+
+
 def _outcome(stream, into: dict) -> threading.Thread:
     """Consume a stream in a thread; into["tokens"] counts its tokens, into["code"] its ending."""
     def run():

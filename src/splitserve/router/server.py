@@ -31,8 +31,8 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.placement import Placement, Placements
 from splitserve.service import convert, grpc_server
-from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, NotFound, Refused, ServiceError, Unavailable,
-                                      code_of, status_code)
+from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
+                                      Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, QUEUE_FIELDS,
@@ -52,6 +52,9 @@ ROUTER_LEASE_HEARTBEATS = 10
 # A waiting request whose hash is gone is ended after this long: a prefill worker that holds it
 # puts the hash back at its next heartbeat (Redis restarted empty), a queued job is lost for good.
 LOST_GRACE_HEARTBEATS = 2
+# An Abort for a request id no router has seen yet (it overtook its Generate) is remembered this
+# long: the request, if it comes within it, is refused CANCELLED instead of running.
+EARLY_ABORT_KEEP_S = 60
 
 
 class UpstreamError(ServiceError):
@@ -491,6 +494,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if ok == -1:
                         state = ""
                         raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
+                    if ok == -2:
+                        state = ""
+                        raise Cancelled(f"request {rid!r} was aborted before it arrived (Abort came first)")
                     if ok == 0:
                         state = ""
                         raise self._refusal(q, t, frac)
@@ -673,8 +679,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         code = code_of(e)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.metrics.refused.labels("queue_full").inc()
-        elif code == grpc.StatusCode.CANCELLED:
-            self.metrics.cancelled.labels("client").inc()
+        elif code == grpc.StatusCode.CANCELLED:  # by the client, or by an Abort that came before it
+            self.metrics.cancelled.labels("abort" if isinstance(e, Cancelled) else "client").inc()
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             self.metrics.cancelled.labels("deadline").inc()
         else:
@@ -732,9 +738,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
         state, wid = (x.decode() if isinstance(x, bytes) else str(x or "")
-                      for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s]))
+                      for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s,
+                                                                         EARLY_ABORT_KEEP_S]))
         if not state:
-            raise NotFound(f"no request {rid!r}")
+            raise NotFound(f"no request {rid!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, it is refused "
+                           "as cancelled)")
         active = self.active.get(rid)
         if active is not None:
             active.aborted = True
@@ -763,6 +771,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if not rid:
             raise InvalidRequestError("request_id", "must be set")
         m = await self.redis.hgetall(self.keys.req(rid))
+        if m.get(b"early") == b"1":
+            raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
         if not m:
             raise NotFound(f"no request {rid!r} (unknown, or expired)")
         m = {k.decode(): v.decode() for k, v in m.items()}

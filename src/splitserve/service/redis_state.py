@@ -37,11 +37,12 @@ _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for
 # KEYS: admission, stream, request hash, the router's request set.  ARGV: tokens, max_requests,
 # max_tokens, fraction, ttl, job json, queue the job (0: its decode worker prefills it itself,
 # colocated or by conditional disaggregation; its hash says 'local'), the router's id.
-# Returns {admitted (1, 0 refused, -1 the id exists), requests, tokens, local_tokens}, the counts
+# Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
+# requests, tokens, local_tokens}, the counts
 # with this request when it was admitted.
 ADMIT_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {-1, 0, 0, 0}
+  return {redis.call('HGET', KEYS[3], 'early') == '1' and -2 or -1, 0, 0, 0}
 end
 local q = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
 local t = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
@@ -72,12 +73,19 @@ return {1, q + 1, t + n, lt}
 """
 
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
-# just ended keeps its final state. KEYS[1] the request hash; ARGV: now, the TTL after completion.
-# Returns {the state it had ('' when there is no such request), its decode worker's id}.
+# just ended keeps its final state. One that has not arrived yet (its Abort overtook its
+# Generate, through another router) gets a hash that says so ('early'), for the early TTL:
+# admitted within it, it is refused as cancelled (ADMIT_LUA). KEYS[1] the request hash; ARGV:
+# now, the TTL after completion, the early TTL. Returns {the state it had ('' when there is no
+# such request), its decode worker's id}.
 ABORT_LUA = _IS_FINAL + """
-local got = redis.call('HMGET', KEYS[1], 'state', 'decode_worker')
+local got = redis.call('HMGET', KEYS[1], 'state', 'decode_worker', 'early')
 local state = got[1]
-if not state then return {'', ''} end
+if not state or got[3] == '1' then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'early', 1, 't_finished', ARGV[1])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+  return {'', ''}
+end
 if not is_final(state) then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 't_finished', ARGV[1])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
