@@ -975,6 +975,13 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
             stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
         assert words in e.value.details()
+    other = w.SequenceState(request_id="bad-handle", prompt_len=3, token_ids=[1, 2, 3, 4, 5])  # not its prompt
+    for put in (lambda: stub.PutKV(w.PutKVRequest(sequence=other, handle=w.KVHandle(**ok)), timeout=10),
+                lambda: stub.PutKVStream(iter([w.KVChunk(header=w.PutKVRequest(
+                    sequence=other, handle=w.KVHandle(**{**ok, "transport": "grpc"})))]), timeout=10)):
+        with pytest.raises(grpc.RpcError) as e:
+            put()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.prompt_len" in e.value.details()
     # Handoffs for a request with no open stream: NOT_FOUND once its stream has not opened in
     # time (all three at once: each waits for it up to STREAM_WAIT_S).
     nobody = [stub.PutKV.future(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),

@@ -84,6 +84,7 @@ class Slot:
     close_seq: int = 0  # ... and closed (0: still open)
     completion_tokens: int = 0  # sent so far
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
+    prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
 
@@ -131,7 +132,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
-        slot = Slot(rid, request.deadline_unix, priority=request.priority)
+        slot = Slot(rid, request.deadline_unix, priority=request.priority, prompt_tokens=max(0, request.prompt_tokens))
         self.ended.pop(rid, None)
         early = self.cancelled.pop(rid, None)
         full = f"{SERVICE}/Decode"
@@ -457,6 +458,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise NotFound(f"request {seq.request_id!r} has ended here (cancelled)")
         if slot.imported or slot.prefill_start:
             raise AlreadyExists(f"request {seq.request_id!r} already has its KV here (or is prefilled here)")
+        if slot.prompt_tokens and seq.prompt_len != slot.prompt_tokens:  # another request's KV, or a bad producer
+            raise Invalid(f"sequence.prompt_len: {seq.prompt_len} tokens, but request {seq.request_id!r} has a "
+                          f"{slot.prompt_tokens}-token prompt")
         return slot
 
     def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:
