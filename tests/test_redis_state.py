@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from service_helpers import wait_for
-from splitserve.service.redis_state import (DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
+from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
                                            update_args)
 from splitserve.stack import redis_server_binary
 
@@ -133,6 +133,34 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
     assert dequeue(keys=[keys.admission, keys.req("a")], args=[100]) == 1  # its first token, at its router
     assert picked("c") == "cancelled"  # c: cancelled while queued, left at its pickup
     assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
+
+
+def test_a_failed_request_is_admitted_again_once_as_a_new_attempt(r):
+    """A request_id whose latest attempt failed is admitted again under a new attempt's id, once:
+    a second retry that read the same attempt count (they raced) is refused, as is a retry of an
+    attempt that has not failed."""
+    import json
+
+    keys = Keys("at")
+    admit = r.register_script(ADMIT_LUA)
+    r.hset(keys.req("x"), mapping={"state": "failed", "prompt_tokens": 3})
+
+    def send(attempt_id, expected, latest):
+        job = json.dumps({"request_id": attempt_id, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d",
+                          "priority": 0})
+        return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
+                           keys.req("x"), keys.req(latest)],
+                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected])[0]
+
+    assert send("x#2", 1, "x") == 1
+    assert r.hget(keys.req("x"), "current") == "x#2" and r.hget(keys.req("x"), "attempts") == "2"
+    assert r.hget(keys.req("x#2"), "state") == "queued" and 0 < r.ttl(keys.req("x")) <= 60
+    assert send("x#2", 1, "x") == -1  # the same retry again (it raced the first): refused
+    assert send("x#3", 2, "x#2") == -1  # the latest attempt is queued, not failed
+    r.hset(keys.req("x#2"), "state", "failed")
+    assert send("x#3", 2, "x#2") == 1
+    assert r.hget(keys.req("x"), "current") == "x#3" and r.xlen(keys.stream) == 2
+    assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "6"}
 
 
 def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):

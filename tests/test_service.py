@@ -1595,6 +1595,38 @@ def test_a_request_a_prefill_worker_recorded_as_failed_ends_with_its_status_thou
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of the failed request freed")
 
 
+def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_and_runs_as_a_new_attempt(stack,
+                                                                                                          client):
+    """A client with retries on (gRPC's retry policy) whose request fails UNAVAILABLE after it was
+    admitted sends it again with the same request_id: it runs as a new attempt under its own id,
+    untouched by what is left of the failed one (its prefill forward still running), and gives
+    the right output. Before, the retry was refused ALREADY_EXISTS. A request_id whose latest
+    attempt did not fail is still refused, and GetRequest and Abort find the latest attempt."""
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    prompt = "word " * 1500
+    ref = list(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=120).token_ids)
+    got = []
+    with Client(stack.router_address, retries=2) as retrying:
+        t = threading.Thread(target=lambda: got.append(retrying.generate(prompt, max_tokens=4, ignore_eos=True,
+                                                                          request_id="retried", timeout=120)))
+        t.start()
+        wait_for(lambda: _state(client, "retried") == "prefilling", timeout=30, interval=0.02,
+                 what="the first attempt in its prefill forward")
+        stack.redis().hset(stack.keys.req("retried"), mapping={  # as a prefill worker records a failed handoff
+            "state": "failed", "error": "KV handoff to the decode worker failed: UNAVAILABLE: unreachable",
+            "code": grpc.StatusCode.UNAVAILABLE.value[0]})
+        t.join(120)
+    assert len(got) == 1 and list(got[0].token_ids) == ref and got[0].request_id == "retried"
+    info = client.get_request("retried")
+    assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")
+    assert stack.redis().hget(stack.keys.req("retried"), "state") == b"failed"  # the first attempt's own record
+    with pytest.raises(grpc.RpcError) as e:  # it finished: never run twice
+        client.generate(prompt, max_tokens=4, request_id="retried")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "retried" in e.value.details()
+    assert client.abort("retried").state == "finished"
+    wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of both attempts freed")
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

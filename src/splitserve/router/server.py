@@ -55,6 +55,9 @@ LOST_GRACE_HEARTBEATS = 2
 # An Abort for a request id no router has seen yet (it overtook its Generate) is remembered this
 # long: the request, if it comes within it, is refused CANCELLED instead of running.
 EARLY_ABORT_KEEP_S = 60
+# A request sent again with the request_id of one that failed runs as a new attempt under its own
+# id: the request_id, this separator (not a character request ids may use) and its number.
+ATTEMPT_SEP = "#"
 
 
 class UpstreamError(ServiceError):
@@ -382,6 +385,33 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         return request.request_id or uuid.uuid4().hex, ids, params
 
+    async def _attempt(self, rid: str) -> tuple[str, list, list]:
+        """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
+        and args. A new id runs under itself. One whose latest attempt failed may be sent again (a
+        client's retry, gRPC's own included): it runs as a new attempt under its own id
+        (request_id#n), so nothing left of the failed one (a job still queued, a late handoff) can
+        touch it. Any other that exists is refused ALREADY_EXISTS (a request never runs twice), and
+        one that an Abort came before is refused CANCELLED."""
+        first = self.keys.req(rid)
+        state, early, attempts, current = await self.redis.hmget(first, "state", "early", "attempts", "current")
+        if state is None:
+            return rid, [], []
+        if early == b"1":
+            raise Cancelled(f"request {rid!r} was aborted before it arrived (Abort came first)")
+        latest = current.decode() if current else rid
+        if latest != rid:
+            state = await self.redis.hget(self.keys.req(latest), "state")
+        if state not in (b"failed", None):  # None: the latest attempt's hash expired; it has ended
+            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that failed may be "
+                                "sent again")
+        n = int(attempts or 1)
+        return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n]
+
+    async def _latest(self, rid: str) -> str:
+        """The id of a request_id's latest attempt."""
+        current = await self.redis.hget(self.keys.req(rid), "current")
+        return current.decode() if current else rid
+
     def _queue_may_be_full(self, tokens: int) -> bool:
         """False when this router saw the queue under half its refusal bound in the last 10 seconds.
 
@@ -418,12 +448,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     async def _events(self, request: gen_pb.GenerateRequest, context, rs: tracing.rpc_span):
-        """Yields (rid, prompt_tokens, DecodeEvent) for every decode event of the request."""
+        """Yields (rid, the request_id its client knows, prompt_tokens, DecodeEvent) for every decode
+        event of the request; rid differs from the client's for a new attempt (_attempt)."""
         t_recv = time.time()
         m = self.metrics
         adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
             rid, ids, params = self._validate(request)
+            public_id, attempt_keys, attempt_args = rid, [], []
+            if request.request_id:  # client-chosen: it may exist (see _attempt)
+                rid, attempt_keys, attempt_args = await self._attempt(rid)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -482,9 +516,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     # than the stream does, and the decode worker holds a handoff that comes first.
                     ok, q, t, lt = await self.admit_script(
                         keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
-                              self.keys.router_requests(self.id)],
+                              self.keys.router_requests(self.id), *attempt_keys],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id],
+                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id, *attempt_args],
                     )
                     ok, q, t, lt = int(ok), int(q), int(t), int(lt)
                     queued = local and ok == 1
@@ -493,10 +527,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                         "splitserve.admitted": ok == 1})
                     if ok == -1:
                         state = ""
-                        raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest)")
+                        raise AlreadyExists(f"request_id {public_id!r} already exists (see GetRequest)")
                     if ok == -2:
                         state = ""
-                        raise Cancelled(f"request {rid!r} was aborted before it arrived (Abort came first)")
+                        raise Cancelled(f"request {public_id!r} was aborted before it arrived (Abort came first)")
                     if ok == 0:
                         state = ""
                         raise self._refusal(q, t, frac)
@@ -534,7 +568,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
                         sent = ev.completion_tokens or sent
-                        yield rid, len(ids), ev
+                        yield rid, public_id, len(ids), ev
                         if ev.finish_reason:
                             final = ev
                             break
@@ -547,7 +581,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         raise
                     state = "cancelled"
                     final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
-                    yield rid, len(ids), final
+                    yield rid, public_id, len(ids), final
                 except GeneratorExit:
                     # The client cancelled while its handler was writing a message, not reading one:
                     # the handler's task is cancelled outside this generator, which is then closed.
@@ -562,7 +596,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise UpstreamError(active.lost, active.lost_code) from None
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
-                    yield rid, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
+                    yield rid, public_id, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
                     await self._mark(rid, state)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
@@ -692,8 +726,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         try:
             with self._server_span("GenerateStream", context) as rs:
-                async for rid, n_prompt, ev in self._events(request, context, rs):
-                    resp = gen_pb.GenerateResponse(request_id=rid, token_ids=ev.token_ids, text=ev.text)
+                async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                    resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text)
                     if t_first is None and ev.token_ids:
                         t_first = time.perf_counter()
                         rs.span.add_event("first_token")
@@ -714,8 +748,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         try:
             with self._server_span("Generate", context) as rs:
-                async for rid, n_prompt, ev in self._events(request, context, rs):
-                    resp.request_id = rid
+                async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                    resp.request_id = public_id
                     if t_first is None and ev.token_ids:
                         t_first = time.perf_counter()
                         rs.span.add_event("first_token")
@@ -732,17 +766,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return resp
 
     async def Abort(self, request, context):
-        rid = request.request_id
-        if not rid:
+        if not request.request_id:
             raise InvalidRequestError("request_id", "must be set")
+        rid = await self._latest(request.request_id)
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
         state, wid = (x.decode() if isinstance(x, bytes) else str(x or "")
                       for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s,
                                                                          EARLY_ABORT_KEEP_S]))
         if not state:
-            raise NotFound(f"no request {rid!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, it is refused "
-                           "as cancelled)")
+            raise NotFound(f"no request {request.request_id!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, "
+                           "it is refused as cancelled)")
         active = self.active.get(rid)
         if active is not None:
             active.aborted = True
@@ -773,11 +807,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         m = await self.redis.hgetall(self.keys.req(rid))
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
+        attempts = int(m.get(b"attempts", 1))
+        if m and (current := m.get(b"current")):  # sent again after it failed: its latest attempt
+            m = await self.redis.hgetall(self.keys.req(current.decode()))
         if not m:
             raise NotFound(f"no request {rid!r} (unknown, or expired)")
         m = {k.decode(): v.decode() for k, v in m.items()}
         return gen_pb.RequestInfo(
-            request_id=rid, state=m.get("state", ""),
+            request_id=rid, state=m.get("state", ""), attempts=attempts,
             timestamps={k[2:]: float(v) for k, v in m.items() if k.startswith("t_")},
             prefill_worker=m.get("prefill_worker", ""), decode_worker=m.get("decode_worker", ""),
             prompt_tokens=int(m.get("prompt_tokens", 0)), completion_tokens=int(m.get("completion_tokens", 0)),

@@ -34,13 +34,22 @@ FINAL_STATES = ("finished", "cancelled", "failed")
 _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for x in FINAL_STATES) + " end\n"
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
-# KEYS: admission, stream, request hash, the router's request set.  ARGV: tokens, max_requests,
-# max_tokens, fraction, ttl, job json, queue the job (0: its decode worker prefills it itself,
-# colocated or by conditional disaggregation; its hash says 'local'), the router's id.
+# KEYS: admission, stream, request hash, the router's request set; for a request sent again
+# after it failed (a new attempt, under its own hash: attempt_id), also its first attempt's hash
+# and its latest attempt's.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
+# queue the job (0: its decode worker prefills it itself, colocated or by conditional
+# disaggregation; its hash says 'local'), the router's id; for a new attempt, the attempts the
+# first hash counted when the router read it (another attempt admitted since: refused as -1).
 # Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
-# requests, tokens, local_tokens}, the counts
-# with this request when it was admitted.
+# requests, tokens, local_tokens}, the counts with this request when it was admitted.
 ADMIT_LUA = """
+if #KEYS > 4 then
+  local first = redis.call('HMGET', KEYS[5], 'state', 'attempts')
+  local latest = redis.call('HGET', KEYS[6], 'state')
+  if not first[1] or (first[2] or '1') ~= ARGV[9] or (latest and latest ~= 'failed') then
+    return {-1, 0, 0, 0}
+  end
+end
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {redis.call('HGET', KEYS[3], 'early') == '1' and -2 or -1, 0, 0, 0}
 end
@@ -68,6 +77,10 @@ else
   redis.call('HINCRBY', KEYS[1], 'local_tokens', n)
   redis.call('HSET', KEYS[3], 'local', 1)
   lt = lt + n
+end
+if #KEYS > 4 then  -- the first hash points at this attempt, and lives as long as it may
+  redis.call('HSET', KEYS[5], 'attempts', tonumber(ARGV[9]) + 1, 'current', job['request_id'])
+  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[5]))
 end
 return {1, q + 1, t + n, lt}
 """
