@@ -226,7 +226,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         back from their queue (PrefillHere)."""
         ids = list(request.prompt_token_ids)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
-        t0 = slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
+        slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
             await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
@@ -238,7 +238,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._end_decode_span(slot, "error", None)
             raise
         slot.imported = True
-        slot.prefill_start = t0
 
     def _start_decode_span(self, slot: Slot, extra: dict | None = None) -> None:
         """The request's time here after its KV exists (adopted, or about to be prefilled here) until it ends."""

@@ -60,6 +60,10 @@ EARLY_ABORT_KEEP_S = 60
 ATTEMPT_SEP = "#"
 
 
+def _aborted_first(rid: str) -> Cancelled:
+    return Cancelled(f"request {rid!r} was aborted before it arrived (Abort came first)")
+
+
 class UpstreamError(ServiceError):
     """A worker ended the request with an error, and the status the client should get."""
 
@@ -298,7 +302,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             rows = await p.execute()
         now = time.monotonic()
         restored = []
-        take_back = self.prefill_workers == 0 and self.s.local_prefill_without_prefill_workers
+        take_back = self._without_prefill_workers()
         for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
@@ -343,7 +347,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if not int(took):
             return
         if self.active.get(rid) is not a:  # it ended meanwhile, its counts not returned: they go back now
-            await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(a.ids)])
+            await self._dequeue(rid, len(a.ids))
             return
         a.local = a.queued = True  # returned at its first token, or its end
         self.metrics.taken_back.inc()
@@ -364,6 +368,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             a.lost = f"no prefill worker is registered, and its decode worker could not prefill it: {e.details()}"
             log.warning("request %s: %s", rid, a.lost)
             a.call.cancel()
+
+    async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
+        """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once)."""
+        await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[prompt_tokens])
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub
@@ -397,7 +405,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if state is None:
             return rid, [], []
         if early == b"1":
-            raise Cancelled(f"request {rid!r} was aborted before it arrived (Abort came first)")
+            raise _aborted_first(rid)
         latest = current.decode() if current else rid
         if latest != rid:
             state = await self.redis.hget(self.keys.req(latest), "state")
@@ -424,6 +432,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         frac = self.s.admit_fraction / 2
         return q + 1 > self.s.max_queue_requests * frac or t + tokens > self.s.max_queue_tokens * frac
 
+    def _without_prefill_workers(self) -> bool:
+        """No prefill worker is registered, and local_prefill_without_prefill_workers is on (the
+        registry read counts them only then; never colocated)."""
+        return self.prefill_workers == 0
+
     def _prefill_locally(self, tokens: int) -> bool:
         """Whether the chosen decode worker prefills this prompt itself rather than a prefill worker:
         always when colocated; disaggregated (conditional disaggregation), when no prefill worker
@@ -432,7 +445,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         local_prefill_queue_tokens queued for them at the last admission this router saw)."""
         if self.colocated:
             return True
-        if self.prefill_workers == 0 and self.s.local_prefill_without_prefill_workers:
+        if self._without_prefill_workers():
             return True
         if tokens <= self.s.local_prefill_max_tokens:
             return True
@@ -530,7 +543,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         raise AlreadyExists(f"request_id {public_id!r} already exists (see GetRequest)")
                     if ok == -2:
                         state = ""
-                        raise Cancelled(f"request {public_id!r} was aborted before it arrived (Abort came first)")
+                        raise _aborted_first(public_id)
                     if ok == 0:
                         state = ""
                         raise self._refusal(q, t, frac)
@@ -562,7 +575,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             active.first = True
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
-                            await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
+                            await self._dequeue(rid, len(ids))
                         if ev.first_token_unix:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
@@ -611,7 +624,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     self.first_parts.pop(rid, None)
                 call.cancel()
                 if queued or (active is not None and active.queued):
-                    await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[len(ids)])
+                    await self._dequeue(rid, len(ids))
                 if state in ("cancelled", "failed"):
                     mark = self._mark(rid, state, error=active.lost if active is not None else "")
                     # Redis not answering: recording it would keep the client waiting as long again.
@@ -808,7 +821,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
         attempts = int(m.get(b"attempts", 1))
-        if m and (current := m.get(b"current")):  # sent again after it failed: its latest attempt
+        if current := m.get(b"current"):  # sent again after it failed: its latest attempt
             m = await self.redis.hgetall(self.keys.req(current.decode()))
         if not m:
             raise NotFound(f"no request {rid!r} (unknown, or expired)")
