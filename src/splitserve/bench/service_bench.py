@@ -1,6 +1,7 @@
 """The full service against the in-process engine on the same requests, side by side.
 
-    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--mode M] [--out results.json]
+    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--light-workload F]
+        [--light-gap-ms 100] [--mode M] [--out results.json]
 
 Throughput: the first N requests of workload_mixed.jsonl, all submitted at once, greedy,
 exactly max_tokens each, through the stack (router + 1 prefill + 1 decode worker, or with
@@ -9,7 +10,11 @@ through one in-process engine, alternated for --rounds rounds; the ratio is the 
 of the per-round ratios. Light load: one request at a time, each prompt sent through
 the service and through the in-process engine (alternating which goes first); the TTFT the service path adds is
 the median of the paired differences. The stack stays up (idle) while the in-process
-engine runs, so both see the same machine.
+engine runs, so both see the same machine, and each measurement starts after
+--light-gap-ms of idleness: right after a forward, the OpenMP threads of the side just
+measured still spin for a while and take a core from the other (workload_short, 64
+pairs, side by side: the in-process engine's lingering spin added 6-7 ms to the service's
+forward with no gap, ~0 with 100 ms).
 """
 
 from __future__ import annotations
@@ -77,6 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--light", type=int, default=16)
+    ap.add_argument("--light-workload", default="workload_mixed.jsonl",
+                    help="the light-load prompts, a file in --workloads (default workload_mixed.jsonl; "
+                         "workload_short.jsonl's short forwards leave the path's own cost less noise)")
+    ap.add_argument("--light-gap-ms", type=float, default=100.0,
+                    help="idle time before each light-load measurement (default 100 ms), so that neither side "
+                         "starts while the threads of the one measured before it still spin")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     ap.add_argument("--worker-env", action="append", default=[], metavar="ROLE:NAME=VALUE",
@@ -84,7 +95,8 @@ def main(argv=None) -> int:
                          "e.g. decode:GOMP_SPINCOUNT=30000; may be repeated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, args.light))
+    items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, 2))
+    light = load_workload(os.path.join(args.workloads, args.light_workload), max(args.light, 1))
     heavy = items[: args.requests]
     results: dict = {"requests": len(heavy), "mode": args.mode, "rounds": []}
     settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
@@ -111,14 +123,18 @@ def main(argv=None) -> int:
                   f"prefilled by the decode worker)", flush=True)
         svc_light, eng_light, parts = [], [], []
         with Client(stack.router_address) as c:
-            light_ttft_service(c, items[0])  # warm path
-            light_ttft_engine(engine, items[:1])
-            for i, it in enumerate(items[: args.light]):  # the order alternates, so neither side goes warm
+            light_ttft_service(c, light[0])  # warm path
+            light_ttft_engine(engine, light[:1])
+            gap = args.light_gap_ms / 1000
+            for i, it in enumerate(light[: args.light]):  # the order alternates, so neither side goes warm
                 if i % 2:
+                    time.sleep(gap)
                     eng_light.append(light_ttft_engine(engine, [it])[0])
+                time.sleep(gap)
                 ttft, timings = light_ttft_service(c, it)
                 svc_light.append(ttft)
                 if not i % 2:
+                    time.sleep(gap)
                     eng_light.append(light_ttft_engine(engine, [it])[0])
                 parts.append({k: getattr(timings, k) for k in ("admission_ms", "queue_ms", "prefill_ms",
                                                                 "first_token_ms", "kv_transfer_ms", "ttft_ms")})
@@ -128,11 +144,13 @@ def main(argv=None) -> int:
     if svc_light:
         added = [s - e for s, e in zip(svc_light, eng_light)]
         outside = [s - p["prefill_ms"] for s, p in zip(svc_light, parts)]
-        results.update(light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light, light_parts=parts,
+        results.update(light_workload=args.light_workload, light_gap_ms=args.light_gap_ms,
+                       light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light, light_parts=parts,
                        ttft_added_ms=added, ttft_added_p50_ms=percentile(added, 50),
                        outside_prefill_p50_ms=percentile(outside, 50))
         med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-        print(f"light load ({len(svc_light)} requests one at a time, each also in-process): TTFT service p50 "
+        print(f"light load ({len(svc_light)} requests of {args.light_workload} one at a time, "
+              f"{args.light_gap_ms:g} ms apart, each also in-process): TTFT service p50 "
               f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
               f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired)")
         print(f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
