@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from service_helpers import wait_for
-from splitserve.service.redis_state import (ADMIT_LUA, DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
-                                           update_args)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA,
+                                           UPDATE_LUA, Keys, run_scripts, update_args)
 from splitserve.stack import redis_server_binary
 
 
@@ -135,10 +135,10 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
     assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
 
 
-def test_a_failed_request_is_admitted_again_once_as_a_new_attempt(r):
-    """A request_id whose latest attempt failed is admitted again under a new attempt's id, once:
-    a second retry that read the same attempt count (they raced) is refused, as is a retry of an
-    attempt that has not failed."""
+def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt(r):
+    """A request_id whose latest attempt failed, or was cancelled without an Abort, is admitted
+    again under a new attempt's id, once: a second retry that read the same attempt count (they
+    raced) is refused, as is a retry of an attempt that is queued, finished or was aborted."""
     import json
 
     keys = Keys("at")
@@ -161,6 +161,31 @@ def test_a_failed_request_is_admitted_again_once_as_a_new_attempt(r):
     assert send("x#3", 2, "x#2") == 1
     assert r.hget(keys.req("x"), "current") == "x#3" and r.xlen(keys.stream) == 2
     assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "6"}
+    # Cancelled by its client or its deadline (the router marks it so): it may run again.
+    r.hset(keys.req("x#3"), "state", "cancelled")
+    assert send("x#4", 3, "x#3") == 1
+    assert r.hget(keys.req("x"), "current") == "x#4"
+    # Cancelled by an Abort: not run again, nor once the router has marked its end as well.
+    abort = r.register_script(ABORT_LUA)
+    assert abort(keys=[keys.req("x#4")], args=[2.0, 60, 60])[0] == "queued"
+    r.hset(keys.req("x#4"), "state", "cancelled")
+    assert send("x#5", 4, "x#4") == -1
+    r.hset(keys.req("x#4"), "state", "finished")
+    r.hdel(keys.req("x#4"), "aborted")
+    assert send("x#5", 4, "x#4") == -1  # finished: never twice
+    assert r.xlen(keys.stream) == 3
+
+
+def test_an_abort_after_a_request_ended_unfinished_keeps_it_from_running_again(r):
+    """Abort of a request that already failed or was cancelled leaves its state and marks it
+    aborted; of one that finished, changes nothing."""
+    abort = r.register_script(ABORT_LUA)
+    for state in ("failed", "cancelled", "finished"):
+        key = f"ab:req:{state}"
+        r.hset(key, mapping={"state": state, "decode_worker": "d"})
+        assert abort(keys=[key], args=[2.0, 60, 60]) == [state, "d"]
+        assert r.hget(key, "state") == state
+        assert r.hget(key, "aborted") == (None if state == "finished" else "1")
 
 
 def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):

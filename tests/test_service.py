@@ -1627,6 +1627,50 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of both attempts freed")
 
 
+def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_id_but_not_after_an_abort(stack,
+                                                                                                          client):
+    """A client whose deadline passed, or that cancelled its call (a dropped connection looks the
+    same to the router), sends the request again with its request_id: it runs as a new attempt
+    and gives the right output. Before, it was refused ALREADY_EXISTS. One ended by an Abort is
+    refused, with a message that says so."""
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    prompt = "Tell me everything about the ocean."
+    ref = list(client.generate(prompt, max_tokens=6, ignore_eos=True, timeout=60).token_ids)
+
+    def sent_again(rid: str) -> None:
+        got = client.generate(prompt, max_tokens=6, ignore_eos=True, timeout=60, request_id=rid)
+        assert list(got.token_ids) == ref and got.request_id == rid
+        info = client.get_request(rid)
+        assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")
+        with pytest.raises(grpc.RpcError) as e:  # it finished: never run twice
+            client.generate(prompt, max_tokens=6, request_id=rid)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already exists" in e.value.details()
+
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, max_tokens=500, ignore_eos=True, timeout=1.0, request_id="past-deadline")
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: _state(client, "past-deadline") == "cancelled", what="the deadline's cancellation recorded")
+    sent_again("past-deadline")
+
+    stream = client.generate_stream(prompt, max_tokens=500, ignore_eos=True, request_id="client-cancelled")
+    assert next(stream).token_ids
+    stream.cancel()
+    wait_for(lambda: _state(client, "client-cancelled") == "cancelled", what="the client's cancellation recorded")
+    sent_again("client-cancelled")
+
+    got = []
+    t = _consume(client.generate_stream(prompt, max_tokens=500, ignore_eos=True, request_id="aborted"), got)
+    wait_for(lambda: got, what="first tokens")
+    assert client.abort("aborted").state in ("prefilling", "decoding")
+    t.join(60)
+    assert got[-1].finish_reason == "cancelled"
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, max_tokens=6, request_id="aborted")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "aborted" in e.value.details()
+    assert client.get_request("aborted").attempts == 1
+    wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of every attempt freed")
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

@@ -35,9 +35,9 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancell
                                       Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, QUEUE_FIELDS,
-                                           REAP_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect, priority_class,
-                                           queue_counts, sampling_to_dict)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, MAY_RUN_AGAIN,
+                                           QUEUE_FIELDS, REAP_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect,
+                                           priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -55,8 +55,9 @@ LOST_GRACE_HEARTBEATS = 2
 # An Abort for a request id no router has seen yet (it overtook its Generate) is remembered this
 # long: the request, if it comes within it, is refused CANCELLED instead of running.
 EARLY_ABORT_KEEP_S = 60
-# A request sent again with the request_id of one that failed runs as a new attempt under its own
-# id: the request_id, this separator (not a character request ids may use) and its number.
+# A request sent again with the request_id of one that ended unfinished runs as a new attempt
+# under its own id: the request_id, this separator (not a character request ids may use) and its
+# number.
 ATTEMPT_SEP = "#"
 
 
@@ -395,23 +396,27 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _attempt(self, rid: str) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
-        and args. A new id runs under itself. One whose latest attempt failed may be sent again (a
-        client's retry, gRPC's own included): it runs as a new attempt under its own id
-        (request_id#n), so nothing left of the failed one (a job still queued, a late handoff) can
-        touch it. Any other that exists is refused ALREADY_EXISTS (a request never runs twice), and
-        one that an Abort came before is refused CANCELLED."""
+        and args. A new id runs under itself. One whose latest attempt ended unfinished (it failed,
+        or its client went away or its deadline passed) may be sent again (a client's retry, gRPC's
+        own included): it runs as a new attempt under its own id (request_id#n), so nothing left of
+        the earlier one (a job still queued, a late handoff) can touch it. Any other that exists is
+        refused ALREADY_EXISTS (a request never runs twice, nor again after an Abort), and one that
+        an Abort came before is refused CANCELLED."""
         first = self.keys.req(rid)
-        state, early, attempts, current = await self.redis.hmget(first, "state", "early", "attempts", "current")
+        state, early, aborted, attempts, current = await self.redis.hmget(first, "state", "early", "aborted",
+                                                                          "attempts", "current")
         if state is None:
             return rid, [], []
         if early == b"1":
             raise _aborted_first(rid)
         latest = current.decode() if current else rid
         if latest != rid:
-            state = await self.redis.hget(self.keys.req(latest), "state")
-        if state not in (b"failed", None):  # None: the latest attempt's hash expired; it has ended
-            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that failed may be "
-                                "sent again")
+            state, aborted = await self.redis.hmget(self.keys.req(latest), "state", "aborted")
+        if aborted:
+            raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
+        if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
+            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that failed or was "
+                                "cancelled by its client or its deadline may be sent again")
         n = int(attempts or 1)
         return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n]
 
@@ -821,7 +826,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
         attempts = int(m.get(b"attempts", 1))
-        if current := m.get(b"current"):  # sent again after it failed: its latest attempt
+        if current := m.get(b"current"):  # sent again after it ended unfinished: its latest attempt
             m = await self.redis.hgetall(self.keys.req(current.decode()))
         if not m:
             raise NotFound(f"no request {rid!r} (unknown, or expired)")

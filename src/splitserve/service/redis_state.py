@@ -33,20 +33,28 @@ FINAL_STATES = ("finished", "cancelled", "failed")
 # The scripts' test for a request that has ended (a nil state, no request, is not final).
 _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for x in FINAL_STATES) + " end\n"
 
+# A request_id may be sent again (as a new attempt) once its latest attempt has ended without
+# finishing and without an Abort: it failed, or it was cancelled by its client going away or by
+# its deadline. A nil state is an attempt whose hash expired: it has ended. An aborted one stays
+# ended, and a finished one never runs twice.
+MAY_RUN_AGAIN = ("failed", "cancelled")
+_MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state or (not aborted and ("
+                  + " or ".join(f"state == '{x}'" for x in MAY_RUN_AGAIN) + ")) end\n")
+
 # Admission, request hash and job in one atomic step: nothing is half-queued.
 # KEYS: admission, stream, request hash, the router's request set; for a request sent again
-# after it failed (a new attempt, under its own hash: attempt_id), also its first attempt's hash
+# after it ended unfinished (a new attempt, under its own hash: attempt_id), also its first attempt's hash
 # and its latest attempt's.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
 # queue the job (0: its decode worker prefills it itself, colocated or by conditional
 # disaggregation; its hash says 'local'), the router's id; for a new attempt, the attempts the
 # first hash counted when the router read it (another attempt admitted since: refused as -1).
 # Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
 # requests, tokens, local_tokens}, the counts with this request when it was admitted.
-ADMIT_LUA = """
+ADMIT_LUA = _MAY_RUN_AGAIN + """
 if #KEYS > 4 then
   local first = redis.call('HMGET', KEYS[5], 'state', 'attempts')
-  local latest = redis.call('HGET', KEYS[6], 'state')
-  if not first[1] or (first[2] or '1') ~= ARGV[9] or (latest and latest ~= 'failed') then
+  local latest = redis.call('HMGET', KEYS[6], 'state', 'aborted')
+  if not first[1] or (first[2] or '1') ~= ARGV[9] or not may_run_again(latest[1], latest[2]) then
     return {-1, 0, 0, 0}
   end
 end
@@ -88,7 +96,8 @@ return {1, q + 1, t + n, lt}
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
 # just ended keeps its final state. One that has not arrived yet (its Abort overtook its
 # Generate, through another router) gets a hash that says so ('early'), for the early TTL:
-# admitted within it, it is refused as cancelled (ADMIT_LUA). KEYS[1] the request hash; ARGV:
+# admitted within it, it is refused as cancelled (ADMIT_LUA). An aborted request is marked so
+# ('aborted'): its request_id is not run again. KEYS[1] the request hash; ARGV:
 # now, the TTL after completion, the early TTL. Returns {the state it had ('' when there is no
 # such request), its decode worker's id}.
 ABORT_LUA = _IS_FINAL + """
@@ -100,8 +109,10 @@ if not state or got[3] == '1' then
   return {'', ''}
 end
 if not is_final(state) then
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 't_finished', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'aborted', 1, 't_finished', ARGV[1])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[2]))
+elseif state ~= 'finished' then  -- it had failed or been cancelled: the Abort says not to run it again
+  redis.call('HSET', KEYS[1], 'aborted', 1)
 end
 return {state, got[2] or ''}
 """
