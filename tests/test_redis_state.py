@@ -150,9 +150,10 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
                           "priority": 0})
         return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
                            keys.req("x"), keys.req(latest)],
-                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected])[0]
+                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected, "fp-x"])[0]
 
     assert send("x#2", 1, "x") == 1
+    assert r.hget(keys.req("x#2"), "fingerprint") == "fp-x"  # what a later retry must match
     assert r.hget(keys.req("x"), "current") == "x#2" and r.hget(keys.req("x"), "attempts") == "2"
     assert r.hget(keys.req("x#2"), "state") == "queued" and 0 < r.ttl(keys.req("x")) <= 60
     assert send("x#2", 1, "x") == -1  # the same retry again (it raced the first): refused

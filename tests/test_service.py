@@ -408,7 +408,10 @@ def test_a_reused_request_id_is_refused_and_leaves_the_first_request_alone(stack
     wait_for(lambda: got, what="first tokens")
     with pytest.raises(grpc.RpcError) as e:
         client.generate("Something else.", max_tokens=4, request_id="twice")
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # the same request while it runs: not twice either
+        client.generate("Tell me about rivers.", max_tokens=40, ignore_eos=True, request_id="twice")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already exists" in e.value.details()
     t.join(60)
     assert got[-1].finish_reason == "length" and sum(len(c.token_ids) for c in got) == 40
     tm = got[-1].timings  # the first request's TTFT parts were not dropped by the refused one
@@ -1600,8 +1603,9 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     """A client with retries on (gRPC's retry policy) whose request fails UNAVAILABLE after it was
     admitted sends it again with the same request_id: it runs as a new attempt under its own id,
     untouched by what is left of the failed one (its prefill forward still running), and gives
-    the right output. Before, the retry was refused ALREADY_EXISTS. A request_id whose latest
-    attempt did not fail is still refused, and GetRequest and Abort find the latest attempt."""
+    the right output. Before, the retry was refused ALREADY_EXISTS. Once it finished, the same
+    request sent again gets that result without running; a different one under its id is refused,
+    and GetRequest and Abort find the latest attempt."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     prompt = "word " * 1500
     ref = list(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=120).token_ids)
@@ -1620,9 +1624,11 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     info = client.get_request("retried")
     assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")
     assert stack.redis().hget(stack.keys.req("retried"), "state") == b"failed"  # the first attempt's own record
-    with pytest.raises(grpc.RpcError) as e:  # it finished: never run twice
+    again = client.generate(prompt, max_tokens=4, ignore_eos=True, request_id="retried")  # finished: never run twice
+    assert again.replayed and list(again.token_ids) == ref and client.get_request("retried").attempts == 2
+    with pytest.raises(grpc.RpcError) as e:  # not the same request (ignore_eos differs)
         client.generate(prompt, max_tokens=4, request_id="retried")
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "retried" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details()
     assert client.abort("retried").state == "finished"
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of both attempts freed")
 
@@ -1635,40 +1641,64 @@ def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_i
     refused, with a message that says so."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     prompt = "Tell me everything about the ocean."
-    ref = list(client.generate(prompt, max_tokens=6, ignore_eos=True, timeout=60).token_ids)
+    ref = list(client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=60).token_ids)
 
-    def sent_again(rid: str) -> None:
-        got = client.generate(prompt, max_tokens=6, ignore_eos=True, timeout=60, request_id=rid)
-        assert list(got.token_ids) == ref and got.request_id == rid
+    def sent_again(rid: str) -> None:  # the same request, with a deadline it meets
+        got = client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=60, request_id=rid)
+        assert list(got.token_ids) == ref and got.request_id == rid and not got.replayed
         info = client.get_request(rid)
         assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")
-        with pytest.raises(grpc.RpcError) as e:  # it finished: never run twice
-            client.generate(prompt, max_tokens=6, request_id=rid)
-        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "already exists" in e.value.details()
 
     with pytest.raises(grpc.RpcError) as e:
-        client.generate(prompt, max_tokens=500, ignore_eos=True, timeout=1.0, request_id="past-deadline")
+        client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=0.3, request_id="past-deadline")
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: _state(client, "past-deadline") == "cancelled", what="the deadline's cancellation recorded")
     sent_again("past-deadline")
 
-    stream = client.generate_stream(prompt, max_tokens=500, ignore_eos=True, request_id="client-cancelled")
+    stream = client.generate_stream(prompt, max_tokens=40, ignore_eos=True, request_id="client-cancelled")
     assert next(stream).token_ids
     stream.cancel()
     wait_for(lambda: _state(client, "client-cancelled") == "cancelled", what="the client's cancellation recorded")
     sent_again("client-cancelled")
 
     got = []
-    t = _consume(client.generate_stream(prompt, max_tokens=500, ignore_eos=True, request_id="aborted"), got)
+    t = _consume(client.generate_stream(prompt, max_tokens=400, ignore_eos=True, request_id="aborted"), got)
     wait_for(lambda: got, what="first tokens")
     assert client.abort("aborted").state in ("prefilling", "decoding")
     t.join(60)
     assert got[-1].finish_reason == "cancelled"
     with pytest.raises(grpc.RpcError) as e:
-        client.generate(prompt, max_tokens=6, request_id="aborted")
+        client.generate(prompt, max_tokens=400, ignore_eos=True, request_id="aborted")
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "aborted" in e.value.details()
     assert client.get_request("aborted").attempts == 1
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of every attempt freed")
+
+
+def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_without_running(stack, client,
+                                                                                             other_router):
+    """request_id is idempotent: a client that lost the answer to a finished request (its
+    connection dropped after the last message) sends it again and gets the same result, whole,
+    marked replayed, from any router, without a second run; streamed, in one message. A
+    different request under that id is refused ALREADY_EXISTS."""
+    prompt = "Name three rivers."
+    first = client.generate(prompt, max_tokens=12, ignore_eos=True, request_id="kept", timeout=60)
+    assert not first.replayed and len(first.token_ids) == 12
+    steps = scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"]
+    again = client.generate(prompt, max_tokens=12, ignore_eos=True, request_id="kept", timeout=60)
+    assert again.replayed and again.request_id == "kept"
+    assert (list(again.token_ids), again.text, again.finish_reason) == (list(first.token_ids), first.text, "length")
+    assert (again.usage.prompt_tokens, again.usage.completion_tokens) == (first.usage.prompt_tokens, 12)
+    chunks = list(other_router.generate_stream(prompt, max_tokens=12, ignore_eos=True, request_id="kept",
+                                               timeout=60))
+    assert len(chunks) == 1 and chunks[0].replayed and list(chunks[0].token_ids) == list(first.token_ids)
+    assert scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"] == steps  # no run
+    assert client.get_request("kept").attempts == 1
+    assert scrape(stack.proc("router").metrics_address)["splitserve_requests_replayed_total"] >= 2
+    for changed in ({"max_tokens": 11, "ignore_eos": True}, {"max_tokens": 12, "ignore_eos": True, "priority": 1},
+                    {"max_tokens": 12}):
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(prompt, request_id="kept", timeout=60, **changed)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details(), changed
 
 
 def test_async_client_streams_and_generates(stack, client):

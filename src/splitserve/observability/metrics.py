@@ -74,6 +74,8 @@ class RouterMetrics(Metrics):
         self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
         self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
         self.success = self.c("request_success", "Requests that finished, by finish reason", ["finished_reason"])
+        self.replayed = self.c("requests_replayed", "Requests sent again with the request_id of one that had "
+                                                    "finished, answered with its recorded result")
         self.reaped = self.c("requests_reaped", "Unended requests of routers that went away (lease run out), "
                                                 "marked failed by this router")
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")

@@ -12,6 +12,7 @@ the request hash says "cancelled" so a prefill worker skips a job still queued.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import sys
 import time
@@ -59,6 +60,22 @@ EARLY_ABORT_KEEP_S = 60
 # under its own id: the request_id, this separator (not a character request ids may use) and its
 # number.
 ATTEMPT_SEP = "#"
+
+
+class Recorded(Exception):
+    """A request_id whose latest attempt finished: its recorded result answers the call."""
+
+    def __init__(self, response: gen_pb.GenerateResponse):
+        super().__init__(response.request_id)
+        self.response = response
+
+
+def fingerprint(request: gen_pb.GenerateRequest) -> str:
+    """What a request sent again with its request_id must match: everything but the id."""
+    r = gen_pb.GenerateRequest()
+    r.CopyFrom(request)
+    r.request_id = ""
+    return hashlib.blake2b(r.SerializeToString(deterministic=True), digest_size=12).hexdigest()
 
 
 def _aborted_first(rid: str) -> Cancelled:
@@ -394,31 +411,50 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         return request.request_id or uuid.uuid4().hex, ids, params
 
-    async def _attempt(self, rid: str) -> tuple[str, list, list]:
+    async def _attempt(self, rid: str, fp: str) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
-        and args. A new id runs under itself. One whose latest attempt ended unfinished (it failed,
-        or its client went away or its deadline passed) may be sent again (a client's retry, gRPC's
-        own included): it runs as a new attempt under its own id (request_id#n), so nothing left of
-        the earlier one (a job still queued, a late handoff) can touch it. Any other that exists is
-        refused ALREADY_EXISTS (a request never runs twice, nor again after an Abort), and one that
-        an Abort came before is refused CANCELLED."""
+        and args (fp: its fingerprint). A new id runs under itself. The id of a request that
+        finished answers with its recorded result (raises Recorded). One whose latest attempt ended
+        unfinished (it failed, or its client went away or its deadline passed) may be sent again
+        (a client's retry, gRPC's own included): it runs as a new attempt under its own id
+        (request_id#n), so nothing left of the earlier one (a job still queued, a late handoff) can
+        touch it. Any other that exists is refused ALREADY_EXISTS (a request never runs twice, nor
+        again after an Abort, nor under the id of a different request), and one that an Abort came
+        before is refused CANCELLED."""
         first = self.keys.req(rid)
-        state, early, aborted, attempts, current = await self.redis.hmget(first, "state", "early", "aborted",
-                                                                          "attempts", "current")
+        state, early, aborted, attempts, current, fp_first = await self.redis.hmget(
+            first, "state", "early", "aborted", "attempts", "current", "fingerprint")
         if state is None:
-            return rid, [], []
+            return rid, [], [0, fp]
         if early == b"1":
             raise _aborted_first(rid)
+        if fp_first is not None and fp_first.decode() != fp:
+            raise AlreadyExists(f"request_id {rid!r} belongs to a different request (its input, sampling or priority "
+                                "differ); send this one with a new request_id")
         latest = current.decode() if current else rid
         if latest != rid:
             state, aborted = await self.redis.hmget(self.keys.req(latest), "state", "aborted")
+        if state == b"finished":
+            await self._replay(rid, latest)
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
         if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
-            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that failed or was "
-                                "cancelled by its client or its deadline may be sent again")
+            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that finished, failed "
+                                "or was cancelled by its client or its deadline may be sent again")
         n = int(attempts or 1)
-        return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n]
+        return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
+
+    async def _replay(self, rid: str, attempt: str) -> None:
+        """Raise Recorded with the result a finished attempt left in its hash (_mark), if it did."""
+        tokens, text, reason, n_prompt, n_out = await self.redis.hmget(
+            self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
+            "completion_tokens")
+        if tokens is None:
+            return
+        raise Recorded(gen_pb.GenerateResponse(
+            request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
+            finish_reason=(reason or b"").decode(), replayed=True,
+            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0))))
 
     async def _latest(self, rid: str) -> str:
         """The id of a request_id's latest attempt."""
@@ -475,7 +511,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             rid, ids, params = self._validate(request)
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args = await self._attempt(rid)
+                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request))
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -517,6 +553,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         queued = False
         active = None
         sent = 0  # completion tokens streamed so far
+        result = ([], []) if request.request_id else None  # tokens, texts: kept for a replay (_attempt)
         with dec:
             try:
                 try:
@@ -586,6 +623,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
                         sent = ev.completion_tokens or sent
+                        if result is not None:
+                            result[0].extend(ev.token_ids)
+                            result[1].append(ev.text)
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason:
                             final = ev
@@ -607,7 +647,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise
                 state = "cancelled" if final.finish_reason == "cancelled" else "finished"
                 with tracing.tracer().start_span("finish", context=rs.ctx):
-                    await self._mark(rid, state, final)
+                    await self._mark(rid, state, final, result=result if state == "finished" else None)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
                     state = "failed"
@@ -647,6 +687,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _end_admission(adm, e: BaseException) -> None:
+        if isinstance(e, Recorded):  # not admitted: answered with its recorded result
+            adm.set_attribute("splitserve.replayed", True)
+            adm.end()
+            return
         code = code_of(e)
         adm.set_attribute("rpc.grpc.status_code", code.value[0])
         if code != grpc.StatusCode.CANCELLED:
@@ -673,12 +717,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.priority"] = request.priority
         return attrs
 
-    async def _mark(self, rid: str, state: str, final=None, error: str = "") -> None:
-        """Record how a request ended (with its last decode event, if any); the hash then expires sooner."""
+    async def _mark(self, rid: str, state: str, final=None, error: str = "", result=None) -> None:
+        """Record how a request ended (with its last decode event, if any, and the tokens and texts
+        it sent, for a replay); the hash then expires sooner."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
             mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason)
+        if result is not None:
+            # As text: the hash is read whole and decoded (GetRequest).
+            mapping.update(result_tokens=",".join(map(str, result[0])), result_text="".join(result[1]))
         if error:
             mapping["error"] = error
         try:
@@ -727,6 +775,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.cancelled.labels("abort").inc()
         self.metrics.observe_finished(t, resp.finish_reason, resp.usage.completion_tokens)
 
+    def _replayed(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, t0: float) -> gen_pb.GenerateResponse:
+        """A finished request's recorded result, sent again: on the span and in the metrics as such."""
+        resp.timings.e2e_ms = (time.perf_counter() - t0) * 1000
+        rs.span.set_attributes({"splitserve.replayed": True, "gen_ai.response.finish_reasons": [resp.finish_reason],
+                                "gen_ai.usage.output_tokens": resp.usage.completion_tokens})
+        self.metrics.replayed.inc()
+        return resp
+
     def _record_error(self, e: BaseException) -> None:
         code = code_of(e)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -744,14 +800,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         try:
             with self._server_span("GenerateStream", context) as rs:
-                async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
-                    resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text)
-                    if t_first is None and ev.token_ids:
-                        t_first = time.perf_counter()
-                        rs.span.add_event("first_token")
-                    if ev.finish_reason:
-                        self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
-                    yield resp
+                try:
+                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                        resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text)
+                        if t_first is None and ev.token_ids:
+                            t_first = time.perf_counter()
+                            rs.span.add_event("first_token")
+                        if ev.finish_reason:
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
+                        yield resp
+                except Recorded as r:
+                    yield self._replayed(rs, r.response, t0)
         except BaseException as e:
             self._record_error(e)
             raise
@@ -766,15 +825,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics.in_flight.inc()
         try:
             with self._server_span("Generate", context) as rs:
-                async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
-                    resp.request_id = public_id
-                    if t_first is None and ev.token_ids:
-                        t_first = time.perf_counter()
-                        rs.span.add_event("first_token")
-                    resp.token_ids.extend(ev.token_ids)
-                    text.append(ev.text)
-                    if ev.finish_reason:
-                        self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
+                try:
+                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                        resp.request_id = public_id
+                        if t_first is None and ev.token_ids:
+                            t_first = time.perf_counter()
+                            rs.span.add_event("first_token")
+                        resp.token_ids.extend(ev.token_ids)
+                        text.append(ev.text)
+                        if ev.finish_reason:
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
+                except Recorded as r:
+                    return self._replayed(rs, r.response, t0)
         except BaseException as e:
             self._record_error(e)
             raise

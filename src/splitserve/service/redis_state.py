@@ -47,8 +47,9 @@ _MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state
 # and its latest attempt's.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
 # queue the job (0: its decode worker prefills it itself, colocated or by conditional
 # disaggregation; its hash says 'local'), the router's id; for a new attempt, the attempts the
-# first hash counted when the router read it (another attempt admitted since: refused as -1).
-# Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
+# first hash counted when the router read it (another attempt admitted since: refused as -1);
+# with a client-chosen id, that count (0 for a first attempt) and the request's fingerprint,
+# which the hash keeps ('fingerprint': a retry must be the same request). Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
 # requests, tokens, local_tokens}, the counts with this request when it was admitted.
 ADMIT_LUA = _MAY_RUN_AGAIN + """
 if #KEYS > 4 then
@@ -75,6 +76,9 @@ local job = cjson.decode(ARGV[6])
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
            'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
            'router', ARGV[8])
+if ARGV[10] and ARGV[10] ~= '' then
+  redis.call('HSET', KEYS[3], 'fingerprint', ARGV[10])
+end
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 redis.call('SADD', KEYS[4], job['request_id'])
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
