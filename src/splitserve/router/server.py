@@ -439,8 +439,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
         if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
-            raise AlreadyExists(f"request_id {rid!r} already exists (see GetRequest); only one that finished, failed "
-                                "or was cancelled by its client or its deadline may be sent again")
+            raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
+                                "request may be sent again once it has ended")
         n = int(attempts or 1)
         return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
 
