@@ -473,9 +473,24 @@ def test_deadline_exceeded(stack, client):
 
 @pytest.fixture
 def small_queue_stack():
-    s = _start(max_queue_requests=8, max_queue_tokens=1 << 20)
+    s = _start(max_queue_requests=8, max_queue_tokens=1 << 20, replay_max_tokens=8)
     yield s
     _finish(s)
+
+
+def test_only_requests_of_at_most_replay_max_tokens_keep_their_result(small_queue_stack):
+    """What Redis holds per finished request is bounded: with replay_max_tokens 8, a request for 8
+    tokens is replayed; one for 9 is not kept, and sent again it is refused, saying why."""
+    with Client(small_queue_stack.router_address) as c:
+        kept = c.generate("Rivers.", max_tokens=8, ignore_eos=True, request_id="eight", timeout=60)
+        assert c.generate("Rivers.", max_tokens=8, ignore_eos=True, request_id="eight", timeout=60).replayed
+        c.generate("Rivers.", max_tokens=9, ignore_eos=True, request_id="nine", timeout=60)
+        r = small_queue_stack.redis()
+        assert r.hget(small_queue_stack.keys.req("nine"), "result_tokens") is None
+        assert r.hget(small_queue_stack.keys.req("eight"), "result_tokens") == ",".join(map(str, kept.token_ids)).encode()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("Rivers.", max_tokens=9, ignore_eos=True, request_id="nine", timeout=60)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "replay_max_tokens is 8" in e.value.details()
 
 
 def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_queue_stack):

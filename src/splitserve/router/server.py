@@ -438,6 +438,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             await self._replay(rid, latest)
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
+        if state == b"finished":
+            raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept "
+                                f"(replay_max_tokens is {self.s.replay_max_tokens}); see GetRequest")
         if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
             raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
                                 "request may be sent again once it has ended")
@@ -553,7 +556,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         queued = False
         active = None
         sent = 0  # completion tokens streamed so far
-        result = ([], []) if request.request_id else None  # tokens, texts: kept for a replay (_attempt)
+        # tokens, texts: kept for a replay (_attempt)
+        result = ([], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
         with dec:
             try:
                 try:
