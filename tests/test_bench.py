@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 
@@ -34,6 +35,22 @@ def test_percentiles_match_hand_computed_values():
     random.Random(1).shuffle(shuffled)
     assert loadgen.pcts(shuffled + [math.nan]) == pytest.approx(p)
     assert loadgen.pcts([0.2])["p99.9"] == 0.2
+
+
+def test_the_median_interval_brackets_the_median_and_narrows_with_more_values():
+    from splitserve.bench.workload import median_interval
+
+    assert median_interval([7.0] * 20) == (7.0, 7.0)
+    rng = random.Random(3)
+    few = [rng.gauss(10, 50) for _ in range(16)]
+    many = [rng.gauss(10, 50) for _ in range(400)]
+    lo, hi = median_interval(few)
+    assert min(few) <= lo < statistics.median(few) < hi <= max(few)
+    lo2, hi2 = median_interval(many)
+    assert lo2 < statistics.median(many) < hi2 and hi2 - lo2 < (hi - lo) / 2
+    assert 10 - 15 < lo2 and hi2 < 10 + 15  # the true median, 10, is within ~3 standard errors (3.1 each)
+    assert median_interval(few) == (lo, hi)  # seeded
+    assert all(math.isnan(x) for x in median_interval([]))
 
 
 def test_goodput_counts_requests_meeting_both_limits():

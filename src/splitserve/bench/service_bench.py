@@ -26,7 +26,8 @@ import statistics
 import time
 
 from splitserve.bench.engine_bench import run_workload
-from splitserve.bench.workload import write_results, default_workload_dir, load_workload, percentile
+from splitserve.bench.workload import (default_workload_dir, load_workload, median_interval, percentile,
+                                       write_results)
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -150,12 +151,15 @@ def main(argv=None) -> int:
         results.update(light_workload=args.light_workload, light_gap_ms=args.light_gap_ms,
                        light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light, light_parts=parts,
                        ttft_added_ms=added, ttft_added_p50_ms=percentile(added, 50),
+                       ttft_added_p50_interval_ms=median_interval(added),
                        outside_prefill_p50_ms=percentile(outside, 50))
         med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        lo, hi = results["ttft_added_p50_interval_ms"]
         print(f"light load ({len(svc_light)} requests of {args.light_workload} one at a time, "
               f"{args.light_gap_ms:g} ms apart, each also in-process): TTFT service p50 "
               f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
-              f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired)")
+              f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired; bootstrap 95% interval of that p50 "
+              f"{lo:.1f} to {hi:.1f} ms)")
         print(f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     write_results(args.out, results)

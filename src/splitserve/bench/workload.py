@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
+import statistics
 from dataclasses import dataclass
 
 
@@ -47,6 +49,18 @@ def write_results(path: str | None, results: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
+
+
+def median_interval(values: list[float], level: float = 0.95, resamples: int = 4000,
+                    seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of the median: the median of `resamples` resamples (with replacement,
+    seeded) of the values, their (1 - level) / 2 and (1 + level) / 2 percentiles."""
+    if not values:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    meds = [statistics.median(rng.choices(values, k=n)) for _ in range(resamples)]
+    return percentile(meds, 100 * (1 - level) / 2), percentile(meds, 100 * (1 + level) / 2)
 
 
 def percentile(values: list[float], p: float) -> float:
