@@ -36,21 +36,22 @@ _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for
 # A request_id may be sent again (as a new attempt) once its latest attempt has ended without
 # finishing and without an Abort: it failed, or it was cancelled by its client going away or by
 # its deadline. A nil state is an attempt whose hash expired: it has ended. An aborted one stays
-# ended, and a finished one never runs twice.
+# ended, and a finished one never runs twice (the router answers with its recorded result).
 MAY_RUN_AGAIN = ("failed", "cancelled")
 _MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state or (not aborted and ("
                   + " or ".join(f"state == '{x}'" for x in MAY_RUN_AGAIN) + ")) end\n")
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
 # KEYS: admission, stream, request hash, the router's request set; for a request sent again
-# after it ended unfinished (a new attempt, under its own hash: attempt_id), also its first attempt's hash
-# and its latest attempt's.  ARGV: tokens, max_requests, max_tokens, fraction, ttl, job json,
-# queue the job (0: its decode worker prefills it itself, colocated or by conditional
+# after it ended unfinished (a new attempt, under its own hash: attempt_id), also its first
+# attempt's hash and its latest attempt's.  ARGV: tokens, max_requests, max_tokens, fraction,
+# ttl, job json, queue the job (0: its decode worker prefills it itself, colocated or by conditional
 # disaggregation; its hash says 'local'), the router's id; for a new attempt, the attempts the
 # first hash counted when the router read it (another attempt admitted since: refused as -1);
 # with a client-chosen id, that count (0 for a first attempt) and the request's fingerprint,
-# which the hash keeps ('fingerprint': a retry must be the same request). Returns {admitted (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA),
-# requests, tokens, local_tokens}, the counts with this request when it was admitted.
+# which the hash keeps ('fingerprint': a retry must be the same request). Returns {admitted
+# (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA), requests, tokens,
+# local_tokens}, the counts with this request when it was admitted.
 ADMIT_LUA = _MAY_RUN_AGAIN + """
 if #KEYS > 4 then
   local first = redis.call('HMGET', KEYS[5], 'state', 'attempts')
