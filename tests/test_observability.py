@@ -239,6 +239,10 @@ def test_generate_command_streams_and_names_the_bad_field(stack):
     assert out.stdout == ref.text and ref.text
     assert info.state == "finished" and f"[{info.finish_reason}, {info.completion_tokens} tokens" in out.stderr
     assert stack.redis().hget(stack.keys.req("cli-gen"), "priority") == b"-1"
+    again = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
+                            "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout == ref.text, again.stderr
+    assert "replayed: the recorded result of this finished request_id" in again.stderr
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
 

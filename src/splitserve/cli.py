@@ -138,8 +138,9 @@ def _generate(args) -> int:
             for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
                 print(chunk.text, end="", flush=True)
                 if chunk.finish_reason:
-                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens, "
-                          f"TTFT {chunk.timings.ttft_ms:.0f} ms]", file=sys.stderr)
+                    when = ("replayed: the recorded result of this finished request_id" if chunk.replayed
+                            else f"TTFT {chunk.timings.ttft_ms:.0f} ms")
+                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens, {when}]", file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\nsplitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
