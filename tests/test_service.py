@@ -1712,8 +1712,16 @@ def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_with
                                                timeout=60))
     assert len(chunks) == 1 and chunks[0].replayed and list(chunks[0].token_ids) == list(first.token_ids)
     assert scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"] == steps  # no run
+    # Streamed: the end is recorded before the last message goes out, so a re-send right after it is a replay.
+    streamed = list(client.generate_stream(prompt, max_tokens=5, ignore_eos=True, request_id="kept-streamed"))
+    assert not streamed[-1].replayed and streamed[-1].finish_reason == "length"
+    assert client.generate(prompt, max_tokens=5, ignore_eos=True, request_id="kept-streamed").replayed
+    wait_for(lambda: kv_idle(stack), what="the streamed request's KV freed")
+    steps = scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"]
+    assert client.generate(prompt, max_tokens=5, ignore_eos=True, request_id="kept-streamed").replayed
+    assert scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"] == steps  # no run
     assert client.get_request("kept").attempts == 1
-    assert replays() - before == 2
+    assert replays() - before == 4
     for changed in ({"max_tokens": 11, "ignore_eos": True}, {"max_tokens": 12, "ignore_eos": True, "priority": 1},
                     {"max_tokens": 12}):
         with pytest.raises(grpc.RpcError) as e:

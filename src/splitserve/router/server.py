@@ -558,6 +558,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = 0  # completion tokens streamed so far
         # tokens, texts: kept for a replay (_attempt)
         result = ([], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
+        marked = False  # the end recorded (_mark) already
         with dec:
             try:
                 try:
@@ -630,6 +631,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if result is not None:
                             result[0].extend(ev.token_ids)
                             result[1].append(ev.text)
+                            if ev.finish_reason and ev.finish_reason != "cancelled":
+                                # Recorded before the client has the last message, so that a re-send
+                                # following it finds the request finished (its replay), not running.
+                                with tracing.tracer().start_span("finish", context=rs.ctx):
+                                    await self._mark(rid, "finished", ev, result=result)
+                                marked = True
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason:
                             final = ev
@@ -650,8 +657,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     state = "cancelled"
                     raise
                 state = "cancelled" if final.finish_reason == "cancelled" else "finished"
-                with tracing.tracer().start_span("finish", context=rs.ctx):
-                    await self._mark(rid, state, final, result=result if state == "finished" else None)
+                if not marked:
+                    with tracing.tracer().start_span("finish", context=rs.ctx):
+                        await self._mark(rid, state, final)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
                     state = "failed"
