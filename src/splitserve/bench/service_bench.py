@@ -1,6 +1,6 @@
 """The full service against the in-process engine on the same requests, side by side.
 
-    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 16] [--light-workload F]
+    python -m splitserve.bench.service_bench [--requests 32] [--rounds 2] [--light 64] [--light-workload F]
         [--light-gap-ms 100] [--mode M] [--out results.json]
 
 Throughput: the first N requests of workload_mixed.jsonl, all submitted at once, greedy,

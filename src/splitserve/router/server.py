@@ -435,29 +435,29 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if latest != rid:
             state, aborted = await self.redis.hmget(self.keys.req(latest), "state", "aborted")
         if state == b"finished":
-            await self._replay(rid, latest)
-        if aborted:
-            raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
-        if state == b"finished":
+            if (recorded := await self._recorded(rid, latest)) is not None:
+                raise Recorded(recorded)
             raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept "
                                 f"(replay_max_tokens is {self.s.replay_max_tokens}); see GetRequest")
+        if aborted:
+            raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
         if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
             raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
                                 "request may be sent again once it has ended")
         n = int(attempts or 1)
         return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
 
-    async def _replay(self, rid: str, attempt: str) -> None:
-        """Raise Recorded with the result a finished attempt left in its hash (_mark), if it did."""
+    async def _recorded(self, rid: str, attempt: str) -> gen_pb.GenerateResponse | None:
+        """The result a finished attempt left in its hash (_mark), as its replay; None if it left none."""
         tokens, text, reason, n_prompt, n_out = await self.redis.hmget(
             self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
             "completion_tokens")
         if tokens is None:
-            return
-        raise Recorded(gen_pb.GenerateResponse(
+            return None
+        return gen_pb.GenerateResponse(
             request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
             finish_reason=(reason or b"").decode(), replayed=True,
-            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0))))
+            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0)))
 
     async def _latest(self, rid: str) -> str:
         """The id of a request_id's latest attempt."""
