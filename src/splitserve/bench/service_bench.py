@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--light", type=int, default=64,
                     help="light-load pairs (default 64: a pair's difference moves by tens of ms with the "
-                         "forward's noise, and the p50 of 16 pairs ranged 11-30 ms across runs)")
+                         "forward's noise, and the p50 of 16 pairs ranged 11-30 ms across runs); more pairs "
+                         "than the workload has prompts go round it again")
     ap.add_argument("--light-workload", default="workload_mixed.jsonl",
                     help="the light-load prompts, a file in --workloads (default workload_mixed.jsonl; "
                          "workload_short.jsonl's short forwards leave the path's own cost less noise)")
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, 2))
-    light = load_workload(os.path.join(args.workloads, args.light_workload), max(args.light, 1))
+    prompts = load_workload(os.path.join(args.workloads, args.light_workload))
+    light = [prompts[i % len(prompts)] for i in range(max(args.light, 1))]  # more pairs than prompts: round again
     heavy = items[: args.requests]
     results: dict = {"requests": len(heavy), "mode": args.mode, "rounds": []}
     settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
@@ -153,6 +155,11 @@ def main(argv=None) -> int:
                        ttft_added_ms=added, ttft_added_p50_ms=percentile(added, 50),
                        ttft_added_p50_interval_ms=median_interval(added),
                        outside_prefill_p50_ms=percentile(outside, 50))
+        # Pair i measured the service first when i is even. Apart, the two orders show whether the side
+        # measured second ran slower (100 ms apart, one run: 4.8 ms service first, 14.3 in-process first).
+        by_order = {"service_first": percentile(added[0::2], 50),
+                    "in_process_first": percentile(added[1::2], 50) if len(added) > 1 else None}
+        results["ttft_added_p50_by_order_ms"] = by_order
         med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
         lo, hi = results["ttft_added_p50_interval_ms"]
         print(f"light load ({len(svc_light)} requests of {args.light_workload} one at a time, "
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
               f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
               f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired; bootstrap 95% interval of that p50 "
               f"{lo:.1f} to {hi:.1f} ms)")
+        if by_order["in_process_first"] is not None:
+            print(f"  added p50 by order: service measured first {by_order['service_first']:.1f} ms, in-process "
+                  f"first {by_order['in_process_first']:.1f} ms")
         print(f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     write_results(args.out, results)
