@@ -125,6 +125,7 @@ class Target:
               f"{self.args.decode} decode)", file=sys.stderr, flush=True)
         self.stack = Stack(settings, prefill=prefill, decode=self.args.decode).start()
         self.address = self.stack.router_address
+        print(f"stack up; its logs and traces stay in {self.stack.run_dir}", file=sys.stderr, flush=True)
         return self
 
     def __exit__(self, *exc) -> None:
