@@ -364,7 +364,8 @@ class Job:
     decode_epoch: str = ""  # the decode worker's run, as the router found it registered
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # vars, not asdict: asdict deep-copies token_ids first (~0.2 ms at 300 tokens, on the TTFT path)
+        return json.dumps(vars(self), separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, d) -> "Job":
