@@ -120,8 +120,16 @@ def enabled() -> bool:
     return _provider is not None
 
 
+_tracer: tuple = (None, None)  # (the provider, its tracer)
+
+
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME)
+    """This process's tracer, made once per provider (get_tracer builds a new one at each call)."""
+    global _tracer
+    provider = trace.get_tracer_provider()
+    if _tracer[0] is not provider:
+        _tracer = (provider, provider.get_tracer(TRACER_NAME))
+    return _tracer[1]
 
 
 # -- propagation ----------------------------------------------------------------------------
