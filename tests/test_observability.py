@@ -283,6 +283,70 @@ def test_span_file_is_otlp_json_with_hex_ids(stack):
     assert time.time() * 1e9 - int(span["startTimeUnixNano"]) < 3600e9
 
 
+
+def _otlp_json_by_protobuf(spans) -> dict:
+    """The reference: the OTLP exporter's protobuf, through protobuf's JSON mapping, ids as hex."""
+    import base64
+
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    def hex_ids(obj):
+        if isinstance(obj, dict):
+            return {k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else hex_ids(v)
+                    for k, v in obj.items()}
+        return [hex_ids(v) for v in obj] if isinstance(obj, list) else obj
+
+    return hex_ids(MessageToDict(encode_spans(spans)))
+
+
+def test_span_file_encoding_equals_the_otlp_exporters_protobuf_as_json():
+    import json
+    import math
+
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import (Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags,
+                                     TraceState)
+    from opentelemetry.trace import set_span_in_context
+
+    from splitserve.observability.otlp_json import Encoder
+
+    spans = []
+    for role, limits in (("router", SpanLimits()), ("decode", SpanLimits(max_span_attributes=3, max_events=1,
+                                                                          max_links=1))):
+        mem = InMemorySpanExporter()
+        provider = TracerProvider(resource=Resource.create({"splitserve.role": role, "n": 3}), span_limits=limits)
+        provider.add_span_processor(SimpleSpanProcessor(mem))
+        tracers = (provider.get_tracer("splitserve"), provider.get_tracer("other", "1.2", schema_url="https://s/1"))
+        remote = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                             trace_state=TraceState([("k", "v"), ("a", "b")]))
+        attrs = {"s": "x", "empty": "", "t": True, "f": False, "zero": 0, "big": 2**62, "neg": -5, "d": 1.5,
+                 "nan": math.nan, "inf": math.inf, "ninf": -math.inf, "ints": (1, 2), "strs": ["a", ""],
+                 "none": ()}
+        for kind in SpanKind:
+            root = tracers[0].start_span(f"root-{kind.name}", kind=kind, attributes=attrs)
+            child = tracers[1].start_span("", context=set_span_in_context(root), links=[
+                Link(remote, {"why": "batch"}), Link(root.get_span_context())])
+            child.add_event("first_token", {"n": 1})
+            child.add_event("", timestamp=0)
+            child.set_status(Status(StatusCode.ERROR, "worker went away"))
+            child.end()
+            root.set_status(Status(StatusCode.OK))
+            root.end()
+            far = tracers[0].start_span("from another process", context=set_span_in_context(NonRecordingSpan(remote)))
+            far.end(end_time=far.start_time + 1)
+        spans += mem.get_finished_spans()
+    assert {s.dropped_attributes for s in spans} > {0} and {s.dropped_links for s in spans} > {0}
+
+    ours = Encoder()
+    for batch in (spans, spans[:1], spans[3:9], spans):  # the second full batch: the resources from the cache
+        assert json.loads(json.dumps(ours.request(batch))) == json.loads(json.dumps(_otlp_json_by_protobuf(batch)))
+    assert ours.request([]) == _otlp_json_by_protobuf([]) == {}
+
+
 _WRITER = r"""
 import sys
 from opentelemetry.sdk.trace import TracerProvider

@@ -19,7 +19,6 @@ the Redis job and in the KV handoff's ``SequenceState``.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import json
 import logging
@@ -29,6 +28,8 @@ import threading
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from splitserve.observability import otlp_json
 
 log = logging.getLogger(__name__)
 
@@ -166,20 +167,6 @@ def ns(unix_seconds: float) -> int:
 # -- the local span file ------------------------------------------------------------------------
 
 
-def _hex_ids(obj):
-    """OTLP-JSON wants trace and span ids as hex, protobuf's JSON mapping gives base64."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k in ("traceId", "spanId", "parentSpanId") and isinstance(v, str):
-                obj[k] = base64.b64decode(v).hex()
-            else:
-                _hex_ids(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            _hex_ids(v)
-    return obj
-
-
 class JsonFileSpanExporter:
     """Appends OTLP-JSON lines to a file shared by every process of a stack (O_APPEND, one write per batch).
 
@@ -197,6 +184,7 @@ class JsonFileSpanExporter:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._fd = -1
         self._lock = threading.Lock()  # export and shutdown may come from different threads
+        self._encoder = otlp_json.Encoder()
         self._open()
 
     def _open(self) -> None:
@@ -227,12 +215,10 @@ class JsonFileSpanExporter:
         self._open()
 
     def export(self, spans):
-        from google.protobuf.json_format import MessageToDict
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         try:
-            line = (json.dumps(_hex_ids(MessageToDict(encode_spans(spans))), separators=(",", ":")) + "\n").encode()
+            line = (json.dumps(self._encoder.request(spans), separators=(",", ":")) + "\n").encode()
             with self._lock:
                 if self._fd < 0:
                     return SpanExportResult.FAILURE
