@@ -149,20 +149,7 @@ class Encoder:
         scope, each in the order first seen (as the OTLP exporter groups them)."""
         groups: list[tuple[object, list[tuple[object, list]]]] = []
         for s in spans:
-            r, scope = s.resource, s.instrumentation_scope or None
-            for gr, scopes in groups:
-                if gr is r or gr == r:
-                    break
-            else:
-                scopes = []
-                groups.append((r, scopes))
-            for sc, items in scopes:
-                if sc is scope or sc == scope:
-                    break
-            else:
-                items = []
-                scopes.append((scope, items))
-            items.append(_span(s))
+            _member(_member(groups, s.resource), s.instrumentation_scope or None).append(_span(s))
         out = []
         for r, scopes in groups:
             scope_spans = []
@@ -176,6 +163,16 @@ class Encoder:
                 rs["schemaUrl"] = r.schema_url
             out.append(rs)
         return {"resourceSpans": out} if out else {}
+
+
+def _member(groups: list, key) -> list:
+    """The list that groups ((key, list) pairs, in the order first seen) holds for key; added if new."""
+    for k, items in groups:
+        if k is key or k == key:
+            return items
+    items = []
+    groups.append((key, items))
+    return items
 
 
 def _scope(scope) -> dict:
