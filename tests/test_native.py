@@ -1,5 +1,7 @@
 """The native kernels (paged attention, small-M GEMM) against torch."""
 
+import os
+
 import pytest
 import torch
 
@@ -143,3 +145,35 @@ def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):
     without = tiny_engine_factory(small_gemm=False)
     assert without.model.small_gemm is None
     assert with_kernel.generate(prompts, params) == without.generate(prompts, params)
+
+
+def test_a_kernel_built_earlier_loads_without_a_compiler(tmp_path, monkeypatch):
+    # The runtime image has no compiler: the kernels baked into its cache must still load.
+    assert native._build("small_gemm", str(tmp_path)) is not None
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    assert native._build("small_gemm", str(tmp_path)) is not None
+    assert native._build("paged_attention", str(tmp_path)) is None  # never built here: falls back
+
+
+def test_an_installed_copy_has_the_kernel_sources(tmp_path):
+    # A non-editable install (the image's) compiles the kernels from the .c files it carries.
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tree = tmp_path / "tree"  # the files an image build copies, none of an editable install's metadata
+    shutil.copytree(os.path.join(root, "src", "splitserve"), tree / "src" / "splitserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(root, name), tree / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(tree)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("splitserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for src in ("small_gemm.c", "paged_attention.c"):
+        assert f"splitserve/engine/native/{src}" in names
