@@ -82,3 +82,18 @@ def test_gguf_cache_is_keyed_by_content_not_path(tmp_path):
     data[len(data) // 2] ^= 1
     b.write_bytes(bytes(data))
     assert _cache_folder(str(a), cache) != _cache_folder(str(b), cache)
+
+
+def test_check_model_fills_the_cache_dir_the_workers_read(tmp_path, tiny_model_dir):
+    """`splitserve check-model` bakes an image's cache: under SPLITSERVE_CACHE_DIR, as the workers
+    read it (Settings), not under HOME."""
+    from splitserve.service.settings import Settings
+
+    env = dict(os.environ, SPLITSERVE_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "check-model", "--model", tiny_model_dir],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert Settings.from_env(env).cache_dir == str(tmp_path / "cache")
+    kernels = sorted(os.listdir(tmp_path / "cache" / "kernels"))
+    assert [k.split("-")[0] for k in kernels] == ["paged_attention", "small_gemm"], kernels
+    assert not (tmp_path / "home").exists()
