@@ -97,3 +97,15 @@ def test_check_model_fills_the_cache_dir_the_workers_read(tmp_path, tiny_model_d
     kernels = sorted(os.listdir(tmp_path / "cache" / "kernels"))
     assert [k.split("-")[0] for k in kernels] == ["paged_attention", "small_gemm"], kernels
     assert not (tmp_path / "home").exists()
+
+
+def test_converted_model_folder_is_readable_by_other_users(tmp_path):
+    """An image bakes the converted model as root and runs as another user: mkdtemp's 0700 was
+    not readable there, so every start tried to convert again (into a read-only filesystem)."""
+    from splitserve.engine.loader import _cache_folder, _convert_gguf, default_model_path
+
+    path = default_model_path()
+    folder = _cache_folder(path, str(tmp_path))
+    _convert_gguf(path, folder)
+    assert os.stat(folder).st_mode & 0o777 == 0o755
+    assert all(os.stat(os.path.join(folder, f)).st_mode & 0o004 for f in os.listdir(folder))

@@ -150,6 +150,8 @@ def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):
 def test_a_kernel_built_earlier_loads_without_a_compiler(tmp_path, monkeypatch):
     # The runtime image has no compiler: the kernels baked into its cache must still load.
     assert native._build("small_gemm", str(tmp_path)) is not None
+    (so,) = (tmp_path / "kernels").iterdir()
+    assert so.stat().st_mode & 0o777 == 0o755  # loadable by an image's non-root user when root baked it
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     assert native._build("small_gemm", str(tmp_path)) is not None

@@ -215,6 +215,11 @@ def _convert_gguf(path: str, folder: str) -> None:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "splitserve.json"), "w") as f:
             json.dump({"name": os.path.basename(path)[: -len(".gguf")], "source": path}, f)
+        # mkdtemp and save_file made it 0700 and 0600: a cache baked into an image by root must
+        # serve the image's user.
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
+        os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, folder)
         except OSError:  # another process converted it first

@@ -229,5 +229,10 @@ def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
             os.unlink(tmp)
             log.warning("compiling %s failed, using pure torch: %s", name, proc.stderr.strip()[:500])
             return None
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600: others (an image's user) must load it too
         os.replace(tmp, so)
-    return ctypes.CDLL(so)
+    try:
+        return ctypes.CDLL(so)
+    except OSError as e:  # e.g. baked by another user and not readable by this one
+        log.warning("cannot load %s (%s): falling back to pure torch", so, e)
+        return None
