@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -78,6 +78,19 @@ bench-gpu: install proto
 
 bench-priority: install proto
 	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
+
+# The container image, built with podman from a base made of Debian's packages (no registry is
+# needed), then run the way the dev and cross-node overlays run it (tests/test_image.py). Needs
+# root; not part of `make test` (the build takes minutes). IMAGE=... builds and tests another tag.
+IMAGE ?= localhost/splitserve:dev
+
+image:
+	command -v podman > /dev/null && command -v debootstrap > /dev/null && command -v runc > /dev/null \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap)
+	deploy/docker/build-local.sh $(IMAGE)
+
+image-test: install proto image
+	SPLITSERVE_IMAGE=$(IMAGE) $(PY) -m pytest -q -p no:cacheprovider tests/test_image.py
 
 # Long benchmarks live here, not in the tests.
 bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority
