@@ -35,12 +35,18 @@ if ! podman image exists "$BASE"; then
 fi
 
 args=(--build-arg "BASE_IMAGE=$BASE")
-cert=$(python3 -m pip config get global.cert 2>/dev/null || true)
+# pip's own settings, from its environment variables or its config files.
+pip_setting() {
+    local var=$1 key=$2
+    if [ -n "${!var:-}" ]; then echo "${!var}"; return; fi
+    python3 -m pip config get "global.$key" 2>/dev/null || true
+}
+cert=$(pip_setting PIP_CERT cert)
 cert=${cert:-/etc/ssl/certs/ca-certificates.crt}
 if [ -f "$cert" ]; then
     args+=(-v "$cert:/run/host-ca.crt:ro" --build-arg PIP_CERT=/run/host-ca.crt)
 fi
-links=$(python3 -m pip config get global.find-links 2>/dev/null || true)
+links=$(pip_setting PIP_FIND_LINKS find-links)
 if [ -n "$links" ] && [ -d "$links" ]; then
     # pip takes torch from this folder when it holds torch==2.13.0 (a CPU build sorts above
     # the registry's plain 2.13.0); the rest comes from PyPI.
