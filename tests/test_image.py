@@ -223,7 +223,7 @@ class Cluster:
             subprocess.run(["podman", "stop", "-t", "60", name], capture_output=True, timeout=120)
 
     def remove(self) -> None:
-        for name in self.containers:
+        for name in reversed(self.containers):  # a pod's first container last: the others join its namespaces
             subprocess.run(["podman", "rm", "-f", name], capture_output=True, timeout=120)
         for path in self.mounts:
             subprocess.run(["umount", path], capture_output=True)
@@ -284,3 +284,6 @@ def test_overlay_runs_from_the_image(overlay, transport, expected):
     finally:
         cluster.stop()
         cluster.remove()
+    left = subprocess.run(["podman", "ps", "-a", "--filter", f"name={cluster.tag}", "--format", "{{.Names}}"],
+                          capture_output=True, text=True).stdout.split()
+    assert left == []
