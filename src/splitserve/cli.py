@@ -29,9 +29,9 @@ def _check_model(args) -> int:
 
 def _state_file(name: str = "stack.json") -> str:
 
-    from splitserve.engine.config import ModelSpec
+    from splitserve.engine.config import default_cache_dir
 
-    return os.path.join(ModelSpec().cache_dir, name)
+    return os.path.join(default_cache_dir(), name)
 
 
 def _read_state(name: str = "stack.json") -> dict | None:

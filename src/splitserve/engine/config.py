@@ -18,6 +18,12 @@ def check_device(device: str) -> None:
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def default_cache_dir() -> str:
+    """SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve: one place for every entry point (the
+    workers, ``splitserve check-model`` that bakes an image's cache, the CLI's state)."""
+    return os.environ.get("SPLITSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Which model to load.
@@ -27,13 +33,7 @@ class ModelSpec:
     """
 
     path: str | None = None
-    cache_dir: str = field(default_factory=lambda: default_cache_dir())
-
-
-def default_cache_dir() -> str:
-    """SPLITSERVE_CACHE_DIR, else ~/.cache/splitserve: one place for every entry point (the
-    workers, ``splitserve check-model`` that bakes an image's cache, the CLI's state)."""
-    return os.environ.get("SPLITSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "splitserve")
+    cache_dir: str = field(default_factory=default_cache_dir)
 
 
 @dataclass(frozen=True)

