@@ -112,32 +112,24 @@ class Cluster:
         self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         self.collector = Collector()
         config = {d["metadata"]["name"]: d.get("data", {}) for d in self.docs if d["kind"] == "ConfigMap"}
+        addresses = []  # every container's gRPC port, as its probes check it
         for dep in self.deployments():
-            pod = dep["spec"]["template"]["spec"]
-            for c in pod["containers"]:
+            for c in dep["spec"]["template"]["spec"]["containers"]:
                 for p in c.get("ports", []):
-                    self.ports.setdefault(str(p["containerPort"]), _free_port())
+                    port = self.ports.setdefault(str(p["containerPort"]), _free_port())
+                    if "grpc" in p.get("name", ""):
+                        addresses.append(f"127.0.0.1:{port}")
         for dep in self.deployments():
             self._run_pod(dep, config)
-        router = self.ports["50051"]
-        self.router_address = f"127.0.0.1:{router}"
+        self.router_address = f"127.0.0.1:{self.ports['50051']}"
         deadline = time.time() + timeout
-        addresses = [f"127.0.0.1:{p}" for p in self.ports.values() if self._is_grpc(p)]
         while not all(Stack._healthy(a) for a in addresses):
-            dead = [c for c in self.containers if self._state(c) != "running"]
+            dead = [c for c in self.containers if self.inspect(c, "Status") != "running"]
             assert not dead, f"{dead} stopped:\n" + "\n".join(self.logs(c) for c in dead)
             assert time.time() < deadline, "containers not healthy in time:\n" + "\n".join(map(self.logs, self.containers))
             time.sleep(0.5)
         time.sleep(2)  # the router reads the worker registry every half heartbeat
         return self
-
-    def _is_grpc(self, port: int) -> bool:
-        for dep in self.deployments():
-            for c in dep["spec"]["template"]["spec"]["containers"]:
-                for p in c.get("ports", []):
-                    if self.ports[str(p["containerPort"])] == port:
-                        return "grpc" in p.get("name", "")
-        return False
 
     def _remap(self, value: str) -> str:
         return re.sub(r"\b(\d{4,5})\b", lambda m: str(self.ports.get(m.group(1), m.group(1))), value)
@@ -198,13 +190,10 @@ class Cluster:
             subprocess.run([*args, IMAGE, *c["command"]], check=True, capture_output=True, timeout=60)
             self.containers.append(name)
 
-    def _state(self, name: str) -> str:
-        out = subprocess.run(["podman", "inspect", "--format", "{{.State.Status}}", name], capture_output=True, text=True)
+    def inspect(self, name: str, state: str) -> str:
+        """A field of the container's state: Status, ExitCode, ..."""
+        out = subprocess.run(["podman", "inspect", "--format", f"{{{{.State.{state}}}}}", name], capture_output=True, text=True)
         return out.stdout.strip()
-
-    def exit_code(self, name: str) -> int:
-        out = subprocess.run(["podman", "inspect", "--format", "{{.State.ExitCode}}", name], capture_output=True, text=True)
-        return int(out.stdout.strip())
 
     def logs(self, name: str) -> str:
         out = subprocess.run(["podman", "logs", "--tail", "30", name], capture_output=True, text=True)
@@ -217,7 +206,7 @@ class Cluster:
         return [f for m in self.mounts for f in os.listdir(m)]
 
     def stop(self) -> None:
-        """SIGTERM to every container (the router first, as a rollout would), then clean up."""
+        """SIGTERM to every container, the router first (as a rollout would); each has 60 s to drain."""
         order = sorted(self.containers, key=lambda n: "router" not in n)
         for name in order:
             subprocess.run(["podman", "stop", "-t", "60", name], capture_output=True, timeout=120)
@@ -279,7 +268,7 @@ def test_overlay_runs_from_the_image(overlay, transport, expected):
         assert all(p.endswith(cluster.tag) for p in pods), pods
 
         cluster.stop()
-        assert {n: cluster.exit_code(n) for n in cluster.containers} == {n: 0 for n in cluster.containers}
+        assert {n: cluster.inspect(n, "ExitCode") for n in cluster.containers} == {n: "0" for n in cluster.containers}
         assert cluster.shm_files() == []  # no shared-memory segment outlives its pod's processes
     finally:
         cluster.stop()
