@@ -128,6 +128,38 @@ def test_an_engine_on_a_board_runs_its_share_of_threads_and_the_same_tokens(tiny
         torch.set_num_threads(before)
 
 
+def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_engine_factory, tmp_path,
+                                                                          monkeypatch):
+    """Loading computes (fp32 weights, packing): started beside a busy engine, an engine loads on
+    its share of the cores. Before, it loaded on all of them: two workers starting side by side
+    took twice the CPU time and twice as long."""
+    from splitserve.engine import engine as engine_mod
+
+    threads_at_load = []
+
+    class Recording(engine_mod.LlamaModel):
+        def __init__(self, loaded):
+            threads_at_load.append(torch.get_num_threads())
+            super().__init__(loaded)
+
+    monkeypatch.setattr(engine_mod, "LlamaModel", Recording)
+    path = str(tmp_path / "cores")
+    before = torch.get_num_threads()
+    neighbour, _ = _board(path, base=2)
+    try:
+        neighbour.tick(force=True)  # another engine is computing
+        busy = tiny_engine_factory(num_threads=2, core_share=path)
+        assert threads_at_load == [1]
+        assert busy.core_share.busy_engines() == 1  # loaded: its slot is idle, only the neighbour counts
+        neighbour.idle()
+        alone = tiny_engine_factory(num_threads=2, core_share=path)
+        assert threads_at_load == [1, 2]
+        assert alone.core_share.busy_engines() == 0
+    finally:
+        neighbour.close()
+        torch.set_num_threads(before)
+
+
 def test_an_engine_looks_at_the_board_between_layers_of_a_long_forward(tiny_engine_factory, tmp_path):
     path = str(tmp_path / "cores")
     before = torch.get_num_threads()

@@ -48,9 +48,22 @@ class LLMEngine:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: this torch build sees no CUDA device")
-        loaded = loaded or load_model(config.model)
-        self.model = LlamaModel(loaded)
         on_cpu = self.device.type == "cpu"
+        self.model = None
+        self.core_share = None
+        if config.core_share and on_cpu:
+            # Loading computes too (the weights converted to fp32, packed and checked for GGUF
+            # blocks): two workers starting side by side take half the cores each, as their
+            # forwards would. With both on every core they took twice the CPU time and twice
+            # as long (core_share's docstring says why).
+            self.core_share = CoreShare(config.core_share, self.num_threads, self._set_threads)
+        tick = self.core_share.tick if self.core_share is not None else None
+        if tick:
+            tick()
+        loaded = loaded or load_model(config.model)
+        if tick:
+            tick()
+        self.model = LlamaModel(loaded)
         if config.attention_backend == "native" and on_cpu:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
@@ -58,12 +71,11 @@ class LLMEngine:
         if config.small_gemm and on_cpu:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
-                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads))
+                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick)
         self.model.to(self.device)
-        self.core_share = None
-        if config.core_share and on_cpu:
-            self.core_share = CoreShare(config.core_share, self.num_threads, self._set_threads)
-            self.model.on_layer = self.core_share.tick
+        if tick:
+            self.model.on_layer = tick
+            self.core_share.idle()
         self.model_name = loaded.name
         self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
@@ -94,7 +106,7 @@ class LLMEngine:
         """Threads for this engine's next ops (called on the thread that runs the forward)."""
         self.num_threads = n
         torch.set_num_threads(n)
-        for kernel in (self.model.attn_kernel, self.model.small_gemm):
+        for kernel in (self.model.attn_kernel, self.model.small_gemm) if self.model is not None else ():
             if kernel is not None:
                 kernel.num_threads = n
 

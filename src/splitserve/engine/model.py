@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +107,12 @@ class LlamaModel:
         ]
         self.device = device
 
-    def use_small_gemm(self, small_gemm) -> None:
-        """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming kernel."""
+    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None) -> None:
+        """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
+        kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick)."""
         for layer in self.layers:
+            if between is not None:
+                between()
             layer.packed = {name: small_gemm.pack(getattr(layer, name)) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
         self.lm_head_packed = small_gemm.pack(self.lm_head)
         self.small_gemm = small_gemm
