@@ -97,11 +97,11 @@ class Stack:
             self._spawn(f"decode-{i}")
         for i in range(self.n_prefill):
             self._spawn(f"prefill-{i}")
+        # Routers need no worker to start (they read the registry every half heartbeat): they load
+        # their tokenizer while the workers load the model.
+        routers = [self._spawn("router" if i == 0 else f"router-{i}") for i in range(self.n_routers)]
         for p in self.procs:
             self._wait_ready(p, deadline)
-        routers = [self._spawn("router" if i == 0 else f"router-{i}") for i in range(self.n_routers)]
-        for router in routers:
-            self._wait_ready(router, deadline)
         self.router_addresses = [router.address for router in routers]
         self.router_address = self.router_addresses[0]
         self._wait_registered(deadline)
