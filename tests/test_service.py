@@ -471,11 +471,22 @@ def test_deadline_exceeded(stack, client):
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a deadline")
 
 
-@pytest.fixture
-def small_queue_stack():
+@pytest.fixture(scope="module")
+def small_queue_stack_of_module():
     s = _start(max_queue_requests=8, max_queue_tokens=1 << 20, replay_max_tokens=8)
     yield s
     _finish(s)
+
+
+@pytest.fixture
+def small_queue_stack(small_queue_stack_of_module):
+    """One stack for the module's small-queue tests: each must leave it as it found it (nothing
+    queued, no KV held), which is checked after each; the full leak checks run at the end."""
+    s = small_queue_stack_of_module
+    assert _queue_counts(s) == [0, 0]
+    yield s
+    wait_for(lambda: kv_idle(s), timeout=20, what="KV blocks and arena regions back to zero")
+    assert _queue_counts(s) == [0, 0]
 
 
 def test_only_requests_of_at_most_replay_max_tokens_keep_their_result(small_queue_stack):
