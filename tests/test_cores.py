@@ -10,7 +10,10 @@ import torch
 from engine_helpers import drain, random_prompts
 
 from splitserve.engine import cores
+from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.cores import CoreShare
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -158,6 +161,19 @@ def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_
     finally:
         neighbour.close()
         torch.set_num_threads(before)
+
+
+def test_an_engine_whose_model_fails_to_load_gives_its_slot_back(tmp_path):
+    path = str(tmp_path / "cores")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(model=ModelSpec(path=str(tmp_path / "missing")), core_share=path, num_threads=2))
+    probe, _ = _board(path, base=2)
+    try:
+        assert probe.slot == 0  # free again (before: held by the failed engine's descriptor)
+        probe.tick(force=True)
+        assert probe.busy_engines() == 1  # and not stamped busy
+    finally:
+        probe.close()
 
 
 def test_an_engine_looks_at_the_board_between_layers_of_a_long_forward(tiny_engine_factory, tmp_path):

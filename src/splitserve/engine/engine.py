@@ -57,6 +57,34 @@ class LLMEngine:
             # forwards would. With both on every core they took twice the CPU time and twice
             # as long (core_share's docstring says why).
             self.core_share = CoreShare(config.core_share, self.num_threads, self._set_threads)
+        try:
+            loaded = self._load(config, loaded, on_cpu)
+        except BaseException:
+            if self.core_share is not None:  # its slot, stamped busy, goes back now, not at exit
+                self.core_share.close()
+            raise
+        self.model_name = loaded.name
+        self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        shape = self.model.shape
+        self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
+        continuous = config.policy == "continuous"
+        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
+                                  spare_block=graphs and continuous)
+        self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
+        self.graphs = self.pieces = None  # CUDA graphs: pure decode steps whole, other steps piecewise
+        if graphs and continuous:
+            self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs)
+            self.pieces = PiecewiseGraphs(self.model, self.cache, config.max_num_batched_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
+        self.last_stats = StepStats(policy=config.policy)
+
+    def _load(self, config: EngineConfig, loaded: LoadedModel | None, on_cpu: bool) -> LoadedModel:
+        """Load the weights (unless given), build the model and its CPU kernels' packed weights,
+        marking this engine busy on its core-share board meanwhile."""
         tick = self.core_share.tick if self.core_share is not None else None
         if tick:
             tick()
@@ -76,24 +104,7 @@ class LLMEngine:
         if tick:
             self.model.on_layer = tick
             self.core_share.idle()
-        self.model_name = loaded.name
-        self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
-        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
-        shape = self.model.shape
-        self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
-        graphs = config.cuda_graphs and self.device.type == "cuda"
-        continuous = config.policy == "continuous"
-        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
-                                  spare_block=graphs and continuous)
-        self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
-        self.graphs = self.pieces = None  # CUDA graphs: pure decode steps whole, other steps piecewise
-        if graphs and continuous:
-            self.graphs = DecodeGraphs(self.model, self.cache, config.max_num_seqs)
-            self.pieces = PiecewiseGraphs(self.model, self.cache, config.max_num_batched_tokens)
-        self.seqs: dict[str, Sequence] = {}
-        self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
-        self.last_stats = StepStats(policy=config.policy)
+        return loaded
 
     def drop_graphs(self, error: Exception) -> None:
         """Run every later step eagerly (a capture failed on this device)."""
