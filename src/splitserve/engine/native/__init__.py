@@ -127,7 +127,7 @@ class SmallGemm:
         if K % cls.QK or N % (8 * cls.Q_TILES) or w_kn.dtype != torch.float32:
             return None
         wb = w_kn.reshape(K // cls.QK, cls.QK, N)
-        KB, step = K // cls.QK, max(1, (1 << 22) // (cls.QK * N))  # bounded temporaries
+        KB, step = K // cls.QK, max(1, (1 << 18) // (cls.QK * N))  # temporaries of 1 MB: in cache
         starts = [0, *range(1, KB, step)]  # the first block row alone: most weights fail there at once
         parts = []
         for i, j in zip(starts, starts[1:] + [KB]):
