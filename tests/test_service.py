@@ -35,13 +35,18 @@ def _start(**kw):
     return stack
 
 
+def _assert_idle(stack):
+    """Leak checks: no KV or arena region held, no key without a TTL, the queue's counts at zero."""
+    wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
+    assert keys_without_ttl(stack) == []
+    assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
+    assert int(stack.redis().hget(stack.keys.admission, LOCAL_FIELD) or 0) == 0  # ... those prefilled locally too
+
+
 def _finish(stack):
     """Leak checks, then stop; afterwards nothing may be left."""
     try:
-        wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
-        assert keys_without_ttl(stack) == []
-        assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
-        assert int(stack.redis().hget(stack.keys.admission, LOCAL_FIELD) or 0) == 0  # ... those prefilled locally too
+        _assert_idle(stack)
     finally:
         stack.stop()
     assert all(p.popen.poll() is not None for p in stack.procs)
@@ -480,13 +485,12 @@ def small_queue_stack_of_module():
 
 @pytest.fixture
 def small_queue_stack(small_queue_stack_of_module):
-    """One stack for the module's small-queue tests: each must leave it as it found it (nothing
-    queued, no KV held), which is checked after each; the full leak checks run at the end."""
+    """One stack for the module's small-queue tests: each must leave it as it found it, which the
+    leak checks of _finish assert after each; the stack stops at the end of the module."""
     s = small_queue_stack_of_module
     assert _queue_counts(s) == [0, 0]
     yield s
-    wait_for(lambda: kv_idle(s), timeout=20, what="KV blocks and arena regions back to zero")
-    assert _queue_counts(s) == [0, 0]
+    _assert_idle(s)
 
 
 def test_only_requests_of_at_most_replay_max_tokens_keep_their_result(small_queue_stack):
