@@ -13,10 +13,10 @@ against 6 s with one thread each.
 
 The board is a small file every engine of the host opens. Each engine holds one slot
 (an open-file-description lock on the slot's bytes, which the kernel drops when the
-process dies) and stamps it with the monotonic clock while it computes: while it loads,
-at every step and between layers, at most every ``CHECK_S``; 0 when it goes idle. Another engine counts
-a slot as busy while its stamp is younger than ``FRESH_S``, so the stamp of an engine
-that died mid-forward stops counting on its own.
+process dies) and stamps it with the monotonic clock while it computes: while it
+loads, at every step and between layers, at most every ``CHECK_S``; 0 when it goes
+idle. Another engine counts a slot as busy while its stamp is younger than ``FRESH_S``,
+so the stamp of an engine that died mid-forward stops counting on its own.
 """
 
 from __future__ import annotations
