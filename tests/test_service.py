@@ -232,6 +232,29 @@ def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
     assert field in e.value.details()
 
 
+def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothing(stack, client):
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    before = set(stack.redis().keys("*"))
+    for rid in ("", "x" * 129, "has space", "{tag}", "a\nb", "\u00e9"):
+        for call in (lambda: client.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10),
+                     lambda: client.stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=10)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (rid, e.value.details())
+            assert e.value.details().startswith("request_id:"), e.value.details()
+    # Before: an Abort for any string, up to the 4 MB a message may carry, left a key for 60 s.
+    assert set(stack.redis().keys("*")) - before == set()
+    # The longest id Generate accepts is still one Abort may name before it arrives.
+    rid = "y" * 128
+    with pytest.raises(grpc.RpcError) as e:
+        client.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("hi", max_tokens=2, request_id=rid)
+    assert e.value.code() == grpc.StatusCode.CANCELLED, e.value.details()
+
+
 def test_cancel_mid_stream_frees_everything(stack, client):
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     stream = client.generate_stream("Write a very long story about a lighthouse.", max_tokens=400, ignore_eos=True,

@@ -858,8 +858,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return resp
 
     async def Abort(self, request, context):
-        if not request.request_id:
-            raise InvalidRequestError("request_id", "must be set")
+        convert.check_request_id(request.request_id, required=True)
         rid = await self._latest(request.request_id)
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
@@ -894,8 +893,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetRequest(self, request, context):
         rid = request.request_id
-        if not rid:
-            raise InvalidRequestError("request_id", "must be set")
+        convert.check_request_id(rid, required=True)
         m = await self.redis.hgetall(self.keys.req(rid))
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")

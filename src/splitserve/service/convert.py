@@ -37,8 +37,14 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     return sp
 
 
-def check_request_id(request_id: str) -> None:
-    if request_id and not _REQUEST_ID.match(request_id):
+def check_request_id(request_id: str, required: bool = False) -> None:
+    """Generate's id is optional; Abort and GetRequest need one. Either way it must have the form
+    of an id Generate accepts, so an id that names no request cannot become a key in Redis."""
+    if not request_id:
+        if required:
+            raise InvalidRequestError("request_id", "must be set")
+        return
+    if not _REQUEST_ID.match(request_id):
         raise InvalidRequestError("request_id", "must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
 
 
