@@ -219,6 +219,11 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"token_ids": [1] * 8192}, "token_ids"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "hi", "request_id": "bad id with spaces"}, "request_id"),
+        ({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}, "sampling.stop"),
+        ({"prompt": "hi", "stop": ["ok", "x" * 513]}, "sampling.stop[1]"),
+        ({"prompt": "hi", "stop_token_ids": [2] * 1025}, "sampling.stop_token_ids"),
+        ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
+        ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
@@ -230,6 +235,36 @@ def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
             client.generate(prompt, **kw)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_the_router_tokenizes_long_inputs_off_its_event_loop():
+    """Tokenizing takes ~0.7 s a MB; on the event loop that relays every stream's tokens it held
+    them all (a 3.6 MB prompt: 2.2 s). Long inputs go to a thread; short ones stay in place."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.server import INLINE_TOKENIZE_CHARS, Frontend, RouterServicer
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    front = Frontend(Settings.from_env())
+    on_loop_thread, encode = [], front.prompt_ids
+    front.prompt_ids = lambda req: on_loop_thread.append(threading.current_thread() is threading.main_thread()) \
+        or encode(req)
+    router = RouterServicer(Settings.from_env(), front, aioredis.Redis())  # _validate uses no Redis
+    chat = pb.Messages(messages=[pb.ChatMessage(role="user", content="word " * 20)] * 50)
+    requests = [pb.GenerateRequest(prompt="word " * 100), pb.GenerateRequest(prompt="word " * 2000),
+                pb.GenerateRequest(messages=chat), pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000))]
+    assert [front.text_size(r) > INLINE_TOKENIZE_CHARS for r in requests] == [False, True, True, False]
+    ids = [asyncio.run(router._validate(r))[1] for r in requests]
+    assert on_loop_thread == [True, False, False, True]
+    assert ids == [encode(r) for r in requests] and len(ids[1]) > 2000
+
+    # What is refused unread is refused rightly: no text has fewer tokens than characters / the bound.
+    tok = front.tokenizer
+    longest = max(tok.hf.get_vocab(), key=len)
+    text = tok.hf.convert_tokens_to_string([longest]) * 50
+    assert len(text) <= 50 * tok.max_token_chars and len(tok.encode(text)) >= len(text) / tok.max_token_chars
 
 
 def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothing(stack, client):

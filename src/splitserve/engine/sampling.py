@@ -16,6 +16,12 @@ import torch
 from splitserve.engine.errors import InvalidRequestError
 
 _MAX_SEED = 2**63 - 1
+# Every stop string is looked for after every token, and the longest one's length of text is held
+# back from the stream: without bounds, one request's stops slowed every request in its batch
+# (350,000 stop strings in a 3.5 MB message: TPOT 14 -> 77 ms for its neighbours, stalls of 0.46 s).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,17 @@ class SamplingParams:
             )
         if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
             raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
+        long = next((i for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise InvalidRequestError(f"sampling.stop[{long}]", f"must be at most {MAX_STOP_CHARS} characters, "
+                                                               f"got {len(self.stop[long])}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError("sampling.stop_token_ids",
+                                      f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", "token ids must be >= 0")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from splitserve.engine.errors import InvalidRequestError
 
 try:
@@ -26,6 +28,23 @@ class Tokenizer:
         )
         rust = getattr(hf_tokenizer, "_tokenizer", None)  # a fast tokenizer's own: streams in one call a token
         self.rust = rust if _RustTokenizer is not None and isinstance(rust, _RustTokenizer) else None
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, or None when that is not known.
+        A token's string in the vocabulary is as long as the text it covers (byte-level: one
+        character per byte, so at least as long), unless a normalizer rewrites the text first: then
+        nothing is claimed, nor when an added token takes in the spaces around it (lstrip, rstrip).
+        So a text of n characters is at least n / this many tokens."""
+        if self.rust is None or self.rust.normalizer is not None:
+            return None
+        added = getattr(self.hf, "added_tokens_decoder", {}).values()
+        if any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in added):
+            return None
+        try:
+            return max(map(len, self.hf.get_vocab())) or None
+        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list: no bound
+            return None
 
     def encode(self, text: str) -> list[int]:
         # NOTE: special tokens in the text (<|im_start|> ...) are recognised, no BOS is added:
