@@ -239,6 +239,9 @@ def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny
         ({"top_k": -2}, "sampling.top_k"),
         ({"min_tokens": 9, "max_tokens": 4}, "sampling.min_tokens"),
         ({"stop": ("",)}, "sampling.stop"),
+        ({"stop": tuple("abcdefghijklmnopqrstuvwxyz0123456")}, "sampling.stop"),  # 33
+        ({"stop": ("ok", "x" * 513)}, "sampling.stop[1]"),
+        ({"stop_token_ids": (7,) * 1025}, "sampling.stop_token_ids"),
         ({"seed": -1}, "sampling.seed"),
     ],
 )

@@ -22,6 +22,12 @@ _MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+_F32_MAX = float(torch.finfo(torch.float32).max)
+# A top_p draw looks among the 256 most likely tokens first, then the 8192, and sorts the whole
+# vocabulary only when the kept tokens reach past those. On SmolLM2's logits, 2 threads' host:
+# top-k 256 takes 0.1 ms, 8192 1.0 ms, sorting all 49152 3.5 ms; top_p 0.95 keeps ~5000 tokens at
+# temperature 1.2, and far fewer below 1.
+_CANDIDATES = (256, 8192)
 
 
 @dataclass(frozen=True)
@@ -123,20 +129,46 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    # logits: [vocab]
-    scaled = logits / p.temperature
-    if p.top_k and p.top_k < scaled.numel():
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (cum - sorted_probs) >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    # Exponential race (Gumbel-max in another form): argmax(p / E), E ~ Exp(1) from the
-    # request's own generator, so the draw does not depend on the rest of the batch.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=gen)
-    return int((probs / noise).argmax())
+    """One draw from the row's distribution (temperature, then top_k, then top_p), by inverse
+    transform: one uniform from the request's own generator, so the draw depends on nothing else in
+    the batch. For top_p, only the _CANDIDATES most likely are sorted while the kept tokens are among them."""
+    # (logits - max) * 1/T: <= 0, the best at 0, never NaN. A 1/T beyond float32's range acts as the
+    # limit, greedy (ties shared): dividing by a temperature float32 rounds to 0 drew token 0 always.
+    scaled = (logits - logits.max()) * min(1.0 / p.temperature, _F32_MAX)
+    u = float(torch.rand((), dtype=torch.float64, generator=gen))
+    vocab = scaled.numel()
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    if p.top_p >= 1.0:
+        if k == vocab:  # the whole vocabulary, in its own order: nothing to sort
+            return _inverse(torch.exp(scaled.double()), u)
+        values, order = torch.topk(scaled, k)
+        return int(order[_inverse(torch.exp(values.double()), u)])
+    # top_p, over the top-k set's probabilities (the whole vocabulary's without top_k)
+    total = float(torch.exp(scaled.double()).sum()) if k == vocab else None
+    for n in (*(c for c in _CANDIDATES if c < k), k):
+        values, order = torch.topk(scaled, n)  # sorted, the most likely first
+        weights = torch.exp(values.double())
+        if n == k:  # the whole top-k set
+            keep = min(_top_p_prefix(weights, p.top_p * float(weights.sum())), k)
+        elif total is not None:
+            keep = _top_p_prefix(weights, p.top_p * total)
+            if keep > n:  # the kept tokens reach past these candidates
+                continue
+        else:  # top_k's set is larger than these, and its mass needs all its k values
+            continue
+        return int(order[_inverse(weights[:keep], u)])
+    raise AssertionError("unreachable: the last pass takes the whole top-k set")
+
+
+def _top_p_prefix(weights: torch.Tensor, reach: float) -> int:
+    """How many of weights (sorted, largest first) the smallest prefix whose sum reaches `reach`
+    holds (at least 1): more than weights holds when they do not reach it."""
+    return int(torch.searchsorted(torch.cumsum(weights, 0), reach)) + 1
+
+
+def _inverse(weights: torch.Tensor, u: float) -> int:
+    """The index i where u * sum(weights) falls in the running sums: i with probability
+    weights[i] / sum(weights). A weight of 0 is never drawn."""
+    cum = torch.cumsum(weights, 0)
+    i = int(torch.searchsorted(cum, u * float(cum[-1]), right=True))
+    return min(i, weights.numel() - 1)
