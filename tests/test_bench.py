@@ -154,3 +154,71 @@ def test_bench_rejects_a_bad_compare():
     run = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--compare", "static,fast"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "SPLITSERVE_BENCH_DIR": "/nonexistent"})
     assert run.returncode == 2
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"prompt": "x"', "w.jsonl:2: not JSON"),
+        ("[1, 2]", "w.jsonl:2: must be a JSON object, got list"),
+        ('{"max_tokens": 4}', "w.jsonl:2: prompt_token_ids (or prompt) is required"),
+        ('{"prompt_token_ids": [], "max_tokens": 4}', "w.jsonl:2: prompt_token_ids must be a non-empty list"),
+        ('{"prompt_token_ids": [1, -2], "max_tokens": 4}', "w.jsonl:2: prompt_token_ids must be a non-empty list"),
+        ('{"prompt_token_ids": [1, "a"], "max_tokens": 4}', "w.jsonl:2: prompt_token_ids must be a non-empty list"),
+        ('{"prompt_token_ids": [1]}', "w.jsonl:2: max_tokens must be an integer >= 1, got None"),
+        ('{"prompt_token_ids": [1], "max_tokens": 0}', "w.jsonl:2: max_tokens must be an integer >= 1, got 0"),
+        ('{"prompt_token_ids": [1], "max_tokens": "8"}', "w.jsonl:2: max_tokens must be an integer >= 1, got '8'"),
+    ],
+)
+def test_a_workload_line_that_is_not_a_request_is_refused_naming_its_line_and_field(tmp_path, line, message):
+    from splitserve.bench.workload import load_workload
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": "ok", "prompt_token_ids": [1, 2], "max_tokens": 3}\n' + line + "\n")
+    with pytest.raises(ValueError) as e:  # before: KeyError, TypeError or a JSON error with no line
+        load_workload(str(path), tokenize=lambda p: [7] * len(p))
+    assert str(e.value).startswith(str(tmp_path / message)), str(e.value)
+
+
+def test_a_workload_of_prompts_alone_is_tokenized_and_ids_default_to_the_line(tmp_path):
+    from splitserve.bench.workload import load_workload
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "abc", "max_tokens": 2}\n\n{"id": "b", "prompt": "hello", "max_tokens": 5}\n'
+                    '{"prompt": "no ids", "prompt_token_ids": [4, 5], "max_tokens": 1}\n')
+    items = load_workload(str(path), tokenize=lambda p: [ord(c) for c in p])
+    assert [(i.id, i.prompt_token_ids, i.max_tokens) for i in items] == [
+        ("1", [97, 98, 99], 2), ("b", [104, 101, 108, 108, 111], 5), ("4", [4, 5], 1)]
+    with pytest.raises(ValueError, match="w.jsonl:1: prompt_token_ids is required here"):
+        load_workload(str(path))  # callers that cannot tokenize say so
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rate", "-1"], "--rate takes numbers > 0, got -1"),
+        (["--rate", "nan"], "--rate takes numbers > 0, got nan"),
+        (["--rate", "1,x"], "--rate takes a comma list of numbers, got 'x'"),
+        (["--concurrency", "0"], "--concurrency takes whole numbers > 0, got 0"),
+        (["--concurrency", "2.5"], "--concurrency takes whole numbers > 0, got 2.5"),
+        (["--input-len", "9-3"], "--input-len takes N or LO-HI tokens"),
+        (["--output-len", "x"], "--output-len takes N or LO-HI tokens"),
+        (["--requests", "-1"], "--requests must be >= 0, got -1"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--timeout", "0"], "--timeout must be > 0 seconds"),
+        (["--knee-factor", "1"], "--knee-factor must be > 1"),
+        (["--ttft-slo-ms", "-5"], "--ttft-slo-ms must be > 0"),
+        (["--decode", "0"], "--decode must be >= 1, got 0"),
+    ],
+)
+def test_bench_flags_out_of_range_are_refused_naming_the_flag(argv, message, capsys, tmp_path):
+    import argparse
+
+    from splitserve.bench import cli
+
+    root = argparse.ArgumentParser()
+    cli.add_parser(root.add_subparsers())
+    args = root.parse_args(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "out"), *argv])
+    assert cli.main(args) == 2  # before: most of these ran, and wrote results for nothing
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

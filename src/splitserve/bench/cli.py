@@ -66,10 +66,19 @@ def add_parser(sub) -> None:
 
 
 def _length(spec: str, rng: random.Random) -> int:
-    if "-" in spec:
-        lo, hi = (int(x) for x in spec.split("-", 1))
-        return rng.randint(lo, hi)
-    return int(spec)
+    lo, hi = _length_range("length", spec)
+    return rng.randint(lo, hi)
+
+
+def _length_range(flag: str, spec: str) -> tuple[int, int]:
+    """N or LO-HI, whole numbers with 1 <= LO <= HI; ValueError naming the flag otherwise."""
+    try:
+        lo, hi = (int(x) for x in spec.split("-", 1)) if "-" in spec else (int(spec),) * 2
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{flag} takes N or LO-HI tokens, whole numbers with 1 <= LO <= HI, got {spec!r}")
+    return lo, hi
 
 
 def make_items(args, vocab: int) -> list[WorkItem]:
@@ -79,7 +88,7 @@ def make_items(args, vocab: int) -> list[WorkItem]:
         return [WorkItem(f"synthetic-{i}", "", [rng.randrange(10, vocab) for _ in range(_length(args.input_len, rng))],
                          _length(args.output_len, rng)) for i in range(n + args.warmup)]
     path = args.workload or os.path.join(default_workload_dir(), "workload_mixed.jsonl")
-    items = load_workload(path)
+    items = load_workload(path, tokenize=_model_tokenizer(args))
     if not items:
         raise ValueError(f"workload {path} is empty")
     want = (args.requests or len(items)) + args.warmup
@@ -133,6 +142,51 @@ class Target:
             self.stack.stop()
 
 
+def _model_tokenizer(args):
+    """prompt -> token ids with the model's tokenizer, loaded at the first call (a workload whose
+    lines carry prompt_token_ids never loads it)."""
+    tok = []
+
+    def tokenize(prompt: str) -> list[int]:
+        if not tok:
+            from splitserve.engine.config import ModelSpec
+            from splitserve.engine.loader import load_frontend
+            from splitserve.engine.tokenizer import Tokenizer
+
+            hf, _, _ = load_frontend(ModelSpec(path=args.model))
+            if hf is None:
+                raise ValueError("this model has no tokenizer: give the workload's prompt_token_ids")
+            tok.append(Tokenizer(hf))
+        return tok[0].encode(prompt)
+    return tokenize
+
+
+def _check_args(args) -> list[loadgen.RunSpec]:
+    """The runs the arguments ask for; ValueError naming the flag when one is out of range."""
+    for flag, value, least in (("--requests", args.requests, 0), ("--warmup", args.warmup, 0),
+                               ("--max-concurrency", args.max_concurrency, 1), ("--prefill", args.prefill, 0),
+                               ("--decode", args.decode, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not args.knee_factor > 1:
+        raise ValueError(f"--knee-factor must be > 1, got {args.knee_factor}")
+    for flag, slo in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
+        if slo is not None and not slo > 0:
+            raise ValueError(f"{flag} must be > 0, got {slo}")
+    for flag, spec in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if spec:
+            _length_range(flag, spec)
+    specs = _specs(args)
+    for s in specs:
+        flag = "--rate" if s.mode == "rate" else "--concurrency"
+        if not (math.isfinite(s.value) and s.value > 0) or (s.mode == "concurrency" and s.value != int(s.value)):
+            raise ValueError(f"{flag} takes {'numbers' if s.mode == 'rate' else 'whole numbers'} > 0, "
+                             f"got {s.label.split('=', 1)[1]}")
+    return specs
+
+
 def model_vocab(args) -> int:
     if args.vocab:
         return args.vocab
@@ -172,15 +226,19 @@ def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec) ->
 
 
 def _specs(args) -> list[loadgen.RunSpec]:
-    if args.rate:
-        return [loadgen.RunSpec("rate", float(v), args.seed, args.timeout, f"rate={v}") for v in args.rate.split(",")]
-    conc = args.concurrency or "8"
-    return [loadgen.RunSpec("concurrency", float(v), args.seed, args.timeout, f"concurrency={v}")
-            for v in conc.split(",")]
+    mode, values = ("rate", args.rate) if args.rate else ("concurrency", args.concurrency or "8")
+    specs = []
+    for v in values.split(","):
+        try:
+            specs.append(loadgen.RunSpec(mode, float(v), args.seed, args.timeout, f"{mode}={v.strip()}"))
+        except ValueError:
+            raise ValueError(f"--{mode} takes a comma list of numbers, got {v!r}") from None
+    return specs
 
 
 def main(args) -> int:
     try:
+        _check_args(args)
         vocab = model_vocab(args) if args.input_len else 0
         items = make_items(args, vocab)
         if not 0 <= args.high_priority <= 1:

@@ -19,14 +19,42 @@ class WorkItem:
     priority: int = 0  # sent as GenerateRequest.priority (lower is served first)
 
 
-def load_workload(path: str, limit: int | None = None) -> list[WorkItem]:
+def load_workload(path: str, limit: int | None = None, tokenize=None) -> list[WorkItem]:
+    """The workload's requests. A line needs max_tokens, and prompt_token_ids or (with `tokenize`,
+    which turns a prompt into token ids) prompt; id defaults to the line's number. A line that is
+    not such a request raises ValueError naming the file, the line and the field."""
     items = []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                d = json.loads(line)
-                items.append(WorkItem(d["id"], d.get("prompt", ""), d["prompt_token_ids"], int(d["max_tokens"])))
-    return items[:limit] if limit else items
+                items.append(_item(line, f"{path}:{n}", tokenize))
+                if limit and len(items) == limit:
+                    break
+    return items
+
+
+def _item(line: str, where: str, tokenize) -> WorkItem:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: must be a JSON object, got {type(d).__name__}")
+    prompt = d.get("prompt", "")
+    ids = d.get("prompt_token_ids")
+    if ids is None:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: prompt_token_ids (or prompt) is required")
+        if tokenize is None:
+            raise ValueError(f"{where}: prompt_token_ids is required here")
+        ids = tokenize(prompt)
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of token ids (integers >= 0)")
+    max_tokens = d.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
+    return WorkItem(str(d.get("id", where.rsplit(":", 1)[-1])), prompt if isinstance(prompt, str) else "", ids,
+                    max_tokens)
 
 
 def default_workload_dir() -> str:
