@@ -55,7 +55,11 @@ def _up(args) -> int:
     overrides = {"model": args.model, "policy": args.policy}
     if args.colocated or needs_colocated(args.policy or ""):
         overrides["mode"] = "colocated"
-    settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
+    try:
+        settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
+    except ValueError as e:
+        print(f"splitserve up: error: {e}", file=sys.stderr)
+        return 2
     n_prefill = 0 if settings.mode == "colocated" else args.prefill
     stack = Stack(settings, prefill=n_prefill, decode=args.decode, routers=args.routers)
     stop = threading.Event()

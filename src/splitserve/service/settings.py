@@ -112,8 +112,15 @@ class Settings:
             if raw is None or raw == "":
                 continue
             values[f.name] = _parse(f, raw, name)
+        from_env = set(values)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:  # name the variable a setting came from: that is where it is fixed
+            field = str(e).split(" ", 1)[0]
+            if field in from_env and field not in overrides:
+                raise ValueError(f"{env_name(field)}: {e}") from None
+            raise
 
     def to_env(self) -> dict[str, str]:
         return {env_name(f.name): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
