@@ -267,6 +267,22 @@ def test_the_router_tokenizes_long_inputs_off_its_event_loop():
     assert len(text) <= 50 * tok.max_token_chars and len(tok.encode(text)) >= len(text) / tok.max_token_chars
 
 
+def test_the_router_refuses_a_message_larger_than_any_request_that_can_fit_before_reading_it(stack, client):
+    from splitserve_proto.v1 import generation_pb2 as pb
+    from splitserve_proto.v1 import generation_pb2_grpc
+
+    with grpc.insecure_channel(stack.router_address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as e:  # 6 MB: 6M token ids (before: read, parsed, then refused)
+            stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 6_000_000)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "larger than max" in e.value.details() and str(4 << 20) in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # 3 MB of text is read, and refused by its length
+            stub.Generate(pb.GenerateRequest(prompt="word " * 600_000), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "3000000 characters" in e.value.details()
+    assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
+
+
 def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothing(stack, client):
     from splitserve_proto.v1 import generation_pb2 as pb
 

@@ -122,10 +122,26 @@ class Frontend:
         self.vocab = config.vocab_size
         self.context = context_length(config)
 
+    def max_request_bytes(self) -> int:
+        """The largest GenerateRequest worth reading: a text the context could hold (4 bytes a
+        character at most in UTF-8) and 1 MB for the rest, at least gRPC's usual 4 MB. A larger
+        one (48 MB of token ids: parsing it on the event loop held every stream for 0.5 s) is
+        refused before it is read. Without a bound on the characters a token covers: 64 MB."""
+        chars = self.tokenizer.max_token_chars if self.tokenizer is not None else None
+        if self.tokenizer is not None and not chars:
+            return grpc_server.MAX_MESSAGE
+        return max(4 << 20, 4 * self.context * (chars or 1) + (1 << 20))
+
     def text_size(self, req: gen_pb.GenerateRequest) -> int:
         """How many characters of text the request's input holds (0 for token_ids); raises when the
-        input can be seen not to fit the context before tokenizing it, which takes ~0.7 s a MB."""
+        input can be seen not to fit the context before tokenizing it, which takes ~0.7 s a MB, or
+        before reading its token ids (6M of them held every stream for 0.75 s)."""
         kind = req.WhichOneof("input")
+        if kind == "token_ids":
+            if (n := len(req.token_ids.ids)) >= self.context:
+                raise InvalidRequestError("token_ids", f"is {n} tokens; the context length is {self.context}, "
+                                                       "prompt and completion together")
+            return 0
         if kind == "prompt":
             n = len(req.prompt)
         elif kind == "messages":
@@ -952,7 +968,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await servicer.reap(servicer.id)  # what an earlier life under this id left
     await servicer.keep_alive()
     await servicer.refresh_workers()
-    server = grpc_server.new_server(settings.keepalive_s)
+    server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
     metrics_port = metrics.serve(settings.host, settings.metrics_port)

@@ -40,8 +40,12 @@ def options(keepalive_s: float = 0.0) -> list[tuple[str, int]]:
     return [*OPTIONS, *PING_POLICY, *keepalive_options(keepalive_s, when_idle=True)]
 
 
-def new_server(keepalive_s: float = 0.0) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options(keepalive_s))
+def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc.aio.Server:
+    """max_receive: the largest message accepted; a larger one is refused by gRPC itself
+    (RESOURCE_EXHAUSTED, "Received message larger than max") before it is read or parsed."""
+    opts = [o for o in options(keepalive_s) if o[0] != "grpc.max_receive_message_length"]
+    return grpc.aio.server(interceptors=[ErrorInterceptor()],
+                           options=[*opts, ("grpc.max_receive_message_length", max_receive)])
 
 
 async def start(server: grpc.aio.Server, host: str, port: int, service_names: list[str]) -> tuple[int, "health_aio.HealthServicer"]:
