@@ -61,23 +61,29 @@ class SamplingParams:
             )
         if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
             raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
         long = next((i for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS), None)
         if long is not None:
             raise InvalidRequestError(f"sampling.stop[{long}]", f"must be at most {MAX_STOP_CHARS} characters, "
                                                                f"got {len(self.stop[long])}")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError("sampling.stop_token_ids",
-                                      f"at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", "token ids must be >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_stop_counts(stop: int, stop_token_ids: int) -> None:
+    """Raise InvalidRequestError if a request has more stop strings or stop token ids than allowed
+    (callers holding the protobuf count them before copying the lists)."""
+    if stop > MAX_STOP_STRINGS:
+        raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {stop}")
+    if stop_token_ids > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("sampling.stop_token_ids",
+                                  f"at most {MAX_STOP_TOKEN_IDS} token ids, got {stop_token_ids}")
 
 
 def check_context(prompt_len: int, params: SamplingParams, context: int, input_field: str = "prompt") -> None:
