@@ -52,6 +52,7 @@ def _flat(live: int) -> torch.Tensor:
         (_flat(12000), dict(temperature=1.0, top_p=0.5)),  # past those: the whole vocabulary sorted
         (_flat(600), dict(temperature=1.0, top_k=500, top_p=0.9)),  # top_k larger than 256
         (_flat(600), dict(temperature=0.7)),
+        (torch.randn(100, generator=torch.Generator().manual_seed(5)), dict(temperature=1.0, top_p=0.9)),  # < 256
     ],
 )
 def test_draws_follow_the_distribution_and_only_kept_tokens_are_drawn(logits, kw):

@@ -149,21 +149,20 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
             return _inverse(torch.exp(scaled.double()), u)
         values, order = torch.topk(scaled, k)
         return int(order[_inverse(torch.exp(values.double()), u)])
-    # top_p, over the top-k set's probabilities (the whole vocabulary's without top_k)
-    total = float(torch.exp(scaled.double()).sum()) if k == vocab else None
-    for n in (*(c for c in _CANDIDATES if c < k), k):
-        values, order = torch.topk(scaled, n)  # sorted, the most likely first
-        weights = torch.exp(values.double())
-        if n == k:  # the whole top-k set
-            keep = min(_top_p_prefix(weights, p.top_p * float(weights.sum())), k)
-        elif total is not None:
+    # top_p. Without top_k, the vocabulary's mass is one sum, and the candidates hold the kept
+    # tokens when their prefix reaches top_p of it. With top_k, the mass is the top-k set's own.
+    if k == vocab:
+        total = float(torch.exp(scaled.double()).sum())
+        for n in (c for c in _CANDIDATES if c < vocab):
+            values, order = torch.topk(scaled, n)  # sorted, the most likely first
+            weights = torch.exp(values.double())
             keep = _top_p_prefix(weights, p.top_p * total)
-            if keep > n:  # the kept tokens reach past these candidates
-                continue
-        else:  # top_k's set is larger than these, and its mass needs all its k values
-            continue
-        return int(order[_inverse(weights[:keep], u)])
-    raise AssertionError("unreachable: the last pass takes the whole top-k set")
+            if keep <= n:
+                return int(order[_inverse(weights[:keep], u)])
+    values, order = torch.topk(scaled, k)  # the whole top-k set, sorted
+    weights = torch.exp(values.double())
+    keep = min(_top_p_prefix(weights, p.top_p * float(weights.sum())), k)
+    return int(order[_inverse(weights[:keep], u)])
 
 
 def _top_p_prefix(weights: torch.Tensor, reach: float) -> int:
