@@ -22,7 +22,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service import convert
 from splitserve.service.arena import Arena
-from splitserve.service.grpc_server import OPTIONS
+from splitserve.service.grpc_server import options
 from splitserve.service.settings import Settings, host_id
 from splitserve.stack import Stack
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     try:
         eng = LLMEngine(stack.settings.engine_config("prefill").replace(kv_cache_bytes=512 << 20))
         addr = stack.proc("decode-0").address
-        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(addr, options=OPTIONS))
+        stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(addr, options=options()))
         me = host_id()
         for n in sizes:
             prompt = [(7 * i) % 40000 + 100 for i in range(n)]

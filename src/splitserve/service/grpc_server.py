@@ -13,7 +13,6 @@ from splitserve.service.errors import ErrorInterceptor
 MAX_MESSAGE = 64 << 20
 OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
     # A peer that went away is tried again at most 2 s apart (gRPC's default backs off to 120 s),
     # so a worker restarted at its address is connected again within about that.
@@ -31,21 +30,20 @@ OPTIONS = [
 PING_POLICY = [("grpc.http2.min_recv_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 0)]
 
 
-def options(keepalive_s: float = 0.0) -> list[tuple[str, int]]:
+def options(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> list[tuple[str, int]]:
     """Channel and server options. With keepalive_s > 0, each end of a connection pings the other
     when the connection has been quiet for keepalive_s and drops it when no answer comes within
     keepalive_s more: a peer that hangs (stopped, its host gone, a partition) fails its calls with
     UNAVAILABLE instead of leaving them waiting for their deadlines, even a stream with nothing to
     send yet (a decode stream waiting for a long prefill)."""
-    return [*OPTIONS, *PING_POLICY, *keepalive_options(keepalive_s, when_idle=True)]
+    return [*OPTIONS, ("grpc.max_receive_message_length", max_receive), *PING_POLICY,
+            *keepalive_options(keepalive_s, when_idle=True)]
 
 
 def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc.aio.Server:
     """max_receive: the largest message accepted; a larger one is refused by gRPC itself
     (RESOURCE_EXHAUSTED, "Received message larger than max") before it is read or parsed."""
-    opts = [o for o in options(keepalive_s) if o[0] != "grpc.max_receive_message_length"]
-    return grpc.aio.server(interceptors=[ErrorInterceptor()],
-                           options=[*opts, ("grpc.max_receive_message_length", max_receive)])
+    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options(keepalive_s, max_receive))
 
 
 async def start(server: grpc.aio.Server, host: str, port: int, service_names: list[str]) -> tuple[int, "health_aio.HealthServicer"]:
