@@ -161,8 +161,8 @@ def _model_tokenizer(args):
     return tokenize
 
 
-def _check_args(args) -> list[loadgen.RunSpec]:
-    """The runs the arguments ask for; ValueError naming the flag when one is out of range."""
+def _check_args(args) -> None:
+    """ValueError naming the flag when one is out of range."""
     for flag, value, least in (("--requests", args.requests, 0), ("--warmup", args.warmup, 0),
                                ("--max-concurrency", args.max_concurrency, 1), ("--prefill", args.prefill, 0),
                                ("--decode", args.decode, 1)):
@@ -178,13 +178,11 @@ def _check_args(args) -> list[loadgen.RunSpec]:
     for flag, spec in (("--input-len", args.input_len), ("--output-len", args.output_len)):
         if spec:
             _length_range(flag, spec)
-    specs = _specs(args)
-    for s in specs:
+    for s in _specs(args):
         flag = "--rate" if s.mode == "rate" else "--concurrency"
         if not (math.isfinite(s.value) and s.value > 0) or (s.mode == "concurrency" and s.value != int(s.value)):
             raise ValueError(f"{flag} takes {'numbers' if s.mode == 'rate' else 'whole numbers'} > 0, "
                              f"got {s.label.split('=', 1)[1]}")
-    return specs
 
 
 def model_vocab(args) -> int:
