@@ -1,7 +1,8 @@
-"""The Python client's keepalive, against a real gRPC server process that never answers.
+"""The Python client's keepalive, against a real gRPC server process that never answers, and its
+retries, against a real server that refuses every request as a full queue does.
 
-The server is the stack's own aio server (`grpc_server.new_server`: the router's options and
-interceptor) with a Generation service whose streams stay open and silent, as a router's do
+The keepalive server is the stack's own aio server (`grpc_server.new_server`: the router's options
+and interceptor) with a Generation service whose streams stay open and silent, as a router's do
 while a long prompt waits for prefill.
 """
 
@@ -14,11 +15,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 
 from splitserve.client import AsyncClient, Client, channel_options
+from splitserve.service import grpc_server
+from splitserve_proto.v1 import generation_pb2_grpc
 
 SILENT_SERVER = textwrap.dedent("""
     import asyncio, sys
@@ -102,3 +106,41 @@ def test_keepalive_option_checked():
     assert ("grpc.keepalive_time_ms", 2500) in channel_options(keepalive_s=2.5)
     with pytest.raises(ValueError, match="keepalive_s"):
         Client("127.0.0.1:1", keepalive_s=-1)
+
+
+class _CountCalls(grpc.ServerInterceptor):
+    def __init__(self):
+        self.calls = 0
+
+    def intercept_service(self, continuation, handler_call_details):
+        self.calls += 1  # each attempt, before its message is read (so a refused oversized one too)
+        return continuation(handler_call_details)
+
+
+class _QueueFull(generation_pb2_grpc.GenerationServicer):
+    def Generate(self, request, context):
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", "1"),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+
+
+def test_retries_repeat_a_full_queue_but_not_a_message_too_large_to_read():
+    """Both are RESOURCE_EXHAUSTED. A queue-full refusal is retried as many times as asked; a
+    message over the server's receive limit is sent once: gRPC keeps at most 256 KB of a call to
+    send again, and any such message is larger than that."""
+    counter = _CountCalls()
+    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[counter],
+                         options=grpc_server.options(max_receive=4 << 20))
+    generation_pb2_grpc.add_GenerationServicer_to_server(_QueueFull(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", retries=4) as c:
+            for prompt, attempts, details in (("hi", 5, "queue is full"),
+                                              ("x" * (5 << 20), 1, "larger than max")):
+                counter.calls = 0
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate(prompt, max_tokens=4, timeout=30)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert details in e.value.details() and counter.calls == attempts, (e.value.details(), counter.calls)
+    finally:
+        server.stop(0)

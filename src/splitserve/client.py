@@ -7,7 +7,9 @@
 
 ``retries=N`` (N <= 4) lets gRPC retry Generate and GenerateStream refused with
 RESOURCE_EXHAUSTED (the queue is full; nothing was queued) or UNAVAILABLE, before any
-response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hint says.
+response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hint says. gRPC
+keeps at most 256 KB of a call to send again: a larger request message is sent once, so one too
+large for the router to read (RESOURCE_EXHAUSTED from gRPC) is not retried.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
