@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+import secrets
 
 from splitserve.engine.errors import InvalidRequestError
 
@@ -61,6 +63,53 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}].role",
                                           f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A chat's prompt ids: the template's own text with its special tokens, and each message's
+        content as text, so a user cannot write a role boundary (`<|im_end|>`, `<|im_start|>system`)
+        into the prompt. Content holding no added token's text tokenizes as the whole rendered
+        prompt does (the common case, unchanged). Otherwise the template is rendered with a marker
+        for each content, and the pieces between the markers are tokenized with special tokens
+        recognised, the contents without. A template that changes a content on its way into the
+        prompt (trims it, say), so that the markers do not give back the prompt, keeps the plain
+        tokenization."""
+        text = self.apply_chat_template(messages)
+        added = self._added_tokens
+        if added is None or not any(added.search(m.get("content") or "") for m in messages):
+            return self.encode(text)
+        marks = [f"\ue000{secrets.token_hex(8)}.{i}\ue001" for i in range(len(messages))]
+        shape = self.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)])
+        pieces = re.split("(" + "|".join(map(re.escape, marks)) + ")", shape)
+        content = dict(zip(marks, (m.get("content") or "" for m in messages)))
+        found = pieces[1::2]
+        if sorted(found) != sorted(marks) or "".join(content.get(p, p) for p in pieces) != text:
+            return self.encode(text)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self._encode_literal(content[piece]) if i % 2 else self.encode(piece)
+        return ids
+
+    @functools.cached_property
+    def _added_tokens(self) -> "re.Pattern | None":
+        """Matches the text of any added token (the specials among them), longest first."""
+        names = sorted({t.content for t in getattr(self.hf, "added_tokens_decoder", {}).values() if t.content},
+                       key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
+
+    @functools.cached_property
+    def _literal(self):
+        """A copy of the fast tokenizer that reads added tokens' text as plain text."""
+        if self.rust is None:
+            return None
+        literal = _RustTokenizer.from_str(self.rust.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    def _encode_literal(self, text: str) -> list[int]:
+        if self._literal is not None:
+            return self._literal.encode(text, add_special_tokens=False).ids
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)

@@ -167,8 +167,7 @@ class Frontend:
             return value
         if self.tokenizer is None:
             raise InvalidRequestError(kind, "this model has no tokenizer; send token_ids")
-        text = self.tokenizer.apply_chat_template(value) if kind == "messages" else value
-        ids = self.tokenizer.encode(text)
+        ids = self.tokenizer.encode_chat(value) if kind == "messages" else self.tokenizer.encode(value)
         if not ids:
             raise InvalidRequestError(kind, "tokenizes to nothing")
         return ids
