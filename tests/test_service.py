@@ -262,7 +262,7 @@ def test_the_router_tokenizes_long_inputs_off_its_event_loop():
     chat = pb.Messages(messages=[pb.ChatMessage(role="user", content="word " * 20)] * 50)
     requests = [pb.GenerateRequest(prompt="word " * 100), pb.GenerateRequest(prompt="word " * 2000),
                 pb.GenerateRequest(messages=chat), pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000))]
-    assert [front.text_size(r) > INLINE_TOKENIZE_CHARS for r in requests] == [False, True, True, False]
+    assert [front.check_input_size(r) > INLINE_TOKENIZE_CHARS for r in requests] == [False, True, True, False]
     ids = [asyncio.run(router._validate(r))[1] for r in requests]
     assert on_loop_thread == [True, False, False, True]
     assert ids == [encode(r) for r in requests] and len(ids[1]) > 2000

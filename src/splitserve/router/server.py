@@ -132,7 +132,7 @@ class Frontend:
             return grpc_server.MAX_MESSAGE
         return max(4 << 20, 4 * self.context * (chars or 1) + (1 << 20))
 
-    def text_size(self, req: gen_pb.GenerateRequest) -> int:
+    def check_input_size(self, req: gen_pb.GenerateRequest) -> int:
         """How many characters of text the request's input holds (0 for token_ids); raises when the
         input can be seen not to fit the context before tokenizing it, which takes ~0.7 s a MB, or
         before reading its token ids (6M of them held every stream for 0.75 s)."""
@@ -446,7 +446,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def _validate(self, request: gen_pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         convert.check_request_id(request.request_id)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
-        if self.front.text_size(request) > INLINE_TOKENIZE_CHARS:  # beside the loop, which serves the streams
+        if self.front.check_input_size(request) > INLINE_TOKENIZE_CHARS:  # beside the loop, which serves the streams
             ids = await asyncio.to_thread(self.front.prompt_ids, request)
         else:
             ids = self.front.prompt_ids(request)
