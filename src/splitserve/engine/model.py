@@ -56,8 +56,8 @@ class Layer:
 class LlamaModel:
     def __init__(self, loaded: LoadedModel):
         cfg = loaded.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        max_pos = context_length(cfg)
+        head_dim = cfg.head_dim
+        max_pos = cfg.context_length
         self.shape = ModelShape(
             model_type=cfg.model_type,
             num_layers=cfg.num_hidden_layers,
@@ -80,7 +80,7 @@ class LlamaModel:
             self.layers = [self._layer(sd, i) for i in range(self.shape.num_layers)]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]}") from None
-        cos, sin = _rope_tables(cfg, self.shape.max_position)
+        cos, sin = cfg.rope_tables()
         half = head_dim // 2
         self.rope_cos = cos  # [max_pos, D]
         # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact)
@@ -263,30 +263,11 @@ def _write_rect(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int |
     return kv[0, :, :, :end], kv[1, :, :, :end]
 
 
-def context_length(cfg) -> int:
-    """Positions the model supports (capped at a sliding window: we never need one below it)."""
-    max_pos = cfg.max_position_embeddings
-    sliding = getattr(cfg, "sliding_window", None)
-    if sliding and getattr(cfg, "use_sliding_window", True):
-        max_pos = min(max_pos, sliding)
-    return max_pos
-
-
-def _rope_tables(cfg, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_pos, D] computed by transformers' own rotary module (all rope types)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    rope = LlamaRotaryEmbedding(cfg)
-    pos = torch.arange(max_pos).unsqueeze(0)
-    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
-    return cos[0].float().contiguous(), sin[0].float().contiguous()
-
-
 def _fingerprint(shape: ModelShape, cfg, sd: dict) -> str:
     """Hash of what shapes the KV plus a sample of the weights that write it."""
     h = hashlib.sha256()
     desc = dict(shape.__dict__)
-    desc["rope"] = str(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None))
+    desc["rope"] = cfg.rope
     h.update(json.dumps(desc, sort_keys=True).encode())
     h.update(sd["model.layers.0.self_attn.k_proj.weight"].float().contiguous().numpy().tobytes())
     return h.hexdigest()[:32]

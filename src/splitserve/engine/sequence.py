@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.params import SamplingParams
 
 _arrivals = itertools.count()
 

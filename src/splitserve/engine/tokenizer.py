@@ -1,12 +1,22 @@
-"""The model's own tokenizer: encoding, chat template, and incremental detokenization."""
+"""The model's own tokenizer: encoding, chat template, and incremental detokenization.
+
+Loaded from the folder's files with the ``tokenizers`` library (tokenizer.json, the special
+tokens of tokenizer_config.json, the chat template) in ~0.1 s; ``transformers``' AutoTokenizer
+costs ~3 s of imports in every process that starts. The chat template is rendered by
+``transformers``' own renderer (its sandbox and filters), whose module imports in ~0.7 s
+without ``torch``. Encoding and decoding are the same calls ``transformers``' fast tokenizers
+make (tests compare them on the real model).
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
 import secrets
 
-from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.errors import InvalidRequestError, ModelLoadError
 
 try:
     from tokenizers import Tokenizer as _RustTokenizer
@@ -20,16 +30,73 @@ _CONTEXT_TOKENS = 5
 
 
 CHAT_ROLES = ("system", "user", "assistant")
+# The named special tokens a chat template sees (transformers' special_tokens_map).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def load_tokenizer(folder: str) -> "Tokenizer | None":
+    """The folder's tokenizer, or None for a folder of weights alone."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+            return _from_transformers(folder)  # SentencePiece alone: transformers converts it
+        return None
+    try:
+        rust = _RustTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
+        template = _chat_template(folder, config)
+    except Exception as e:  # noqa: BLE001 - tokenizers and json raise many types
+        raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
+    specials = {k: _content(config[k]) for k in SPECIAL_TOKENS if config.get(k)}
+    return Tokenizer(rust, chat_template=template, special_tokens=specials)
+
+
+def _from_transformers(folder: str) -> "Tokenizer":
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(folder)
+        return Tokenizer(hf.backend_tokenizer, chat_template=getattr(hf, "chat_template", None),
+                         special_tokens=hf.special_tokens_map)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
+
+
+def _read_json(path: str):
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _content(token) -> str:
+    """A special token as tokenizer_config.json gives it: a string, or an AddedToken's fields."""
+    return token["content"] if isinstance(token, dict) else str(token)
+
+
+def _chat_template(folder: str, config: dict) -> str | None:
+    """chat_template.jinja (how transformers saves it now), else tokenizer_config.json's or
+    chat_template.json's; of named templates, the one named default."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template") or (_read_json(os.path.join(folder, "chat_template.json")) or {}).get("chat_template")
+    if isinstance(template, list):
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template or None
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer):
-        self.hf = hf_tokenizer
-        self.eos_token_ids = frozenset(
-            t for t in (getattr(hf_tokenizer, "eos_token_id", None),) if t is not None
-        )
-        rust = getattr(hf_tokenizer, "_tokenizer", None)  # a fast tokenizer's own: streams in one call a token
-        self.rust = rust if _RustTokenizer is not None and isinstance(rust, _RustTokenizer) else None
+    def __init__(self, rust, *, chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+        rust.no_truncation()  # transformers' encode does not truncate either; the context is checked by us
+        rust.no_padding()
+        self.rust = rust
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+        eos = self.special_tokens.get("eos_token")
+        eos_id = rust.token_to_id(eos) if eos else None
+        self.eos_token_ids = frozenset(() if eos_id is None else (eos_id,))
+        self.streams = DecodeStream is not None  # off when this tokenizers release cannot stream with context
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -38,23 +105,19 @@ class Tokenizer:
         character per byte, so at least as long), unless a normalizer rewrites the text first: then
         nothing is claimed, nor when an added token takes in the spaces around it (lstrip, rstrip).
         So a text of n characters is at least n / this many tokens."""
-        if self.rust is None or self.rust.normalizer is not None:
+        if self.rust.normalizer is not None:
             return None
-        added = getattr(self.hf, "added_tokens_decoder", {}).values()
-        if any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in added):
+        if any(t.lstrip or t.rstrip for t in self.rust.get_added_tokens_decoder().values()):
             return None
-        try:
-            return max(map(len, self.hf.get_vocab())) or None
-        except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary to list: no bound
-            return None
+        return max(map(len, self.rust.get_vocab(with_added_tokens=True)), default=0) or None
 
     def encode(self, text: str) -> list[int]:
         # NOTE: special tokens in the text (<|im_start|> ...) are recognised, no BOS is added:
         # that is how the model's chat template and the bench workloads tokenize.
-        return self.hf.encode(text, add_special_tokens=False)
+        return self.rust.encode(text, add_special_tokens=False).ids
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        if not getattr(self.hf, "chat_template", None):
+        if not self.chat_template:
             raise InvalidRequestError("messages", "this model has no chat template; send prompt instead")
         for i, m in enumerate(messages):
             if not m.get("role"):
@@ -62,7 +125,11 @@ class Tokenizer:
             if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role",
                                           f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                            add_generation_prompt=True, **self.special_tokens)
+        return rendered[0]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """A chat's prompt ids: the template's own text with its special tokens, and each message's
@@ -87,32 +154,25 @@ class Tokenizer:
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if piece:
-                ids += self._encode_literal(content[piece]) if i % 2 else self.encode(piece)
+                ids += self._literal.encode(content[piece], add_special_tokens=False).ids if i % 2 else self.encode(piece)
         return ids
 
     @functools.cached_property
     def _added_tokens(self) -> "re.Pattern | None":
         """Matches the text of any added token (the specials among them), longest first."""
-        names = sorted({t.content for t in getattr(self.hf, "added_tokens_decoder", {}).values() if t.content},
+        names = sorted({t.content for t in self.rust.get_added_tokens_decoder().values() if t.content},
                        key=len, reverse=True)
         return re.compile("|".join(map(re.escape, names))) if names else None
 
     @functools.cached_property
     def _literal(self):
-        """A copy of the fast tokenizer that reads added tokens' text as plain text."""
-        if self.rust is None:
-            return None
+        """A copy of the tokenizer that reads added tokens' text as plain text."""
         literal = _RustTokenizer.from_str(self.rust.to_str())
         literal.encode_special_tokens = True
         return literal
 
-    def _encode_literal(self, text: str) -> list[int]:
-        if self._literal is not None:
-            return self._literal.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
-
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return self.rust.decode(ids, skip_special_tokens=True)
 
     def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids)
@@ -134,11 +194,11 @@ class IncrementalDetokenizer:
         self.prefix = 0
         self.read = len(self.ids)
         self.stream = None
-        if tok.rust is not None:
+        if tok.streams:
             try:
                 self.stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True)
             except TypeError:  # a tokenizers release whose streams take no context: windows from now on
-                tok.rust = None
+                tok.streams = False
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

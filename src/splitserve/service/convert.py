@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.kv_transfer import KVExport
-from splitserve.engine.sampling import SamplingParams, check_stop_counts
+from splitserve.engine.params import SamplingParams, check_stop_counts
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
+
+if TYPE_CHECKING:  # kv_transfer needs torch, which the router does without
+    from splitserve.engine.kv_transfer import KVExport
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
@@ -86,6 +89,8 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
 
 
 def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
+    from splitserve.engine.kv_transfer import KVExport
+
     return KVExport(
         request_id=seq.request_id,
         prompt_len=seq.prompt_len,

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
