@@ -109,3 +109,17 @@ def test_where_the_chat_template_is_found(smol_folder, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     assert load_tokenizer(str(bare)) is None
+
+
+def test_a_chat_the_template_refuses_is_an_invalid_request_naming_messages(smol_folder, tmp_path):
+    from splitserve.engine.errors import InvalidRequestError
+
+    folder = tmp_path / "strict"
+    shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    strict = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+    (folder / "chat_template.jinja").write_text(strict + (folder / "chat_template.jinja").read_text())
+    tok = load_tokenizer(str(folder))
+    assert tok.encode_chat([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequestError) as e:
+        tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert e.value.field == "messages" and "a system message must come first" in str(e.value)

@@ -125,10 +125,14 @@ class Tokenizer:
             if m["role"] not in CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role",
                                           f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+        from jinja2.exceptions import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                            add_generation_prompt=True, **self.special_tokens)
+        try:
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                                add_generation_prompt=True, **self.special_tokens)
+        except TemplateError as e:  # the template's raise_exception: what it says of this chat
+            raise InvalidRequestError("messages", f"the model's chat template refused it: {e}") from None
         return rendered[0]
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

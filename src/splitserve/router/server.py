@@ -118,7 +118,10 @@ class Frontend:
         if self.tokenizer is not None:  # worked out now (~20 ms and ~0.7 s of imports), not at the first request
             self.tokenizer.max_token_chars  # noqa: B018
             if self.tokenizer.chat_template:
-                self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+                try:
+                    self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+                except Exception:  # noqa: BLE001 - a template may refuse this chat; requests get its error
+                    pass
         self.vocab = config.vocab_size
         self.context = config.context_length
 
