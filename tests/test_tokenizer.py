@@ -123,3 +123,33 @@ def test_a_chat_the_template_refuses_is_an_invalid_request_naming_messages(smol_
     with pytest.raises(InvalidRequestError) as e:
         tok.encode_chat([{"role": "user", "content": "hi"}])
     assert e.value.field == "messages" and "a system message must come first" in str(e.value)
+
+
+def test_a_model_whose_files_tokenize_otherwise_than_transformers_gets_transformers_tokenizer(
+        smol_folder, tmp_path, monkeypatch):
+    """Found once, when the config is resolved: SmolLM2's files agree with transformers; a folder
+    that transformers reads otherwise (here: it lower-cases) is loaded through transformers."""
+    import json
+
+    import transformers
+
+    from splitserve.engine.model_config import read_config
+    from splitserve.engine.tokenizer import differs_from_transformers
+
+    assert differs_from_transformers(smol_folder) is None
+    assert read_config(smol_folder, str(tmp_path / "cache")).tokenizer_from_files
+
+    folder, other = tmp_path / "model", tmp_path / "lowercasing"
+    for f in (folder, other):
+        shutil.copytree(smol_folder, f, ignore=shutil.ignore_patterns("*.safetensors"))
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, *a, **kw: real(str(other) if str(path) == str(folder) else path, *a, **kw))
+    assert differs_from_transformers(str(folder)).startswith("encoding 'Hello world'")
+    cfg = read_config(str(folder), str(tmp_path / "cache2"))  # the same files as SmolLM2's: a cache of its own
+    assert not cfg.tokenizer_from_files
+    tok = load_tokenizer(str(folder), cfg.tokenizer_from_files)
+    assert tok.encode("Hello World") == tok.encode("hello world") != load_tokenizer(str(folder)).encode("Hello World")

@@ -88,7 +88,7 @@ def load_frontend(spec: ModelSpec) -> tuple[Tokenizer | None, ModelConfig, str]:
     folder = resolve_folder(spec)
     _check_config_file(folder)
     config = read_config(folder, spec.cache_dir)
-    return load_tokenizer(folder), config, model_name(folder)
+    return load_tokenizer(folder, config.tokenizer_from_files), config, model_name(folder)
 
 
 def model_name(folder: str) -> str:
@@ -110,7 +110,8 @@ def _load_hf_folder(folder: str, cache_dir: str) -> LoadedModel:
     _check_config_file(folder)
     config = read_config(folder, cache_dir)
     state_dict = _read_safetensors(folder)
-    return LoadedModel(name=model_name(folder), config=config, state_dict=state_dict, tokenizer=load_tokenizer(folder))
+    return LoadedModel(name=model_name(folder), config=config, state_dict=state_dict,
+                       tokenizer=load_tokenizer(folder, config.tokenizer_from_files))
 
 
 def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:

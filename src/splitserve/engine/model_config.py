@@ -4,8 +4,9 @@ Importing ``transformers``' configuration classes takes ~2.7 s of CPU (they pull
 ``torch.distributed``), in every process that starts: the router, each prefill and decode
 worker. So the first process to read a config.json resolves it with ``AutoConfig`` (its
 defaults for the keys the file leaves out, every rope type) and writes what the engine needs:
-the numbers below as JSON, and the rotary cos/sin tables as safetensors. Later starts read
-those, keyed by the file's bytes and the ``transformers`` version, and import neither
+the numbers below as JSON, and the rotary cos/sin tables as safetensors; and whether the
+tokenizer read from its files alone (tokenizer.load_tokenizer) agrees with transformers'. Later
+starts read those, keyed by these files' bytes and the ``transformers`` version, and import neither
 ``transformers`` nor (the router) ``torch``. A cache that cannot be written is worked out
 again in memory at each start.
 """
@@ -23,12 +24,14 @@ import tempfile
 from dataclasses import dataclass
 
 from splitserve.engine.errors import ModelLoadError
+from splitserve.engine.tokenizer import differs_from_transformers
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_FORMAT = 1
+_FORMAT = 2
 ROPE_FILE = "rope.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ModelConfig:
     context_length: int  # positions served: max_position_embeddings, capped at a sliding window
     eos_token_ids: tuple[int, ...]
     rope: str  # the rope settings as transformers gives them (part of the KV fingerprint)
+    tokenizer_from_files: bool = True  # False: the files alone tokenize otherwise than transformers
     folder: str = ""  # the cache entry holding the rope tables ("" when it could not be written)
     source: str = dataclasses.field(default="", compare=False)  # the model folder, to work them out again
 
@@ -70,19 +74,36 @@ def read_config(folder: str, cache_dir: str) -> ModelConfig:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"corrupt config.json in {folder}: {e}") from None
     check_architecture(model_type, path)
-    key = hashlib.sha256(raw + f"\0{_FORMAT}\0{_transformers_version()}".encode()).hexdigest()[:20]
+    key = _key(folder, raw)
     entry = os.path.join(cache_dir, "configs", key)
     cfg = _read_entry(entry, folder)
     if cfg is not None:
         return cfg
     hf = _hf_config(folder)
     fields = resolve(hf)
+    differs = differs_from_transformers(folder)
+    if differs is not None:
+        log.warning("the tokenizer files of %s alone differ from transformers' reading of them (%s): "
+                    "it is loaded through transformers", folder, differs)
+    fields["tokenizer_from_files"] = differs is None
     try:
         _write_entry(entry, fields, hf)
     except OSError as e:  # a read-only cache: worked out again at each start
         log.warning("cannot cache the resolved config of %s in %s: %s", folder, entry, e)
         return ModelConfig(**fields, source=folder)
     return ModelConfig(**fields, folder=entry, source=folder)
+
+
+def _key(folder: str, config: bytes) -> str:
+    """The cache key: config.json's bytes and the tokenizer files' (the entry holds a verdict on
+    those), this format and the transformers version."""
+    h = hashlib.sha256(config + f"\0{_FORMAT}\0{_transformers_version()}".encode())
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                h.update(f"\0{name}\0".encode() + f.read())
+    return h.hexdigest()[:20]
 
 
 def check_architecture(model_type: str, where: str) -> None:

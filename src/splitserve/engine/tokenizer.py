@@ -34,8 +34,17 @@ CHAT_ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def load_tokenizer(folder: str) -> "Tokenizer | None":
-    """The folder's tokenizer, or None for a folder of weights alone."""
+# Texts on which a tokenizer read from the files must agree with transformers' (differs_from_transformers).
+_PROBES = ("Hello world", " leading space", "  two  spaces ", "\n\nnew lines\n", "tab\there", "naïve café 日本語 🎉",
+           "x = 1234567.89;", "don't I'll we're", "UPPER lower MiXeD", "\u00a0\u2009odd\u200bspaces")
+
+
+def load_tokenizer(folder: str, from_files: bool = True) -> "Tokenizer | None":
+    """The folder's tokenizer, or None for a folder of weights alone. from_files=False: the one
+    transformers builds (for a model whose files alone tokenize otherwise, which
+    differs_from_transformers finds once, when its config is first resolved)."""
+    if not from_files and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return _from_transformers(folder)
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         if os.path.isfile(os.path.join(folder, "tokenizer.model")):
             return _from_transformers(folder)  # SentencePiece alone: transformers converts it
@@ -59,6 +68,38 @@ def _from_transformers(folder: str) -> "Tokenizer":
                          special_tokens=hf.special_tokens_map)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
+
+
+def differs_from_transformers(folder: str) -> str | None:
+    """What a tokenizer read from the folder's files does otherwise than transformers' AutoTokenizer
+    (which may rebuild parts of it from tokenizer_config.json), or None when they agree on the
+    probes: encoding and decoding texts, each special token amid text, the chat template, the
+    special tokens and EOS."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return None
+    ours = load_tokenizer(folder)
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 - transformers cannot read it: the files are all there is
+        return None
+    specials = {t.content for t in ours.rust.get_added_tokens_decoder().values() if t.special}
+    for text in [*_PROBES, *(f"a{t} b" for t in sorted(specials))]:
+        ids = hf.encode(text, add_special_tokens=False)
+        if ours.encode(text) != ids:
+            return f"encoding {text!r}: {ours.encode(text)} against {ids}"
+        if ours.decode(ids) != hf.decode(ids, skip_special_tokens=True):
+            return f"decoding {ids}"
+    if ours.chat_template != (getattr(hf, "chat_template", None) or None):
+        return "the chat template"
+    if ours.special_tokens != hf.special_tokens_map or ours.eos_token_ids != _eos_of(hf):
+        return f"the special tokens: {ours.special_tokens} against {hf.special_tokens_map}"
+    return None
+
+
+def _eos_of(hf) -> frozenset[int]:
+    return frozenset(() if hf.eos_token_id is None else (hf.eos_token_id,))
 
 
 def _read_json(path: str):
