@@ -109,3 +109,19 @@ def test_converted_model_folder_is_readable_by_other_users(tmp_path):
     _convert_gguf(path, folder)
     assert os.stat(folder).st_mode & 0o777 == 0o755
     assert all(os.stat(os.path.join(folder, f)).st_mode & 0o004 for f in os.listdir(folder))
+
+
+def test_corrupt_tokenizer(tmp_path, smol_folder):
+    import shutil
+
+    from splitserve.engine.tokenizer import load_tokenizer
+
+    folder = tmp_path / "badtok"
+    shutil.copytree(smol_folder, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "tokenizer.json").write_text('{"model": "truncated')
+    with pytest.raises(ModelLoadError, match=f"cannot load tokenizer in {folder}"):
+        load_tokenizer(str(folder))
+    (folder / "tokenizer.json").write_text(open(f"{smol_folder}/tokenizer.json").read())
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=f"cannot load tokenizer in {folder}"):
+        load_tokenizer(str(folder))
