@@ -43,12 +43,11 @@ def load_tokenizer(folder: str, from_files: bool = True) -> "Tokenizer | None":
     """The folder's tokenizer, or None for a folder of weights alone. from_files=False: the one
     transformers builds (for a model whose files alone tokenize otherwise, which
     differs_from_transformers finds once, when its config is first resolved)."""
-    if not from_files and os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        return _from_transformers(folder)
-    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-        if os.path.isfile(os.path.join(folder, "tokenizer.model")):
-            return _from_transformers(folder)  # SentencePiece alone: transformers converts it
+    has_json = os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    if not has_json and not os.path.isfile(os.path.join(folder, "tokenizer.model")):
         return None
+    if not has_json or not from_files:  # SentencePiece alone (transformers converts it), or files it reads otherwise
+        return _from_transformers(folder)
     try:
         rust = _RustTokenizer.from_file(os.path.join(folder, "tokenizer.json"))
         config = _read_json(os.path.join(folder, "tokenizer_config.json")) or {}
