@@ -31,7 +31,8 @@ from splitserve.engine.outputs import (
     StepStats,
 )
 from splitserve.engine.padded import PaddedBatcher
-from splitserve.engine.sampling import SampleRow, SamplingParams, check_context, new_generator, sample
+from splitserve.engine.params import check_context
+from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer

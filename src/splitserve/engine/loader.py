@@ -18,11 +18,10 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.engine.cache_dir import write_entry
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model_config import ModelConfig, check_architecture, read_config
@@ -181,23 +180,13 @@ def _convert_gguf(path: str, folder: str) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(folder))
-    try:
+
+    def fill(tmp: str) -> None:
         save_file(state, os.path.join(tmp, "model.safetensors"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "splitserve.json"), "w") as f:
             json.dump({"name": os.path.basename(path)[: -len(".gguf")], "source": path}, f)
-        # mkdtemp and save_file made it 0700 and 0600: a cache baked into an image by root must
-        # serve the image's user.
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process converted it first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_entry(folder, ".convert-", fill)

@@ -19,10 +19,9 @@ import importlib.metadata
 import json
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
+from splitserve.engine.cache_dir import write_entry
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.tokenizer import differs_from_transformers
 
@@ -185,18 +184,10 @@ def _write_entry(entry: str, fields: dict, hf) -> None:
     from safetensors.torch import save_file
 
     cos, sin = _rope_tables(hf, fields["context_length"])
-    os.makedirs(os.path.dirname(entry), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".resolve-", dir=os.path.dirname(entry))
-    try:
-        save_file({"cos": cos, "sin": sin}, os.path.join(tmp, ROPE_FILE))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
+
+    def fill(folder: str) -> None:
+        save_file({"cos": cos, "sin": sin}, os.path.join(folder, ROPE_FILE))
+        with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(fields, f, indent=2)
-        for name in os.listdir(tmp):  # a cache baked into an image by root serves the image's user
-            os.chmod(os.path.join(tmp, name), 0o644)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, entry)
-        except OSError:  # another process resolved it first
-            pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_entry(entry, ".resolve-", fill)

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.params import (MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,  # noqa: F401 - re-exported
-                                     SamplingParams, check_context, check_stop_counts)
+from splitserve.engine.params import SamplingParams
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 # A top_p draw looks among the 256 most likely tokens first, then the 8192, and sorts the whole

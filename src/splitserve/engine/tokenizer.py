@@ -18,11 +18,8 @@ import secrets
 
 from splitserve.engine.errors import InvalidRequestError, ModelLoadError
 
-try:
-    from tokenizers import Tokenizer as _RustTokenizer
-    from tokenizers.decoders import DecodeStream
-except ImportError:  # pragma: no cover - tokenizers comes with transformers
-    _RustTokenizer = DecodeStream = None
+from tokenizers import Tokenizer as _RustTokenizer
+from tokenizers.decoders import DecodeStream
 
 # How many tokens before the output's start are decoded with it, so the first
 # output token gets its leading space right with SentencePiece-style tokenizers.
@@ -136,7 +133,7 @@ class Tokenizer:
         eos = self.special_tokens.get("eos_token")
         eos_id = rust.token_to_id(eos) if eos else None
         self.eos_token_ids = frozenset(() if eos_id is None else (eos_id,))
-        self.streams = DecodeStream is not None  # off when this tokenizers release cannot stream with context
+        self.streams = True  # off when this tokenizers release cannot stream with context
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
