@@ -47,6 +47,7 @@ def test_greedy_matches_transformers_one_at_a_time(engine, prompts, reference):
 
 
 def test_greedy_matches_transformers_batched_with_staggered_joins(engine, prompts, reference):
+    engine.reset_prefix_cache()  # the last test ran these prompts: compute them again
     params = SamplingParams(max_tokens=NEW_TOKENS)
     got = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -61,6 +62,25 @@ def test_greedy_matches_transformers_batched_with_staggered_joins(engine, prompt
             got[int(out.request_id.split("-")[1])].extend(out.new_token_ids)
         step += 1
     assert [got[i] for i in range(len(prompts))] == reference
+
+
+def test_prompts_that_start_alike_reuse_the_cached_kv_and_give_the_same_tokens(engine, prompts, reference):
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    long = prompts[-1]
+    assert engine.generate([long], params)[0] == reference[-1]
+    other = long[:200] + prompts[0]  # shares 12 whole blocks (192 tokens) with it
+    engine.add_request("again", long, params)
+    engine.add_request("other", other, params)
+    got, hits = {"again": [], "other": []}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            hits[out.request_id] = out.num_cached_tokens
+    assert hits == {"again": (len(long) - 1) // 16 * 16, "other": 192}
+    assert got["again"] == reference[-1]
+    engine.reset_prefix_cache()
+    assert engine.generate([other], params)[0] == got["other"]
 
 
 def test_chunked_prefill_matches_transformers(smol_loaded, prompts, reference):

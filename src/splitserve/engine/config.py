@@ -50,6 +50,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_bytes: int = 2 << 30
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    prefix_caching: bool = True  # continuous: a prompt starting with a cached prefix (whole blocks) reuses its KV
     # Compute.
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache

@@ -73,7 +73,8 @@ class LLMEngine:
         graphs = config.cuda_graphs and self.device.type == "cuda"
         continuous = config.policy == "continuous"
         self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
-                                  spare_block=graphs and continuous)
+                                  spare_block=graphs and continuous,
+                                  prefix_caching=config.prefix_caching and continuous)
         self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
         self.graphs = self.pieces = None  # CUDA graphs: pure decode steps whole, other steps piecewise
@@ -172,12 +173,16 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> None:
+        """cache_salt: this request shares cached prefixes only with those of the same salt."""
+        if not isinstance(cache_salt, str):  # an int would pass for a prefix cache entry
+            raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
         if request_id in self.seqs or request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
         prefill_only = prefill_only and self.padded is None
         self.validate(prompt_token_ids, params, prefill_only)
-        seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params)
+        seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params, cache_salt=cache_salt)
         seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:
@@ -185,13 +190,14 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
 
-    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None) -> Sequence:
+    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None, cache_salt="") -> Sequence:
         seq = Sequence(
             request_id=request_id,
             prompt_len=prompt_len,
             token_ids=token_ids,
             params=params,
             generator=generator if generator is not None else new_generator(params),
+            cache_salt=cache_salt,
         )
         if self.tokenizer is not None:
             seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len])
@@ -235,7 +241,8 @@ class LLMEngine:
             self.last_stats = self.padded.last_stats
         else:
             sched = self.scheduler.schedule()
-            stats = StepStats(policy="continuous", num_preempted=len(sched.preempted))
+            stats = StepStats(policy="continuous", num_preempted=len(sched.preempted),
+                              num_cached_tokens=sched.num_cached_tokens)
             outputs = self._run(sched, stats) if sched.scheduled else []
             self.last_stats = stats
         s = self.last_stats
@@ -276,6 +283,7 @@ class LLMEngine:
             else:
                 stats.num_prefill_tokens += s.num_tokens
             s.seq.num_computed += s.num_tokens
+            self.scheduler.cache_computed(s.seq)
         outputs = []
         for s, tok in zip(samplers, tokens):
             self.append_token(s.seq, tok)
@@ -405,6 +413,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- KV handoff -------------------------------------------------------------------------
@@ -455,7 +464,8 @@ class LLMEngine:
         gen = new_generator(export.params)
         if gen is not None and export.generator_state is not None:
             gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
-        seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen)
+        seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen,
+                            export.cache_salt)
         seq.priority = priority
         if seq.detok is not None:
             for tok in export.token_ids[export.prompt_len :]:
@@ -463,8 +473,14 @@ class LLMEngine:
         seq.block_table.extend(pool.allocate(need))
         kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, 0, n), payload, n)
         seq.num_computed = n
+        self.scheduler.cache_computed(seq)
         self.scheduler.add(seq)
         return self._output(seq)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests compute their whole prompt (benchmarks that
+        send the same prompts again, to measure compute rather than the cache)."""
+        self.cache.pool.reset_prefix_cache()
 
     # -- convenience ------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ class KVExport:
     layout_version: int = LAYOUT_VERSION
     dtype: str = "float32"
     nbytes: int = 0
+    cache_salt: str = ""  # its prefix cache root (Sequence.cache_salt)
 
 
 def payload_nbytes(shape, num_tokens: int) -> int:
@@ -85,6 +86,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None) -> KVEx
         num_tokens=n,
         fingerprint=model.fingerprint,
         nbytes=nbytes,
+        cache_salt=seq.cache_salt,
     )
 
 

@@ -22,6 +22,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     error: str | None = None
 
 
@@ -34,6 +35,7 @@ class StepStats:
     num_tokens: int = 0  # tokens computed by the forward (padding included)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens of sequences admitted this step found in the prefix cache (not computed)
     padding_tokens: int = 0  # rows/positions computed for nothing (static/dynamic)
     num_running: int = 0
     num_waiting: int = 0

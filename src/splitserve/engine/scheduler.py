@@ -14,6 +14,11 @@ preempted (blocks freed, recomputed later): the least urgent, newest first, so
 the most urgent, oldest one always makes progress and nothing deadlocks. A
 waiting sequence that finds no blocks or no sequence slot preempts running ones
 of a strictly less urgent priority to get in; it never preempts its own class.
+
+With the prefix cache (kv_cache.BlockPool), a waiting sequence that holds no blocks
+starts with the cached blocks of its longest cached prefix and computes the rest; a
+preempted one often finds its own first blocks there. Blocks fill the cache as their
+KV is computed (``cache_computed``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Scheduled:
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens of the sequences admitted found in the prefix cache, recomputes included
 
     @property
     def num_tokens(self) -> int:
@@ -113,14 +119,19 @@ class ContinuousScheduler:
                 break
             if any(seq is v for v in out.preempted) or blocked and not seq.block_table:
                 continue  # made room this step / would take blocks the first in line waits for
+            took = not seq.block_table and self._take_cached(seq, out)
             need = self._blocks_needed(seq, min(seq.num_pending, budget))
             while (len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)) \
                     and self._can_preempt_for(seq.priority):
                 budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
                 need = self._blocks_needed(seq, min(seq.num_pending, budget))
             if len(self.running) >= self.max_num_seqs:
+                if took:
+                    self._drop_cached(seq, out)
                 break
             if not self.pool.can_allocate(need):
+                if took:
+                    self._drop_cached(seq, out)
                 # An imported sequence waiting behind this one already holds its KV: letting it
                 # run (it needs a block at most) is how blocks come back; holding it back can
                 # leave nothing running and the first in line waiting forever.
@@ -134,6 +145,39 @@ class ContinuousScheduler:
             out.scheduled.append(Scheduled(seq, n))
             budget -= n
         return out
+
+    def _take_cached(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give seq (holding no blocks) the cached blocks of its longest cached prefix: their KV
+        counts as computed. At least its last token is left to compute (its logits give the
+        next token). True if it took any."""
+        blocks, entry = self.pool.lookup(seq.token_ids, len(seq.token_ids) - 1, seq.cache_root)
+        if not blocks:
+            return False
+        self.pool.take(blocks)
+        seq.block_table.extend(blocks)
+        seq.num_computed = len(blocks) * self.pool.block_size
+        seq.num_cache_blocks, seq.cache_entry = len(blocks), entry
+        out.num_cached_tokens += seq.num_computed
+        if seq.num_preemptions == 0:  # a recompute's hits are not the request's prompt tokens served
+            seq.num_cached_tokens = min(seq.num_computed, seq.prompt_len)
+        return True
+
+    def _drop_cached(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Undo _take_cached for a seq that could not be admitted after all."""
+        out.num_cached_tokens -= seq.num_computed
+        seq.num_cached_tokens = 0
+        self.pool.free(seq.block_table)
+        seq.num_computed = seq.num_cache_blocks = 0
+        seq.cache_entry = seq.cache_root
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """File seq's blocks that have filled with computed KV since the last call in the
+        prefix cache (after each step that computed for it, and after an import)."""
+        full = seq.num_computed // self.pool.block_size
+        if full > seq.num_cache_blocks:
+            seq.cache_entry = self.pool.register(seq.token_ids, seq.block_table, seq.num_cache_blocks, full,
+                                                 seq.cache_entry)
+            seq.num_cache_blocks = full
 
     def _sort_running(self) -> None:
         """Most urgent, oldest first: the last in line is the one to preempt."""
@@ -170,7 +214,8 @@ class ContinuousScheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_cache_blocks = 0
+        seq.cache_entry = seq.cache_root
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self._requeue(seq)

@@ -40,6 +40,17 @@ class Sequence:
     text: str = ""  # output text so far (stop strings are searched here)
     emitted_chars: int = 0  # how much of ``text`` has been handed out
     emitted_tokens: int = 0  # how many output tokens have been handed out
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+    num_cache_blocks: int = 0  # leading blocks filed in the prefix cache (or taken from it)
+    cache_salt: str = ""  # the root of its prefixes: only sequences with the same salt share cached KV
+    cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
+
+    def __post_init__(self) -> None:
+        self.cache_entry = self.cache_root
+
+    @property
+    def cache_root(self) -> int | str:
+        return self.cache_salt or 0
 
     @property
     def num_output(self) -> int:
