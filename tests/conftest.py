@@ -71,6 +71,9 @@ def tiny_engine_factory(tiny_loaded):
     def make(**kw):
         kw.setdefault("kv_cache_bytes", 64 << 20)
         kw.setdefault("num_threads", 1)
+        # Off unless a test asks: tests that run the same prompts twice compare computed KV
+        # (tests/test_prefix_cache.py turns it on).
+        kw.setdefault("prefix_caching", False)
         eng = LLMEngine(EngineConfig(**kw), loaded=tiny_loaded)
         engines.append(eng)
         return eng

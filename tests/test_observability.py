@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,14 +30,14 @@ ROUTER_METRICS = {
     "splitserve_request_admission_time_seconds", "splitserve_request_queue_time_seconds",
     "splitserve_request_prefill_time_seconds", "splitserve_request_kv_transfer_time_seconds",
     "splitserve_request_first_token_time_seconds", "splitserve_prompt_tokens", "splitserve_generation_tokens",
-    "splitserve_local_prefills", "splitserve_requests_taken_back",
+    "splitserve_local_prefills", "splitserve_requests_taken_back", "splitserve_prompt_tokens_cached",
 }
 ENGINE_METRICS = {
     "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",
     "splitserve_kv_cache_blocks_free", "splitserve_kv_cache_usage_perc", "splitserve_iteration_sequences",
     "splitserve_iteration_tokens", "splitserve_iteration_token_budget_usage", "splitserve_iteration_duration_seconds",
     "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps", "splitserve_engine_threads",
-    "splitserve_engine_graphed_steps",
+    "splitserve_engine_graphed_steps", "splitserve_kv_cache_blocks_cached", "splitserve_prefix_cache_hit_tokens",
 }
 PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
                                     "splitserve_prefill_jobs", "splitserve_arena_used_bytes"}
@@ -179,6 +180,65 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
         assert 1 <= m["splitserve_engine_threads"] <= len(os.sched_getaffinity(0)), m["splitserve_engine_threads"]
 
 
+def test_a_prompt_that_starts_like_an_earlier_one_is_prefilled_from_the_cache(stack):
+    """The same long system text ahead of two questions: the second prompt's shared blocks come
+    from the prefill worker's prefix cache, which its metrics and its prefill span say; the
+    very same prompt again gives the same greedy text."""
+    prefill, router = stack.proc("prefill-0").metrics_address, stack.proc("router").metrics_address
+    system = "You answer questions about lighthouses, briefly and kindly, in plain words. " * 8
+    before, router_before = scrape(prefill), scrape(router)
+    with Client(stack.router_address) as c:
+        first = c.generate(system + "Why are they tall?", max_tokens=8, ignore_eos=True, request_id="cache-1")
+        again = c.generate(system + "Why are they tall?", max_tokens=8, ignore_eos=True, request_id="cache-2")
+        other = c.generate(system + "Who keeps them?", max_tokens=8, ignore_eos=True, request_id="cache-3")
+    assert again.text == first.text and other.usage.completion_tokens == 8
+    prompt_tokens = first.usage.prompt_tokens
+    assert prompt_tokens > 100
+    hits = {}
+    for rid in ("cache-1", "cache-2", "cache-3"):
+        span = next(s for s in trace_of(stack, rid, {"prefill"}) if s.name == "prefill")
+        hits[rid] = span.attrs["splitserve.prefix_cache.tokens"]
+    assert hits["cache-1"] == 0
+    assert hits["cache-2"] == (prompt_tokens - 1) // 16 * 16
+    assert 64 <= hits["cache-3"] <= hits["cache-2"]
+    # The client is told (Usage.cached_tokens), and so are GetRequest, a replay and the request's span.
+    assert [r.usage.cached_tokens for r in (first, again, other)] == [hits[f"cache-{i}"] for i in (1, 2, 3)]
+    root = next(s for s in trace_of(stack, "cache-2", {"splitserve.v1.Generation/Generate"})
+                if s.name == "splitserve.v1.Generation/Generate")
+    assert root.attrs["gen_ai.usage.cache_read.input_tokens"] == hits["cache-2"]
+    with Client(stack.router_address) as c:
+        assert c.get_request("cache-3").cached_tokens == hits["cache-3"]
+        replay = c.generate(system + "Why are they tall?", max_tokens=8, ignore_eos=True, request_id="cache-2")
+        assert replay.replayed and replay.usage.cached_tokens == hits["cache-2"]
+        streamed = list(c.generate_stream(system + "Who keeps them?", max_tokens=2, request_id="cache-4"))
+    usage = streamed[-1].usage
+    assert usage.cached_tokens == (usage.prompt_tokens - 1) // 16 * 16 >= hits["cache-3"]
+    wait_for(lambda: kv_idle(stack), what="idle")
+    after = scrape(prefill)
+    key = "splitserve_prefix_cache_hit_tokens_total"
+    assert after[key] - before.get(key, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
+    key = "splitserve_prompt_tokens_cached_total"  # the router's count, from the clients' usage (the replay ran nothing)
+    assert scrape(router)[key] - router_before.get(key, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
+    assert after["splitserve_kv_cache_blocks_used"] == 0 and after["splitserve_kv_cache_blocks_cached"] > 0
+
+
+def test_a_salted_prompt_shares_cached_prefixes_only_under_its_salt(stack):
+    """cache_salt: the same prompt under another salt, or none, is computed again; under its own
+    salt it is found. A salt is part of what a request_id stands for, and one too long is refused
+    naming the field."""
+    prompt = "You are a harbour pilot; answer in one short, calm sentence. " * 8 + "When is the tide?"
+    with Client(stack.router_address) as c:
+        hits = [c.generate(prompt, max_tokens=2, cache_salt=salt, request_id=f"salt-{i}").usage
+                for i, salt in enumerate(["tenant-a", "tenant-b", "", "tenant-a", "tenant-b"])]
+        assert [u.cached_tokens for u in hits] == [0, 0, 0] + [(hits[0].prompt_tokens - 1) // 16 * 16] * 2
+        with pytest.raises(grpc.RpcError) as other:
+            c.generate(prompt, max_tokens=2, cache_salt="tenant-c", request_id="salt-0")
+        assert other.value.code() == grpc.StatusCode.ALREADY_EXISTS, other.value.details()
+        with pytest.raises(grpc.RpcError) as long:
+            c.generate(prompt, max_tokens=2, cache_salt="x" * 257)
+        assert long.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in long.value.details()
+
+
 def test_a_cancelled_request_ends_its_trace_cancelled(stack):
     before = scrape(stack.proc("router").metrics_address)
     with Client(stack.router_address) as c:
@@ -204,15 +264,18 @@ def test_a_cancelled_request_ends_its_trace_cancelled(stack):
 def test_traces_and_status_commands(stack):
     with Client(stack.router_address) as c:
         c.generate("Hello there!", max_tokens=3, request_id="cli-1")
-    trace_of(stack, "cli-1", {"decode", "kv transfer"})
+    # The root span ends after the reply is sent, so it can reach the file after the decode spans.
+    trace_of(stack, "cli-1", {"splitserve.v1.Generation/Generate", "admission", "queue wait", "prefill",
+                              "kv transfer", "splitserve.v1.DecodeWorker/PutKV", "decode"})
     exe = [sys.executable, "-m", "splitserve.cli"]
     out = subprocess.run([*exe, "traces", "cli-1", "--file", stack.settings.trace_file], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "request cli-1" in lines[0]
-    order = [next(i for i, ln in enumerate(lines) if name in ln)
-             for name in ("Generation/Generate ", "admission", "queue wait", "prefill [", "kv transfer", "PutKV")]
+    names = ("Generation/Generate ", "admission", "queue wait", "prefill [", "kv transfer", "PutKV")
+    assert all(any(name in ln for ln in lines) for name in names), out.stdout
+    order = [next(i for i, ln in enumerate(lines) if name in ln) for name in names]
     assert order == sorted(order)
     assert any("~ prefill batch" in ln for ln in lines)
     missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],

@@ -5,7 +5,6 @@ import concurrent.futures as cf
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -124,6 +123,17 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
         with Client(s.router_address) as c:
             info = c.get_request(got[0].request_id)
             assert info.state == "finished" and info.prefill_worker == "" and info.kv_transport == ""
+            # The same prompt again: its blocks come from the decode worker's prefix cache (continuous
+            # batching only), and its client is told how many tokens that was.
+            (p0, n0), out0 = reference_prompts[0], reference_outputs[0]
+            again = c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, timeout=300)
+            assert list(again.token_ids) == out0
+            assert again.usage.cached_tokens == ((len(p0) - 1) // 16 * 16 if policy == "continuous" else 0)
+            assert c.get_request(again.request_id).cached_tokens == again.usage.cached_tokens
+            salted = [c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, cache_salt="t", timeout=300)
+                      for _ in range(2)]
+            assert [list(r.token_ids) for r in salted] == [out0] * 2
+            assert [r.usage.cached_tokens for r in salted] == [0, again.usage.cached_tokens]
             stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="co-cancel")
             for i, _ in enumerate(stream):
                 if i == 3:
@@ -815,7 +825,8 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # still stopped (before, the worker's next pull waited on Redis), and its stream entry is
             # acked once Redis answers again.
             away = {}
-            t = _outcome(c.generate_stream(token_ids=list(range(100, 3100)), max_tokens=3, ignore_eos=True,
+            # (ids of its own: midway's are in the prefix cache, and would make it one forward)
+            t = _outcome(c.generate_stream(token_ids=list(range(2100, 5100)), max_tokens=3, ignore_eos=True,
                                            request_id="away", timeout=120), away)
             wait_for(lambda: _state(c, "away") == "prefilling", interval=0.02, what="its prefill started")
             os.kill(stack.redis_proc.pid, signal.SIGSTOP)
@@ -1277,15 +1288,19 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     stub = worker_pb2_grpc.DecodeWorkerStub(ch)
     before = _queue_counts(stack)
     typo = _admitted_by_hand(stack, stub, "typo", 3)  # its token_ids are a string: dropped, and its stream must end now
+    salt = _admitted_by_hand(stack, stub, "salt", 3)  # its cache_salt is a number, which could pass for a cache entry
     r.hincrby(f"{p}:admission", "requests", 2)  # two unreadable entries that admission counted
     r.hincrby(f"{p}:admission", "tokens", 7 + 5)
     for fields in ({"job": "{not json", "tokens": "7"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"}),
                    "tokens": "5"}, {"something": "else", "tokens": "-4"}, {"job": "{}", "tokens": "lots"},
-                   {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"}), "tokens": "3"}):
+                   {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"}), "tokens": "3"},
+                   {"job": json.dumps(job | {"request_id": "salt", "token_ids": [1, 2, 3], "cache_salt": 7}),
+                    "tokens": "3"}):
         r.xadd(stream, fields)
-    ended = list(typo)
-    assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
-    assert "malformed prefill job" in ended[0].error and "token_ids" in ended[0].error
+    for call, field in ((typo, "token_ids"), (salt, "cache_salt")):
+        ended = list(call)
+        assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
+        assert "malformed prefill job" in ended[0].error and field in ended[0].error
     assert r.hmget(f"{p}:req:typo", "state", "code") == [b"failed", str(grpc.StatusCode.INTERNAL.value[0]).encode()]
     # A job from a newer router: a field this version does not know. Queued as the router would.
     ids = job["token_ids"]
@@ -1689,7 +1704,8 @@ def test_a_request_a_prefill_worker_recorded_as_failed_ends_with_its_status_thou
 
     def long_one():
         try:
-            client.generate("word " * 1500, max_tokens=4, request_id="recorded-failure", timeout=60)
+            # a first word of its own: no other test's prompt is in the prefix cache for it
+            client.generate("recorded " + "word " * 1500, max_tokens=4, request_id="recorded-failure", timeout=60)
         except grpc.RpcError as e:
             got.append((e.code(), e.details(), time.monotonic()))
     t = threading.Thread(target=long_one)
@@ -1697,12 +1713,12 @@ def test_a_request_a_prefill_worker_recorded_as_failed_ends_with_its_status_thou
     wait_for(lambda: _state(client, "recorded-failure") == "prefilling", timeout=30, interval=0.02,
              what="the long prompt in its prefill forward")
     stack.redis().hset(stack.keys.req("recorded-failure"), mapping={
-        "state": "failed", "error": "KV handoff to the decode worker failed: UNAVAILABLE: unreachable",
+        "state": "failed", "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
         "code": grpc.StatusCode.UNAVAILABLE.value[0]})
     t_written = time.monotonic()
     t.join(60)
     assert [(code, details) for code, details, _ in got] == [
-        (grpc.StatusCode.UNAVAILABLE, "KV handoff to the decode worker failed: UNAVAILABLE: unreachable")]
+        (grpc.StatusCode.UNAVAILABLE, "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable")]
     assert got[0][2] - t_written < 5 * stack.settings.heartbeat_s  # not at the end of the forward, nor the deadline
     assert client.get_request("recorded-failure").state == "failed"
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of the failed request freed")
@@ -1717,8 +1733,7 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     request sent again gets that result without running; a different one under its id is refused,
     and GetRequest and Abort find the latest attempt."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
-    prompt = "word " * 1500
-    ref = list(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=120).token_ids)
+    prompt = "retried " + "word " * 1500  # a first word of its own: nothing cached makes its prefill short
     got = []
     with Client(stack.router_address, retries=2) as retrying:
         t = threading.Thread(target=lambda: got.append(retrying.generate(prompt, max_tokens=4, ignore_eos=True,
@@ -1727,9 +1742,10 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
         wait_for(lambda: _state(client, "retried") == "prefilling", timeout=30, interval=0.02,
                  what="the first attempt in its prefill forward")
         stack.redis().hset(stack.keys.req("retried"), mapping={  # as a prefill worker records a failed handoff
-            "state": "failed", "error": "KV handoff to the decode worker failed: UNAVAILABLE: unreachable",
+            "state": "failed", "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
             "code": grpc.StatusCode.UNAVAILABLE.value[0]})
         t.join(120)
+    ref = list(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=120).token_ids)  # from the cache
     assert len(got) == 1 and list(got[0].token_ids) == ref and got[0].request_id == "retried"
     info = client.get_request("retried")
     assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")

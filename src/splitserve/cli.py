@@ -109,7 +109,8 @@ def _demo(address: str) -> None:
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
                 t = chunk.timings
-                print(f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt + "
+                cached = f" ({chunk.usage.cached_tokens} cached)" if chunk.usage.cached_tokens else ""
+                print(f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt{cached} + "
                       f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (admission "
                       f"{t.admission_ms:.1f}, queue {t.queue_ms:.1f}, prefill {t.prefill_ms:.0f}, first token "
                       f"{t.first_token_ms:.1f}; KV transfer alongside {t.kv_transfer_ms:.1f}); "
@@ -131,7 +132,8 @@ def _generate(args) -> int:
         with open(_state_file()) as f:
             address = json.load(f)["router"]
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id)
+              seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
+              cache_salt=args.cache_salt)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -144,7 +146,9 @@ def _generate(args) -> int:
                 if chunk.finish_reason:
                     when = ("replayed: the recorded result of this finished request_id" if chunk.replayed
                             else f"TTFT {chunk.timings.ttft_ms:.0f} ms")
-                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens, {when}]", file=sys.stderr)
+                    cached = f", {chunk.usage.cached_tokens} prompt tokens cached" if chunk.usage.cached_tokens else ""
+                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens{cached}, {when}]",
+                          file=sys.stderr)
         except grpc.RpcError as e:
             print(f"\nsplitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -250,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
     p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
+    p.add_argument("--cache-salt", default="", help="share cached prompt prefixes only with requests of this salt")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=_generate)
 

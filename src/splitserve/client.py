@@ -88,8 +88,9 @@ def build_request(
     min_tokens: int = 0,
     ignore_eos: bool = False,
     priority: int = 0,
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, priority=priority)
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:

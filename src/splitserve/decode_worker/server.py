@@ -85,6 +85,7 @@ class Slot:
     completion_tokens: int = 0  # sent so far
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
+    cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
 
@@ -226,10 +227,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         back from their queue (PrefillHere)."""
         ids = list(request.prompt_token_ids)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
+        convert.check_cache_salt(request.cache_salt)
         slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
-            await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority))
+            await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
+                                                             cache_salt=request.cache_salt))
         except asyncio.CancelledError:  # the engine takes it yet (its commands run in order): the stream's end aborts it
             slot.imported = True
             raise
@@ -253,6 +256,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
         if out is not None:
             span.set_attribute("gen_ai.usage.output_tokens", out.num_output_tokens)
+            if out.num_cached_tokens:  # prefilled here: prompt tokens found in this worker's prefix cache
+                span.set_attribute("splitserve.prefix_cache.tokens", out.num_cached_tokens)
             if out.error:
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
         span.end()
@@ -272,10 +277,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.metrics.first_tokens.labels("local" if slot.prefill_start else "kv").inc()
             if slot.prefill_start:  # prefilled here: the engine's own prefill produced this token
                 slot.kv_done = slot.first_token_at = time.time()
+                slot.cached_tokens = out.num_cached_tokens
                 slot.prefill_ms = (slot.kv_done - slot.prefill_start) * 1000
                 ev.timings.prefill_ms = slot.prefill_ms
             ev.first_token_unix = slot.first_token_at or slot.kv_done
+            ev.cached_tokens = slot.cached_tokens
         if out.finished:
+            ev.cached_tokens = slot.cached_tokens
             ev.finish_reason = out.finish_reason or "error"
             if out.error:
                 ev.error = out.error
@@ -365,10 +373,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.completion_tokens = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
+        slot.cached_tokens = request.cached_tokens
         slot.events.put_nowait(w_pb.DecodeEvent(
             token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
-            first_token_unix=slot.first_token_at,
+            first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens,
         ))
 
     # -- Fail ---------------------------------------------------------------------------
@@ -486,7 +495,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         out = list(seq.token_ids[seq.prompt_len :])
         text = self.engine.tokenizer.decode(out) if self.engine.tokenizer else ""
         slot.imported = True
-        slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
         slot.kv_done = time.time()
         slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
@@ -538,7 +547,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.kv_done = time.time()
         # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
         slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
-        slot.queue_ms, slot.prefill_ms = seq.queue_ms, seq.prefill_ms
+        slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
         slot.first_token_at = seq.prefill_end_unix
         self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
         self.metrics.kv_bytes.labels(h.transport).inc(h.length)

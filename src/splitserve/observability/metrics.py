@@ -79,6 +79,8 @@ class RouterMetrics(Metrics):
         self.reaped = self.c("requests_reaped", "Unended requests of routers that went away (lease run out), "
                                                 "marked failed by this router")
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
+        self.prompt_tokens_cached = self.c("prompt_tokens_cached", "Prompt tokens of ended requests that a worker "
+                                                                   "found in its prefix cache (usage.cached_tokens)")
         self.local_prefills = self.c("local_prefills", "Admitted requests prefilled by their decode worker, not a "
                                                    "prefill worker (colocated, or conditional disaggregation)")
         self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
@@ -126,6 +128,10 @@ class EngineMetrics(Metrics):
         self.blocks_used = self.g("kv_cache_blocks_used", "KV cache blocks in use")
         self.blocks_free = self.g("kv_cache_blocks_free", "KV cache blocks free")
         self.kv_usage = self.g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
+        self.blocks_cached = self.g("kv_cache_blocks_cached", "KV cache blocks holding a cached prompt prefix "
+                                                              "(in use or free; free ones are handed out last)")
+        self.prefix_hits = self.c("prefix_cache_hit_tokens", "Tokens whose KV a sequence found in the prefix "
+                                                             "cache instead of computing it (recomputes included)")
         self.threads = self.g("engine_threads", "Compute threads of the engine's last step (fewer while other "
                                                 "engines on its core-share board are busy)")
         self.steps = self.c("engine_steps", "Engine steps (forwards) run")
@@ -157,12 +163,15 @@ class EngineMetrics(Metrics):
         self.blocks_used.set_function(lambda: pool.num_used)
         self.blocks_free.set_function(lambda: pool.num_free)
         self.kv_usage.set_function(lambda: pool.num_used / max(1, pool.num_blocks))
+        self.blocks_cached.set_function(lambda: pool.num_cached)
 
     def observe_step(self, engine) -> None:
         s = engine.last_stats
         self.threads.set(engine.num_threads)
         if s.num_preempted:
             self.preemptions.inc(s.num_preempted)
+        if s.num_cached_tokens:
+            self.prefix_hits.inc(s.num_cached_tokens)
         if not s.num_tokens:
             return
         self.steps.inc()

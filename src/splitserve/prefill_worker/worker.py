@@ -157,6 +157,7 @@ class InFlight:
     entry_id: str
     t_start: float
     t_end: float = 0.0
+    cached_tokens: int = 0  # prompt tokens found in this worker's prefix cache
     span: object = None  # this request's prefill span (batch spans link to it)
     kv_span: object = None  # prefill done -> PutKV answered
     pickup: cf.Future | None = None  # its pickup, running beside its first forward (see pull)
@@ -351,7 +352,7 @@ class PrefillWorker:
             threading.Thread(target=_retire, args=(old,), name="retire", daemon=True).start()
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
-                                    priority=job.priority)
+                                    priority=job.priority, cache_salt=job.cache_salt)
         except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
             if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
@@ -429,6 +430,8 @@ class PrefillWorker:
         if fl is None:
             return
         fl.t_end = time.time()
+        fl.cached_tokens = out.num_cached_tokens
+        fl.span.set_attribute("splitserve.prefix_cache.tokens", out.num_cached_tokens)
         fl.span.end(end_time=tracing.ns(fl.t_end))
         self.metrics.jobs.labels("prefilled").inc()
         fl.kv_span = tracing.tracer().start_span(
@@ -461,7 +464,8 @@ class PrefillWorker:
         its own to a worker that has no FirstTokens); waits up to wait_s for it to leave."""
         job = fl.job
         req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                                     queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end)
+                                     queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
+                                     cached_tokens=fl.cached_tokens)
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return
@@ -479,7 +483,7 @@ class PrefillWorker:
             export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
             traceparent=tracing.traceparent_of(fl.kv_span),
         )
-        seq.prefill_end_unix = fl.t_end
+        seq.prefill_end_unix, seq.cached_tokens = fl.t_end, fl.cached_tokens
         span = fl.kv_span
         transport = "none"
         try:
@@ -519,11 +523,13 @@ class PrefillWorker:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
-                self._give_up(job, code, f"KV handoff to the decode worker failed: {e.code().name}: {e.details()}")
+                self._give_up(job, code,
+                              f"KV handoff to decode worker {job.decode_worker} failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
             span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
-            self._give_up(job, grpc.StatusCode.INTERNAL, f"KV handoff failed: {e!r}"[:300])
+            self._give_up(job, grpc.StatusCode.INTERNAL,
+                          f"KV handoff to decode worker {job.decode_worker} failed: {e!r}"[:300])
         finally:
             span.end()
             if view is not None:

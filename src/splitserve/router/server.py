@@ -99,6 +99,7 @@ class Active:
     ids: list[int]  # the prompt
     params: SamplingParams
     priority: int = 0
+    cache_salt: str = ""
     local: bool = False  # its decode worker prefills it (colocated, conditional disaggregation, taken back)
     queued: bool = False  # local, in the queue's counts until its first token: this router returns them
     t_admitted: float = 0.0  # unix time
@@ -418,7 +419,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _prefill_at_decode_worker(self, rid: str, a: Active) -> None:
         req = w_pb.PrefillHereRequest(request_id=rid, prompt_token_ids=a.ids, priority=a.priority,
-                                      sampling=convert.sampling_to_pb(a.params),
+                                      sampling=convert.sampling_to_pb(a.params), cache_salt=a.cache_salt,
                                       queue_ms=(time.time() - a.t_admitted) * 1000)
         try:
             await self.stub(a.address).PrefillHere(req, timeout=10.0)
@@ -448,6 +449,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _validate(self, request: gen_pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         convert.check_request_id(request.request_id)
+        convert.check_cache_salt(request.cache_salt)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         if self.front.check_input_size(request) > INLINE_TOKENIZE_CHARS:  # beside the loop, which serves the streams
             ids = await asyncio.to_thread(self.front.prompt_ids, request)
@@ -496,15 +498,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _recorded(self, rid: str, attempt: str) -> gen_pb.GenerateResponse | None:
         """The result a finished attempt left in its hash (_mark), as its replay; None if it left none."""
-        tokens, text, reason, n_prompt, n_out = await self.redis.hmget(
+        tokens, text, reason, n_prompt, n_out, n_cached = await self.redis.hmget(
             self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
-            "completion_tokens")
+            "completion_tokens", "cached_tokens")
         if tokens is None:
             return None
         return gen_pb.GenerateResponse(
             request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
             finish_reason=(reason or b"").decode(), replayed=True,
-            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0)))
+            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0),
+                               cached_tokens=int(n_cached or 0)))
 
     async def _latest(self, rid: str) -> str:
         """The id of a request_id's latest attempt."""
@@ -592,6 +595,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if local:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
+            dreq.cache_salt = request.cache_salt
         try:
             peer = self.peers.get(worker.address)
             peer.run = peer.run or worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
@@ -603,6 +607,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         queued = False
         active = None
         sent = 0  # completion tokens streamed so far
+        cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         # tokens, texts: kept for a replay (_attempt)
         result = ([], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
         marked = False  # the end recorded (_mark) already
@@ -617,7 +622,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         decode_worker=worker.worker_id, decode_address=worker.address, decode_epoch=worker.epoch,
                         decode_host_id=worker.host_id, deadline_unix=deadline,
                         traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
-                        priority=request.priority,
+                        priority=request.priority, cache_salt=request.cache_salt,
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
@@ -652,8 +657,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 m.prompt_tokens.inc(len(ids))
                 if local:
                     m.local_prefills.inc()
-                active = self.active[rid] = Active(call, worker.address, ids, params, request.priority, local, queued,
-                                                   t_admitted)
+                active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
+                                                   request.cache_salt, local, queued, t_admitted)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
@@ -675,6 +680,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
                         sent = ev.completion_tokens or sent
+                        cached = ev.cached_tokens or cached
                         if result is not None:
                             result[0].extend(ev.token_ids)
                             result[1].append(ev.text)
@@ -696,7 +702,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         state = "cancelled"
                         raise
                     state = "cancelled"
-                    final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
+                    final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached)
                     yield rid, public_id, len(ids), final
                 except GeneratorExit:
                     # The client cancelled while its handler was writing a message, not reading one:
@@ -713,7 +719,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise UpstreamError(active.lost, active.lost_code) from None
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
-                    yield rid, public_id, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent)
+                    yield rid, public_id, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached)
                     await self._mark(rid, state)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
@@ -782,7 +788,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
-            mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason)
+            mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason,
+                           cached_tokens=final.cached_tokens)
         if result is not None:
             # As text: the hash is read whole and decoded (GetRequest).
             mapping.update(result_tokens=",".join(map(str, result[0])), result_text="".join(result[1]))
@@ -822,16 +829,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 t0: float, t_first: float | None) -> None:
         """The last message's finish reason, usage and timings; recorded on the span and in the metrics."""
         resp.finish_reason = ev.finish_reason
-        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens))
+        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens,
+                                         cached_tokens=ev.cached_tokens))
         resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
         t = resp.timings
         rs.span.set_attributes({
             "gen_ai.usage.output_tokens": resp.usage.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
             "gen_ai.response.finish_reasons": [resp.finish_reason],
             "splitserve.ttft_ms": t.ttft_ms, "splitserve.e2e_ms": t.e2e_ms,
         })
         if resp.finish_reason == "cancelled":
             self.metrics.cancelled.labels("abort").inc()
+        self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
         self.metrics.observe_finished(t, resp.finish_reason, resp.usage.completion_tokens)
 
     def _replayed(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, t0: float) -> gen_pb.GenerateResponse:
@@ -955,7 +965,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             timestamps={k[2:]: float(v) for k, v in m.items() if k.startswith("t_")},
             prefill_worker=m.get("prefill_worker", ""), decode_worker=m.get("decode_worker", ""),
             prompt_tokens=int(m.get("prompt_tokens", 0)), completion_tokens=int(m.get("completion_tokens", 0)),
-            finish_reason=m.get("finish_reason", ""), error=m.get("error", ""),
+            cached_tokens=int(m.get("cached_tokens", 0)), finish_reason=m.get("finish_reason", ""), error=m.get("error", ""),
             kv_transport=m.get("kv_transport", ""), kv_bytes=int(m.get("kv_bytes", 0)),
         )
 

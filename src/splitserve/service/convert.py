@@ -53,6 +53,14 @@ def check_request_id(request_id: str, required: bool = False) -> None:
         raise InvalidRequestError("request_id", "must be 1-128 characters of letters, digits, '_', '.', ':' or '-'")
 
 
+CACHE_SALT_MAX_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > CACHE_SALT_MAX_CHARS:
+        raise InvalidRequestError("cache_salt", f"at most {CACHE_SALT_MAX_CHARS} characters, got {len(salt)}")
+
+
 def input_of(req: gen_pb.GenerateRequest) -> tuple[str, object]:
     """('prompt', str) | ('messages', list[dict]) | ('token_ids', list[int]); raises naming the field."""
     kind = req.WhichOneof("input")
@@ -85,6 +93,7 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
         queue_ms=queue_ms,
         prefill_ms=prefill_ms,
         traceparent=traceparent,
+        cache_salt=export.cache_salt,
     )
 
 
@@ -102,4 +111,5 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         layout_version=handle.layout_version,
         dtype=handle.dtype,
         nbytes=handle.length,
+        cache_salt=seq.cache_salt,
     )

@@ -362,6 +362,7 @@ class Job:
     t_admitted: float
     priority: int = 0  # < 0 high, 0 normal, > 0 low: picks the stream (Keys.stream_for)
     decode_epoch: str = ""  # the decode worker's run, as the router found it registered
+    cache_salt: str = ""  # GenerateRequest.cache_salt
 
     def to_json(self) -> str:
         # vars, not asdict: asdict deep-copies token_ids first (~0.2 ms at 300 tokens, on the TTFT path)
@@ -377,6 +378,8 @@ class Job:
         missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
         if missing:
             raise ValueError(f"job is missing {', '.join(missing)}")
+        if not isinstance(d.get("cache_salt", ""), str):  # an int would pass for a prefix cache entry
+            raise ValueError("job's cache_salt is not a string")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:
