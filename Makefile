@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -46,6 +46,10 @@ bench-tracing: install proto
 
 bench-cores: install proto
 	$(PY) -m splitserve.bench.cores_bench --rounds 3 --out bench-results/cores.json
+
+bench-prefix: install
+	$(PY) -m splitserve.bench.prefix_bench --rounds 3 --out bench-results/prefix.json
+	$(PY) -m splitserve.bench.prefix_bench --service --rounds 3 --out bench-results/prefix-service.json
 
 # splitserve bench on workload_mixed: policies at one Poisson rate, the knee, colocated vs disaggregated.
 bench-policies: install proto
@@ -93,7 +97,7 @@ image-test: install proto image
 	SPLITSERVE_IMAGE=$(IMAGE) $(PY) -m pytest -q -p no:cacheprovider tests/test_image.py
 
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-policies bench-sweep bench-disagg bench-priority
+bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--mode", default=None, choices=MODES)
     p.add_argument("--policy", default=None, choices=POLICIES)
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="turn the stack's prefix cache on (default off: every point sends the same prompts "
+                        "again, and the cache would serve them instead of computing them)")
     p.add_argument("--out", default="bench-results/bench", help="folder for results.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=main)
@@ -119,7 +122,8 @@ class Target:
         from splitserve.stack import Stack
 
         over = {"model": self.args.model, "policy": self.args.policy, "mode": self.args.mode,
-                "max_queue_requests": 1 << 16, "max_queue_tokens": 1 << 26}
+                "max_queue_requests": 1 << 16, "max_queue_tokens": 1 << 26,
+                "prefix_caching": self.args.prefix_caching}
         prefill = self.args.prefill
         if self.variant in POLICIES:  # compared on equal terms: one engine prefills and decodes
             over.update(policy=self.variant, mode="colocated")

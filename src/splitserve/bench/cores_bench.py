@@ -32,7 +32,7 @@ def _loop(role: str, seconds: float, board: str, workload: str) -> None:
     from splitserve.engine.sampling import SamplingParams
 
     items = load_workload(workload, 32)
-    engine = LLMEngine(EngineConfig(core_share=board))
+    engine = LLMEngine(EngineConfig(core_share=board, prefix_caching=False))  # the same prompts every round
     if role == "prefill":
         prompts = [it.prompt_token_ids[:500] for it in items[:4]]
         params = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -30,7 +30,7 @@ def run_workload(engine: LLMEngine, items: list[WorkItem]) -> dict:
     done: dict[str, float] = {}
     first: dict[str, float] = {}
     tokens = 0
-    padding = 0
+    padding = cached = computed = 0
     while engine.has_unfinished():
         for out in engine.step():
             now = time.perf_counter() - start
@@ -39,6 +39,8 @@ def run_workload(engine: LLMEngine, items: list[WorkItem]) -> dict:
             if out.finished:
                 done[out.request_id] = now
         padding += engine.last_stats.padding_tokens
+        cached += engine.last_stats.num_cached_tokens
+        computed += engine.last_stats.num_prefill_tokens
     wall = time.perf_counter() - start
     e2e = list(done.values())
     assert tokens == sum(it.max_tokens for it in items), "every request must generate exactly max_tokens"
@@ -52,7 +54,24 @@ def run_workload(engine: LLMEngine, items: list[WorkItem]) -> dict:
         "e2e_p99_s": percentile(e2e, 99),
         "ttft_p50_s": percentile(list(first.values()), 50),
         "padding_tokens": padding,
+        "prefix_cache_tokens": cached,  # prompt tokens that prompts of the same run shared (continuous)
+        "prefill_tokens_computed": computed,
     }
+
+
+def light_ttft(engine: LLMEngine, items: list[WorkItem]) -> list[float]:
+    """TTFT in ms of each request sent alone, one after another."""
+    out = []
+    for i, it in enumerate(items):
+        t = time.perf_counter()
+        engine.add_request(f"light-{i}", it.prompt_token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
+        while True:
+            outs = engine.step()
+            if any(o.new_token_ids for o in outs):
+                out.append((time.perf_counter() - t) * 1000)
+                break
+        engine.abort_request(f"light-{i}")
+    return out
 
 
 def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = 16) -> float:
@@ -143,7 +162,9 @@ def main(argv=None) -> int:
         )
         del eng
 
-    eng = LLMEngine(base, loaded=loaded)
+    # The decode rates and the whole workload send prompts already sent: no prefix cache here, so
+    # the FLOPs counted are the FLOPs computed.
+    eng = LLMEngine(base.replace(prefix_caching=False), loaded=loaded)
     results["decode_tok_per_s"] = {}
     for running in (1, 8, 32, 64):
         results["decode_tok_per_s"][running] = decode_rate(eng, mixed, running)

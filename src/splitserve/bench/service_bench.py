@@ -25,13 +25,12 @@ import os
 import statistics
 import time
 
-from splitserve.bench.engine_bench import run_workload
+from splitserve.bench.engine_bench import light_ttft as light_ttft_engine, run_workload
 from splitserve.bench.workload import (default_workload_dir, load_workload, median_interval, percentile,
                                        write_results)
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.sampling import SamplingParams
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
@@ -51,30 +50,17 @@ def service_run(address: str, items) -> dict:
             "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50), "prefilled_locally": local}
 
 
-def light_ttft_service(client: Client, it) -> tuple[float, object]:
-    """Client-side TTFT of one streamed request, and the last message's timings."""
+def light_ttft_service(client: Client, max_tokens: int = 2, **request) -> tuple[float, object]:
+    """Client-side TTFT in ms of one streamed request (build_request's keywords, EOS ignored),
+    and its last message."""
     t = time.perf_counter()
     first = None
     last = None
-    for chunk in client.generate_stream(token_ids=it.prompt_token_ids, max_tokens=2, ignore_eos=True):
+    for chunk in client.generate_stream(max_tokens=max_tokens, ignore_eos=True, timeout=3600, **request):
         if chunk.token_ids and first is None:
             first = (time.perf_counter() - t) * 1000
         last = chunk
-    return first, last.timings
-
-
-def light_ttft_engine(engine: LLMEngine, items) -> list[float]:
-    out = []
-    for i, it in enumerate(items):
-        t = time.perf_counter()
-        engine.add_request(f"light-{i}", it.prompt_token_ids, SamplingParams(max_tokens=2, ignore_eos=True))
-        while True:
-            outs = engine.step()
-            if any(o.new_token_ids for o in outs):
-                out.append((time.perf_counter() - t) * 1000)
-                break
-        engine.abort_request(f"light-{i}")
-    return out
+    return first, last
 
 
 def main(argv=None) -> int:
@@ -104,8 +90,9 @@ def main(argv=None) -> int:
     light = [prompts[i % len(prompts)] for i in range(max(args.light, 1))]  # more pairs than prompts: round again
     heavy = items[: args.requests]
     results: dict = {"requests": len(heavy), "mode": args.mode, "rounds": []}
+    # No prefix cache on either side: the rounds and the light pairs send the same prompts again.
     settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
-                                 mode=args.mode)
+                                 mode=args.mode, prefix_caching=False)
     worker_env: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     for spec in args.worker_env:
         role, _, kv = spec.partition(":")
@@ -115,7 +102,7 @@ def main(argv=None) -> int:
         worker_env[role][name] = value
     with Stack(settings, prefill=0 if args.mode == "colocated" else 1, prefill_env=worker_env["prefill"],
                decode_env=worker_env["decode"]) as stack:
-        engine = LLMEngine(EngineConfig(num_threads=args.threads, device=settings.device))
+        engine = LLMEngine(EngineConfig(num_threads=args.threads, device=settings.device, prefix_caching=False))
         service_run(stack.router_address, items[:2])  # warm-up
         run_workload(engine, items[:2])
         for r in range(args.rounds if args.requests else 0):
@@ -128,14 +115,15 @@ def main(argv=None) -> int:
                   f"prefilled by the decode worker)", flush=True)
         svc_light, eng_light, parts = [], [], []
         with Client(stack.router_address) as c:
-            light_ttft_service(c, light[0])  # warm path
+            light_ttft_service(c, token_ids=light[0].prompt_token_ids)  # warm path
             light_ttft_engine(engine, light[:1])
 
             def in_process(it) -> None:
                 eng_light.append(light_ttft_engine(engine, [it])[0])
 
             def service(it) -> None:
-                ttft, timings = light_ttft_service(c, it)
+                ttft, last = light_ttft_service(c, token_ids=it.prompt_token_ids)
+                timings = last.timings
                 svc_light.append(ttft)
                 parts.append({k: getattr(timings, k) for k in ("admission_ms", "queue_ms", "prefill_ms",
                                                                 "first_token_ms", "kv_transfer_ms", "ttft_ms")})

@@ -1,0 +1,166 @@
+"""Prefix cache benchmark: chats that share a long system prompt, with the cache on and off.
+
+    python -m splitserve.bench.prefix_bench [--requests 32] [--rounds 2] [--service] [--out results.json]
+
+Every request is a chat: the same system message (the passage of workload_mixed's longest
+prompt) and a user turn built from one of workload_short's prompts, rendered with the model's
+chat template; each generates exactly --max-tokens (greedy, EOS ignored). Two in-process
+engines on the same weights, one with the prefix cache and one without, alternate for
+--rounds rounds; the cache is emptied before each of its runs, so only the requests of that
+run share it. Each run measures:
+- throughput: every request submitted at once (engine_bench.run_workload: output tok/s,
+  wall time, prompt tokens computed and found in the cache);
+- TTFT at light load: --light requests one at a time (p50), after one that is not counted
+  (with the cache on, it fills the cache with the system prompt).
+
+--service: the same through a stack over gRPC (router, 1 prefill worker, 1 decode worker,
+the prefix cache on), the chats sent as messages. The cache is turned "off" for a run by
+cache_salt: every request of that run gets a salt of its own, so none finds another's blocks,
+while in an "on" run all share one salt, new for the run (so each run starts cold, like the
+in-process ones). TTFT is the client's (streamed); the prompt tokens found in the cache are
+the sum of the clients' usage.cached_tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import statistics
+import time
+
+import torch
+
+from splitserve.bench.engine_bench import light_ttft, run_workload
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, percentile, write_results
+from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.loader import load_model
+
+SYSTEM_INTRO = "You are a helpful assistant. Answer with the help of this reference text.\n\n"
+
+
+def chats(workloads: str, n: int) -> list[list[dict[str, str]]]:
+    longest = max(load_workload(os.path.join(workloads, "workload_mixed.jsonl")),
+                  key=lambda it: len(it.prompt_token_ids))
+    passage = longest.prompt.split("\n\n", 1)[1].split("<|im_end|>", 1)[0]
+    questions = [it.prompt for it in load_workload(os.path.join(workloads, "workload_short.jsonl"), n)]
+    return [[{"role": "system", "content": SYSTEM_INTRO + passage},
+             {"role": "user", "content": f"What does this mean? {q}"}] for q in questions]
+
+
+def service(args, convs: list) -> dict:
+    """The runs through a stack: see the module's docstring."""
+    from splitserve.bench.service_bench import light_ttft_service
+    from splitserve.client import Client
+    from splitserve.service.settings import Settings
+    from splitserve.stack import Stack
+
+    settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
+                                 prefix_caching=True)
+    results: dict = {"mode": "service", "threads": args.threads, "rounds": []}
+    with Stack(settings, prefill=1) as stack, Client(stack.router_address) as c:
+        def send(chat, salt: str, max_tokens: int):
+            """(client-side TTFT in ms, the last message)."""
+            return light_ttft_service(c, max_tokens, messages=chat, cache_salt=salt)
+
+        send(convs[-1], "warm-up", 2)
+        for r in range(args.rounds):
+            rnd = {}
+            for name in ("cache on", "cache off") if r % 2 == 0 else ("cache off", "cache on"):
+                def salt(kind: str, i: int) -> str:
+                    return f"{kind}-{r}" if name == "cache on" else f"{kind}-{r}-{i}"
+
+                n = args.requests
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(n) as ex:
+                    got = list(ex.map(lambda i: send(convs[i], salt("heavy", i), args.max_tokens)[1], range(n)))
+                wall = time.perf_counter() - t0
+                tokens = sum(m.usage.completion_tokens for m in got)
+                assert tokens == n * args.max_tokens, tokens
+                light = [send(convs[i], salt("light", i), 2) for i in range(args.light + 1)][1:]
+                t = rnd[name] = {
+                    "wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
+                    "prompt_tokens": sum(m.usage.prompt_tokens for m in got),
+                    "prefix_cache_tokens": sum(m.usage.cached_tokens for m in got),
+                    "ttft_ms": [f for f, _ in light], "ttft_p50_ms": percentile([f for f, _ in light], 50),
+                    "light_cached_tokens": [m.usage.cached_tokens for _, m in light],
+                }
+                print(f"round {r + 1} {name:>9}: {n} at once {t['output_tok_per_s']:6.1f} tok/s ({wall:.1f} s, "
+                      f"{t['prefix_cache_tokens']} of {t['prompt_tokens']} prompt tokens from the cache); one at a "
+                      f"time TTFT p50 {t['ttft_p50_ms']:.0f} ms", flush=True)
+            results["rounds"].append(rnd)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=default_workload_dir())
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--light", type=int, default=16, help="requests one at a time, for TTFT")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--service", action="store_true", help="through a stack over gRPC (see above)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--light", args.light), ("--max-tokens", args.max_tokens),
+                        ("--rounds", args.rounds)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+
+    if args.service:
+        convs = chats(args.workloads, max(args.requests, args.light + 1))
+        results = service(args, convs)
+    else:
+        results = in_process(args)
+    on = [r["cache on"] for r in results["rounds"]]
+    off = [r["cache off"] for r in results["rounds"]]
+    results["throughput_ratio"] = statistics.median(a["output_tok_per_s"] / b["output_tok_per_s"]
+                                                    for a, b in zip(on, off))
+    results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in zip(on, off))
+    print(f"cache on vs off, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
+          f"light-load TTFT p50 {results['ttft_p50_ratio']:.2f}x lower")
+    if args.out:
+        write_results(args.out, results)
+    return 0
+
+
+def in_process(args) -> dict:
+    """Two engines on the same weights, with the cache and without: see the module's docstring."""
+    loaded = load_model(ModelSpec(path=args.model))
+    base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=1 << 30)
+    torch.set_num_threads(base.threads())
+    engines = {"cache on": LLMEngine(base, loaded=loaded),
+               "cache off": LLMEngine(base.replace(prefix_caching=False), loaded=loaded)}
+    tok = engines["cache on"].tokenizer
+    prompts = [tok.encode_chat(c) for c in chats(args.workloads, max(args.requests, args.light + 1))]
+    items = [WorkItem(f"chat-{i}", "", p, args.max_tokens) for i, p in enumerate(prompts)]
+    shared = min(next(i for i, (a, b) in enumerate(zip(prompts[0], p)) if a != b) for p in prompts[1:])
+    print(f"{len(prompts[:args.requests])} chats of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{shared} of them the same in all", flush=True)
+    for eng in engines.values():  # warm: kernels, allocator
+        light_ttft(eng, items[-1:])
+    results: dict = {"shared_prefix_tokens": shared, "threads": base.threads(), "rounds": []}
+    for r in range(args.rounds):
+        order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
+        rnd = {}
+        for name, eng in order:
+            eng.reset_prefix_cache()
+            t = rnd[name] = run_workload(eng, items[: args.requests])
+            eng.reset_prefix_cache()
+            # the first light request fills the cache (with it on) and is not counted; the rest
+            # find the system prompt there
+            t["ttft_ms"] = light_ttft(eng, items[: args.light + 1])[1:]
+            t["ttft_p50_ms"] = percentile(t["ttft_ms"], 50)
+            print(f"round {r + 1} {name:>9}: {args.requests} at once {t['output_tok_per_s']:6.1f} tok/s "
+                  f"({t['wall_s']:.1f} s, {t['prefill_tokens_computed']} prompt tokens computed, "
+                  f"{t['prefix_cache_tokens']} from the cache); one at a time TTFT p50 {t['ttft_p50_ms']:.0f} ms",
+                  flush=True)
+        results["rounds"].append(rnd)
+    return results
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
