@@ -288,7 +288,7 @@ def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
             await router.refresh_workers()
             streams = {"d0": [], "d1": []}
             for i in range(6):
-                w, placed = router.pick(10)
+                w, placed, _ = router.pick(10)
                 streams[w.worker_id].append(placed)
                 if i % 2 == 0:
                     await router.refresh_workers()  # no worker has written since: the picks still count
@@ -357,7 +357,7 @@ def test_a_routers_pick_corrects_stale_free_kv_by_its_own_streams(r):
             await _write_decode_entry(ar, keys, "d1", 1, 0, free=1000)  # one stream open, as much room
             router = RouterServicer(s.replace(worker_id="a"), None, ar)
             await router.refresh_workers()
-            a_worker, a = router.pick(800)
+            a_worker, a, _ = router.pick(800)
             assert a_worker.worker_id == "d0"  # fewer streams
             router.placements.accepted(a, "e1", 1)
             assert {w.worker_id: router.placements.free_kv(w) for w in router.workers} == {"d0": 200, "d1": 1000}
@@ -373,6 +373,56 @@ def test_a_routers_pick_corrects_stale_free_kv_by_its_own_streams(r):
             assert router.placements.free_kv(d0) == 300 - 100
             router.placements.ended("d0", a, close_seq=1, held=700)
             assert router.placements.free_kv(d0) == 300 - 100 + 700
+        finally:
+            await ar.aclose()
+
+    asyncio.run(go())
+
+
+def test_a_routers_pick_prefers_the_worker_holding_the_prompts_prefix_within_its_load_slack(r):
+    """A decode worker this router has seen compute a prompt's blocks gets a request starting with
+    them while it has at most prefix_affinity_slack more streams open than the least loaded; past
+    that, or for a prompt under another cache_salt, or with the slack at -1, placement is by load.
+    A worker short of KV for the request is not preferred for its cache."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.server import RouterServicer
+    from splitserve.service.settings import Settings
+
+    keys = Keys("p")
+    ar = aioredis.Redis(unix_socket_path=r.connection_pool.connection_kwargs["path"])
+    prompt = list(range(1000, 1100))  # 6 whole blocks and 4 tokens
+
+    async def go():
+        try:
+            await _write_decode_entry(ar, keys, "d0", 0, 0)
+            await _write_decode_entry(ar, keys, "d1", 2, 0)  # two streams open
+            router = RouterServicer(Settings(redis_prefix="p", worker_id="a", prefix_affinity_slack=2), None, ar)
+            await router.refresh_workers()
+            router.prefixes.record("d1", prompt + [7, 8, 9])
+            turn2 = prompt + [7, 8, 9] + list(range(40))
+            hashes = router.prefixes.prompt_chain(turn2)
+            w, _, cached = router.pick(200, hashes)
+            assert (w.worker_id, cached) == ("d1", 96)  # 3 more open there (with this one), within 2 + 1
+            w, _, cached = router.pick(200, hashes)
+            assert (w.worker_id, cached) == ("d0", 0)  # d1 now has 4 open to d0's 0: past the slack
+            assert router.pick(200, router.prefixes.prompt_chain(turn2, "other salt"))[0].worker_id == "d0"
+            assert router.pick(200)[0].worker_id == "d0"  # no prompt given: by load alone
+
+            off = RouterServicer(Settings(redis_prefix="p", worker_id="b", prefix_affinity_slack=-1), None, ar)
+            await off.refresh_workers()
+            off.prefixes.record("d1", prompt)
+            w, _, cached = off.pick(200, off.prefixes.prompt_chain(turn2))
+            assert not off.affinity and (w.worker_id, cached) == ("d0", 0)  # with the slack at 2, d1's
+
+            await _write_decode_entry(ar, keys, "d1", 0, 0, free=100)  # idle, but no room for 200
+            again = RouterServicer(Settings(redis_prefix="p", worker_id="c"), None, ar)
+            await again.refresh_workers()
+            again.prefixes.record("d1", prompt)
+            assert again.pick(200, again.prefixes.prompt_chain(turn2))[0].worker_id == "d0"
+            assert again.pick(50, again.prefixes.prompt_chain(turn2))[0].worker_id == "d1"  # room for 50
         finally:
             await ar.aclose()
 

@@ -178,19 +178,74 @@ def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_d
             c.generate(token_ids=short, max_tokens=2)  # its admission shows this router an empty prefill queue
             with _prefill_paused(s):
                 out_a = {}
+                # a salt of their own: the router has seen a decode worker compute these prompts
+                # above, and would expect it to hold all but a few of their tokens (prefix affinity)
                 t = threading.Thread(target=lambda: out_a.update(
-                    r=c.generate(token_ids=a, max_tokens=n_a, ignore_eos=True, request_id="cond-a", timeout=120)))
+                    r=c.generate(token_ids=a, max_tokens=n_a, ignore_eos=True, request_id="cond-a", timeout=120,
+                                 cache_salt="cond")))
                 t.start()
                 wait_for(lambda: _state(c, "cond-a") == "queued", what="a long prompt queued for prefill")
                 # More than 150 tokens now wait for the (stopped) prefill worker: the next long prompt
                 # is prefilled by its decode worker, and finishes while the prefill worker is stopped.
-                out_b = c.generate(token_ids=b, max_tokens=n_b, ignore_eos=True, request_id="cond-b", timeout=120)
+                out_b = c.generate(token_ids=b, max_tokens=n_b, ignore_eos=True, request_id="cond-b", timeout=120,
+                                   cache_salt="cond")
                 assert list(out_b.token_ids) == reference_outputs[ib]
                 assert c.get_request("cond-b").prefill_worker == ""
                 assert _state(c, "cond-a") == "queued"
             t.join(120)
             assert list(out_a["r"].token_ids) == reference_outputs[ia]
             assert c.get_request("cond-a").prefill_worker != ""
+    finally:
+        _finish(s)
+
+
+def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_computes_only_the_rest(smol_loaded):
+    """Disaggregated, two decode workers, local_prefill_max_tokens 64. A request whose prompt starts
+    with an earlier request's prompt and completion (a chat's next turn) goes to the decode worker
+    that ran it, though that worker has a stream more open than the other (prefix affinity), and
+    with at most 64 tokens left to compute there, that worker prefills it from its prefix cache:
+    no prefill worker, no KV handed over. Under another cache_salt the same prompt is placed by
+    load and prefilled by a prefill worker, with the same greedy output."""
+    s = _start(decode=2, local_prefill_max_tokens=64)
+    tok = smol_loaded.tokenizer
+    try:
+        with Client(s.router_address) as c:
+            first = tok.encode("Affinity: " + "apple banana cherry " * 60)  # a first word of its own
+            a = c.generate(token_ids=first, max_tokens=8, ignore_eos=True, request_id="aff-a", timeout=120)
+            assert c.get_request("aff-a").prefill_worker  # too long to prefill locally, and nothing cached
+            home = c.get_request("aff-a").decode_worker
+            # A long stream with the same start goes there too (prefilled there), leaving home the
+            # busier worker.
+            streaming, ends = threading.Event(), []
+
+            def long_one():
+                for chunk in c.generate_stream(token_ids=first + tok.encode(" Go on."), max_tokens=400,
+                                               ignore_eos=True, request_id="aff-long", timeout=180):
+                    streaming.set()
+                    ends.append(chunk.finish_reason)
+            long = threading.Thread(target=long_one)
+            long.start()
+            assert streaming.wait(60), "the long stream did not start"
+            il = c.get_request("aff-long")
+            assert (il.decode_worker, il.prefill_worker) == (home, "")
+            turn = first + list(a.token_ids) + tok.encode(" Now say it again, shorter.")
+            b = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-b", timeout=120)
+            ib = c.get_request("aff-b")
+            assert (ib.decode_worker, ib.prefill_worker, ib.kv_transport) == (home, "", "")
+            # the blocks of the first prompt and all but the last of its completion's tokens
+            assert b.usage.cached_tokens >= (len(first) + 7) // 16 * 16 > len(turn) - 64
+            assert not ends[-1]  # the long stream still runs: home still the busier worker
+            salted = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-c", cache_salt="x",
+                                timeout=120)
+            ic = c.get_request("aff-c")
+            assert ic.decode_worker != home and ic.prefill_worker and salted.usage.cached_tokens == 0
+            assert list(salted.token_ids) == list(b.token_ids)
+            # b at least went past the least loaded worker for its prefix (aff-long maybe: a tie)
+            assert scrape(s.proc("router").metrics_address)["splitserve_requests_placed_by_prefix_total"] in (1, 2)
+            assert not ends[-1]
+            c.abort("aff-long")
+            long.join(60)
+            assert ends[-1] == "cancelled"
     finally:
         _finish(s)
 

@@ -83,6 +83,9 @@ class RouterMetrics(Metrics):
                                                                    "found in its prefix cache (usage.cached_tokens)")
         self.local_prefills = self.c("local_prefills", "Admitted requests prefilled by their decode worker, not a "
                                                    "prefill worker (colocated, or conditional disaggregation)")
+        self.prefix_placements = self.c("requests_placed_by_prefix", "Requests placed on a decode worker other "
+                                                                     "than the least loaded, for the prefix it "
+                                                                     "is expected to hold (prefix affinity)")
         self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
                                                         "prefill worker was registered, for their decode worker "
                                                         "to prefill")

@@ -29,6 +29,7 @@ from splitserve.engine.params import SamplingParams, check_context
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.placement import Placement, Placements
+from splitserve.router.prefix_index import PrefixIndex
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
                                       Unavailable, code_of, status_code)
@@ -199,6 +200,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.read_from = 0.0  # monotonic time the latest registry read (finished) began
         self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
+        self.prefixes = PrefixIndex(settings.block_size)  # what each decode worker has cached, as seen here
+        # only continuous engines cache prefixes (a decode worker's policy is the stack's)
+        self.affinity = (settings.prefix_caching and settings.policy == "continuous"
+                         and settings.prefix_affinity_slack >= 0)
         self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
@@ -222,6 +227,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
+        self.prefixes.workers(found)
         await self._reconnect_restarted(found)
 
     async def _reconnect_restarted(self, found: list[WorkerInfo]) -> None:
@@ -247,7 +253,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if self.read_from < t:
                 await self.refresh_workers()
 
-    def pick(self, need_tokens: int) -> tuple[WorkerInfo, Placement]:
+    def pick(self, need_tokens: int, hashes: list[int] | None = None) -> tuple[WorkerInfo, Placement, int]:
+        """The decode worker for a request of need_tokens (prompt + max_tokens) whose prompt has the
+        block hashes `hashes` (PrefixIndex.prompt_chain), its placement, and the prompt tokens it
+        is expected to find in its prefix cache. The least loaded worker, unless one expected to
+        hold more of the prompt has at most prefix_affinity_slack more requests open."""
         if not self.workers:
             raise Unavailable("no decode worker is registered; retry shortly")
         largest = max(w.kv_capacity_tokens for w in self.workers)
@@ -260,8 +270,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
         # A worker this router cannot connect to (killed, its registry entry not yet lapsed) gets
         # nothing while another can take the request; if none can, the request fails naming it.
-        w = min([w for w in self.workers if self._reachable(w)] or self.workers, key=load)
-        return w, self.placements.place(w.worker_id, need_tokens)
+        candidates = [w for w in self.workers if self._reachable(w)] or self.workers
+        w = min(candidates, key=load)
+        cached = 0
+        if hashes and self.affinity:
+            held = {c.worker_id: self.prefixes.cached_tokens(c.worker_id, hashes) for c in candidates}
+            cached = held[w.worker_id]
+            short, least = load(w)
+            best = max(candidates, key=lambda c: (held[c.worker_id], -self.placements.load(c)))
+            short_b, load_b = load(best)
+            if held[best.worker_id] > cached and short_b <= short and load_b <= least + self.s.prefix_affinity_slack:
+                w, cached = best, held[best.worker_id]
+                self.metrics.prefix_placements.inc()  # may be a refused admission's: a placement all the same
+        return w, self.placements.place(w.worker_id, need_tokens), cached
 
     def _reachable(self, w: WorkerInfo) -> bool:
         """False while this router's channel to w is in TRANSIENT_FAILURE: its last connection
@@ -531,17 +552,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         registry read counts them only then; never colocated)."""
         return self.prefill_workers == 0
 
-    def _prefill_locally(self, tokens: int) -> bool:
+    def _prefill_locally(self, tokens: int, cached: int = 0) -> bool:
         """Whether the chosen decode worker prefills this prompt itself rather than a prefill worker:
         always when colocated; disaggregated (conditional disaggregation), when no prefill worker
-        is registered (local_prefill_without_prefill_workers: all died, or hang), when the prompt is
-        short (local_prefill_max_tokens) or when prefill workers are behind (more than
+        is registered (local_prefill_without_prefill_workers: all died, or hang), when what it
+        must compute is short (local_prefill_max_tokens: the prompt's tokens less the `cached`
+        ones it is expected to hold already) or when prefill workers are behind (more than
         local_prefill_queue_tokens queued for them at the last admission this router saw)."""
         if self.colocated:
             return True
         if self._without_prefill_workers():
             return True
-        if tokens <= self.s.local_prefill_max_tokens:
+        if tokens - cached <= self.s.local_prefill_max_tokens:
             return True
         backlog = self.queue_seen[1] - self.local_seen
         return 0 < self.s.local_prefill_queue_tokens < backlog and time.monotonic() - self.queue_seen[2] <= 10.0
@@ -580,9 +602,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 # None registered, or none connected: a worker that has just (re)started may be
                 # registered by now, and is placed at once (not after the next periodic read).
                 await self.refresh_since(time.monotonic())
-            worker, placed = self.pick(len(ids) + params.max_tokens)
-            local = self._prefill_locally(len(ids))
-            adm.set_attribute("splitserve.prefill.local", local)
+            hashes = self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity else None
+            worker, placed, expect_cached = self.pick(len(ids) + params.max_tokens, hashes)
+            local = self._prefill_locally(len(ids), expect_cached)
+            adm.set_attributes({"splitserve.prefill.local": local,
+                                "splitserve.prefix.expected_cached_tokens": expect_cached})
         except BaseException as e:
             self._end_admission(adm, e)
             raise
@@ -608,6 +632,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         active = None
         sent = 0  # completion tokens streamed so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
+        generated: list[int] = []  # the completion's tokens (prefix affinity: a next turn's prompt starts so)
         # tokens, texts: kept for a replay (_attempt)
         result = ([], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
         marked = False  # the end recorded (_mark) already
@@ -670,6 +695,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev.error:
                             code = status_code(ev.error_code) if ev.error_code else None
                             raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
+                        if ev.token_ids and not active.first and self.affinity:
+                            # a first token: the prompt's KV is at the worker now, or on its way
+                            self.prefixes.record(worker.worker_id, ids, request.cache_salt)
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
                         if active.queued and (ev.token_ids or ev.finish_reason):
@@ -690,9 +718,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
                                     await self._mark(rid, "finished", ev, result=result)
                                 marked = True
+                        if self.affinity:
+                            generated.extend(ev.token_ids)
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason:
                             final = ev
+                            if self.affinity and generated:  # the KV of all but the last token is cached there
+                                self.prefixes.record(worker.worker_id, ids + generated[:-1], request.cache_salt)
                             break
                 except asyncio.CancelledError:
                     if active.lost:

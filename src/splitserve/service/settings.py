@@ -45,7 +45,8 @@ class Settings:
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
     admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
-    local_prefill_max_tokens: int = 0  # disaggregated: prompts of at most this many tokens are prefilled by their decode worker, not a prefill worker; 0 = off
+    local_prefill_max_tokens: int = 0  # disaggregated: a prompt with at most this many tokens to compute (those its decode worker is not expected to hold in its prefix cache) is prefilled by that worker, not a prefill worker; 0 = off
+    prefix_affinity_slack: int = 8  # a decode worker expected (by the router's record) to hold more of a prompt in its prefix cache gets it while it has at most this many more requests open than the least loaded; -1 = placement by load alone
     local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
     local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those still queued are taken back for it to prefill; false = they wait in the queue for one
     default_max_tokens: int = 16
@@ -90,6 +91,8 @@ class Settings:
         for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.prefix_affinity_slack < -1:
+            raise ValueError(f"prefix_affinity_slack must be >= 0 (-1 = off), got {self.prefix_affinity_slack}")
         if self.trace_file_max_bytes < 0:
             raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
         if self.heartbeat_s <= 0:
