@@ -19,12 +19,26 @@ cache_salt: every request of that run gets a salt of its own, so none finds anot
 while in an "on" run all share one salt, new for the run (so each run starts cold, like the
 in-process ones). TTFT is the client's (streamed); the prompt tokens found in the cache are
 the sum of the clients' usage.cached_tokens.
+
+--multi-turn: chats of --turns turns, each turn up to --max-tokens (ending at EOS, as a chat's
+do; the same system message; each later turn's user message is
+another of workload_short's prompts, after the last turn's completion as the assistant's
+message) through two disaggregated stacks side by side, each with 1 prefill and 2 decode
+workers: "affinity" (the router places a turn on the decode worker that ran the chat's last
+turn, within prefix_affinity_slack 8, and that worker prefills what its cache lacks when that
+is at most --local-tokens tokens: local_prefill_max_tokens) and "by load" (prefix_affinity_slack
+-1, local_prefill_max_tokens 0: every turn goes to the prefill worker, whose cache has the
+chat's earlier prompt, and its whole KV is handed over). --requests chats at once, each sending
+its turns one after another; runs alternate between the stacks, each under a salt of its own
+(a cold cache). Measured: wall time, TTFT of the turns after the first (p50, p90), the prompt
+tokens found in a cache, and how many turns their decode worker prefilled.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import os
 import statistics
 import time
@@ -93,6 +107,69 @@ def service(args, convs: list) -> dict:
     return results
 
 
+def multi_turn(args, convs: list) -> dict:
+    """Chats of several turns through two stacks, with prefix affinity and without: see the
+    module's docstring."""
+    from splitserve.bench.service_bench import light_ttft_service
+    from splitserve.client import Client
+    from splitserve.service.settings import Settings
+    from splitserve.stack import Stack
+
+    base = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
+                             prefix_caching=True)
+    configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
+               "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
+    follow_ups = [c[1]["content"] for c in convs]
+    results: dict = {"mode": "multi-turn", "threads": args.threads, "turns": args.turns,
+                     "local_prefill_max_tokens": args.local_tokens, "rounds": []}
+    with contextlib.ExitStack() as es:
+        clients = {}
+        for name, settings in configs.items():
+            stack = es.enter_context(Stack(settings, prefill=1, decode=2))
+            clients[name] = es.enter_context(Client(stack.router_address))
+            light_ttft_service(clients[name], 2, messages=convs[-1], cache_salt="warm-up")
+
+        def chat(c, i: int, salt: str) -> list:
+            """One chat's turns, one after another: [(TTFT ms, last message, request id)]."""
+            messages, out = list(convs[i][:2]), []
+            for turn in range(args.turns):
+                rid = f"{salt}-{i}-{turn}"
+                ttft, last, text = light_ttft_service(c, args.max_tokens, with_text=True, messages=messages,
+                                                      cache_salt=salt, request_id=rid, ignore_eos=False)
+                out.append((ttft, last, rid))
+                messages += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": follow_ups[(i + turn + 1) % len(follow_ups)]}]
+            return out
+
+        for r in range(args.rounds):
+            rnd = {}
+            for name in list(configs) if r % 2 == 0 else list(configs)[::-1]:
+                c, salt = clients[name], f"run{r}-{name.replace(' ', '-')}"
+                t0 = time.perf_counter()
+                with cf.ThreadPoolExecutor(args.requests) as ex:
+                    got = list(ex.map(lambda i: chat(c, i, salt), range(args.requests)))
+                wall = time.perf_counter() - t0
+                later = [ttft for turns in got for ttft, _, _ in turns[1:]]
+                infos = [c.get_request(rid) for turns in got for _, _, rid in turns]
+                msgs = [m for turns in got for _, m, _ in turns]
+                t = rnd[name] = {
+                    "wall_s": wall, "turns": len(infos),
+                    "output_tokens": sum(m.usage.completion_tokens for m in msgs),
+                    "prompt_tokens": sum(m.usage.prompt_tokens for m in msgs),
+                    "prefix_cache_tokens": sum(m.usage.cached_tokens for m in msgs),
+                    "prefilled_by_decode_worker": sum(1 for i in infos if not i.prefill_worker),
+                    "later_ttft_ms": later, "ttft_p50_ms": percentile(later, 50), "ttft_p90_ms": percentile(later, 90),
+                }
+                t["output_tok_per_s"] = t["output_tokens"] / wall
+                print(f"round {r + 1} {name:>8}: {args.requests} chats x {args.turns} turns in {wall:.1f} s "
+                      f"({t['output_tok_per_s']:.1f} tok/s); later turns' TTFT p50 {t['ttft_p50_ms']:.0f} ms, p90 "
+                      f"{t['ttft_p90_ms']:.0f} ms; {t['prefix_cache_tokens']} of {t['prompt_tokens']} prompt tokens "
+                      f"from a cache; {t['prefilled_by_decode_worker']} of {t['turns']} turns prefilled by their "
+                      f"decode worker", flush=True)
+            results["rounds"].append(rnd)
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=default_workload_dir())
@@ -103,6 +180,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--service", action="store_true", help="through a stack over gRPC (see above)")
+    ap.add_argument("--multi-turn", action="store_true", help="chats of several turns, prefix affinity on and off")
+    ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per chat")
+    ap.add_argument("--local-tokens", type=int, default=256,
+                    help="--multi-turn: local_prefill_max_tokens of the affinity stack")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for flag, value in (("--requests", args.requests), ("--light", args.light), ("--max-tokens", args.max_tokens),
@@ -110,6 +191,20 @@ def main(argv=None) -> int:
         if value < 1:
             ap.error(f"{flag} must be >= 1, got {value}")
 
+    if args.turns < 2 or args.local_tokens < 1:
+        ap.error("--turns must be >= 2 and --local-tokens >= 1")
+    if args.multi_turn:
+        results = multi_turn(args, chats(args.workloads, max(args.requests, args.light + 1)))
+        on = [r["affinity"] for r in results["rounds"]]
+        off = [r["by load"] for r in results["rounds"]]
+        results["throughput_ratio"] = statistics.median(a["output_tok_per_s"] / b["output_tok_per_s"]
+                                                        for a, b in zip(on, off))
+        results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in zip(on, off))
+        print(f"affinity vs by load, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
+              f"later turns' TTFT p50 {results['ttft_p50_ratio']:.2f}x lower")
+        if args.out:
+            write_results(args.out, results)
+        return 0
     if args.service:
         convs = chats(args.workloads, max(args.requests, args.light + 1))
         results = service(args, convs)

@@ -50,17 +50,20 @@ def service_run(address: str, items) -> dict:
             "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50), "prefilled_locally": local}
 
 
-def light_ttft_service(client: Client, max_tokens: int = 2, **request) -> tuple[float, object]:
-    """Client-side TTFT in ms of one streamed request (build_request's keywords, EOS ignored),
-    and its last message."""
+def light_ttft_service(client: Client, max_tokens: int = 2, with_text: bool = False, **request) -> tuple:
+    """Client-side TTFT in ms of one streamed request (build_request's keywords, EOS ignored
+    unless ignore_eos=False), and its last message (and, with_text, the completion's text)."""
     t = time.perf_counter()
     first = None
     last = None
-    for chunk in client.generate_stream(max_tokens=max_tokens, ignore_eos=True, timeout=3600, **request):
+    texts = []
+    request.setdefault("ignore_eos", True)
+    for chunk in client.generate_stream(max_tokens=max_tokens, timeout=3600, **request):
         if chunk.token_ids and first is None:
             first = (time.perf_counter() - t) * 1000
+        texts.append(chunk.text)
         last = chunk
-    return first, last
+    return (first, last, "".join(texts)) if with_text else (first, last)
 
 
 def main(argv=None) -> int:
