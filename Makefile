@@ -50,6 +50,7 @@ bench-cores: install proto
 bench-prefix: install
 	$(PY) -m splitserve.bench.prefix_bench --rounds 3 --out bench-results/prefix.json
 	$(PY) -m splitserve.bench.prefix_bench --service --rounds 3 --out bench-results/prefix-service.json
+	$(PY) -m splitserve.bench.prefix_bench --multi-turn --requests 8 --turns 4 --rounds 3 --out bench-results/prefix-multi-turn.json
 
 # splitserve bench on workload_mixed: policies at one Poisson rate, the knee, colocated vs disaggregated.
 bench-policies: install proto
