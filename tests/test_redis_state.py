@@ -401,7 +401,7 @@ def test_a_routers_pick_prefers_the_worker_holding_the_prompts_prefix_within_its
             await _write_decode_entry(ar, keys, "d1", 2, 0)  # two streams open
             router = RouterServicer(Settings(redis_prefix="p", worker_id="a", prefix_affinity_slack=2), None, ar)
             await router.refresh_workers()
-            router.prefixes.record("d1", prompt + [7, 8, 9])
+            router.prefixes.record("d1", router.prefixes.chain(prompt + [7, 8, 9]))
             turn2 = prompt + [7, 8, 9] + list(range(40))
             hashes = router.prefixes.prompt_chain(turn2)
             w, _, cached = router.pick(200, hashes)
@@ -413,14 +413,14 @@ def test_a_routers_pick_prefers_the_worker_holding_the_prompts_prefix_within_its
 
             off = RouterServicer(Settings(redis_prefix="p", worker_id="b", prefix_affinity_slack=-1), None, ar)
             await off.refresh_workers()
-            off.prefixes.record("d1", prompt)
+            off.prefixes.record("d1", off.prefixes.chain(prompt))
             w, _, cached = off.pick(200, off.prefixes.prompt_chain(turn2))
             assert not off.affinity and (w.worker_id, cached) == ("d0", 0)  # with the slack at 2, d1's
 
             await _write_decode_entry(ar, keys, "d1", 0, 0, free=100)  # idle, but no room for 200
             again = RouterServicer(Settings(redis_prefix="p", worker_id="c"), None, ar)
             await again.refresh_workers()
-            again.prefixes.record("d1", prompt)
+            again.prefixes.record("d1", again.prefixes.chain(prompt))
             assert again.pick(200, again.prefixes.prompt_chain(turn2))[0].worker_id == "d0"
             assert again.pick(50, again.prefixes.prompt_chain(turn2))[0].worker_id == "d1"  # room for 50
         finally:

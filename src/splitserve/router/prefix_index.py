@@ -27,13 +27,15 @@ from collections import OrderedDict
 DEFAULT_BLOCKS = 1 << 16  # per worker, when the worker does not say how much KV it holds
 
 
-def chain(token_ids: list[int], block_size: int, salt: str = "", limit: int | None = None) -> list[int]:
+def chain(token_ids: list[int], block_size: int, salt: str = "", limit: int | None = None,
+          known: list[int] = ()) -> list[int]:
     """The hashes of the full blocks of token_ids, each over its tokens and the hash before it
-    (the salt roots the chain, as cache_salt roots the engine's), at most `limit` of them."""
+    (the salt roots the chain, as cache_salt roots the engine's), at most `limit` of them.
+    `known`: the hashes of its first blocks, already computed (the chain goes on from them)."""
     n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    h = hash(("splitserve-prefix", salt))
-    out = []
-    for i in range(n):
+    out = list(known[:n])
+    h = out[-1] if out else hash(("splitserve-prefix", salt))
+    for i in range(len(out), n):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         out.append(h)
     return out
@@ -65,6 +67,10 @@ class PrefixIndex:
         self.epochs.pop(worker_id, None)
         self.caps.pop(worker_id, None)
 
+    def chain(self, token_ids: list[int], salt: str = "", known: list[int] = ()) -> list[int]:
+        """The hashes of token_ids' full blocks (`known`: those of its first blocks)."""
+        return chain(token_ids, self.block_size, salt, known=known)
+
     def prompt_chain(self, token_ids: list[int], salt: str = "") -> list[int]:
         """The block hashes a prompt can find cached: at least its last token is left to compute
         (its logits give the first token), as the engine leaves it."""
@@ -79,10 +85,10 @@ class PrefixIndex:
             n += 1
         return n * self.block_size
 
-    def record(self, worker_id: str, token_ids: list[int], salt: str = "") -> None:
-        """The worker has computed the KV of token_ids: its full blocks are cached there now."""
+    def record(self, worker_id: str, hashes: list[int]) -> None:
+        """The worker has computed the KV of the blocks of this chain: they are cached there now."""
         held = self.blocks.setdefault(worker_id, OrderedDict())
-        for h in reversed(chain(token_ids, self.block_size, salt)):  # the chain's start is the last to go
+        for h in reversed(hashes):  # the chain's start is the last to go
             held[h] = None
             held.move_to_end(h)
         cap = self.caps.get(worker_id, DEFAULT_BLOCKS)

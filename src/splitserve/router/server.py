@@ -271,14 +271,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         # A worker this router cannot connect to (killed, its registry entry not yet lapsed) gets
         # nothing while another can take the request; if none can, the request fails naming it.
         candidates = [w for w in self.workers if self._reachable(w)] or self.workers
-        w = min(candidates, key=load)
+        loads = {c.worker_id: load(c) for c in candidates}
+        w = min(candidates, key=lambda c: loads[c.worker_id])
         cached = 0
         if hashes and self.affinity:
             held = {c.worker_id: self.prefixes.cached_tokens(c.worker_id, hashes) for c in candidates}
             cached = held[w.worker_id]
-            short, least = load(w)
-            best = max(candidates, key=lambda c: (held[c.worker_id], -self.placements.load(c)))
-            short_b, load_b = load(best)
+            short, least = loads[w.worker_id]
+            best = max(candidates, key=lambda c: (held[c.worker_id], -loads[c.worker_id][1]))
+            short_b, load_b = loads[best.worker_id]
             if held[best.worker_id] > cached and short_b <= short and load_b <= least + self.s.prefix_affinity_slack:
                 w, cached = best, held[best.worker_id]
                 self.metrics.prefix_placements.inc()  # may be a refused admission's: a placement all the same
@@ -697,7 +698,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
                         if ev.token_ids and not active.first and self.affinity:
                             # a first token: the prompt's KV is at the worker now, or on its way
-                            self.prefixes.record(worker.worker_id, ids, request.cache_salt)
+                            self.prefixes.record(worker.worker_id, self.prefixes.chain(ids, request.cache_salt,
+                                                                                       hashes))
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
                         if active.queued and (ev.token_ids or ev.finish_reason):
@@ -724,7 +726,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev.finish_reason:
                             final = ev
                             if self.affinity and generated:  # the KV of all but the last token is cached there
-                                self.prefixes.record(worker.worker_id, ids + generated[:-1], request.cache_salt)
+                                self.prefixes.record(worker.worker_id, self.prefixes.chain(
+                                    ids + generated[:-1], request.cache_salt, hashes))
                             break
                 except asyncio.CancelledError:
                     if active.lost:
