@@ -195,28 +195,18 @@ def main(argv=None) -> int:
         ap.error("--turns must be >= 2 and --local-tokens >= 1")
     if args.multi_turn:
         results = multi_turn(args, chats(args.workloads, max(args.requests, args.light + 1)))
-        on = [r["affinity"] for r in results["rounds"]]
-        off = [r["by load"] for r in results["rounds"]]
-        results["throughput_ratio"] = statistics.median(a["output_tok_per_s"] / b["output_tok_per_s"]
-                                                        for a, b in zip(on, off))
-        results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in zip(on, off))
-        print(f"affinity vs by load, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
-              f"later turns' TTFT p50 {results['ttft_p50_ratio']:.2f}x lower")
-        if args.out:
-            write_results(args.out, results)
-        return 0
-    if args.service:
-        convs = chats(args.workloads, max(args.requests, args.light + 1))
-        results = service(args, convs)
+        on, off, ttft = "affinity", "by load", "later turns' TTFT p50"
+    elif args.service:
+        results = service(args, chats(args.workloads, max(args.requests, args.light + 1)))
+        on, off, ttft = "cache on", "cache off", "light-load TTFT p50"
     else:
         results = in_process(args)
-    on = [r["cache on"] for r in results["rounds"]]
-    off = [r["cache off"] for r in results["rounds"]]
-    results["throughput_ratio"] = statistics.median(a["output_tok_per_s"] / b["output_tok_per_s"]
-                                                    for a, b in zip(on, off))
-    results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in zip(on, off))
-    print(f"cache on vs off, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
-          f"light-load TTFT p50 {results['ttft_p50_ratio']:.2f}x lower")
+        on, off, ttft = "cache on", "cache off", "light-load TTFT p50"
+    pairs = [(r[on], r[off]) for r in results["rounds"]]
+    results["throughput_ratio"] = statistics.median(a["output_tok_per_s"] / b["output_tok_per_s"] for a, b in pairs)
+    results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in pairs)
+    print(f"{on} vs {off}, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
+          f"{ttft} {results['ttft_p50_ratio']:.2f}x lower")
     if args.out:
         write_results(args.out, results)
     return 0
