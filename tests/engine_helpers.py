@@ -30,13 +30,13 @@ def drain(engine) -> Drained:
     return Drained(got, reasons, preempted)
 
 
-def exported(engine, request_id: str, prompt: list[int], params):
-    """Prefill prompt in engine and export its KV, as a prefill worker does: (KVExport, payload).
-    The engine's own blocks are released; the payload holds the KV."""
-    engine.add_request(request_id, prompt, params, prefill_only=True)
+def exported(engine, request_id: str, prompt: list[int], params, start: int = 0, salt: str = ""):
+    """Prefill prompt in engine and export its KV, as a prefill worker does: (KVExport, payload);
+    the KV of tokens start on. The engine's own blocks are released; the payload holds the KV."""
+    engine.add_request(request_id, prompt, params, prefill_only=True, cache_salt=salt)
     while request_id not in engine.parked:
         engine.step()
-    buf = memoryview(bytearray(engine.kv_nbytes(request_id)))
-    export = engine.export_kv(request_id, buf)
+    buf = memoryview(bytearray(engine.kv_nbytes(request_id, start)))
+    export = engine.export_kv(request_id, buf, start)
     engine.release(request_id)
     return export, buf

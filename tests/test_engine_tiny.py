@@ -186,7 +186,9 @@ def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
         ({"layout_version": 9}, buf, "layout version"),
         ({"dtype": "bfloat16"}, buf, "dtype"),
         ({}, buf[: len(buf) // 2], "payload is"),
-        ({"num_tokens": export.num_tokens + 4}, buf, "tokens need"),
+        ({"num_tokens": export.num_tokens + 4}, buf, r"tokens 0\.\.\d+ need"),
+        ({"start": 16}, buf, "disagrees with the handle"),
+        ({"start": export.num_tokens}, buf, "start"),
     ]:
         bad = type(export)(**{**export.__dict__, **change})
         with pytest.raises(KVImportError, match=words):

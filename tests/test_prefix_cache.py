@@ -5,7 +5,9 @@ import random
 import pytest
 from engine_helpers import drain, exported, random_prompts
 
-from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine import kv_transfer
+from splitserve.engine.errors import InvalidRequestError, KVPrefixMissing
+from splitserve.engine.kv_transfer import payload_nbytes
 from splitserve.engine.kv_cache import BlockPool
 from splitserve.engine.sampling import SamplingParams
 
@@ -258,3 +260,67 @@ def test_prompts_share_cached_prefixes_only_with_prompts_of_the_same_salt(tiny_e
     with pytest.raises(InvalidRequestError, match="cache_salt"):
         eng.add_request("bad", prompt, GREEDY, cache_salt=5)
     check_pool(eng.cache.pool)
+
+
+def test_imported_kv_shares_the_blocks_of_a_prefix_already_cached_and_is_not_copied_over_them(tiny_engine_factory):
+    """Two imports whose prompts share 80 tokens: the second takes the first's 5 full blocks
+    (none filled again, one copy of them in the pool) and generates what it would alone."""
+    a = random_prompts(1, lo=90, hi=91, seed=31)[0]
+    b = a[:80] + random_prompts(1, lo=30, hi=31, seed=32)[0]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = tiny_engine_factory()
+    want = ref.generate([a, b], params)
+    prefill = tiny_engine_factory(**cached())
+    ea, pa = exported(prefill, "a", a, params)
+    eb, pb = exported(prefill, "b", b, params)
+    decode = tiny_engine_factory(**cached())
+    decode.import_kv(ea, pa)
+    blocks_a = list(decode.seqs["a"].block_table)
+    used = decode.cache.pool.num_used
+    per_token = 2 * 16 * 4
+    for i in range(2 * 2):  # b's payload: NaN where it holds the KV of the 80 shared tokens
+        at = kv_transfer.HEADER_SIZE + i * 110 * per_token
+        pb[at : at + 80 * per_token] = b"\xff" * (80 * per_token)
+    decode.import_kv(eb, pb)
+    seq_b = decode.seqs["b"]
+    assert seq_b.num_shared_on_import == 80 and seq_b.block_table[:5] == blocks_a[:5]
+    assert decode.cache.pool.num_used == used + 2  # 110 tokens in 7 blocks, 5 of them shared
+    got = drain(decode).tokens
+    assert [ea.token_ids[-1]] + got["a"] == want[0] and [eb.token_ids[-1]] + got["b"] == want[1]
+    check_pool(decode.cache.pool)
+
+
+def test_kv_sent_without_a_cached_prefix_is_adopted_where_the_prefix_is_cached_and_refused_where_not(
+        tiny_engine_factory):
+    """A producer sends only the KV past the first 64 tokens: a decode engine holding those 64
+    (from an earlier request, under the same salt) adopts it and generates what the whole
+    handoff would; one that holds fewer refuses it (KVPrefixMissing, naming both counts),
+    holding nothing afterwards; and the cut-out pieces of a whole payload are the same bytes."""
+    prompt = random_prompts(1, lo=100, hi=101, seed=33)[0]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = tiny_engine_factory().generate([prompt], params)[0]
+    prefill = tiny_engine_factory()  # computes both alike
+    whole, whole_payload = exported(prefill, "whole", prompt, params, salt="s")
+    export, payload = exported(prefill, "r", prompt, params, start=64, salt="s")
+    assert export.start == 64 and len(payload) == payload_nbytes(prefill.model.shape, 100, 64) < len(whole_payload)
+    pieces = kv_transfer.part(prefill.model, whole_payload, 100, 64)
+    assert b"".join(bytes(p) for p in pieces) == bytes(payload)
+
+    holder = tiny_engine_factory(**cached())
+    holder.add_request("earlier", prompt[:70] + [5, 6], params, cache_salt="s")
+    drain(holder)
+    holder.import_kv(export, payload)
+    assert holder.seqs["r"].num_shared_on_import == 64
+    assert [export.token_ids[-1]] + drain(holder).tokens["r"] == want
+
+    for salt, held in (("other", 0), ("s", 48)):
+        short = tiny_engine_factory(**cached())
+        short.add_request("earlier", prompt[:50], params, cache_salt=salt)
+        drain(short)
+        with pytest.raises(KVPrefixMissing, match=f"holds {held} of the first 64") as e:
+            short.import_kv(export, payload)
+        assert (e.value.held, e.value.start) == (held, 64) and "r" not in short.seqs
+        check_pool(short.cache.pool)
+        short.import_kv(whole, whole_payload)  # the whole KV, sent after all, is adopted
+        assert [whole.token_ids[-1]] + drain(short).tokens["whole"] == want
+        check_pool(short.cache.pool)

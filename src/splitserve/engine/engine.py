@@ -17,7 +17,7 @@ from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, PiecewiseGraphs
-from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
 from splitserve.engine.model_config import ModelConfig
@@ -418,17 +418,20 @@ class LLMEngine:
 
     # -- KV handoff -------------------------------------------------------------------------
 
-    def kv_nbytes(self, request_id: str) -> int:
+    def kv_nbytes(self, request_id: str, start: int = 0) -> int:
         seq = self.parked[request_id]
-        return kv_transfer.payload_nbytes(self.model.shape, seq.num_computed)
+        return kv_transfer.payload_nbytes(self.model.shape, seq.num_computed, start)
 
-    def export_kv(self, request_id: str, dest: memoryview | None = None) -> kv_transfer.KVExport:
-        """Write a parked sequence's KV (header + [layers, 2, tokens, Hkv, D]) into dest."""
+    def export_kv(self, request_id: str, dest: memoryview | None = None, start: int = 0) -> kv_transfer.KVExport:
+        """Write a parked sequence's KV (header + [layers, 2, tokens, Hkv, D]) into dest: that of
+        tokens [start, num_tokens), where the consumer holds the first start in its prefix cache."""
         seq = self.parked.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no parked KV")
-        slots = self.cache.slots(seq.block_table, 0, seq.num_computed)
-        return kv_transfer.export(self.model, self.cache.kv, slots, seq, dest)
+        if not 0 <= start < seq.num_computed:
+            raise ValueError(f"start {start} is outside [0, {seq.num_computed})")
+        slots = self.cache.slots(seq.block_table, start, seq.num_computed)
+        return kv_transfer.export(self.model, self.cache.kv, slots, seq, dest, start)
 
     def release(self, request_id: str) -> None:
         """Free a parked sequence's KV blocks (after export, or if the handoff is abandoned)."""
@@ -447,19 +450,31 @@ class LLMEngine:
         the caller can send them at once instead of after the next step. When its blocks are
         not free, running sequences of a less urgent priority are preempted to make room;
         with none to preempt it raises CapacityError (the caller waits and retries).
+
+        Whole blocks of its prefix already in the prefix cache (under its salt) are shared, and
+        their KV in the payload is not read. KV sent without its first export.start tokens
+        needs them there: KVPrefixMissing if fewer are cached (the sender sends them after all).
         """
         if self.padded is not None:
             raise KVImportError("KV import needs the continuous policy")
         if export.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
         kv_transfer.check(self.model, export, payload)
-        n = export.num_tokens
+        n, start = export.num_tokens, export.start
         if len(export.token_ids) != n + 1:
             raise KVImportError(f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)")
         self.validate(export.token_ids[: export.prompt_len], export.params)
         pool = self.cache.pool
-        need = pool.blocks_for(n)
+        # The blocks of its prefix already in the prefix cache are shared, not filled again (and
+        # the first start tokens' KV, not sent, must be among them).
+        shared, entry = pool.lookup(export.token_ids, n, export.cache_salt or 0)
+        held = len(shared) * pool.block_size
+        if held < start:
+            raise KVPrefixMissing(held, start)
+        pool.take(shared)
+        need = pool.blocks_for(n) - len(shared)
         if not self.scheduler.make_room(need, priority):
+            pool.free(shared)
             raise CapacityError(f"no free KV blocks for {n} tokens")
         gen = new_generator(export.params)
         if gen is not None and export.generator_state is not None:
@@ -470,9 +485,14 @@ class LLMEngine:
         if seq.detok is not None:
             for tok in export.token_ids[export.prompt_len :]:
                 seq.text += seq.detok.push(tok)
+        seq.block_table.extend(shared)
         seq.block_table.extend(pool.allocate(need))
-        kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, 0, n), payload, n)
+        if held < n:
+            kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, held, n), payload,
+                             n - start, skip=held - start)
         seq.num_computed = n
+        seq.num_cache_blocks, seq.cache_entry = len(shared), entry
+        seq.num_shared_on_import = held
         self.scheduler.cache_computed(seq)
         self.scheduler.add(seq)
         return self._output(seq)

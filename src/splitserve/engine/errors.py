@@ -23,3 +23,12 @@ class KVImportError(EngineError, ValueError):
 
 class CapacityError(EngineError):
     """The request can never fit in this engine's KV pool or context."""
+
+
+class KVPrefixMissing(EngineError):
+    """KV sent without its first tokens (they were expected to be in this engine's prefix
+    cache) finds fewer of them cached: the sender is to send them too."""
+
+    def __init__(self, held: int, start: int):
+        super().__init__(f"the prefix cache holds {held} of the first {start} tokens, whose KV was not sent")
+        self.held, self.start = held, start

@@ -8,8 +8,11 @@ Consumer (decode worker): ``LLMEngine.import_kv`` checks the header against its 
 model (``check``) before it reads a byte of the body, then copies the body into its
 paged pool (``load``). It never keeps a reference to the producer's buffer.
 
-Layout, version 1: a 64-byte little-endian header, then fp32 [layers, 2 (k, v), tokens,
-kv_heads, head_dim], C order.
+Layout, version 2: a 64-byte little-endian header, then fp32 [layers, 2 (k, v), tokens,
+kv_heads, head_dim], C order. The body holds the KV of tokens [start, num_tokens): start is 0
+unless the consumer already holds the KV of the prompt's first start tokens in its prefix cache
+(then they are not sent; ``part`` cuts such a payload out of a whole one). Version 1 had no
+start field.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from splitserve.engine.errors import KVImportError
 from splitserve.engine.params import SamplingParams
 
 MAGIC = b"SSKV"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 DTYPE_F32 = 1
 DTYPE_NAMES = {DTYPE_F32: "float32"}
-_HEADER = struct.Struct("<4sHHIIII32s")  # magic, version, dtype, layers, kv_heads, head_dim, tokens, fingerprint
+# magic, version, dtype, layers, kv_heads, head_dim, tokens, fingerprint, start
+_HEADER = struct.Struct("<4sHHIIII32sI")
 HEADER_SIZE = 64
 
 
@@ -46,10 +50,17 @@ class KVExport:
     dtype: str = "float32"
     nbytes: int = 0
     cache_salt: str = ""  # its prefix cache root (Sequence.cache_salt)
+    start: int = 0  # the body holds the KV of tokens [start, num_tokens)
 
 
-def payload_nbytes(shape, num_tokens: int) -> int:
-    return HEADER_SIZE + shape.num_layers * 2 * num_tokens * shape.num_kv_heads * shape.head_dim * 4
+def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
+    return HEADER_SIZE + shape.num_layers * 2 * (num_tokens - start) * shape.num_kv_heads * shape.head_dim * 4
+
+
+def _header(model, n: int, start: int) -> bytes:
+    shape = model.shape
+    return _HEADER.pack(MAGIC, LAYOUT_VERSION, DTYPE_F32, shape.num_layers, shape.num_kv_heads, shape.head_dim, n,
+                        model.fingerprint.encode(), start)
 
 
 def _body(buf, shape, n: int) -> torch.Tensor:
@@ -60,22 +71,21 @@ def _body(buf, shape, n: int) -> torch.Tensor:
     return t.view(shape.num_layers, 2, n, shape.num_kv_heads, shape.head_dim)
 
 
-def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None) -> KVExport:
-    shape, n = model.shape, int(slots.numel())
-    nbytes = payload_nbytes(shape, n)
+def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: int = 0) -> KVExport:
+    """slots: those of tokens [start, num_tokens)."""
+    shape, count = model.shape, int(slots.numel())
+    n = start + count
+    nbytes = payload_nbytes(shape, n, start)
     if dest is None:
         dest = memoryview(bytearray(nbytes))
     if len(dest) < nbytes:
         raise ValueError(f"destination holds {len(dest)} bytes, KV needs {nbytes}")
-    header = _HEADER.pack(
-        MAGIC, LAYOUT_VERSION, DTYPE_F32, shape.num_layers, shape.num_kv_heads, shape.head_dim, n,
-        model.fingerprint.encode(),
-    )
+    header = _header(model, n, start)
     dest[: len(header)] = header
     if kv.device.type == "cpu":
-        torch.index_select(kv, 2, slots, out=_body(dest, shape, n))
+        torch.index_select(kv, 2, slots, out=_body(dest, shape, count))
     else:
-        _body(dest, shape, n).copy_(kv.index_select(2, slots.to(kv.device)))
+        _body(dest, shape, count).copy_(kv.index_select(2, slots.to(kv.device)))
     state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
     return KVExport(
         request_id=seq.request_id,
@@ -87,7 +97,22 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None) -> KVEx
         fingerprint=model.fingerprint,
         nbytes=nbytes,
         cache_salt=seq.cache_salt,
+        start=start,
     )
+
+
+def part(model, payload, num_tokens: int, start: int) -> list:
+    """The pieces, in order, of a payload of tokens [start, num_tokens) cut out of a whole one
+    (start 0) without copying it: a header, then for each layer's K and V the run of its
+    tokens from start on (a token's KV is not outermost, so the run is not one piece)."""
+    shape = model.shape
+    per_token = shape.num_kv_heads * shape.head_dim * 4
+    run = num_tokens * per_token
+    pieces: list = [_header(model, num_tokens, start), bytes(HEADER_SIZE - _HEADER.size)]
+    for i in range(shape.num_layers * 2):
+        at = HEADER_SIZE + i * run
+        pieces.append(payload[at + start * per_token : at + run])
+    return pieces
 
 
 def check(model, export: KVExport, payload) -> None:
@@ -101,17 +126,21 @@ def check(model, export: KVExport, payload) -> None:
         raise KVImportError(f"KV fingerprint {export.fingerprint!r} does not match this model ({model.fingerprint})")
     if export.num_tokens < 1:
         raise KVImportError(f"KV token count must be >= 1, got {export.num_tokens}")
-    need = payload_nbytes(shape, export.num_tokens)
+    if not 0 <= export.start < export.num_tokens:
+        raise KVImportError(f"KV start {export.start} is outside [0, {export.num_tokens})")
+    need = payload_nbytes(shape, export.num_tokens, export.start)
     if len(payload) < need:
-        raise KVImportError(f"KV payload is {len(payload)} bytes, {export.num_tokens} tokens need {need}")
-    magic, version, dtype, layers, heads, dim, n, fp = _HEADER.unpack_from(bytes(payload[: _HEADER.size]))
+        raise KVImportError(f"KV payload is {len(payload)} bytes, tokens {export.start}..{export.num_tokens} need {need}")
+    magic, version, dtype, layers, heads, dim, n, fp, start = _HEADER.unpack_from(bytes(payload[: _HEADER.size]))
     if magic != MAGIC or version != LAYOUT_VERSION or dtype != DTYPE_F32:
-        raise KVImportError("KV payload header is not a splitserve v1 float32 layout")
+        raise KVImportError(f"KV payload header is not a splitserve v{LAYOUT_VERSION} float32 layout")
     if (layers, heads, dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
         raise KVImportError(f"KV payload shape {(layers, heads, dim)} does not match this model")
-    if n != export.num_tokens or fp.decode(errors="replace") != model.fingerprint:
-        raise KVImportError("KV payload header disagrees with the handle (tokens or fingerprint)")
+    if n != export.num_tokens or start != export.start or fp.decode(errors="replace") != model.fingerprint:
+        raise KVImportError("KV payload header disagrees with the handle (tokens, start or fingerprint)")
 
 
-def load(model, kv: torch.Tensor, slots: torch.Tensor, payload, n: int) -> None:
-    kv.index_copy_(2, slots.to(kv.device), _body(payload, model.shape, n).to(kv.device))
+def load(model, kv: torch.Tensor, slots: torch.Tensor, payload, count: int, skip: int = 0) -> None:
+    """Copy a payload's KV into slots: the body holds count tokens; the first skip are left out."""
+    body = _body(payload, model.shape, count)[:, :, skip:]
+    kv.index_copy_(2, slots.to(kv.device), body.to(kv.device))

@@ -42,6 +42,7 @@ class Sequence:
     emitted_tokens: int = 0  # how many output tokens have been handed out
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     num_cache_blocks: int = 0  # leading blocks filed in the prefix cache (or taken from it)
+    num_shared_on_import: int = 0  # imported: tokens whose KV was already in the prefix cache (not copied in)
     cache_salt: str = ""  # the root of its prefixes: only sequences with the same salt share cached KV
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
