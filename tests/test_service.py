@@ -250,6 +250,49 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
         _finish(s)
 
 
+def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_whole_when_it_was_evicted(
+        smol_loaded):
+    """KV over gRPC, two routers, one decode worker with a small KV cache. A chat's next turn (via
+    router 0, which saw the last one) is handed over without the KV of the last turn's prompt and
+    completion, which the decode worker holds: fewer bytes, the same tokens as the whole handoff
+    (under another salt). Then router 1's traffic evicts that prefix from the decode worker;
+    router 0 still expects it, so the next turn's partial KV is refused (FAILED_PRECONDITION)
+    and sent whole, and the request is served all the same."""
+    s = _start(routers=2, kv_transport="grpc", kv_cache_bytes=40 << 20)
+    tok = smol_loaded.tokenizer
+    per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2's KV, fp32
+    try:
+        with Client(s.router_addresses[0]) as c, Client(s.router_addresses[1]) as other:
+            first = tok.encode("Partial: " + "plum pear fig " * 45)
+            a = c.generate(token_ids=first, max_tokens=8, ignore_eos=True, request_id="part-a", timeout=120)
+            assert c.get_request("part-a").kv_bytes == 64 + per_token * len(first)
+            turn = first + list(a.token_ids) + tok.encode(" And again, please.")
+            b = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="part-b", timeout=120)
+            ib = c.get_request("part-b")
+            held = (len(first) + 7) // 16 * 16  # its prompt's and all but its last token's blocks
+            assert (ib.kv_transport, ib.kv_bytes) == ("grpc", 64 + per_token * (len(turn) - held))
+            whole = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, cache_salt="x", request_id="part-bx",
+                               timeout=120)
+            assert c.get_request("part-bx").kv_bytes == 64 + per_token * len(turn)
+            assert list(whole.token_ids) == list(b.token_ids)
+            prefill = scrape(s.proc("prefill-0").metrics_address)
+            assert prefill["splitserve_kv_unsent_tokens_total"] == held
+            assert scrape(s.proc("decode-0").metrics_address)["splitserve_kv_shared_tokens_total"] >= held
+            for i in range(8):  # 72 blocks through the other router: the decode worker holds 54
+                other.generate(token_ids=tok.encode(f"Flood {i}: " + "stone river cloud " * 45), max_tokens=2,
+                               ignore_eos=True, cache_salt="flood", timeout=120)
+            turn2 = turn + list(b.token_ids) + tok.encode(" Once more.")
+            d = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, request_id="part-d", timeout=120)
+            assert c.get_request("part-d").kv_bytes == 64 + per_token * len(turn2)  # sent again, whole
+            assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == 1
+            assert scrape(s.proc("decode-0").metrics_address)[
+                'splitserve_kv_handoffs_refused_total{code=FAILED_PRECONDITION}'] == 1
+            again = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, cache_salt="y", timeout=120)
+            assert list(again.token_ids) == list(d.token_ids) and d.finish_reason == "length"
+    finally:
+        _finish(s)
+
+
 def test_unary_streaming_and_chat_forms(client, smol_loaded):
     tok = smol_loaded.tokenizer
     unary = client.generate("The three primary colors are", max_tokens=12)
@@ -1134,7 +1177,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
     seq.sampling.max_tokens = 4
     arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
-    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=1,
+    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=2,
               dtype="float32", fingerprint=_fingerprint(stack), host_id=dec["host_id"], transport="shm")
     cases = [
         ({"arena": "splitserve-nonexistent"}, "handle.arena"),
@@ -1145,6 +1188,8 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         ({"dtype": "bfloat16"}, "handle.dtype"),
         ({"length": 12}, "handle.length"),
         ({"num_tokens": 3}, "handle.num_tokens"),
+        ({"start_token": 4}, "handle.start_token"),
+        ({"start_token": 2}, "handle.length"),  # the length of all 4 tokens' KV, not of the last 2
         ({"host_id": "elsewhere/ipc"}, "handle.host_id"),
         ({"lease_deadline_unix": 1.0}, "lease"),
     ]

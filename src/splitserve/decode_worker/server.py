@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2
 
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.errors import CapacityError, InvalidRequestError
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
 from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert, grpc_server
@@ -483,9 +483,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid(f"handle.fingerprint: {h.fingerprint!r} is not this worker's model ({self.engine.fingerprint})")
         if h.num_tokens < 1 or h.num_tokens != len(seq.token_ids) - 1:
             raise Invalid(f"handle.num_tokens: {h.num_tokens} does not match the sequence ({len(seq.token_ids)} tokens)")
-        need = payload_nbytes(self.engine.model.shape, h.num_tokens)
+        if h.start_token >= h.num_tokens:
+            raise Invalid(f"handle.start_token: {h.start_token} leaves none of the {h.num_tokens} tokens of KV")
+        need = payload_nbytes(self.engine.model.shape, h.num_tokens, h.start_token)
         if h.length != need:
-            raise Invalid(f"handle.length: {h.length} bytes, {h.num_tokens} tokens of KV are {need}")
+            raise Invalid(f"handle.length: {h.length} bytes, tokens {h.start_token}..{h.num_tokens} of KV are {need}")
         if h.lease_deadline_unix and h.lease_deadline_unix < time.time():
             raise Invalid("handle.lease_deadline_unix: the lease has expired")
         if transport == "shm" and h.host_id != self.host:
@@ -517,10 +519,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while True:
                 if not any(r < rank for r in self.adopt_waiting):
                     try:
-                        first = await self.runner.submit(lambda e: e.import_kv(export, payload, slot.priority))
+                        first, shared = await self.runner.submit(lambda e: self._import(e, export, payload, slot.priority))
                         break
                     except CapacityError:
                         pass
+                    except KVPrefixMissing as e:  # the producer sends it whole
+                        raise FailedPrecondition(f"handle.start_token: {e}") from None
                     except InvalidRequestError as e:  # the request can never run here (max_tokens too big)
                         self._end_with_error(slot, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                         raise
@@ -551,9 +555,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.first_token_at = seq.prefill_end_unix
         self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
         self.metrics.kv_bytes.labels(h.transport).inc(h.length)
+        self.metrics.kv_shared_tokens.inc(shared)
         ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
                                 "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
-                                "splitserve.kv.adopt_ms": adopt_s * 1000})
+                                "splitserve.kv.adopt_ms": adopt_s * 1000, "splitserve.kv.start_token": h.start_token,
+                                "splitserve.kv.shared_tokens": shared})
         self._start_decode_span(slot)
         if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
             self._on_output(slot, first)
@@ -563,6 +569,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             "kv_transport": h.transport, "kv_bytes": h.length,
         })))
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
+
+    @staticmethod
+    def _import(engine, export, payload, priority: int) -> tuple:
+        """Engine thread: adopt the KV; (its first output, the tokens whose KV was cached here already)."""
+        first = engine.import_kv(export, payload, priority)
+        return first, engine.seqs[export.request_id].num_shared_on_import
 
     # -- registry -----------------------------------------------------------------------
 

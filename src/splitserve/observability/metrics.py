@@ -200,6 +200,10 @@ class PrefillMetrics(EngineMetrics):
         self.kv_seconds = self.h("kv_transfer_seconds", "KV handoff: prefill done -> PutKV answered",
                                  PART_BUCKETS, ["transport"])
         self.kv_size = self.h("kv_transfer_size_bytes", "KV bytes per handoff", BYTES_BUCKETS, ["transport"])
+        self.kv_unsent = self.c("kv_unsent_tokens", "Prompt tokens whose KV was not sent as bytes (gRPC): the decode "
+                                "worker held them in its prefix cache")
+        self.kv_resent = self.c("kv_resent_whole", "Handoffs sent again whole: the decode worker held less of the "
+                                "prompt's prefix than expected")
         self.arena_used = self.g("arena_used_bytes", "Shared-memory arena bytes held by handoffs in flight")
         self.arena_size = self.g("arena_size_bytes", "Shared-memory arena size")
 
@@ -213,6 +217,8 @@ class DecodeMetrics(EngineMetrics):
                                     "for included)", PART_BUCKETS, ["transport"])
         self.kv_bytes = self.c("kv_received_bytes", "KV bytes adopted from prefill workers", ["transport"])
         self.handoffs_refused = self.c("kv_handoffs_refused", "PutKV calls refused, by gRPC status", ["code"])
+        self.kv_shared_tokens = self.c("kv_shared_tokens", "Tokens of adopted KV already in this worker's prefix "
+                                       "cache: their blocks are shared, not filled again")
         self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")
         self.first_tokens = self.c("first_tokens", "First tokens sent on Decode streams, by where they came from: "
                                    "stream (FirstTokens), call (FirstToken), kv (with the KV: no token came "

@@ -31,7 +31,8 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError
-from splitserve.engine.kv_transfer import KVExport
+from splitserve.engine import kv_transfer
+from splitserve.engine.kv_transfer import KVExport, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
@@ -496,24 +497,27 @@ class PrefillWorker:
                     transport = "shm" if job.decode_host_id == self.host and off is not None else "grpc"
                 if off is None:
                     transport = "grpc"
-                span.set_attributes({"splitserve.kv.transport": transport, "splitserve.kv.bytes": export.nbytes,
-                                     "splitserve.kv.tokens": export.num_tokens})
-                handle = w_pb.KVHandle(
-                    arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=export.nbytes,
-                    num_tokens=export.num_tokens, layout_version=export.layout_version, dtype=export.dtype,
-                    fingerprint=export.fingerprint, producer=self.address, host_id=self.host,
-                    lease_deadline_unix=time.time() + HANDOFF_LEASE_S, transport=transport,
-                )
-                req = w_pb.PutKVRequest(sequence=seq, handle=handle)
-                if transport == "shm":
-                    stub.PutKV(req, timeout=HANDOFF_LEASE_S + 5)
-                else:
-                    stub.PutKVStream(self._chunks(req, view), timeout=HANDOFF_LEASE_S + 5)
+                # Bytes leave out the KV the decode worker is expected to hold (prefix affinity).
+                start = min(job.decode_cached_tokens, export.num_tokens - 1) if transport == "grpc" else 0
+                span.set_attribute("splitserve.kv.transport", transport)
+                try:
+                    nbytes = self._put(stub, seq, export, off, view, transport, start)
+                except grpc.RpcError as e:
+                    if not start or e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    log.info("%s: decode worker %s holds less of the prompt than expected (%s); sending it whole",
+                             job.request_id, job.decode_worker, e.details())
+                    self.metrics.kv_resent.inc()
+                    start = 0
+                    nbytes = self._put(stub, seq, export, off, view, transport, start)
                 secs = time.time() - fl.t_end
-                span.set_attribute("splitserve.kv.gbps", export.nbytes / max(secs, 1e-9) / 1e9)
-                self.metrics.kv_bytes.labels(transport).inc(export.nbytes)
+                span.set_attributes({"splitserve.kv.transport": transport, "splitserve.kv.bytes": nbytes,
+                                     "splitserve.kv.tokens": export.num_tokens, "splitserve.kv.start_token": start,
+                                     "splitserve.kv.gbps": nbytes / max(secs, 1e-9) / 1e9})
+                self.metrics.kv_unsent.inc(start)
+                self.metrics.kv_bytes.labels(transport).inc(nbytes)
                 self.metrics.kv_seconds.labels(transport).observe(secs)
-                self.metrics.kv_size.labels(transport).observe(export.nbytes)
+                self.metrics.kv_size.labels(transport).observe(nbytes)
             span.set_attribute("rpc.grpc.status_code", 0)
         except grpc.RpcError as e:
             span.set_attribute("rpc.grpc.status_code", e.code().value[0])
@@ -578,12 +582,44 @@ class PrefillWorker:
             if channel is not None:
                 channel.close()
 
-    def _chunks(self, req: w_pb.PutKVRequest, view: memoryview):
+    def _put(self, stub, seq: w_pb.SequenceState, export, off: int | None, view, transport: str, start: int) -> int:
+        """Hand over the KV of tokens [start, n) (start: see KVHandle.start_token): a handle to the
+        region (shm) or the bytes (grpc). Returns the bytes of KV the decode worker reads."""
+        n = export.num_tokens
+        nbytes = payload_nbytes(self.engine.model.shape, n, start)
+        handle = w_pb.KVHandle(
+            arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=nbytes,
+            num_tokens=n, layout_version=export.layout_version, dtype=export.dtype,
+            fingerprint=export.fingerprint, producer=self.address, host_id=self.host,
+            lease_deadline_unix=time.time() + HANDOFF_LEASE_S, transport=transport, start_token=start,
+        )
+        req = w_pb.PutKVRequest(sequence=seq, handle=handle)
+        if transport == "shm":
+            stub.PutKV(req, timeout=HANDOFF_LEASE_S + 5)
+        else:
+            pieces = [view] if not start else kv_transfer.part(self.engine.model, view, n, start)
+            stub.PutKVStream(self._chunks(req, pieces), timeout=HANDOFF_LEASE_S + 5)
+        return nbytes
+
+    def _chunks(self, req: w_pb.PutKVRequest, pieces: list):
+        """The payload (its pieces, in order) in messages of kv_chunk_bytes, the first with the header."""
         step = self.s.kv_chunk_bytes
-        n = len(view)
-        yield w_pb.KVChunk(header=req, data=bytes(view[: min(step, n)]))
-        for i in range(step, n, step):
-            yield w_pb.KVChunk(data=bytes(view[i : i + step]))
+        header: w_pb.PutKVRequest | None = req
+        parts: list = []
+        size = 0
+        for piece in pieces:
+            piece = memoryview(piece)
+            at = 0
+            while at < len(piece):
+                take = min(step - size, len(piece) - at)
+                parts.append(piece[at : at + take])
+                at += take
+                size += take
+                if size == step:
+                    yield w_pb.KVChunk(header=header, data=b"".join(parts))
+                    header, parts, size = None, [], 0
+        if parts or header is not None:
+            yield w_pb.KVChunk(header=header, data=b"".join(parts))
 
     def _stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub

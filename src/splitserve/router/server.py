@@ -648,7 +648,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         decode_worker=worker.worker_id, decode_address=worker.address, decode_epoch=worker.epoch,
                         decode_host_id=worker.host_id, deadline_unix=deadline,
                         traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
-                        priority=request.priority, cache_salt=request.cache_salt,
+                        priority=request.priority, cache_salt=request.cache_salt, decode_cached_tokens=expect_cached,
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.

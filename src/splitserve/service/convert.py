@@ -112,4 +112,5 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         dtype=handle.dtype,
         nbytes=handle.length,
         cache_salt=seq.cache_salt,
+        start=handle.start_token,
     )

@@ -363,6 +363,9 @@ class Job:
     priority: int = 0  # < 0 high, 0 normal, > 0 low: picks the stream (Keys.stream_for)
     decode_epoch: str = ""  # the decode worker's run, as the router found it registered
     cache_salt: str = ""  # GenerateRequest.cache_salt
+    # prefix affinity: the prompt tokens the router expects the decode worker to hold in its prefix
+    # cache; KV sent as bytes (gRPC) leaves them out (KVHandle.start_token)
+    decode_cached_tokens: int = 0
 
     def to_json(self) -> str:
         # vars, not asdict: asdict deep-copies token_ids first (~0.2 ms at 300 tokens, on the TTFT path)
@@ -380,6 +383,9 @@ class Job:
             raise ValueError(f"job is missing {', '.join(missing)}")
         if not isinstance(d.get("cache_salt", ""), str):  # an int would pass for a prefix cache entry
             raise ValueError("job's cache_salt is not a string")
+        cached = d.get("decode_cached_tokens", 0)
+        if type(cached) is not int or cached < 0:
+            raise ValueError("job's decode_cached_tokens is not a count of tokens")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:
