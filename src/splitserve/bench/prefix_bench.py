@@ -32,6 +32,13 @@ chat's earlier prompt, and its whole KV is handed over). --requests chats at onc
 its turns one after another; runs alternate between the stacks, each under a salt of its own
 (a cold cache). Measured: wall time, TTFT of the turns after the first (p50, p90), the prompt
 tokens found in a cache, and how many turns their decode worker prefilled.
+
+--partial-kv: the same chats through two stacks of 1 prefill and 1 decode worker that hand KV
+over as bytes (kv_transport grpc; local_prefill_max_tokens 0, so every turn goes to the prefill
+worker): "partial" (prefix affinity on: the KV of a chat's last turn, which the decode worker
+holds, is not sent) and "whole" (prefix_affinity_slack -1: all of it is). With one decode
+worker both place every turn alike; they differ only in the bytes sent. Measured besides: the
+KV bytes received (GetRequest's kv_bytes) and the later turns' KV transfer time (p50).
 """
 
 from __future__ import annotations
@@ -108,8 +115,9 @@ def service(args, convs: list) -> dict:
 
 
 def multi_turn(args, convs: list) -> dict:
-    """Chats of several turns through two stacks, with prefix affinity and without: see the
-    module's docstring."""
+    """Chats of several turns through two stacks: prefix affinity and without (--multi-turn), or
+    KV sent without what the decode worker holds and whole (--partial-kv); see the module's
+    docstring."""
     from splitserve.bench.service_bench import light_ttft_service
     from splitserve.client import Client
     from splitserve.service.settings import Settings
@@ -117,15 +125,21 @@ def multi_turn(args, convs: list) -> dict:
 
     base = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
                              prefix_caching=True)
-    configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
-               "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
+    if args.partial_kv:
+        grpc_kv = base.replace(kv_transport="grpc", local_prefill_max_tokens=0)
+        configs = {"partial": grpc_kv.replace(prefix_affinity_slack=8),
+                   "whole": grpc_kv.replace(prefix_affinity_slack=-1)}
+    else:
+        configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
+                   "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
     follow_ups = [c[1]["content"] for c in convs]
-    results: dict = {"mode": "multi-turn", "threads": args.threads, "turns": args.turns,
+    results: dict = {"mode": "partial-kv" if args.partial_kv else "multi-turn", "threads": args.threads,
+                     "turns": args.turns,
                      "local_prefill_max_tokens": args.local_tokens, "rounds": []}
     with contextlib.ExitStack() as es:
         clients = {}
         for name, settings in configs.items():
-            stack = es.enter_context(Stack(settings, prefill=1, decode=2))
+            stack = es.enter_context(Stack(settings, prefill=1, decode=1 if args.partial_kv else 2))
             clients[name] = es.enter_context(Client(stack.router_address))
             light_ttft_service(clients[name], 2, messages=convs[-1], cache_salt="warm-up")
 
@@ -159,13 +173,17 @@ def multi_turn(args, convs: list) -> dict:
                     "prefix_cache_tokens": sum(m.usage.cached_tokens for m in msgs),
                     "prefilled_by_decode_worker": sum(1 for i in infos if not i.prefill_worker),
                     "later_ttft_ms": later, "ttft_p50_ms": percentile(later, 50), "ttft_p90_ms": percentile(later, 90),
+                    "kv_bytes": sum(i.kv_bytes for i in infos),
+                    "later_kv_transfer_p50_ms": percentile(
+                        [m.timings.kv_transfer_ms for turns in got for _, m, _ in turns[1:]], 50),
                 }
                 t["output_tok_per_s"] = t["output_tokens"] / wall
                 print(f"round {r + 1} {name:>8}: {args.requests} chats x {args.turns} turns in {wall:.1f} s "
                       f"({t['output_tok_per_s']:.1f} tok/s); later turns' TTFT p50 {t['ttft_p50_ms']:.0f} ms, p90 "
                       f"{t['ttft_p90_ms']:.0f} ms; {t['prefix_cache_tokens']} of {t['prompt_tokens']} prompt tokens "
                       f"from a cache; {t['prefilled_by_decode_worker']} of {t['turns']} turns prefilled by their "
-                      f"decode worker", flush=True)
+                      f"decode worker; {t['kv_bytes'] / 1e6:.0f} MB of KV received, later turns' KV transfer "
+                      f"p50 {t['later_kv_transfer_p50_ms']:.1f} ms", flush=True)
             results["rounds"].append(rnd)
     return results
 
@@ -181,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--service", action="store_true", help="through a stack over gRPC (see above)")
     ap.add_argument("--multi-turn", action="store_true", help="chats of several turns, prefix affinity on and off")
+    ap.add_argument("--partial-kv", action="store_true",
+                    help="chats of several turns, KV as bytes without what the decode worker holds, and whole")
     ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per chat")
     ap.add_argument("--local-tokens", type=int, default=256,
                     help="--multi-turn: local_prefill_max_tokens of the affinity stack")
@@ -193,9 +213,10 @@ def main(argv=None) -> int:
 
     if args.turns < 2 or args.local_tokens < 1:
         ap.error("--turns must be >= 2 and --local-tokens >= 1")
-    if args.multi_turn:
+    if args.multi_turn or args.partial_kv:
         results = multi_turn(args, chats(args.workloads, max(args.requests, args.light + 1)))
-        on, off, ttft = "affinity", "by load", "later turns' TTFT p50"
+        on, off = ("partial", "whole") if args.partial_kv else ("affinity", "by load")
+        ttft = "later turns' TTFT p50"
     elif args.service:
         results = service(args, chats(args.workloads, max(args.requests, args.light + 1)))
         on, off, ttft = "cache on", "cache off", "light-load TTFT p50"
@@ -207,6 +228,12 @@ def main(argv=None) -> int:
     results["ttft_p50_ratio"] = statistics.median(b["ttft_p50_ms"] / a["ttft_p50_ms"] for a, b in pairs)
     print(f"{on} vs {off}, medians over {args.rounds} rounds: throughput {results['throughput_ratio']:.2f}x, "
           f"{ttft} {results['ttft_p50_ratio']:.2f}x lower")
+    if args.partial_kv:
+        results["kv_bytes_ratio"] = statistics.median(a["kv_bytes"] / b["kv_bytes"] for a, b in pairs)
+        results["kv_transfer_p50_ratio"] = statistics.median(
+            b["later_kv_transfer_p50_ms"] / a["later_kv_transfer_p50_ms"] for a, b in pairs)
+        print(f"KV received {results['kv_bytes_ratio']:.2f}x of whole; later turns' KV transfer p50 "
+              f"{results['kv_transfer_p50_ratio']:.2f}x lower")
     if args.out:
         write_results(args.out, results)
     return 0
