@@ -187,7 +187,8 @@ def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
         ({"dtype": "bfloat16"}, buf, "dtype"),
         ({}, buf[: len(buf) // 2], "payload is"),
         ({"num_tokens": export.num_tokens + 4}, buf, r"tokens 0\.\.\d+ need"),
-        ({"start": 16}, buf, "disagrees with the handle"),
+        ({"start": 16}, buf, "version 1 with start 16"),
+        ({"start": 16, "layout_version": 2}, buf, "header is not a splitserve v2"),
         ({"start": export.num_tokens}, buf, "start"),
     ]:
         bad = type(export)(**{**export.__dict__, **change})

@@ -303,6 +303,7 @@ def test_kv_sent_without_a_cached_prefix_is_adopted_where_the_prefix_is_cached_a
     whole, whole_payload = exported(prefill, "whole", prompt, params, salt="s")
     export, payload = exported(prefill, "r", prompt, params, start=64, salt="s")
     assert export.start == 64 and len(payload) == payload_nbytes(prefill.model.shape, 100, 64) < len(whole_payload)
+    assert (export.layout_version, whole.layout_version) == (2, 1)  # a whole one is read by the release before
     pieces = kv_transfer.part(prefill.model, whole_payload, 100, 64)
     assert b"".join(bytes(p) for p in pieces) == bytes(payload)
 

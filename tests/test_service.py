@@ -1013,8 +1013,9 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
 
         with Client(stack.router_address) as c:
             # the hog is as urgent as "high", so no handoff here may preempt it (see the next test)
+            # (salted: normal-0 starts with its prompt, and would share its blocks, needing only 6 more)
             hog = c.generate_stream(token_ids=ids[:480], max_tokens=540, ignore_eos=True, timeout=120, request_id="hog",
-                                    priority=-1)
+                                    priority=-1, cache_salt="hog")
             hog_tokens = []
 
             def drain_hog():
@@ -1177,7 +1178,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
     seq.sampling.max_tokens = 4
     arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
-    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=2,
+    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=1,
               dtype="float32", fingerprint=_fingerprint(stack), host_id=dec["host_id"], transport="shm")
     cases = [
         ({"arena": "splitserve-nonexistent"}, "handle.arena"),
@@ -1189,7 +1190,8 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         ({"length": 12}, "handle.length"),
         ({"num_tokens": 3}, "handle.num_tokens"),
         ({"start_token": 4}, "handle.start_token"),
-        ({"start_token": 2}, "handle.length"),  # the length of all 4 tokens' KV, not of the last 2
+        ({"start_token": 2}, "handle.start_token"),  # in layout version 1
+        ({"start_token": 2, "layout_version": 2}, "handle.length"),  # that of all 4 tokens' KV, not the last 2
         ({"host_id": "elsewhere/ipc"}, "handle.host_id"),
         ({"lease_deadline_unix": 1.0}, "lease"),
     ]

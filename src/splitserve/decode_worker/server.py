@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
-from splitserve.engine.kv_transfer import LAYOUT_VERSION, payload_nbytes
+from splitserve.engine.kv_transfer import LAYOUT_VERSIONS, layout_version, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service import convert, grpc_server
 from splitserve.service.arena import ArenaReader
@@ -475,8 +475,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Every field against this worker's model before a byte is read."""
         if h.transport != transport:
             raise Invalid(f"handle.transport: {h.transport!r} sent to the {transport} endpoint")
-        if h.layout_version != LAYOUT_VERSION:
-            raise Invalid(f"handle.layout_version: {h.layout_version} is not supported (this worker reads {LAYOUT_VERSION})")
+        if h.layout_version not in LAYOUT_VERSIONS:
+            raise Invalid(f"handle.layout_version: {h.layout_version} is not supported (this worker reads "
+                          f"{', '.join(map(str, LAYOUT_VERSIONS))})")
         if h.dtype != "float32":
             raise Invalid(f"handle.dtype: {h.dtype!r} is not float32")
         if h.fingerprint != self.engine.fingerprint:
@@ -485,6 +486,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid(f"handle.num_tokens: {h.num_tokens} does not match the sequence ({len(seq.token_ids)} tokens)")
         if h.start_token >= h.num_tokens:
             raise Invalid(f"handle.start_token: {h.start_token} leaves none of the {h.num_tokens} tokens of KV")
+        if h.layout_version != layout_version(h.start_token):
+            raise Invalid(f"handle.start_token: {h.start_token} in layout version {h.layout_version} (a payload without "
+                          f"its first tokens is version {layout_version(1)}, a whole one {layout_version(0)})")
         need = payload_nbytes(self.engine.model.shape, h.num_tokens, h.start_token)
         if h.length != need:
             raise Invalid(f"handle.length: {h.length} bytes, tokens {h.start_token}..{h.num_tokens} of KV are {need}")

@@ -8,11 +8,12 @@ Consumer (decode worker): ``LLMEngine.import_kv`` checks the header against its 
 model (``check``) before it reads a byte of the body, then copies the body into its
 paged pool (``load``). It never keeps a reference to the producer's buffer.
 
-Layout, version 2: a 64-byte little-endian header, then fp32 [layers, 2 (k, v), tokens,
-kv_heads, head_dim], C order. The body holds the KV of tokens [start, num_tokens): start is 0
-unless the consumer already holds the KV of the prompt's first start tokens in its prefix cache
-(then they are not sent; ``part`` cuts such a payload out of a whole one). Version 1 had no
-start field.
+Layout: a 64-byte little-endian header, then fp32 [layers, 2 (k, v), tokens, kv_heads,
+head_dim], C order. Version 1 holds the KV of every token. Version 2 adds a start field to the
+header, and its body holds the KV of tokens [start, num_tokens) only: the consumer already
+holds the first start in its prefix cache (``part`` cuts such a payload out of a whole one).
+A whole payload is written as version 1, so workers of the release before version 2 still
+read it (a rolling update).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from splitserve.engine.errors import KVImportError
 from splitserve.engine.params import SamplingParams
 
 MAGIC = b"SSKV"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 1  # a whole payload
+LAYOUT_VERSION_START = 2  # one without its first tokens' KV
+LAYOUT_VERSIONS = (LAYOUT_VERSION, LAYOUT_VERSION_START)
 DTYPE_F32 = 1
 DTYPE_NAMES = {DTYPE_F32: "float32"}
 # magic, version, dtype, layers, kv_heads, head_dim, tokens, fingerprint, start
@@ -59,8 +62,12 @@ def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
 
 def _header(model, n: int, start: int) -> bytes:
     shape = model.shape
-    return _HEADER.pack(MAGIC, LAYOUT_VERSION, DTYPE_F32, shape.num_layers, shape.num_kv_heads, shape.head_dim, n,
-                        model.fingerprint.encode(), start)
+    return _HEADER.pack(MAGIC, layout_version(start), DTYPE_F32, shape.num_layers, shape.num_kv_heads,
+                        shape.head_dim, n, model.fingerprint.encode(), start)
+
+
+def layout_version(start: int) -> int:
+    return LAYOUT_VERSION_START if start else LAYOUT_VERSION
 
 
 def _body(buf, shape, n: int) -> torch.Tensor:
@@ -98,6 +105,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         nbytes=nbytes,
         cache_salt=seq.cache_salt,
         start=start,
+        layout_version=layout_version(start),
     )
 
 
@@ -118,8 +126,11 @@ def part(model, payload, num_tokens: int, start: int) -> list:
 def check(model, export: KVExport, payload) -> None:
     """Refuse KV that does not belong to this model or does not match its own header."""
     shape = model.shape
-    if export.layout_version != LAYOUT_VERSION:
-        raise KVImportError(f"KV layout version {export.layout_version} is not {LAYOUT_VERSION}")
+    if export.layout_version not in LAYOUT_VERSIONS:
+        raise KVImportError(f"KV layout version {export.layout_version} is not one of {LAYOUT_VERSIONS}")
+    if export.layout_version != layout_version(export.start):
+        raise KVImportError(f"KV layout version {export.layout_version} with start {export.start}: a whole payload is "
+                            f"version {LAYOUT_VERSION}, one without its first tokens {LAYOUT_VERSION_START}")
     if export.dtype != "float32":
         raise KVImportError(f"KV dtype {export.dtype!r} is not 'float32'")
     if export.fingerprint != model.fingerprint:
@@ -132,8 +143,10 @@ def check(model, export: KVExport, payload) -> None:
     if len(payload) < need:
         raise KVImportError(f"KV payload is {len(payload)} bytes, tokens {export.start}..{export.num_tokens} need {need}")
     magic, version, dtype, layers, heads, dim, n, fp, start = _HEADER.unpack_from(bytes(payload[: _HEADER.size]))
-    if magic != MAGIC or version != LAYOUT_VERSION or dtype != DTYPE_F32:
-        raise KVImportError(f"KV payload header is not a splitserve v{LAYOUT_VERSION} float32 layout")
+    if magic != MAGIC or version != export.layout_version or dtype != DTYPE_F32:
+        raise KVImportError(f"KV payload header is not a splitserve v{export.layout_version} float32 layout")
+    if version == LAYOUT_VERSION:  # no start field (its bytes may hold anything)
+        start = 0
     if (layers, heads, dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
         raise KVImportError(f"KV payload shape {(layers, heads, dim)} does not match this model")
     if n != export.num_tokens or start != export.start or fp.decode(errors="replace") != model.fingerprint:

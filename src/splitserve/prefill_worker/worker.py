@@ -503,10 +503,13 @@ class PrefillWorker:
                 try:
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 except grpc.RpcError as e:
-                    if not start or e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    # It holds less of the prompt than expected, or it is of a release that reads
+                    # only whole payloads (a rolling update): the whole KV, then.
+                    if not start or not (e.code() == grpc.StatusCode.FAILED_PRECONDITION or (
+                            e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in e.details())):
                         raise
-                    log.info("%s: decode worker %s holds less of the prompt than expected (%s); sending it whole",
-                             job.request_id, job.decode_worker, e.details())
+                    log.info("%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it "
+                             "whole", job.request_id, job.decode_worker, start, e.details())
                     self.metrics.kv_resent.inc()
                     start = 0
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
@@ -589,7 +592,7 @@ class PrefillWorker:
         nbytes = payload_nbytes(self.engine.model.shape, n, start)
         handle = w_pb.KVHandle(
             arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=nbytes,
-            num_tokens=n, layout_version=export.layout_version, dtype=export.dtype,
+            num_tokens=n, layout_version=kv_transfer.layout_version(start), dtype=export.dtype,
             fingerprint=export.fingerprint, producer=self.address, host_id=self.host,
             lease_deadline_unix=time.time() + HANDOFF_LEASE_S, transport=transport, start_token=start,
         )
