@@ -69,6 +69,13 @@ def _skipped(outcome: str) -> str:
     return {"expired": "expired", "local": "taken_back"}.get(outcome, "skipped_cancelled")
 
 
+def _wants_it_whole(e: grpc.RpcError) -> bool:
+    """A decode worker refused KV sent without its first tokens: it holds less of the prompt than
+    expected, or it is of a release that reads only whole payloads (a rolling update)."""
+    return e.code() == grpc.StatusCode.FAILED_PRECONDITION or (
+        e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in (e.details() or ""))
+
+
 def _retire(peer) -> None:
     """Close a replaced peer's channel once the calls its threads hold have ended."""
     for ex in peer.pools.values():
@@ -503,10 +510,7 @@ class PrefillWorker:
                 try:
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 except grpc.RpcError as e:
-                    # It holds less of the prompt than expected, or it is of a release that reads
-                    # only whole payloads (a rolling update): the whole KV, then.
-                    if not start or not (e.code() == grpc.StatusCode.FAILED_PRECONDITION or (
-                            e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in e.details())):
+                    if not start or not _wants_it_whole(e):
                         raise
                     log.info("%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it "
                              "whole", job.request_id, job.decode_worker, start, e.details())
@@ -514,7 +518,7 @@ class PrefillWorker:
                     start = 0
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 secs = time.time() - fl.t_end
-                span.set_attributes({"splitserve.kv.transport": transport, "splitserve.kv.bytes": nbytes,
+                span.set_attributes({"splitserve.kv.bytes": nbytes,
                                      "splitserve.kv.tokens": export.num_tokens, "splitserve.kv.start_token": start,
                                      "splitserve.kv.gbps": nbytes / max(secs, 1e-9) / 1e9})
                 self.metrics.kv_unsent.inc(start)
