@@ -29,10 +29,11 @@ from splitserve.engine.outputs import (
     FINISH_STOP,
     RequestOutput,
     StepStats,
+    TokenLogprob,
 )
 from splitserve.engine.padded import PaddedBatcher
 from splitserve.engine.params import check_context
-from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample
+from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample_with_logprobs
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer
@@ -272,7 +273,7 @@ class LLMEngine:
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
-        tokens = sample(logits, [self._sample_row(s.seq) for s in samplers])
+        tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
         stats.num_seqs = len(sched.scheduled)
         stats.request_ids = [s.seq.request_id for s in sched.scheduled]
@@ -285,8 +286,8 @@ class LLMEngine:
             s.seq.num_computed += s.num_tokens
             self.scheduler.cache_computed(s.seq)
         outputs = []
-        for s, tok in zip(samplers, tokens):
-            self.append_token(s.seq, tok)
+        for s, tok, lp in zip(samplers, tokens, logprobs):
+            self.append_token(s.seq, tok, lp)
             out = self._output(s.seq)
             if out is not None:
                 outputs.append(out)
@@ -357,9 +358,12 @@ class LLMEngine:
                 banned += tuple(self.eos_token_ids)
         return SampleRow(seq.params, seq.generator, banned)
 
-    def append_token(self, seq: Sequence, token: int) -> None:
-        """Add a sampled token to seq and finish it if a stop condition holds."""
+    def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Add a sampled token (and its log probability, when the request asks) to seq and finish it
+        if a stop condition holds."""
         seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         p = seq.params
         if seq.detok is not None:
             seq.text += seq.detok.push(token)
@@ -404,6 +408,7 @@ class LLMEngine:
         new_ids = seq.output_ids[seq.emitted_tokens :]
         if not new_ids and not finished:
             return None
+        logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else None
         seq.emitted_chars, seq.emitted_tokens = end, seq.num_output
         return RequestOutput(
             request_id=seq.request_id,
@@ -414,6 +419,7 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
             num_cached_tokens=seq.num_cached_tokens,
+            new_logprobs=logprobs,
         )
 
     # -- KV handoff -------------------------------------------------------------------------
@@ -464,6 +470,9 @@ class LLMEngine:
         if len(export.token_ids) != n + 1:
             raise KVImportError(f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)")
         self.validate(export.token_ids[: export.prompt_len], export.params)
+        if export.params.logprobs is not None and len(export.logprobs) != len(export.token_ids) - export.prompt_len:
+            raise KVImportError(f"{len(export.logprobs)} log probabilities for "
+                                f"{len(export.token_ids) - export.prompt_len} sampled tokens")
         pool = self.cache.pool
         # The blocks of its prefix already in the prefix cache are shared, not filled again (and
         # the first start tokens' KV, not sent, must be among them).
@@ -482,6 +491,7 @@ class LLMEngine:
         seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen,
                             export.cache_salt)
         seq.priority = priority
+        seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
         if seq.detok is not None:
             for tok in export.token_ids[export.prompt_len :]:
                 seq.text += seq.detok.push(tok)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ class KVExport:
     nbytes: int = 0
     cache_salt: str = ""  # its prefix cache root (Sequence.cache_salt)
     start: int = 0  # the body holds the KV of tokens [start, num_tokens)
+    logprobs: list = field(default_factory=list)  # TokenLogprob of the tokens sampled so far (params.logprobs set)
 
 
 def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
@@ -106,6 +107,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         cache_salt=seq.cache_salt,
         start=start,
         layout_version=layout_version(start),
+        logprobs=list(seq.logprobs),
     )
 
 

@@ -11,6 +11,18 @@ FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model (before temperature, top_k, top_p and
+    min_tokens' masking), its rank there (1 = the most likely) and the most likely tokens at its
+    position, most likely first: (token id, log probability) pairs, as many as the request asked."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one request since the last step that reported it."""
@@ -24,6 +36,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per new token
 
 
 @dataclass

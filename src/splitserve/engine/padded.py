@@ -19,7 +19,7 @@ import torch
 
 from splitserve.engine.cuda_graphs import GraphCaptureError, PaddedDecodeGraphs
 from splitserve.engine.outputs import StepStats
-from splitserve.engine.sampling import sample
+from splitserve.engine.sampling import sample_with_logprobs
 from splitserve.engine.sequence import Sequence, Status
 
 _PAD = 0
@@ -140,13 +140,13 @@ class PaddedBatcher:
         stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
         live = [i for i, a in enumerate(self.active) if a]
         t = time.perf_counter()
-        tokens = sample(logits[live], [engine._sample_row(self.rows[i]) for i in live])
+        tokens, logprobs = sample_with_logprobs(logits[live], [engine._sample_row(self.rows[i]) for i in live])
         stats.sample_time_s = time.perf_counter() - t
         outputs = []
-        for i, tok in zip(live, tokens):
+        for i, tok, lp in zip(live, tokens, logprobs):
             seq = self.rows[i]
             seq.num_computed = len(seq.token_ids)
-            engine.append_token(seq, tok)
+            engine.append_token(seq, tok, lp)
             out = engine._output(seq)
             if out is not None:
                 outputs.append(out)

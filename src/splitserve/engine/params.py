@@ -14,6 +14,7 @@ _MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default bound)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log probability and the k most likely
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -47,6 +49,8 @@ class SamplingParams:
             )
         if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
             raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")

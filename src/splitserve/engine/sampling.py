@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.outputs import TokenLogprob
 from splitserve.engine.params import SamplingParams
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -54,6 +55,32 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
         if not row.params.greedy:  # on the host: the request's generator is a CPU one, and travels with its KV
             out[i] = _sample_one(logits[i].cpu(), row.params, row.generator)
     return out
+
+
+def sample_with_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """sample(), and the log probability of each token picked for a row whose request asks for them
+    (None for the others): from the logits as the model gave them, before any row is masked."""
+    want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not want:
+        return sample(logits, rows), [None] * len(rows)
+    dist = torch.log_softmax(logits[want].float(), dim=-1)  # a copy: sample() masks rows in place
+    tokens = sample(logits, rows)
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    for i, lp in zip(want, token_logprobs(dist, [tokens[i] for i in want], [rows[i].params.logprobs for i in want])):
+        out[i] = lp
+    return tokens, out
+
+
+def token_logprobs(dist: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Each row's token's entry of dist (rows of log probabilities), its rank there (ties share the
+    best) and the row's ks[i] most likely, in one pass over the batch."""
+    chosen = dist.gather(1, torch.tensor(tokens, device=dist.device).view(-1, 1))
+    ranks = ((dist > chosen).sum(dim=1) + 1).tolist()
+    k = min(max(ks), dist.shape[1])
+    top_v, top_i = torch.topk(dist, k, dim=1) if k else (dist[:, :0], dist[:, :0].long())
+    top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.view(-1).tolist()
+    return [TokenLogprob(int(t), lp, rank, tuple(zip(ids[:n], vals[:n])))
+            for t, lp, rank, ids, vals, n in zip(tokens, chosen, ranks, top_i, top_v, ks)]
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -44,6 +44,7 @@ class Sequence:
     num_cache_blocks: int = 0  # leading blocks filed in the prefix cache (or taken from it)
     num_shared_on_import: int = 0  # imported: tokens whose KV was already in the prefix cache (not copied in)
     cache_salt: str = ""  # the root of its prefixes: only sequences with the same salt share cached KV
+    logprobs: list = field(default_factory=list)  # TokenLogprob of each output token, when params.logprobs is set
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
     def __post_init__(self) -> None:

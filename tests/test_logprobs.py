@@ -1,0 +1,137 @@
+"""Log probabilities of generated tokens (SamplingParams.logprobs), in the engine, checked against
+transformers' own forward over the whole sequence."""
+
+import math
+
+import pytest
+import torch
+from engine_helpers import exported, random_prompts
+
+from splitserve.engine.errors import InvalidRequestError, KVImportError
+from splitserve.engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """prompt, output -> the model's log probabilities at each output position ([len(output), vocab])."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+
+    def dist(prompt: list[int], output: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0]
+        return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) + len(output) - 1].float(), dim=-1)
+
+    return dist
+
+
+def collect(engine, outs=()) -> tuple[dict, dict, int]:
+    """Step until done (outs: those of steps already taken): request id -> its tokens, and -> its
+    TokenLogprobs (None: none were sent); and the preemptions."""
+    tokens, logprobs, preempted = {}, {}, 0
+    while True:
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.new_logprobs is None:
+                logprobs.setdefault(out.request_id, None)
+            else:
+                assert len(out.new_logprobs) == len(out.new_token_ids)
+                logprobs[out.request_id] = (logprobs.get(out.request_id) or []) + out.new_logprobs
+        if not engine.has_unfinished():
+            return tokens, logprobs, preempted
+        outs = engine.step()
+        preempted += engine.last_stats.num_preempted
+
+
+def check(dist: torch.Tensor, tokens: list[int], logprobs: list, k: int) -> None:
+    """Each TokenLogprob is its token's entry of the reference row, with its rank and the k most likely."""
+    assert [lp.token_id for lp in logprobs] == tokens
+    for row, lp in zip(dist, logprobs):
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
+        assert lp.rank == int((row > row[lp.token_id] + 1e-5).sum()) + 1
+        assert len(lp.top) == k
+        values, ids = torch.topk(row, k)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+        if k and lp.rank == 1:
+            assert lp.top[0][0] == lp.token_id
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
+def test_logprobs_are_the_models_distribution_under_every_policy(tiny_engine_factory, reference, policy):
+    eng = tiny_engine_factory(policy=policy)
+    prompts = random_prompts(5, seed=11)
+    # Greedy, random (temperature and top_k do not change what is reported: the model's own
+    # distribution), min_tokens masking EOS, a request without logprobs beside them.
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=10, temperature=1.5, top_k=7, seed=3, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=9, min_tokens=9, logprobs=0),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.7, top_p=0.8, seed=5, ignore_eos=True, logprobs=20),
+    ]
+    early = []
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+        if policy == "continuous" and i == 2:
+            early = eng.step()  # the rest join a running batch
+    tokens, logprobs, _ = collect(eng, early)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if sp.logprobs is None:
+            assert logprobs[f"r{i}"] is None
+            continue
+        check(reference(p, tokens[f"r{i}"]), tokens[f"r{i}"], logprobs[f"r{i}"], sp.logprobs)
+    # a random row's logprobs are not its tempered distribution's: some sampled tokens were not the most likely
+    assert any(lp.rank > 1 for lp in logprobs["r1"])
+
+
+def test_logprobs_travel_with_the_kv_and_survive_preemption(tiny_engine_factory, reference):
+    prefill = tiny_engine_factory()
+    decode = tiny_engine_factory(kv_cache_bytes=96 << 10)  # a handful of blocks: running sequences get preempted
+    prompt = random_prompts(1, seed=21, lo=40, hi=41)[0]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=2)
+    export, payload = exported(prefill, "h", prompt, sp)
+    assert len(export.logprobs) == 1 and export.logprobs[0].token_id == export.token_ids[-1]
+    first = decode.import_kv(export, payload)
+    assert first.new_logprobs == export.logprobs  # the producer's, sent on as the first token's
+    for i, p in enumerate(random_prompts(3, seed=22, lo=30, hi=40)):
+        decode.add_request(f"other-{i}", p, SamplingParams(max_tokens=30, ignore_eos=True, logprobs=1))
+    tokens, logprobs, preempted = collect(decode)
+    assert preempted  # recomputed sequences keep the log probabilities of the tokens they had
+    full = first.new_token_ids + tokens["h"]
+    check(reference(prompt, full), full, first.new_logprobs + logprobs["h"], 2)
+    for i, p in enumerate(random_prompts(3, seed=22, lo=30, hi=40)):
+        check(reference(p, tokens[f"other-{i}"]), tokens[f"other-{i}"], logprobs[f"other-{i}"], 1)
+
+
+def test_kv_whose_logprobs_do_not_match_its_tokens_is_refused(tiny_engine_factory):
+    prefill, decode = tiny_engine_factory(), tiny_engine_factory()
+    export, payload = exported(prefill, "h", random_prompts(1, seed=4)[0], SamplingParams(max_tokens=4, logprobs=1))
+    export.logprobs = []
+    with pytest.raises(KVImportError, match="log probabilities"):
+        decode.import_kv(export, payload)
+    assert not decode.seqs
+
+
+@pytest.mark.parametrize("value", [-1, 21])
+def test_logprobs_out_of_range_name_the_field(value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(logprobs=value)
+    assert e.value.field == "sampling.logprobs" and "20" in str(e.value)
+
+
+def test_logprobs_are_log_probabilities():
+    from splitserve.engine.sampling import SampleRow, sample_with_logprobs
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [5.0, 5.0, 0.0, -1.0]])
+    rows = [SampleRow(SamplingParams(logprobs=2), None), SampleRow(SamplingParams(logprobs=0), None, banned=(0,))]
+    tokens, lps = sample_with_logprobs(logits, rows)
+    assert tokens == [3, 1]  # the second row's best is banned (min_tokens): token 1
+    z = math.log(sum(math.exp(v) for v in (0.0, 1.0, 2.0, 3.0)))
+    assert lps[0].logprob == pytest.approx(3.0 - z) and lps[0].rank == 1
+    assert [t for t, _ in lps[0].top] == [3, 2] and lps[0].top[1][1] == pytest.approx(2.0 - z)
+    # reported from the unmasked row: token 0 ties token 1 for the best, so 1 ranks first too
+    assert lps[1].logprob == pytest.approx(math.log(math.exp(5) / (2 * math.exp(5) + 1 + math.exp(-1))))
+    assert lps[1].rank == 1 and lps[1].top == ()
