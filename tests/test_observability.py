@@ -306,6 +306,11 @@ def test_generate_command_streams_and_names_the_bad_field(stack):
                             "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == ref.text, again.stderr
     assert "replayed: the recorded result of this finished request_id" in again.stderr
+    lp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
+                        capture_output=True, text=True, timeout=120)
+    rows = re.findall(r"^(\d+)\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$", lp.stderr, re.M)
+    assert lp.returncode == 0 and [int(r[0]) for r in rows] == list(ref.token_ids[:3]), lp.stderr
+    assert all(float(r[1]) <= 0 and r[2] == "1" and r[3] == r[0] for r in rows)  # greedy: each the most likely
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
 

@@ -80,6 +80,34 @@ def reference_outputs(smol_loaded, reference_prompts):
                         [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reference_prompts])
 
 
+# A seeded random request asking for the 3 most likely tokens at each position (the logprobs tests)
+LOGPROBS_KW = dict(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(smol_loaded):
+    """(prompt, tokens, TokenLogprobs) of LOGPROBS_KW's request, from the in-process engine."""
+    ids = smol_loaded.tokenizer.encode("The capital of France is")
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    eng.add_request("lp", ids, SamplingParams(**LOGPROBS_KW))
+    tokens, logprobs = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.extend(out.new_token_ids)
+            logprobs.extend(out.new_logprobs)
+    return ids, tokens, logprobs
+
+
+def _same_logprobs(got, tokens: list[int], want) -> None:
+    """The service's TokenLogprob messages against the in-process engine's."""
+    assert [lp.token_id for lp in got] == tokens and len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.logprob == pytest.approx(w.logprob, abs=2e-3)
+        assert g.rank == w.rank
+        assert [t.token_id for t in g.top_logprobs] == [t for t, _ in w.top]
+        assert [t.logprob for t in g.top_logprobs] == pytest.approx([v for _, v in w.top], abs=2e-3)
+
+
 def _concurrent_generate(address, prompts):
     with Client(address) as c, cf.ThreadPoolExecutor(len(prompts)) as ex:
         futs = [ex.submit(c.generate, token_ids=p, max_tokens=n, ignore_eos=True, timeout=300) for p, n in prompts]
@@ -113,7 +141,8 @@ def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, refe
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_colocated_equals_in_process_and_cancels_free_everything(policy, reference_prompts, reference_outputs):
+def test_colocated_equals_in_process_and_cancels_free_everything(policy, reference_prompts, reference_outputs,
+                                                                 reference_logprobs):
     # No prefill workers: the decode worker prefills (chunked, or padded batches for static).
     s = _start(mode="colocated", policy=policy, prefill=0, max_queue_requests=64, max_queue_tokens=1 << 20)
     try:
@@ -134,6 +163,8 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
                       for _ in range(2)]
             assert [list(r.token_ids) for r in salted] == [out0] * 2
             assert [r.usage.cached_tokens for r in salted] == [0, again.usage.cached_tokens]
+            ids, tokens, want = reference_logprobs
+            _same_logprobs(c.generate(token_ids=ids, timeout=300, **LOGPROBS_KW).logprobs, tokens, want)
             stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="co-cancel")
             for i, _ in enumerate(stream):
                 if i == 3:
@@ -336,6 +367,8 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "stop": [f"s{i}" for i in range(33)]}, "sampling.stop"),
         ({"prompt": "hi", "stop": ["ok", "x" * 513]}, "sampling.stop[1]"),
         ({"prompt": "hi", "stop_token_ids": [2] * 1025}, "sampling.stop_token_ids"),
+        ({"prompt": "hi", "logprobs": 21}, "sampling.logprobs"),
+        ({"prompt": "hi", "logprobs": -1}, "sampling.logprobs"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
@@ -1208,6 +1241,11 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         with pytest.raises(grpc.RpcError) as e:
             put()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.prompt_len" in e.value.details()
+    lacking = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
+    lacking.sampling.logprobs = 2  # asked for, but not given for the token sampled
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PutKV(w.PutKVRequest(sequence=lacking, handle=w.KVHandle(**ok)), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.logprobs" in e.value.details()
     # Handoffs for a request with no open stream: NOT_FOUND once its stream has not opened in
     # time (all three at once: each waits for it up to STREAM_WAIT_S).
     nobody = [stub.PutKV.future(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
@@ -1940,6 +1978,29 @@ def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_with
         with pytest.raises(grpc.RpcError) as e:
             client.generate(prompt, request_id="kept", timeout=60, **changed)
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details(), changed
+
+
+def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stack, client, other_router,
+                                                                            reference_logprobs):
+    """The first token's (sampled by the prefill worker, sent ahead of the KV) and the decode
+    worker's: one per token in every message, the model's own distribution as the in-process
+    engine gives it; kept for a replay; none unless asked."""
+    ids, tokens, want = reference_logprobs
+    chunks = list(client.generate_stream(token_ids=ids, timeout=120, **LOGPROBS_KW))
+    assert len(chunks) >= 2 and len(chunks[0].token_ids) == 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    _same_logprobs([lp for c in chunks for lp in c.logprobs], tokens, want)
+    whole = client.generate(token_ids=ids, request_id="lp-kept", timeout=120, **LOGPROBS_KW)
+    _same_logprobs(whole.logprobs, tokens, want)
+    again = other_router.generate(token_ids=ids, request_id="lp-kept", timeout=120, **LOGPROBS_KW)
+    assert again.replayed and list(again.logprobs) == list(whole.logprobs)
+    # finished by the prefill worker's token (no KV handoff): its log probability still comes
+    one = client.generate(token_ids=ids, timeout=120, **{**LOGPROBS_KW, "max_tokens": 1, "logprobs": 0})
+    assert one.finish_reason == "length" and len(one.logprobs) == 1
+    assert one.logprobs[0].token_id == tokens[0] and not one.logprobs[0].top_logprobs
+    assert one.logprobs[0].logprob == pytest.approx(want[0].logprob, abs=2e-3)
+    plain = client.generate(token_ids=ids, timeout=120, **{**LOGPROBS_KW, "logprobs": None})
+    assert list(plain.token_ids) == tokens and len(plain.logprobs) == 0
 
 
 def test_async_client_streams_and_generates(stack, client):

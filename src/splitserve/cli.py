@@ -133,7 +133,7 @@ def _generate(args) -> int:
             address = json.load(f)["router"]
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
-              cache_salt=args.cache_salt)
+              cache_salt=args.cache_salt, logprobs=args.logprobs)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -141,8 +141,15 @@ def _generate(args) -> int:
         prompt = args.prompt
     with Client(address) as c:
         try:
+            logprobs = []
             for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
                 print(chunk.text, end="", flush=True)
+                logprobs.extend(chunk.logprobs)
+                if chunk.finish_reason and logprobs:
+                    print("\n[token id, log probability, rank; the most likely at its position]", file=sys.stderr)
+                    for lp in logprobs:
+                        top = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
+                        print(f"{lp.token_id}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
                 if chunk.finish_reason:
                     when = ("replayed: the recorded result of this finished request_id" if chunk.replayed
                             else f"TTFT {chunk.timings.ttft_ms:.0f} ms")
@@ -252,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each token's log probability, its rank and the K most likely (0-20)")
     p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
     p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
     p.add_argument("--cache-salt", default="", help="share cached prompt prefixes only with requests of this salt")

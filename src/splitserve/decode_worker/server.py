@@ -268,6 +268,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.completion_tokens = out.num_output_tokens
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
+            logprobs=convert.logprobs_to_pb(out.new_logprobs),
         )
         if not slot.first_sent or out.finished:
             ev.timings.CopyFrom(gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms,
@@ -377,7 +378,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.events.put_nowait(w_pb.DecodeEvent(
             token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
-            first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens,
+            first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens, logprobs=request.logprobs,
         ))
 
     # -- Fail ---------------------------------------------------------------------------
@@ -469,6 +470,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.prompt_tokens and seq.prompt_len != slot.prompt_tokens:  # another request's KV, or a bad producer
             raise Invalid(f"sequence.prompt_len: {seq.prompt_len} tokens, but request {seq.request_id!r} has a "
                           f"{slot.prompt_tokens}-token prompt")
+        sampled = len(seq.token_ids) - seq.prompt_len
+        if seq.sampling.HasField("logprobs") and len(seq.logprobs) != sampled:
+            raise Invalid(f"sequence.logprobs: {len(seq.logprobs)} given for {sampled} sampled tokens")
         return slot
 
     def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:
@@ -506,7 +510,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
-        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out)))
+        logprobs = convert.logprobs_from_pb(seq.logprobs) if seq.sampling.HasField("logprobs") else None
+        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out),
+                                            new_logprobs=logprobs))
         return w_pb.PutKVResponse()
 
     async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import sys
 import time
@@ -79,6 +80,19 @@ def fingerprint(request: gen_pb.GenerateRequest) -> str:
     r.CopyFrom(request)
     r.request_id = ""
     return hashlib.blake2b(r.SerializeToString(deterministic=True), digest_size=12).hexdigest()
+
+
+def logprobs_to_text(logprobs) -> str:
+    """A finished request's log probabilities as they are kept for its replay: JSON, since the
+    request hash is read whole and decoded as text (GetRequest)."""
+    return json.dumps([[lp.token_id, lp.logprob, lp.rank, [[t.token_id, t.logprob] for t in lp.top_logprobs]]
+                       for lp in logprobs], separators=(",", ":"))
+
+
+def logprobs_from_text(raw: bytes) -> list[gen_pb.TokenLogprob]:
+    return [gen_pb.TokenLogprob(token_id=t, logprob=lp, rank=rank,
+                                top_logprobs=[gen_pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
+            for t, lp, rank, top in json.loads(raw)]
 
 
 def _aborted_first(rid: str) -> Cancelled:
@@ -520,16 +534,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _recorded(self, rid: str, attempt: str) -> gen_pb.GenerateResponse | None:
         """The result a finished attempt left in its hash (_mark), as its replay; None if it left none."""
-        tokens, text, reason, n_prompt, n_out, n_cached = await self.redis.hmget(
+        tokens, text, reason, n_prompt, n_out, n_cached, logprobs = await self.redis.hmget(
             self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
-            "completion_tokens", "cached_tokens")
+            "completion_tokens", "cached_tokens", "result_logprobs")
         if tokens is None:
             return None
         return gen_pb.GenerateResponse(
             request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
             finish_reason=(reason or b"").decode(), replayed=True,
             usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0),
-                               cached_tokens=int(n_cached or 0)))
+                               cached_tokens=int(n_cached or 0)),
+            logprobs=logprobs_from_text(logprobs) if logprobs else ())
 
     async def _latest(self, rid: str) -> str:
         """The id of a request_id's latest attempt."""
@@ -634,8 +649,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = 0  # completion tokens streamed so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         generated: list[int] = []  # the completion's tokens (prefix affinity: a next turn's prompt starts so)
-        # tokens, texts: kept for a replay (_attempt)
-        result = ([], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
+        # tokens, texts, log probabilities: kept for a replay (_attempt)
+        result = ([], [], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
         marked = False  # the end recorded (_mark) already
         with dec:
             try:
@@ -714,6 +729,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if result is not None:
                             result[0].extend(ev.token_ids)
                             result[1].append(ev.text)
+                            result[2].extend(ev.logprobs)
                             if ev.finish_reason and ev.finish_reason != "cancelled":
                                 # Recorded before the client has the last message, so that a re-send
                                 # following it finds the request finished (its replay), not running.
@@ -828,6 +844,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if result is not None:
             # As text: the hash is read whole and decoded (GetRequest).
             mapping.update(result_tokens=",".join(map(str, result[0])), result_text="".join(result[1]))
+            if result[2]:
+                mapping["result_logprobs"] = logprobs_to_text(result[2])
         if error:
             mapping["error"] = error
         try:
@@ -906,7 +924,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             with self._server_span("GenerateStream", context) as rs:
                 try:
                     async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
-                        resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text)
+                        resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text,
+                                                       logprobs=ev.logprobs)
                         if t_first is None and ev.token_ids:
                             t_first = time.perf_counter()
                             rs.span.add_event("first_token")
@@ -936,6 +955,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             t_first = time.perf_counter()
                             rs.span.add_event("first_token")
                         resp.token_ids.extend(ev.token_ids)
+                        resp.logprobs.extend(ev.logprobs)
                         text.append(ev.text)
                         if ev.finish_reason:
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)

@@ -6,6 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.outputs import TokenLogprob
 from splitserve.engine.params import SamplingParams, check_stop_counts
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -29,6 +30,7 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         stop_token_ids=tuple(sp.stop_token_ids),
         min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
     )
 
 
@@ -39,7 +41,20 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     )
     if p.seed is not None:
         sp.seed = p.seed
+    if p.logprobs is not None:
+        sp.logprobs = p.logprobs
     return sp
+
+
+def logprobs_to_pb(logprobs) -> list[gen_pb.TokenLogprob]:
+    return [gen_pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                top_logprobs=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in logprobs or ()]
+
+
+def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+            for lp in logprobs]
 
 
 def check_request_id(request_id: str, required: bool = False) -> None:
@@ -94,6 +109,7 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
         prefill_ms=prefill_ms,
         traceparent=traceparent,
         cache_salt=export.cache_salt,
+        logprobs=logprobs_to_pb(export.logprobs),
     )
 
 
@@ -113,4 +129,5 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         nbytes=handle.length,
         cache_salt=seq.cache_salt,
         start=handle.start_token,
+        logprobs=logprobs_from_pb(seq.logprobs),
     )

@@ -389,7 +389,9 @@ class Job:
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:
-        d = dict(self.sampling)
+        """Sampling fields this version does not know are left out (a newer router may add some)."""
+        known = {f.name for f in fields(SamplingParams)}
+        d = {k: v for k, v in self.sampling.items() if k in known}
         d["stop"] = tuple(d.get("stop", ()))
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
         return SamplingParams(**d)
