@@ -23,10 +23,11 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.sampling import SamplingParams
 
 
-def run_workload(engine: LLMEngine, items: list[WorkItem]) -> dict:
+def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int | None = None) -> dict:
     start = time.perf_counter()
     for it in items:
-        engine.add_request(it.id, it.prompt_token_ids, SamplingParams(max_tokens=it.max_tokens, ignore_eos=True))
+        engine.add_request(it.id, it.prompt_token_ids,
+                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, logprobs=logprobs))
     done: dict[str, float] = {}
     first: dict[str, float] = {}
     tokens = 0
@@ -91,6 +92,21 @@ def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: i
     return running / percentile(times, 50)
 
 
+def logprobs_cost(engine: LLMEngine, items: list[WorkItem], k: int, rounds: int) -> dict:
+    """The same requests without and with log probabilities (k most likely), alternated so that
+    neither side gets the machine's quieter minutes; output tok/s of each run, and per-round ratios.
+    The engine has no prefix cache, so every run computes its prompts."""
+    run_workload(engine, items[:4])  # warm-up
+    runs: dict[str, list[float]] = {"without": [], "with": []}
+    for r in range(rounds):
+        for side in ("without", "with") if r % 2 == 0 else ("with", "without"):
+            runs[side].append(run_workload(engine, items, k if side == "with" else None)["output_tok_per_s"])
+            print(f"round {r + 1}, {side:>7} logprobs: {runs[side][-1]:6.1f} tok/s", flush=True)
+    ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
+    return {"k": k, "requests": len(items), "output_tok_per_s": runs, "ratios": ratios,
+            "median_ratio": percentile(ratios, 50)}
+
+
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
@@ -128,6 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
     ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
     ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
+    ap.add_argument("--logprobs-cost", type=int, default=None, metavar="K",
+                    help="only measure the cost of asking for log probabilities (K most likely), continuous policy, "
+                         "the first 32 mixed requests with and without, alternated over --rounds")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -140,6 +160,14 @@ def main(argv=None) -> int:
     results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device,
                "cuda_graphs": args.device != "cpu" and not args.eager, "policies": {}}
     torch.set_num_threads(base.threads())
+    if args.logprobs_cost is not None:
+        cost = results["logprobs_cost"] = logprobs_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
+                                                        mixed[:n_mixed],
+                                                        args.logprobs_cost, args.rounds)
+        print(f"with / without logprobs, per round: {', '.join(f'{r:.3f}' for r in cost['ratios'])}; "
+              f"median {cost['median_ratio']:.3f}", flush=True)
+        write_results(args.out, results)
+        return 0
 
     policies = {
         "continuous": base,
