@@ -1442,10 +1442,12 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
         assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
         assert "malformed prefill job" in ended[0].error and field in ended[0].error
     assert r.hmget(f"{p}:req:typo", "state", "code") == [b"failed", str(grpc.StatusCode.INTERNAL.value[0]).encode()]
-    # A job from a newer router: a field this version does not know. Queued as the router would.
+    # A job from a newer router: fields this version does not know, in the job and in its
+    # sampling. Queued as the router would.
     ids = job["token_ids"]
     decode = _admitted_by_hand(stack, stub, "newer", len(ids))
-    r.xadd(stream, {"job": json.dumps(job | {"a_field_from_the_future": {"x": 1}}), "tokens": str(len(ids))})
+    newer = job | {"a_field_from_the_future": {"x": 1}, "sampling": job["sampling"] | {"a_future_knob": 0.5}}
+    r.xadd(stream, {"job": json.dumps(newer), "tokens": str(len(ids))})
     events = list(decode)
     ch.close()
     assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
