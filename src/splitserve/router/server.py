@@ -12,8 +12,8 @@ the request hash says "cancelled" so a prefill worker skips a job still queued.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
-import json
 import logging
 import sys
 import time
@@ -83,16 +83,14 @@ def fingerprint(request: gen_pb.GenerateRequest) -> str:
 
 
 def logprobs_to_text(logprobs) -> str:
-    """A finished request's log probabilities as they are kept for its replay: JSON, since the
-    request hash is read whole and decoded as text (GetRequest)."""
-    return json.dumps([[lp.token_id, lp.logprob, lp.rank, [[t.token_id, t.logprob] for t in lp.top_logprobs]]
-                       for lp in logprobs], separators=(",", ":"))
+    """A finished request's log probabilities as they are kept for its replay: their protobuf
+    encoding in base64 (about 290 bytes a token with 20 most likely), since the request hash is read
+    whole and decoded as text (GetRequest)."""
+    return base64.b64encode(gen_pb.GenerateResponse(logprobs=logprobs).SerializeToString()).decode()
 
 
-def logprobs_from_text(raw: bytes) -> list[gen_pb.TokenLogprob]:
-    return [gen_pb.TokenLogprob(token_id=t, logprob=lp, rank=rank,
-                                top_logprobs=[gen_pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
-            for t, lp, rank, top in json.loads(raw)]
+def logprobs_from_text(raw: bytes):
+    return gen_pb.GenerateResponse.FromString(base64.b64decode(raw)).logprobs
 
 
 def _aborted_first(rid: str) -> Cancelled:
