@@ -101,10 +101,10 @@ class EngineRunner:
                     outputs = [o for rid in list(eng.seqs) if (o := eng.abort_request(rid)) is not None]
                     for o in outputs:
                         o.error = "engine step failed"
+                if self._on_step is not None:  # first: a step's metrics are in before its outputs leave
+                    self._on_step()
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
-                if self._on_step is not None:
-                    self._on_step()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
