@@ -150,6 +150,66 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
            "concurrency=3 0 of 10" in run.stdout
 
 
+def test_the_stacks_own_measurements_of_a_run_are_the_work_it_was_sent(tiny_model_dir, tmp_path):
+    """--compare starts each stack itself, so it reads every process's /metrics after the warm-up
+    and after the run: their difference counts exactly the measured requests' work."""
+    out = tmp_path / "c"
+    env = {**os.environ, "SPLITSERVE_KV_CACHE_BYTES": str(64 << 20), "SPLITSERVE_PREFILL_KV_CACHE_BYTES": str(64 << 20),
+           "SPLITSERVE_ARENA_BYTES": str(32 << 20), "SPLITSERVE_HEARTBEAT_S": "0.25", "SPLITSERVE_DRAIN_S": "3"}
+    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--compare", "colocated,disaggregated",
+           "--model", tiny_model_dir, "--input-len", "20-60", "--output-len", "3-9", "--vocab", "500",
+           "--requests", "6", "--warmup", "2", "--rate", "20", "--no-progress", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((out / "results.json").read_text())
+    for name, v in report["variants"].items():
+        assert v["succeeded"] == 6, (name, v["errors"])
+        prompt = sum(r["prompt_tokens"] for r in v["requests"])
+        later = sum(r["output_tokens"] - 1 for r in v["requests"])  # each token after the first is one decode
+        server = v["server"]
+        decode = server["decode-0"]
+        assert decode["decode_tokens"] == later
+        assert decode["step_s"]["count"] == decode["steps"] > 0 and decode["step_s"]["mean"] > 0
+        if name == "colocated":
+            assert set(server) == {"decode-0"}  # the router runs no engine
+            assert decode["prefill_tokens"] == prompt
+        else:
+            assert set(server) == {"decode-0", "prefill-0"}
+            assert decode["prefill_tokens"] == 0 and decode["kv_adopt_s"]["count"] == 6
+            assert server["prefill-0"]["prefill_tokens"] == prompt
+            assert server["prefill-0"]["decode_tokens"] == 0
+    assert "disaggregated, as the stack measured it" in run.stdout
+    assert "  prefill-0: " in run.stdout and "KV adopt mean" in run.stdout
+
+
+def test_server_metrics_are_differences_of_two_reads():
+    from splitserve.bench import server_metrics
+
+    def text(steps, bucket_counts, total):
+        les = ("0.005", "0.01", "+Inf")
+        rows = ["# TYPE splitserve_engine_steps_total counter", f"splitserve_engine_steps_total {steps}",
+                "# TYPE splitserve_iteration_duration_seconds histogram"]
+        rows += [f'splitserve_iteration_duration_seconds_bucket{{le="{le}"}} {c}' for le, c in zip(les, bucket_counts)]
+        rows += [f"splitserve_iteration_duration_seconds_count {bucket_counts[-1]}",
+                 f"splitserve_iteration_duration_seconds_sum {total}",
+                 "# TYPE other_total counter", "other_total 5"]
+        return "\n".join(rows) + "\n"
+
+    before = server_metrics.parse(text(10, (4, 9, 10), 0.06))
+    after = server_metrics.parse(text(110, (4, 9, 110), 2.06))  # 100 more steps, all over 10 ms
+    got = server_metrics.summarize({"decode-0": before, "router": before}, {"decode-0": after, "router": None})
+    assert set(got) == {"decode-0"}
+    row = got["decode-0"]
+    assert row["steps"] == 100
+    assert row["step_s"]["count"] == 100 and row["step_s"]["mean"] == pytest.approx(0.02)
+    assert row["step_s"]["p50_le"] == math.inf and row["step_s"]["p99_le"] == math.inf
+    after = server_metrics.parse(text(110, (54, 108, 110), 0.66))  # of 100: 50 <= 5 ms, 49 <= 10 ms, 1 more
+    row = server_metrics.summarize({"d": before}, {"d": after})["d"]
+    assert row["step_s"]["p50_le"] == 0.005 and row["step_s"]["p99_le"] == 0.01
+    assert server_metrics.lines({"d": row}) == [
+        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed"]
+
+
 def test_bench_rejects_a_bad_compare():
     run = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--compare", "static,fast"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "SPLITSERVE_BENCH_DIR": "/nonexistent"})

@@ -20,7 +20,7 @@ import os
 import random
 import sys
 
-from splitserve.bench import loadgen
+from splitserve.bench import loadgen, server_metrics
 from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -145,6 +145,13 @@ class Target:
         if self.stack is not None:
             self.stack.stop()
 
+    def snapshot(self) -> dict | None:
+        """Each process's parsed /metrics (None for one that did not answer); None for a router
+        given by --address, whose workers this bench does not know."""
+        if self.stack is None:
+            return None
+        return {p.name: server_metrics.scrape(p.metrics_address) for p in self.stack.procs if p.metrics_address}
+
 
 def _model_tokenizer(args):
     """prompt -> token ids with the model's tokenizer, loaded at the first call (a workload whose
@@ -209,10 +216,11 @@ def _progress(args, total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
-def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec) -> dict:
+def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec, target: Target | None = None) -> dict:
     warm, measured = items[: args.warmup], items[args.warmup:]
     if warm:
         asyncio.run(loadgen.warm_up(address, warm))
+    before = target.snapshot() if target is not None else None
     bar = _progress(args, len(measured), spec.label or f"{spec.mode}={spec.value:g}")
     try:
         results, wall = asyncio.run(loadgen.run(address, measured, spec, bar))
@@ -223,6 +231,8 @@ def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec) ->
     summary = loadgen.summarize(results, wall, ms(args.ttft_slo_ms), ms(args.tpot_slo_ms))
     summary.update(label=spec.label, load={"mode": spec.mode, "value": spec.value}, variant=spec.extra)
     summary["requests"] = loadgen.results_as_dicts(results)
+    if before is not None:
+        summary["server"] = server_metrics.summarize(before, target.snapshot())
     return summary
 
 
@@ -265,7 +275,7 @@ def main(args) -> int:
         for v in variants:
             with Target(args, v) as t:
                 spec.label = v
-                report["variants"][v] = one_run(args, t.address, items, spec)
+                report["variants"][v] = one_run(args, t.address, items, spec, t)
         print(compare_table(report))
         plot_compare(report, os.path.join(args.out, "compare.png"))
     elif args.sweep:
@@ -274,7 +284,7 @@ def main(args) -> int:
             c = 1
             while c <= args.max_concurrency:
                 spec = loadgen.RunSpec("concurrency", c, args.seed, args.timeout, f"concurrency={c}")
-                report["points"].append(one_run(args, t.address, items, spec))
+                report["points"].append(one_run(args, t.address, items, spec, t))
                 c *= 2
         pts = [(p["load"]["value"], p["e2e_s"]["p99"]) for p in report["points"]]
         knee, degraded = loadgen.find_knee(pts, args.knee_factor)
@@ -288,7 +298,7 @@ def main(args) -> int:
         report = {"kind": "runs", "points": []}
         with Target(args) as t:
             for spec in _specs(args):
-                report["points"].append(one_run(args, t.address, items, spec))
+                report["points"].append(one_run(args, t.address, items, spec, t))
         print(runs_table(report["points"]))
         plot_runs(report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png"))
         if report["points"][0]["load"]["mode"] == "concurrency":
@@ -320,6 +330,17 @@ def _e2e_cells(e: dict) -> str:
     return f"{_ms(e['p50']):>8} {_ms(e['p90']):>6} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7}"
 
 
+def _server_lines(named_points) -> list[str]:
+    """What each stack's processes measured during each point (server_metrics); none when the
+    bench did not start the stack."""
+    rows = []
+    for name, p in named_points:
+        if p.get("server"):
+            rows.append(f"{name}, as the stack measured it (engine steps, KV handoffs):")
+            rows += server_metrics.lines(p["server"])
+    return rows
+
+
 def _local_prefills_line(named_points) -> list[str]:
     """One line counting, per (name, point), the requests their decode worker prefilled; none when
     no point knows."""
@@ -342,6 +363,7 @@ def runs_table(points: list[dict]) -> str:
             rows.append(f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | "
                         f"{_ttft_cells(c['ttft_s'])} | {'':>15} | {_e2e_cells(c['e2e_s'])}")
     rows += _local_prefills_line((p["label"], p) for p in points)
+    rows += _server_lines((p["label"], p) for p in points)
     return "\n".join(rows)
 
 
@@ -361,6 +383,7 @@ def compare_table(report: dict) -> str:
     rows.append(f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
                 f"higher is better)")
     rows += _local_prefills_line(vs.items())
+    rows += _server_lines(vs.items())
     return "\n".join(rows)
 
 
