@@ -135,3 +135,45 @@ def test_logprobs_are_log_probabilities():
     # reported from the unmasked row: token 0 ties token 1 for the best, so 1 ranks first too
     assert lps[1].logprob == pytest.approx(math.log(math.exp(5) / (2 * math.exp(5) + 1 + math.exp(-1))))
     assert lps[1].rank == 1 and lps[1].top == ()
+
+
+def check_within(dist: torch.Tensor, tokens: list[int], logprobs: list, k: int, tol: float) -> None:
+    """check() for a device whose arithmetic differs from the CPU's in the last digits: each value
+    within tol of the reference, each rank and each top list right up to ties closer than tol."""
+    assert [lp.token_id for lp in logprobs] == tokens
+    for row, lp in zip(dist, logprobs):
+        x = float(row[lp.token_id])
+        assert lp.logprob == pytest.approx(x, abs=tol)
+        assert int((row > x + tol).sum()) + 1 <= lp.rank <= int((row > x - tol).sum()) + 1
+        assert len(lp.top) == k
+        for token, value in lp.top:
+            assert value == pytest.approx(float(row[token]), abs=tol)
+        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
+        if k:  # nothing left out beats the k-th by more than tol
+            kth = lp.top[-1][1]
+            left_out = torch.ones_like(row, dtype=torch.bool)
+            left_out[[t for t, _ in lp.top]] = False
+            assert float(row[left_out].max()) <= kth + tol
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_cuda_logprobs_are_the_models_distribution(tiny_engine_factory, reference, policy):
+    """On CUDA (graph replays included) the values come from device logits; checked against the
+    CPU reference forward."""
+    eng = tiny_engine_factory(device="cuda", policy=policy)
+    prompts = random_prompts(4, seed=31)
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5),
+        SamplingParams(max_tokens=10, temperature=1.5, top_k=7, seed=3, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.7, seed=5, ignore_eos=True, logprobs=20),
+    ]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    tokens, logprobs, _ = collect(eng)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if sp.logprobs is None:
+            assert logprobs[f"r{i}"] is None
+            continue
+        check_within(reference(p, tokens[f"r{i}"]), tokens[f"r{i}"], logprobs[f"r{i}"], sp.logprobs, 2e-3)
