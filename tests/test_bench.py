@@ -170,16 +170,20 @@ def test_the_stacks_own_measurements_of_a_run_are_the_work_it_was_sent(tiny_mode
         decode = server["decode-0"]
         assert decode["decode_tokens"] == later
         assert decode["step_s"]["count"] == decode["steps"] > 0 and decode["step_s"]["mean"] > 0
+        router = server["router"]  # the parts of TTFT, of each measured request
+        assert "steps" not in router and router["admission_s"]["count"] == router["prefill_s"]["count"] == 6
+        assert router["prefill_s"]["mean"] > 0
         if name == "colocated":
-            assert set(server) == {"decode-0"}  # the router runs no engine
+            assert set(server) == {"decode-0", "router"}
             assert decode["prefill_tokens"] == prompt
         else:
-            assert set(server) == {"decode-0", "prefill-0"}
+            assert set(server) == {"decode-0", "prefill-0", "router"}
             assert decode["prefill_tokens"] == 0 and decode["kv_adopt_s"]["count"] == 6
             assert server["prefill-0"]["prefill_tokens"] == prompt
             assert server["prefill-0"]["decode_tokens"] == 0
     assert "disaggregated, as the stack measured it" in run.stdout
     assert "  prefill-0: " in run.stdout and "KV adopt mean" in run.stdout
+    assert "  router: TTFT parts, mean over 6: admission " in run.stdout
 
 
 def test_server_metrics_are_differences_of_two_reads():

@@ -336,7 +336,7 @@ def _server_lines(named_points) -> list[str]:
     rows = []
     for name, p in named_points:
         if p.get("server"):
-            rows.append(f"{name}, as the stack measured it (engine steps, KV handoffs):")
+            rows.append(f"{name}, as the stack measured it (engine steps, KV handoffs, TTFT parts):")
             rows += server_metrics.lines(p["server"])
     return rows
 

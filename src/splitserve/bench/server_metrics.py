@@ -3,8 +3,8 @@
 A bench that starts its stack knows each process's metrics address. It reads every one after
 the warm-up and again after the run, and reports the difference: how many engine steps each
 worker ran, how long they took on average (and the bucket that holds their median and p99),
-how many replayed CUDA graphs, how many sequences and tokens a step carried, and how long KV
-handoffs took. These explain a client-side TPOT or TTFT: a decode worker whose steps take
+how many replayed CUDA graphs, how many sequences and tokens a step carried, how long KV
+handoffs took, and the router's parts of TTFT (admission, queue, prefill, first token). These explain a client-side TPOT or TTFT: a decode worker whose steps take
 10 ms cannot give a TPOT of 5.
 """
 
@@ -19,7 +19,13 @@ PREFIX = "splitserve_"
 # (metric, short name) of the histograms and counters reported, when a process has them.
 HISTOGRAMS = (("iteration_duration_seconds", "step_s"), ("iteration_sequences", "step_seqs"),
               ("iteration_tokens", "step_tokens"), ("kv_adopt_seconds", "kv_adopt_s"),
-              ("kv_transfer_seconds", "kv_transfer_s"))
+              ("kv_transfer_seconds", "kv_transfer_s"),
+              # the router's: the parts of TTFT (request_kv_transfer runs beside the first token's trip)
+              ("request_admission_time_seconds", "admission_s"), ("request_queue_time_seconds", "queue_s"),
+              ("request_prefill_time_seconds", "prefill_s"), ("request_first_token_time_seconds", "first_token_s"),
+              ("request_kv_transfer_time_seconds", "request_kv_transfer_s"))
+TTFT_PARTS = (("admission_s", "admission"), ("queue_s", "queue"), ("prefill_s", "prefill"),
+              ("first_token_s", "first token"))
 COUNTERS = (("engine_steps", "steps"), ("engine_graphed_steps", "graphed_steps"),
             ("engine_prefill_tokens", "prefill_tokens"), ("engine_decode_tokens", "decode_tokens"),
             ("num_preemptions", "preemptions"))
@@ -94,7 +100,7 @@ def summarize(before: dict, after: dict) -> dict:
                 d = histogram_delta(b["histograms"].get(metric), a["histograms"][metric])
                 if d is not None:
                     row[short] = d
-        if row.get("steps") or any(k.startswith("kv_") for k in row):
+        if row.get("steps") or any(k.startswith("kv_") for k in row) or "admission_s" in row:
             out[proc] = row
     return out
 
@@ -120,6 +126,11 @@ def lines(server: dict) -> list[str]:
         for short, what in (("kv_adopt_s", "KV adopt"), ("kv_transfer_s", "KV handoff")):
             if row.get(short):
                 parts.append(f"{what} mean {row[short]['mean'] * 1000:.1f} ms over {row[short]['count']}")
+        if row.get("admission_s"):
+            parts.append(f"TTFT parts, mean over {row['admission_s']['count']}: " + ", ".join(
+                f"{what} {row[short]['mean'] * 1000:.1f}" for short, what in TTFT_PARTS if row.get(short)) + " ms")
+        if row.get("request_kv_transfer_s") and row["request_kv_transfer_s"]["mean"] > 0:  # none colocated
+            parts.append(f"KV transfer (beside the first token) {row['request_kv_transfer_s']['mean'] * 1000:.1f} ms")
         if row.get("preemptions"):
             parts.append(f"{row['preemptions']:g} preempted")
         rows.append(f"  {proc}: " + "; ".join(parts))
