@@ -66,14 +66,17 @@ bench-disagg: install proto
 
 # The GPU figures of the README in one command, on a CUDA machine: capacity of static and
 # continuous batching (64 clients), the policies at a Poisson rate 1.25x static's capacity, and
-# colocated vs disaggregated at 70% of continuous's capacity. GPU_DEVICE=cpu GPU_REQUESTS=8
-# runs the same steps on the CPU (slowly; for checking the recipe).
+# colocated vs disaggregated at 70% of continuous's capacity. First, the engine's own decode steps
+# with contexts of 128 tokens and of 768 (a bench's longest). GPU_DEVICE=cpu GPU_REQUESTS=8 runs the
+# same steps on the CPU (slowly; for checking the recipe).
 GPU_DEVICE ?= cuda
 GPU_REQUESTS ?= 512
 GPU_OUT := bench-results/gpu
 RESULT = $(PY) -c "import json,sys; print(round(float(sys.argv[2]) * json.load(open(sys.argv[1]))['variants'][sys.argv[3]]['request_throughput'], 2))"
 
 bench-gpu: install proto
+	$(PY) -m splitserve.bench.engine_bench --device $(GPU_DEVICE) --decode-only --decode-context 128,768 \
+		--out $(GPU_OUT)/decode.json
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,continuous --concurrency 64 \
 		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/capacity
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,dynamic,continuous \

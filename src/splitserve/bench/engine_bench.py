@@ -1,10 +1,11 @@
 """In-process engine benchmark (issue: engine targets).
 
     python -m splitserve.bench.engine_bench [--quick] [--out results.json]
+    python -m splitserve.bench.engine_bench --decode-only --decode-context 128,768 [--device cuda]
 
 Every request generates exactly max_tokens (greedy, EOS ignored), all submitted at once.
 Reports, per policy: output tok/s, requests/s, e2e p50/p99; single-stream decode tok/s;
-decode tok/s at 1/8/32/64 running sequences; and the whole mixed workload's achieved
+decode tok/s at 1/8/32/64 running sequences (at each --decode-context length); and the whole mixed workload's achieved
 GFLOP/s against a large fp32 GEMM measured in the same run.
 """
 
@@ -75,17 +76,38 @@ def light_ttft(engine: LLMEngine, items: list[WorkItem]) -> list[float]:
     return out
 
 
-def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = 16) -> float:
-    """Decode tok/s with exactly `running` sequences decoding (prompts cut to 128 tokens)."""
+def context_prompt(items: list[WorkItem], i: int, context: int) -> list[int]:
+    """A prompt of exactly `context` tokens: item i's, then the next items', cut there."""
+    ids: list[int] = []
+    j = i
+    while len(ids) < context:
+        ids += items[j % len(items)].prompt_token_ids
+        j += 1
+    return ids[:context]
+
+
+DECODE_STEPS = 16
+
+
+def decode_max_tokens(config: EngineConfig, running: int, context: int, steps: int = DECODE_STEPS) -> int:
+    """Enough tokens that no sequence finishes before the measured steps: the first to finish its
+    prefill decodes while the others' chunks run (one step each), then `steps` more."""
+    return steps + 8 + -(-running * context // config.max_num_batched_tokens)
+
+
+def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = DECODE_STEPS,
+                context: int = 128) -> float:
+    """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long."""
     for i in range(running):
-        it = items[i % len(items)]
-        engine.add_request(f"dec-{running}-{i}", it.prompt_token_ids[:128], SamplingParams(max_tokens=steps + 200, ignore_eos=True))
+        engine.add_request(f"dec-{running}-{i}", context_prompt(items, i, context),
+                           SamplingParams(max_tokens=decode_max_tokens(engine.config, running, context, steps),
+                                          ignore_eos=True))
     while any(s.num_computed < s.prompt_len for s in engine.seqs.values()):
         engine.step()
     times = []
     for _ in range(steps):
         engine.step()
-        assert engine.last_stats.num_decode_tokens == running
+        assert engine.last_stats.num_decode_tokens == running, engine.last_stats
         times.append(engine.last_stats.step_time_s)
     for rid in list(engine.seqs):
         engine.abort_request(rid)
@@ -148,8 +170,18 @@ def main(argv=None) -> int:
                     help="only measure the cost of asking for log probabilities (K most likely), continuous policy, "
                          "the first 32 mixed requests with and without, alternated over --rounds")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
+                    help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode rates (at each --decode-context), not the policies or the whole workload")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.decode_context.split(",")]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        ap.error(f"--decode-context takes whole numbers >= 1, comma-separated; got {args.decode_context!r}")
 
     loaded = load_model(ModelSpec(path=args.model))
     base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30,
@@ -174,7 +206,7 @@ def main(argv=None) -> int:
         "dynamic": base.replace(policy="dynamic", max_batch_size=8, max_wait_ms=50),
         "static": base.replace(policy="static", static_batch_size=8, max_wait_ms=50),
     }
-    for name, cfg in policies.items():
+    for name, cfg in ({} if args.decode_only else policies).items():
         eng = LLMEngine(cfg, loaded=loaded)
         results["policies"][name] = {
             "mixed": run_workload(eng, mixed[:n_mixed]),
@@ -192,18 +224,29 @@ def main(argv=None) -> int:
 
     # The decode rates and the whole workload send prompts already sent: no prefix cache here, so
     # the FLOPs counted are the FLOPs computed.
-    eng = LLMEngine(base.replace(prefix_caching=False), loaded=loaded)
-    results["decode_tok_per_s"] = {}
-    for running in (1, 8, 32, 64):
-        results["decode_tok_per_s"][running] = decode_rate(eng, mixed, running)
-        print(f"decode with {running:>2} running: {results['decode_tok_per_s'][running]:6.1f} tok/s", flush=True)
+    # A pool that holds 64 sequences of the longest context with their decode steps: none is
+    # preempted while measured.
+    per_token = 2 * loaded.config.num_hidden_layers * loaded.config.num_key_value_heads * loaded.config.head_dim * 4
+    longest = max(contexts)
+    need = 64 * (longest + decode_max_tokens(base, 64, longest) + base.block_size) * per_token
+    eng = LLMEngine(base.replace(prefix_caching=False, kv_cache_bytes=max(base.kv_cache_bytes, need)), loaded=loaded)
+    # Decode steps at each context length: attention reads every running sequence's context, so
+    # a step's time grows with it (the service's contexts are its prompts plus their outputs).
+    results["decode_by_context"] = {}
+    for context in contexts:
+        rates = results["decode_by_context"][context] = {}
+        for running in (1, 8, 32, 64):
+            rates[running] = decode_rate(eng, mixed, running, context=context)
+            print(f"decode with {running:>2} running, contexts of {context} tokens: {rates[running]:6.1f} tok/s, "
+                  f"{running / rates[running] * 1000:.2f} ms a step", flush=True)
+    results["decode_tok_per_s"] = results["decode_by_context"][contexts[0]]
     results["single_stream_tok_per_s"] = results["decode_tok_per_s"][1]
     if eng.graphs is not None:
         cap = eng.graphs.captured
         results["cuda_graphs_captured"] = {"graphs": len(cap.graphs), "capture_s": cap.capture_s}
         print(f"decode graphs: {len(cap.graphs)} captured in {cap.capture_s:.2f} s", flush=True)
 
-    if not args.skip_full:
+    if not (args.skip_full or args.decode_only):
         items = mixed[:16] if args.quick else mixed
         gemm_before = gemm_gflops(args.device)
         full = run_workload(eng, items)
