@@ -206,7 +206,10 @@ def test_server_metrics_are_differences_of_two_reads():
     row = got["decode-0"]
     assert row["steps"] == 100
     assert row["step_s"]["count"] == 100 and row["step_s"]["mean"] == pytest.approx(0.02)
-    assert row["step_s"]["p50_le"] == math.inf and row["step_s"]["p99_le"] == math.inf
+    assert row["step_s"]["p50_le"] is None and row["step_s"]["p99_le"] is None  # above the largest bucket
+    assert server_metrics.lines({"d": row}) == [
+        "  d: 100 steps, mean 20.0 ms (median over the largest bucket, p99 over the largest bucket), "
+        "0% graphed"]
     after = server_metrics.parse(text(110, (54, 108, 110), 0.66))  # of 100: 50 <= 5 ms, 49 <= 10 ms, 1 more
     row = server_metrics.summarize({"d": before}, {"d": after})["d"]
     assert row["step_s"]["p50_le"] == 0.005 and row["step_s"]["p99_le"] == 0.01

@@ -5,8 +5,8 @@
 
 Every request generates exactly max_tokens (greedy, EOS ignored), all submitted at once.
 Reports, per policy: output tok/s, requests/s, e2e p50/p99; single-stream decode tok/s;
-decode tok/s at 1/8/32/64 running sequences (at each --decode-context length); and the whole mixed workload's achieved
-GFLOP/s against a large fp32 GEMM measured in the same run.
+decode tok/s at 1/8/32/64 running sequences (at each --decode-context length); and the
+whole mixed workload's achieved GFLOP/s against a large fp32 GEMM measured in the same run.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A bench that starts its stack knows each process's metrics address. It reads eve
 the warm-up and again after the run, and reports the difference: how many engine steps each
 worker ran, how long they took on average (and the bucket that holds their median and p99),
 how many replayed CUDA graphs, how many sequences and tokens a step carried, how long KV
-handoffs took, and the router's parts of TTFT (admission, queue, prefill, first token). These explain a client-side TPOT or TTFT: a decode worker whose steps take
-10 ms cannot give a TPOT of 5.
+handoffs took, and the router's parts of TTFT (admission, queue, prefill, first token).
+These explain a client-side TPOT or TTFT: a decode worker whose steps take 10 ms cannot
+give a TPOT of 5.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ def scrape(address: str, timeout: float = 5.0) -> dict | None:
         return None
 
 
-def _bucket_of(buckets: list[tuple[float, float]], total: float, q: float) -> float:
-    """Upper bound of the bucket holding quantile q (cumulative buckets, ascending)."""
+def _bucket_of(buckets: list[tuple[float, float]], total: float, q: float) -> float | None:
+    """Upper bound of the bucket holding quantile q (cumulative buckets, ascending); None for the
+    +Inf bucket (results.json stays plain JSON)."""
     for le, cum in buckets:
         if cum >= q * total:
-            return le
-    return math.inf
+            return None if math.isinf(le) else le
+    return None
 
 
 def histogram_delta(before: dict | None, after: dict) -> dict | None:
@@ -105,8 +107,8 @@ def summarize(before: dict, after: dict) -> dict:
     return out
 
 
-def _bound(le: float, scale: float, unit: str) -> str:
-    return "over the largest bucket" if math.isinf(le) else f"<= {le * scale:g}{unit}"
+def _bound(le: float | None, scale: float, unit: str) -> str:
+    return "over the largest bucket" if le is None else f"<= {le * scale:g}{unit}"
 
 
 def lines(server: dict) -> list[str]:
