@@ -134,7 +134,9 @@ def test_ttft_parts_add_up_to_the_measured_ttft(stack):
     t = last.timings
     parts = [t.admission_ms, t.queue_ms, t.prefill_ms, t.first_token_ms]
     assert all(p > 0 for p in parts), parts
-    assert abs(sum(parts) - t.ttft_ms) <= 0.1 * t.ttft_ms, (parts, t.ttft_ms)
+    # Contiguous parts: what is left is the hops between them (a few ms on a busy 2-core host;
+    # CI once saw 3.3 ms of a 33 ms TTFT).
+    assert abs(sum(parts) - t.ttft_ms) <= max(0.1 * t.ttft_ms, 5.0), (parts, t.ttft_ms)
     # The KV handoff runs alongside the first token's trip: measured, but not a TTFT part.
     assert t.kv_transfer_ms > 0, t
     # The spans tell the same story as the timings.
