@@ -21,6 +21,7 @@ from splitserve.bench.workload import write_results, WorkItem, default_workload_
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.loader import load_model
+from splitserve.engine.model import ModelShape
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -226,9 +227,9 @@ def main(argv=None) -> int:
     # the FLOPs counted are the FLOPs computed.
     # A pool that holds 64 sequences of the longest context with their decode steps: none is
     # preempted while measured.
-    per_token = 2 * loaded.config.num_hidden_layers * loaded.config.num_key_value_heads * loaded.config.head_dim * 4
     longest = max(contexts)
-    need = 64 * (longest + decode_max_tokens(base, 64, longest) + base.block_size) * per_token
+    need = (64 * (longest + decode_max_tokens(base, 64, longest) + base.block_size)
+            * ModelShape.of(loaded.config).kv_bytes_per_token)
     eng = LLMEngine(base.replace(prefix_caching=False, kv_cache_bytes=max(base.kv_cache_bytes, need)), loaded=loaded)
     # Decode steps at each context length: attention reads every running sequence's context, so
     # a step's time grows with it (the service's contexts are its prompts plus their outputs).

@@ -36,6 +36,21 @@ class ModelShape:
     max_position: int
     rms_eps: float
 
+    @classmethod
+    def of(cls, cfg) -> "ModelShape":
+        """The shape of a model config (a LoadedModel's), without building the model."""
+        return cls(
+            model_type=cfg.model_type,
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
+            max_position=cfg.context_length,
+            rms_eps=cfg.rms_norm_eps,
+        )
+
     @property
     def kv_bytes_per_token(self) -> int:  # fp32 K and V over every layer
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
@@ -57,18 +72,7 @@ class LlamaModel:
     def __init__(self, loaded: LoadedModel):
         cfg = loaded.config
         head_dim = cfg.head_dim
-        max_pos = cfg.context_length
-        self.shape = ModelShape(
-            model_type=cfg.model_type,
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            vocab_size=cfg.vocab_size,
-            max_position=max_pos,
-            rms_eps=cfg.rms_norm_eps,
-        )
+        self.shape = ModelShape.of(cfg)
         self.name = loaded.name
         self.scaling = head_dim**-0.5
         sd = loaded.state_dict
