@@ -137,6 +137,117 @@ def test_logprobs_are_log_probabilities():
     assert lps[1].rank == 1 and lps[1].top == ()
 
 
+def prompt_logprobs_of(engine, outs=()) -> tuple[dict, dict]:
+    """Step until done: request id -> its tokens, and -> the prompt log probabilities it was sent
+    (each output's, checked to come once, with the request's first token)."""
+    tokens, prompt = {}, {}
+    while True:
+        for out in outs:
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in prompt and out.new_token_ids and out.request_id not in tokens
+                prompt[out.request_id] = out.prompt_logprobs
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if not engine.has_unfinished():
+            return tokens, prompt
+        outs = engine.step()
+
+
+def test_prompt_logprobs_are_the_models_distribution_over_chunks(tiny_engine_factory, reference):
+    # 32 tokens a step: the prompts are prefilled in chunks, beside other requests' decodes.
+    eng = tiny_engine_factory(max_num_batched_tokens=32)
+    prompts = random_prompts(5, seed=31, lo=20, hi=90) + [[7]]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=3),
+        SamplingParams(max_tokens=5, ignore_eos=True, prompt_logprobs=0, logprobs=2),
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SamplingParams(max_tokens=3, temperature=1.2, seed=2, ignore_eos=True, prompt_logprobs=20),
+        SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=1),  # finished by its first token
+        SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2),  # one token: nothing before it
+    ]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    tokens, prompt = prompt_logprobs_of(eng)
+    assert set(prompt) == {f"r{i}" for i, sp in enumerate(params) if sp.prompt_logprobs is not None}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        if sp.prompt_logprobs is not None:
+            assert len(prompt[f"r{i}"]) == len(p) - 1
+            if len(p) > 1:
+                check(reference(p[:1], p[1:]), p[1:], prompt[f"r{i}"], sp.prompt_logprobs)
+        assert len(tokens[f"r{i}"]) == sp.max_tokens
+    assert prompt["r5"] == []
+    # asking for them changes no token: the same prompts alone, without
+    plain = tiny_engine_factory().generate(prompts[:2], [SamplingParams(max_tokens=6, ignore_eos=True),
+                                                         SamplingParams(max_tokens=5, ignore_eos=True)])
+    assert plain == [tokens["r0"], tokens["r1"]]
+
+
+def test_prompt_logprobs_compute_the_prompt_the_prefix_cache_holds(tiny_engine_factory, reference):
+    eng = tiny_engine_factory(prefix_caching=True, max_num_batched_tokens=48)
+    p = random_prompts(1, seed=41, lo=70, hi=71)[0]
+    eng.add_request("warm", p, SamplingParams(max_tokens=2, ignore_eos=True))
+    prompt_logprobs_of(eng)
+    eng.add_request("scored", p, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+    outs = eng.step()
+    assert eng.last_stats.num_cached_tokens == 0  # a cached block's KV holds no logits
+    _, prompt = prompt_logprobs_of(eng, outs)
+    check(reference(p[:1], p[1:]), p[1:], prompt["scored"], 1)
+    eng.add_request("again", p, SamplingParams(max_tokens=2, ignore_eos=True))
+    outs = eng.step()
+    assert eng.last_stats.num_cached_tokens == 64  # without them, the cache serves the prompt again
+    prompt_logprobs_of(eng, outs)
+
+
+def test_prompt_logprobs_survive_preemption_and_travel_with_the_kv(tiny_engine_factory, reference):
+    # A handful of blocks: sequences are preempted and recomputed, the prompt log probabilities
+    # neither lost nor counted twice.
+    eng = tiny_engine_factory(kv_cache_bytes=96 << 10, max_num_batched_tokens=24)
+    prompts = random_prompts(4, seed=51, lo=30, hi=45)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=2))
+    preempted = 0
+    outs, prompt = [], {}
+    while eng.has_unfinished() or outs:
+        for out in outs:
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in prompt
+                prompt[out.request_id] = out.prompt_logprobs
+        outs = eng.step() if eng.has_unfinished() else []
+        preempted += eng.last_stats.num_preempted
+    assert preempted
+    for i, p in enumerate(prompts):
+        check(reference(p[:1], p[1:]), p[1:], prompt[f"r{i}"], 2)
+    # Prefilled by one engine, decoded by another: the decode side sends the producer's on.
+    prefill, decode = tiny_engine_factory(max_num_batched_tokens=16), tiny_engine_factory()
+    sp = SamplingParams(max_tokens=5, ignore_eos=True, prompt_logprobs=4)
+    export, payload = exported(prefill, "h", prompts[0], sp)
+    check(reference(prompts[0][:1], prompts[0][1:]), prompts[0][1:], export.prompt_logprobs, 4)
+    first = decode.import_kv(export, payload)
+    assert first.prompt_logprobs == export.prompt_logprobs and first.new_token_ids == export.token_ids[-1:]
+    _, later = prompt_logprobs_of(decode)
+    assert later == {}  # sent once, with the first token
+    export, payload = exported(prefill, "short", prompts[1], sp)
+    export.prompt_logprobs = export.prompt_logprobs[:-1]
+    with pytest.raises(KVImportError, match="prompt log probabilities"):
+        decode.import_kv(export, payload)
+    assert not decode.seqs
+
+
+@pytest.mark.parametrize("value", [-1, 21])
+def test_prompt_logprobs_out_of_range_name_the_field(value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(prompt_logprobs=value)
+    assert e.value.field == "sampling.prompt_logprobs" and "20" in str(e.value)
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_prompt_logprobs_need_the_continuous_policy(tiny_engine_factory, policy):
+    eng = tiny_engine_factory(policy=policy)
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("r", [5, 6, 7], SamplingParams(prompt_logprobs=1))
+    assert e.value.field == "sampling.prompt_logprobs" and policy in str(e.value)
+    assert not eng.has_unfinished()
+
+
 def check_within(dist: torch.Tensor, tokens: list[int], logprobs: list, k: int, tol: float) -> None:
     """check() for a device whose arithmetic differs from the CPU's in the last digits: each value
     within tol of the reference, each rank and each top list right up to ties closer than tol."""
@@ -177,3 +288,16 @@ def test_cuda_logprobs_are_the_models_distribution(tiny_engine_factory, referenc
             assert logprobs[f"r{i}"] is None
             continue
         check_within(reference(p, tokens[f"r{i}"]), tokens[f"r{i}"], logprobs[f"r{i}"], sp.logprobs, 2e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+def test_cuda_prompt_logprobs_are_the_models_distribution(tiny_engine_factory, reference):
+    """On CUDA the prompt's chunks run as piecewise graph replays, their rows' logits read after the
+    replay; checked against the CPU reference forward."""
+    eng = tiny_engine_factory(device="cuda", max_num_batched_tokens=32)
+    prompts = random_prompts(3, seed=61, lo=20, hi=90)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3))
+    _, prompt = prompt_logprobs_of(eng)
+    for i, p in enumerate(prompts):
+        check_within(reference(p[:1], p[1:]), p[1:], prompt[f"r{i}"], 3, 2e-3)

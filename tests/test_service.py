@@ -98,6 +98,26 @@ def reference_logprobs(smol_loaded):
     return ids, tokens, logprobs
 
 
+# A prompt longer than a KV block (so a prefix cache can hold some of it), scored (prompt_logprobs)
+PROMPT_LP_TEXT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+PROMPT_LP_KW = dict(max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def reference_prompt_logprobs(smol_loaded):
+    """(prompt, tokens, the prompt's TokenLogprobs) of PROMPT_LP_KW's request, from the in-process engine."""
+    ids = smol_loaded.tokenizer.encode(PROMPT_LP_TEXT)
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    eng.add_request("plp", ids, SamplingParams(**PROMPT_LP_KW))
+    tokens, prompt = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.extend(out.new_token_ids)
+            prompt = out.prompt_logprobs if out.prompt_logprobs is not None else prompt
+    assert len(ids) > 16 and len(prompt) == len(ids) - 1
+    return ids, tokens, prompt
+
+
 def _same_logprobs(got, tokens: list[int], want) -> None:
     """The service's TokenLogprob messages against the in-process engine's."""
     assert [lp.token_id for lp in got] == tokens and len(got) == len(want)
@@ -142,7 +162,7 @@ def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, refe
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_colocated_equals_in_process_and_cancels_free_everything(policy, reference_prompts, reference_outputs,
-                                                                 reference_logprobs):
+                                                                 reference_logprobs, reference_prompt_logprobs):
     # No prefill workers: the decode worker prefills (chunked, or padded batches for static).
     s = _start(mode="colocated", policy=policy, prefill=0, max_queue_requests=64, max_queue_tokens=1 << 20)
     try:
@@ -165,6 +185,16 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
             assert [r.usage.cached_tokens for r in salted] == [0, again.usage.cached_tokens]
             ids, tokens, want = reference_logprobs
             _same_logprobs(c.generate(token_ids=ids, timeout=300, **LOGPROBS_KW).logprobs, tokens, want)
+            pids, ptokens, pwant = reference_prompt_logprobs
+            if policy == "continuous":
+                scored = c.generate(token_ids=pids, timeout=300, **PROMPT_LP_KW)
+                assert list(scored.token_ids) == ptokens
+                _same_logprobs(scored.prompt_logprobs, pids[1:], pwant)
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate(token_ids=pids, timeout=300, **PROMPT_LP_KW)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "sampling.prompt_logprobs" in e.value.details() and "static" in e.value.details()
             stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="co-cancel")
             for i, _ in enumerate(stream):
                 if i == 3:
@@ -277,6 +307,12 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             c.abort("aff-long")
             long.join(60)
             assert ends[-1] == "cancelled"
+            # Asking for the prompt's log probabilities: its prefix cache cannot serve them, so the
+            # prompt is too long to prefill locally after all.
+            scored = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, prompt_logprobs=0,
+                                request_id="aff-d", timeout=120)
+            assert c.get_request("aff-d").prefill_worker and scored.usage.cached_tokens == 0
+            assert list(scored.token_ids) == list(b.token_ids) and len(scored.prompt_logprobs) == len(turn) - 1
     finally:
         _finish(s)
 
@@ -369,6 +405,7 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "stop_token_ids": [2] * 1025}, "sampling.stop_token_ids"),
         ({"prompt": "hi", "logprobs": 21}, "sampling.logprobs"),
         ({"prompt": "hi", "logprobs": -1}, "sampling.logprobs"),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "sampling.prompt_logprobs"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
@@ -2008,6 +2045,31 @@ def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stac
     assert one.logprobs[0].logprob == pytest.approx(want[0].logprob, abs=2e-3)
     plain = client.generate(token_ids=ids, timeout=120, **{**LOGPROBS_KW, "logprobs": None})
     assert list(plain.token_ids) == tokens and len(plain.logprobs) == 0
+
+
+def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(stack, client, other_router,
+                                                                    reference_prompt_logprobs):
+    """The prompt's log probabilities, computed by the prefill worker over the whole prompt (though
+    its prefix cache holds the start), come in the first message of a stream, in Generate's one,
+    in a replay and when the prefill worker's token finishes the request; the tokens are those of
+    the in-process engine."""
+    ids, tokens, want = reference_prompt_logprobs
+    plain = client.generate(token_ids=ids, max_tokens=4, ignore_eos=True, timeout=120)  # fills the prefix cache
+    assert list(plain.token_ids) == tokens and len(plain.prompt_logprobs) == 0
+    chunks = list(client.generate_stream(token_ids=ids, timeout=120, **PROMPT_LP_KW))
+    assert [len(c.prompt_logprobs) for c in chunks] == [len(ids) - 1] + [0] * (len(chunks) - 1)
+    _same_logprobs(chunks[0].prompt_logprobs, ids[1:], want)
+    assert [t for c in chunks for t in c.token_ids] == tokens and chunks[-1].usage.cached_tokens == 0
+    cached = client.generate(token_ids=ids, max_tokens=4, ignore_eos=True, timeout=120)
+    assert cached.usage.cached_tokens >= 16  # the cache held its start meanwhile
+    whole = client.generate(token_ids=ids, request_id="plp-kept", timeout=120, **PROMPT_LP_KW)
+    _same_logprobs(whole.prompt_logprobs, ids[1:], want)
+    again = other_router.generate(token_ids=ids, request_id="plp-kept", timeout=120, **PROMPT_LP_KW)
+    assert again.replayed and list(again.prompt_logprobs) == list(whole.prompt_logprobs)
+    assert list(again.token_ids) == tokens
+    one = client.generate(token_ids=ids, timeout=120, **{**PROMPT_LP_KW, "max_tokens": 1, "logprobs": 0})
+    assert one.finish_reason == "length" and len(one.logprobs) == 1  # no KV handed over
+    _same_logprobs(one.prompt_logprobs, ids[1:], want)
 
 
 def test_async_client_streams_and_generates(stack, client):

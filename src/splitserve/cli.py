@@ -117,6 +117,15 @@ def _demo(address: str) -> None:
                       f"total {t.e2e_ms:.0f} ms]\n", flush=True)
 
 
+def _print_logprobs(what: str, logprobs) -> None:
+    """TokenLogprob messages, one a line, to stderr, then their sum (the text's log probability)."""
+    print(f"[{what}: token id, log probability, rank; the most likely at its position]", file=sys.stderr)
+    for lp in logprobs:
+        top = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
+        print(f"{lp.token_id}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
+    print(f"[sum: {sum(lp.logprob for lp in logprobs):.4f}]", file=sys.stderr)
+
+
 def _generate(args) -> int:
     import json
 
@@ -133,7 +142,7 @@ def _generate(args) -> int:
             address = json.load(f)["router"]
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
-              cache_salt=args.cache_salt, logprobs=args.logprobs)
+              cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -143,13 +152,13 @@ def _generate(args) -> int:
         try:
             logprobs = []
             for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
+                if args.prompt_logprobs is not None and chunk.prompt_logprobs:
+                    _print_logprobs("the prompt's tokens after the first", chunk.prompt_logprobs)
                 print(chunk.text, end="", flush=True)
                 logprobs.extend(chunk.logprobs)
                 if chunk.finish_reason and logprobs:
-                    print("\n[token id, log probability, rank; the most likely at its position]", file=sys.stderr)
-                    for lp in logprobs:
-                        top = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
-                        print(f"{lp.token_id}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
+                    print(file=sys.stderr)
+                    _print_logprobs("the output's tokens", logprobs)
                 if chunk.finish_reason:
                     when = ("replayed: the recorded result of this finished request_id" if chunk.replayed
                             else f"TTFT {chunk.timings.ttft_ms:.0f} ms")
@@ -261,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each token's log probability, its rank and the K most likely (0-20)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="the same for each prompt token after the first, given the tokens before it")
     p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
     p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
     p.add_argument("--cache-salt", default="", help="share cached prompt prefixes only with requests of this salt")

@@ -88,6 +88,7 @@ def build_request(
     min_tokens: int = 0,
     ignore_eos: bool = False,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
     priority: int = 0,
     cache_salt: str = "",
 ) -> pb.GenerateRequest:
@@ -100,7 +101,8 @@ def build_request(
         req.token_ids.ids.extend(token_ids)
     sp = req.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("logprobs", logprobs)):
+                        ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sp, name, value)
     sp.stop.extend(stop or [])

@@ -12,6 +12,7 @@ whole mixed workload's achieved GFLOP/s against a large fp32 GEMM measured in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -25,11 +26,15 @@ from splitserve.engine.model import ModelShape
 from splitserve.engine.sampling import SamplingParams
 
 
-def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int | None = None) -> dict:
+def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int | None = None,
+                 prompt_logprobs: int | None = None, max_tokens: int | None = None) -> dict:
+    """items through engine, all added at once; max_tokens, if given, instead of each item's."""
+    items = [dataclasses.replace(it, max_tokens=max_tokens) for it in items] if max_tokens else items
     start = time.perf_counter()
     for it in items:
         engine.add_request(it.id, it.prompt_token_ids,
-                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, logprobs=logprobs))
+                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs))
     done: dict[str, float] = {}
     first: dict[str, float] = {}
     tokens = 0
@@ -52,6 +57,7 @@ def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int | None 
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_per_s": tokens / wall,
+        "prompt_tok_per_s": sum(len(it.prompt_token_ids) for it in items) / wall,
         "requests_per_s": len(items) / wall,
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
@@ -115,19 +121,27 @@ def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: i
     return running / percentile(times, 50)
 
 
-def logprobs_cost(engine: LLMEngine, items: list[WorkItem], k: int, rounds: int) -> dict:
+def logprobs_cost(engine: LLMEngine, items: list[WorkItem], k: int, rounds: int, prompt: bool = False) -> dict:
     """The same requests without and with log probabilities (k most likely), alternated so that
-    neither side gets the machine's quieter minutes; output tok/s of each run, and per-round ratios.
-    The engine has no prefix cache, so every run computes its prompts."""
+    neither side gets the machine's quieter minutes; the rate of each run, and per-round ratios.
+    The engine has no prefix cache, so every run computes its prompts.
+
+    prompt=False: sampling.logprobs, the items' own outputs, output tok/s. prompt=True:
+    sampling.prompt_logprobs, one output token each, prompt tok/s (the prefill's rate)."""
+    what, rate = ("prompt logprobs", "prompt_tok_per_s") if prompt else ("logprobs", "output_tok_per_s")
+
+    def run(on: bool) -> float:
+        kw = {"prompt_logprobs": k if on else None, "max_tokens": 1} if prompt else {"logprobs": k if on else None}
+        return run_workload(engine, items, **kw)[rate]
+
     run_workload(engine, items[:4])  # warm-up
     runs: dict[str, list[float]] = {"without": [], "with": []}
     for r in range(rounds):
         for side in ("without", "with") if r % 2 == 0 else ("with", "without"):
-            runs[side].append(run_workload(engine, items, k if side == "with" else None)["output_tok_per_s"])
-            print(f"round {r + 1}, {side:>7} logprobs: {runs[side][-1]:6.1f} tok/s", flush=True)
+            runs[side].append(run(side == "with"))
+            print(f"round {r + 1}, {side:>7} {what}: {runs[side][-1]:6.1f} {rate.replace('_per_', '/')}", flush=True)
     ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
-    return {"k": k, "requests": len(items), "output_tok_per_s": runs, "ratios": ratios,
-            "median_ratio": percentile(ratios, 50)}
+    return {"k": k, "requests": len(items), rate: runs, "ratios": ratios, "median_ratio": percentile(ratios, 50)}
 
 
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
@@ -170,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logprobs-cost", type=int, default=None, metavar="K",
                     help="only measure the cost of asking for log probabilities (K most likely), continuous policy, "
                          "the first 32 mixed requests with and without, alternated over --rounds")
+    ap.add_argument("--prompt-logprobs-cost", type=int, default=None, metavar="K",
+                    help="only measure the cost of asking for the prompt's log probabilities (K most likely): the "
+                         "same prompts prefilled (one output token each) with and without, prompt tok/s")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
                     help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
@@ -193,12 +210,15 @@ def main(argv=None) -> int:
     results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device,
                "cuda_graphs": args.device != "cpu" and not args.eager, "policies": {}}
     torch.set_num_threads(base.threads())
-    if args.logprobs_cost is not None:
-        cost = results["logprobs_cost"] = logprobs_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
-                                                        mixed[:n_mixed],
-                                                        args.logprobs_cost, args.rounds)
-        print(f"with / without logprobs, per round: {', '.join(f'{r:.3f}' for r in cost['ratios'])}; "
-              f"median {cost['median_ratio']:.3f}", flush=True)
+    for key, k in (("logprobs_cost", args.logprobs_cost), ("prompt_logprobs_cost", args.prompt_logprobs_cost)):
+        if k is None:
+            continue
+        prompt = key == "prompt_logprobs_cost"
+        cost = results[key] = logprobs_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
+                                            mixed[:n_mixed], k, args.rounds, prompt)
+        print(f"with / without {'prompt ' if prompt else ''}logprobs, per round: "
+              f"{', '.join(f'{r:.3f}' for r in cost['ratios'])}; median {cost['median_ratio']:.3f}", flush=True)
+    if args.logprobs_cost is not None or args.prompt_logprobs_cost is not None:
         write_results(args.out, results)
         return 0
 

@@ -275,6 +275,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                kv_transfer_ms=slot.transfer_ms))
         if not slot.first_sent:
             slot.first_sent = True
+            ev.prompt_logprobs.extend(convert.logprobs_to_pb(out.prompt_logprobs))
             self.metrics.first_tokens.labels("local" if slot.prefill_start else "kv").inc()
             if slot.prefill_start:  # prefilled here: the engine's own prefill produced this token
                 slot.kv_done = slot.first_token_at = time.time()
@@ -379,6 +380,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
             first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens, logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         ))
 
     # -- Fail ---------------------------------------------------------------------------
@@ -473,6 +475,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         sampled = len(seq.token_ids) - seq.prompt_len
         if seq.sampling.HasField("logprobs") and len(seq.logprobs) != sampled:
             raise Invalid(f"sequence.logprobs: {len(seq.logprobs)} given for {sampled} sampled tokens")
+        if seq.sampling.HasField("prompt_logprobs") and len(seq.prompt_logprobs) != seq.prompt_len - 1:
+            raise Invalid(f"sequence.prompt_logprobs: {len(seq.prompt_logprobs)} given for a {seq.prompt_len}-token "
+                          "prompt (one per token after the first)")
         return slot
 
     def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:
@@ -511,8 +516,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
         logprobs = convert.logprobs_from_pb(seq.logprobs) if seq.sampling.HasField("logprobs") else None
+        prompt = convert.logprobs_from_pb(seq.prompt_logprobs) if seq.sampling.HasField("prompt_logprobs") else None
         self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out),
-                                            new_logprobs=logprobs))
+                                            new_logprobs=logprobs, prompt_logprobs=prompt))
         return w_pb.PutKVResponse()
 
     async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,

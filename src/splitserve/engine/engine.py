@@ -33,7 +33,7 @@ from splitserve.engine.outputs import (
 )
 from splitserve.engine.padded import PaddedBatcher
 from splitserve.engine.params import check_context
-from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample_with_logprobs
+from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample_with_logprobs, token_logprobs
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer
@@ -157,6 +157,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("sampling.stop", "stop strings need a model with a tokenizer")
+        if params.prompt_logprobs is not None and self.padded is not None:
+            raise InvalidRequestError("sampling.prompt_logprobs",
+                                      f"needs the continuous policy; this engine batches {self.config.policy}")
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -255,8 +258,9 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
-        whole = self.graphs is not None and self.graphs.covers(sched.scheduled)
-        batch = None if whole else self._build_batch(sched)
+        prompt_rows = _prompt_rows(sched)
+        whole = not prompt_rows and self.graphs is not None and self.graphs.covers(sched.scheduled)
+        batch = None if whole else self._build_batch(sched, prompt_rows)
         stats.graphed = whole or (self.pieces is not None and self.pieces.covers(batch.num_tokens))
         t = time.perf_counter()
         try:
@@ -267,12 +271,15 @@ class LLMEngine:
         except GraphCaptureError as e:  # captures write nothing the step needs: run it eagerly instead
             self.drop_graphs(e)
             stats.graphed = False
-            batch = batch or self._build_batch(sched)
+            batch = batch or self._build_batch(sched, prompt_rows)
         if not stats.graphed:
             logits = self.model.forward(batch, self.cache.kv)
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
+        if prompt_rows:  # their logits follow the samplers' rows
+            _add_prompt_logprobs(prompt_rows, logits[len(samplers):])
+            logits = logits[: len(samplers)]
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
         stats.num_seqs = len(sched.scheduled)
@@ -295,7 +302,8 @@ class LLMEngine:
                 stats.finished.append(s.seq.request_id)
         return outputs
 
-    def _build_batch(self, sched: SchedulerOutput) -> RaggedBatch:
+    def _build_batch(self, sched: SchedulerOutput, prompt_rows: list[tuple[Sequence, int, int, int]] = ()) -> RaggedBatch:
+        """prompt_rows (_prompt_rows): rows whose logits are wanted after the samplers'."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
@@ -331,6 +339,8 @@ class LLMEngine:
                     ctx_off += end
             if s.samples:
                 logits_rows.append(len(ids) - 1)
+        for _, _, n, row in prompt_rows:
+            logits_rows.extend(range(row, row + n))
         batch = RaggedBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(dev),
             positions=torch.cat(positions).to(dev),
@@ -409,6 +419,9 @@ class LLMEngine:
         if not new_ids and not finished:
             return None
         logprobs = seq.logprobs[seq.emitted_tokens :] if seq.params.logprobs is not None else None
+        prompt_logprobs = None  # with the first token
+        if seq.params.prompt_logprobs is not None and seq.emitted_tokens == 0 and new_ids:
+            prompt_logprobs = seq.prompt_logprobs
         seq.emitted_chars, seq.emitted_tokens = end, seq.num_output
         return RequestOutput(
             request_id=seq.request_id,
@@ -420,6 +433,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output,
             num_cached_tokens=seq.num_cached_tokens,
             new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- KV handoff -------------------------------------------------------------------------
@@ -473,6 +487,9 @@ class LLMEngine:
         if export.params.logprobs is not None and len(export.logprobs) != len(export.token_ids) - export.prompt_len:
             raise KVImportError(f"{len(export.logprobs)} log probabilities for "
                                 f"{len(export.token_ids) - export.prompt_len} sampled tokens")
+        if export.params.prompt_logprobs is not None and len(export.prompt_logprobs) != export.prompt_len - 1:
+            raise KVImportError(f"{len(export.prompt_logprobs)} prompt log probabilities for a "
+                                f"{export.prompt_len}-token prompt (one per token after the first)")
         pool = self.cache.pool
         # The blocks of its prefix already in the prefix cache are shared, not filled again (and
         # the first start tokens' KV, not sent, must be among them).
@@ -492,6 +509,7 @@ class LLMEngine:
                             export.cache_salt)
         seq.priority = priority
         seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
+        seq.prompt_logprobs = list(export.prompt_logprobs) if export.params.prompt_logprobs is not None else []
         if seq.detok is not None:
             for tok in export.token_ids[export.prompt_len :]:
                 seq.text += seq.detok.push(tok)
@@ -533,6 +551,46 @@ def _eos_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]
     if tokenizer is not None:
         ids.update(tokenizer.eos_token_ids)
     return frozenset(ids)
+
+
+def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
+    """(sequence, first position, count, its batch row) of the prompt positions computed this step
+    whose logits give prompt log probabilities the sequence asked for and lacks: position p's give
+    prompt token p + 1's. The last prompt position's are the first token's (sampled as usual)."""
+    rows = []
+    row = 0
+    for s in sched.scheduled:
+        seq = s.seq
+        if seq.wants_prompt_logprobs:
+            # A recompute (after preemption) starts below what it has; the prefix cache never
+            # skips past it (Sequence.max_cached), so the positions it lacks are all here.
+            a = max(seq.num_computed, len(seq.prompt_logprobs))
+            b = min(seq.num_computed + s.num_tokens, seq.prompt_len - 1)
+            if b > a:
+                rows.append((seq, a, b - a, row + a - seq.num_computed))
+        row += s.num_tokens
+    return rows
+
+
+_PROMPT_ROWS_AT_ONCE = 256  # log_softmax over the vocabulary: ~50 MB of float32 rows for SmolLM2's 49152
+
+
+def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], logits: torch.Tensor) -> None:
+    """logits: those of rows' positions, in order. Each sequence's prompt log probabilities grow by
+    its positions' next prompt tokens (and the k most likely, k its request's)."""
+    targets: list[tuple[Sequence, int]] = []
+    for seq, first, n, _ in rows:
+        if first != len(seq.prompt_logprobs):
+            raise RuntimeError(f"{seq.request_id}: prompt log probabilities from {first}, but it holds "
+                               f"{len(seq.prompt_logprobs)}")
+        targets.extend((seq, p + 1) for p in range(first, first + n))
+    for i in range(0, len(targets), _PROMPT_ROWS_AT_ONCE):
+        part = targets[i : i + _PROMPT_ROWS_AT_ONCE]
+        dist = torch.log_softmax(logits[i : i + len(part)].float(), dim=-1)
+        found = token_logprobs(dist, [seq.token_ids[at] for seq, at in part],
+                               [seq.params.prompt_logprobs for seq, _ in part])
+        for (seq, _), lp in zip(part, found):
+            seq.prompt_logprobs.append(lp)
 
 
 def _cut_at_stop(seq: Sequence) -> bool:

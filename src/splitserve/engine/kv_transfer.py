@@ -55,6 +55,7 @@ class KVExport:
     cache_salt: str = ""  # its prefix cache root (Sequence.cache_salt)
     start: int = 0  # the body holds the KV of tokens [start, num_tokens)
     logprobs: list = field(default_factory=list)  # TokenLogprob of the tokens sampled so far (params.logprobs set)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of its prompt (params.prompt_logprobs set)
 
 
 def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
@@ -108,6 +109,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         start=start,
         layout_version=layout_version(start),
         logprobs=list(seq.logprobs),
+        prompt_logprobs=list(seq.prompt_logprobs),
     )
 
 

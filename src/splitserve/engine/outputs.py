@@ -37,6 +37,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     error: str | None = None
     new_logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per new token
+    # With params.prompt_logprobs, on the output of the first token: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

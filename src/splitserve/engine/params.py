@@ -29,6 +29,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log probability and the k most likely
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -51,6 +52,9 @@ class SamplingParams:
             raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("sampling.prompt_logprobs",
+                                      f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")

@@ -149,8 +149,9 @@ class ContinuousScheduler:
     def _take_cached(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give seq (holding no blocks) the cached blocks of its longest cached prefix: their KV
         counts as computed. At least its last token is left to compute (its logits give the
-        next token). True if it took any."""
-        blocks, entry = self.pool.lookup(seq.token_ids, len(seq.token_ids) - 1, seq.cache_root)
+        next token), and the prompt tokens whose log probabilities it asked for and lacks
+        (Sequence.max_cached). True if it took any."""
+        blocks, entry = self.pool.lookup(seq.token_ids, seq.max_cached, seq.cache_root)
         if not blocks:
             return False
         self.pool.take(blocks)

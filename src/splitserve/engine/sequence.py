@@ -45,6 +45,9 @@ class Sequence:
     num_shared_on_import: int = 0  # imported: tokens whose KV was already in the prefix cache (not copied in)
     cache_salt: str = ""  # the root of its prefixes: only sequences with the same salt share cached KV
     logprobs: list = field(default_factory=list)  # TokenLogprob of each output token, when params.logprobs is set
+    # With params.prompt_logprobs: TokenLogprob of prompt tokens 1, 2, ... (entry i from the logits at
+    # position i), as far as computed: a chunked prefill adds them chunk by chunk.
+    prompt_logprobs: list = field(default_factory=list)
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
     def __post_init__(self) -> None:
@@ -53,6 +56,20 @@ class Sequence:
     @property
     def cache_root(self) -> int | str:
         return self.cache_salt or 0
+
+    @property
+    def max_cached(self) -> int:
+        """The most of its tokens whose KV may come from the prefix cache: all but the last (its
+        logits give the next token), and, while it lacks prompt log probabilities it asked for,
+        none past those it has (a cached block's KV holds no logits)."""
+        n = len(self.token_ids) - 1
+        if self.params.prompt_logprobs is not None:
+            n = min(n, len(self.prompt_logprobs))
+        return n
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def num_output(self) -> int:

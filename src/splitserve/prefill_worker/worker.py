@@ -464,7 +464,7 @@ class PrefillWorker:
         else:  # the first token already finished it (eos, stop, max_tokens=1)
             seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
             export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "",
-                              logprobs=out.new_logprobs or [])
+                              logprobs=out.new_logprobs or [], prompt_logprobs=out.prompt_logprobs or [])
             self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, None, None,
                               out.finish_reason or "error")
 
@@ -474,7 +474,8 @@ class PrefillWorker:
         job = fl.job
         req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
                                      queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
-                                     cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs))
+                                     cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs),
+                                     prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs))
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return

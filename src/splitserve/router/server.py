@@ -82,15 +82,17 @@ def fingerprint(request: gen_pb.GenerateRequest) -> str:
     return hashlib.blake2b(r.SerializeToString(deterministic=True), digest_size=12).hexdigest()
 
 
-def logprobs_to_text(logprobs) -> str:
-    """A finished request's log probabilities as they are kept for its replay: their protobuf
-    encoding in base64 (312 bytes a token with the 20 most likely, measured), since the request hash is read
-    whole and decoded as text (GetRequest)."""
-    return base64.b64encode(gen_pb.GenerateResponse(logprobs=logprobs).SerializeToString()).decode()
+def logprobs_to_text(logprobs, prompt_logprobs=()) -> str:
+    """A finished request's log probabilities (and its prompt's) as they are kept for its replay:
+    a GenerateResponse holding only them, in base64 (312 bytes a token with the 20 most likely,
+    measured), since the request hash is read whole and decoded as text (GetRequest)."""
+    msg = gen_pb.GenerateResponse(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return base64.b64encode(msg.SerializeToString()).decode()
 
 
-def logprobs_from_text(raw: bytes):
-    return gen_pb.GenerateResponse.FromString(base64.b64decode(raw)).logprobs
+def logprobs_from_text(raw: bytes) -> gen_pb.GenerateResponse:
+    """logprobs_to_text's message (its logprobs and prompt_logprobs; nothing else is set)."""
+    return gen_pb.GenerateResponse.FromString(base64.b64decode(raw))
 
 
 def _aborted_first(rid: str) -> Cancelled:
@@ -537,12 +539,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             "completion_tokens", "cached_tokens", "result_logprobs")
         if tokens is None:
             return None
-        return gen_pb.GenerateResponse(
+        resp = gen_pb.GenerateResponse(
             request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
             finish_reason=(reason or b"").decode(), replayed=True,
             usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0),
-                               cached_tokens=int(n_cached or 0)),
-            logprobs=logprobs_from_text(logprobs) if logprobs else ())
+                               cached_tokens=int(n_cached or 0)))
+        if logprobs:
+            resp.MergeFrom(logprobs_from_text(logprobs))
+        return resp
 
     async def _latest(self, rid: str) -> str:
         """The id of a request_id's latest attempt."""
@@ -618,6 +622,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 await self.refresh_since(time.monotonic())
             hashes = self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity else None
             worker, placed, expect_cached = self.pick(len(ids) + params.max_tokens, hashes)
+            if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
+                expect_cached = 0
             local = self._prefill_locally(len(ids), expect_cached)
             adm.set_attributes({"splitserve.prefill.local": local,
                                 "splitserve.prefix.expected_cached_tokens": expect_cached})
@@ -647,8 +653,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = 0  # completion tokens streamed so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         generated: list[int] = []  # the completion's tokens (prefix affinity: a next turn's prompt starts so)
-        # tokens, texts, log probabilities: kept for a replay (_attempt)
-        result = ([], [], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
+        # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
+        result = ([], [], [], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
         marked = False  # the end recorded (_mark) already
         with dec:
             try:
@@ -713,6 +719,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             # a first token: the prompt's KV is at the worker now, or on its way
                             self.prefixes.record(worker.worker_id, self.prefixes.chain(ids, request.cache_salt,
                                                                                        hashes))
+                        if ev.token_ids and not active.first and params.prompt_logprobs is not None \
+                                and len(ev.prompt_logprobs) != len(ids) - 1:
+                            raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
+                                                f"{len(ids)}-token prompt (a worker of a release without them?)",
+                                                grpc.StatusCode.INTERNAL)
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
                         if active.queued and (ev.token_ids or ev.finish_reason):
@@ -728,6 +739,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             result[0].extend(ev.token_ids)
                             result[1].append(ev.text)
                             result[2].extend(ev.logprobs)
+                            result[3].extend(ev.prompt_logprobs)
                             if ev.finish_reason and ev.finish_reason != "cancelled":
                                 # Recorded before the client has the last message, so that a re-send
                                 # following it finds the request finished (its replay), not running.
@@ -842,8 +854,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if result is not None:
             # As text: the hash is read whole and decoded (GetRequest).
             mapping.update(result_tokens=",".join(map(str, result[0])), result_text="".join(result[1]))
-            if result[2]:
-                mapping["result_logprobs"] = logprobs_to_text(result[2])
+            if result[2] or result[3]:
+                mapping["result_logprobs"] = logprobs_to_text(result[2], result[3])
         if error:
             mapping["error"] = error
         try:
@@ -923,7 +935,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 try:
                     async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
                         resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text,
-                                                       logprobs=ev.logprobs)
+                                                       logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs)
                         if t_first is None and ev.token_ids:
                             t_first = time.perf_counter()
                             rs.span.add_event("first_token")
@@ -954,6 +966,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             rs.span.add_event("first_token")
                         resp.token_ids.extend(ev.token_ids)
                         resp.logprobs.extend(ev.logprobs)
+                        resp.prompt_logprobs.extend(ev.prompt_logprobs)
                         text.append(ev.text)
                         if ev.finish_reason:
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)

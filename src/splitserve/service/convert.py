@@ -31,6 +31,7 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
     )
 
 
@@ -43,6 +44,8 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
         sp.seed = p.seed
     if p.logprobs is not None:
         sp.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        sp.prompt_logprobs = p.prompt_logprobs
     return sp
 
 
@@ -110,6 +113,7 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
         traceparent=traceparent,
         cache_salt=export.cache_salt,
         logprobs=logprobs_to_pb(export.logprobs),
+        prompt_logprobs=logprobs_to_pb(export.prompt_logprobs),
     )
 
 
@@ -130,4 +134,5 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         cache_salt=seq.cache_salt,
         start=handle.start_token,
         logprobs=logprobs_from_pb(seq.logprobs),
+        prompt_logprobs=logprobs_from_pb(seq.prompt_logprobs),
     )
