@@ -1,5 +1,6 @@
 """Traces and metrics through the real stack: one trace per request, TTFT parts, /metrics."""
 
+import json
 import os
 import re
 import subprocess
@@ -310,16 +311,19 @@ def test_generate_command_streams_and_names_the_bad_field(stack):
     assert "replayed: the recorded result of this finished request_id" in again.stderr
     lp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
                         capture_output=True, text=True, timeout=120)
-    rows = re.findall(r"^(\d+)\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$", lp.stderr, re.M)
+    rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$',
+                      lp.stderr, re.M)
     assert lp.returncode == 0 and [int(r[0]) for r in rows] == list(ref.token_ids[:3]), lp.stderr
-    assert all(float(r[1]) <= 0 and r[2] == "1" and r[3] == r[0] for r in rows)  # greedy: each the most likely
+    assert all(float(r[2]) <= 0 and r[3] == "1" and r[4] == r[0] for r in rows)  # greedy: each the most likely
+    assert "".join(json.loads(r[1]) for r in rows) == lp.stdout  # the tokens' texts
     plp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "2", "--prompt-logprobs", "1"],
                          capture_output=True, text=True, timeout=120)
     assert plp.returncode == 0 and "[the prompt's tokens after the first: token id" in plp.stderr, plp.stderr
-    rows = re.findall(r"^(\d+)\t(-?\d+\.\d{4})\t(\d+)\t\d+:-?\d+\.\d{3}$", plp.stderr, re.M)
+    rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t\d+:-?\d+\.\d{3}$', plp.stderr, re.M)
     assert len(rows) == ref.usage.prompt_tokens - 1 and plp.stdout == ref.text[: len(plp.stdout)] and plp.stdout
+    assert "".join(json.loads(r[1]) for r in rows) == " capital of France is"  # after "The"
     total = float(re.search(r"^\[sum: (-?\d+\.\d{4})\]$", plp.stderr, re.M).group(1))
-    assert total == pytest.approx(sum(float(r[1]) for r in rows), abs=1e-3) and total < 0
+    assert total == pytest.approx(sum(float(r[2]) for r in rows), abs=1e-3) and total < 0
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
 

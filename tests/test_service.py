@@ -18,6 +18,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.router.server import NAME_TOKENS_INLINE
 from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
@@ -2024,8 +2025,17 @@ def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_with
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details(), changed
 
 
+def _named(logprobs, tok) -> str:
+    """The texts of TokenLogprob messages, joined, each (its most likely too) checked against the
+    tokenizer's."""
+    for lp in logprobs:
+        assert lp.token == tok.token_text(lp.token_id)
+        assert [t.token for t in lp.top_logprobs] == [tok.token_text(t.token_id) for t in lp.top_logprobs]
+    return "".join(lp.token for lp in logprobs)
+
+
 def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stack, client, other_router,
-                                                                            reference_logprobs):
+                                                                            reference_logprobs, smol_loaded):
     """The first token's (sampled by the prefill worker, sent ahead of the KV) and the decode
     worker's: one per token in every message, the model's own distribution as the in-process
     engine gives it; kept for a replay; none unless asked."""
@@ -2036,6 +2046,7 @@ def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stac
     _same_logprobs([lp for c in chunks for lp in c.logprobs], tokens, want)
     whole = client.generate(token_ids=ids, request_id="lp-kept", timeout=120, **LOGPROBS_KW)
     _same_logprobs(whole.logprobs, tokens, want)
+    assert _named(whole.logprobs, smol_loaded.tokenizer) == whole.text  # the router names each token
     again = other_router.generate(token_ids=ids, request_id="lp-kept", timeout=120, **LOGPROBS_KW)
     assert again.replayed and list(again.logprobs) == list(whole.logprobs)
     # finished by the prefill worker's token (no KV handoff): its log probability still comes
@@ -2048,7 +2059,7 @@ def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stac
 
 
 def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(stack, client, other_router,
-                                                                    reference_prompt_logprobs):
+                                                                    reference_prompt_logprobs, smol_loaded):
     """The prompt's log probabilities, computed by the prefill worker over the whole prompt (though
     its prefix cache holds the start), come in the first message of a stream, in Generate's one,
     in a replay and when the prefill worker's token finishes the request; the tokens are those of
@@ -2064,6 +2075,12 @@ def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(stack, clie
     assert cached.usage.cached_tokens >= 16  # the cache held its start meanwhile
     whole = client.generate(token_ids=ids, request_id="plp-kept", timeout=120, **PROMPT_LP_KW)
     _same_logprobs(whole.prompt_logprobs, ids[1:], want)
+    tok = smol_loaded.tokenizer
+    assert tok.token_text(ids[0]) + _named(whole.prompt_logprobs, tok) == PROMPT_LP_TEXT
+    long_text = "Count: " + " ".join(str(i) for i in range(150))  # named on a thread, off the router's loop
+    assert len(tok.encode(long_text)) > NAME_TOKENS_INLINE + 1
+    far = client.generate(long_text, max_tokens=1, prompt_logprobs=2, timeout=120)
+    assert tok.token_text(tok.encode(long_text)[0]) + _named(far.prompt_logprobs, tok) == long_text
     again = other_router.generate(token_ids=ids, request_id="plp-kept", timeout=120, **PROMPT_LP_KW)
     assert again.replayed and list(again.prompt_logprobs) == list(whole.prompt_logprobs)
     assert list(again.token_ids) == tokens

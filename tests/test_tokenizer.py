@@ -48,6 +48,19 @@ def test_the_files_give_what_transformers_gives(tok, hf, mixed_workload):
     assert tok.max_token_chars == max(map(len, hf.get_vocab()))
 
 
+
+def test_a_tokens_text_alone(tok, hf):
+    """token_text: what a log probability's token shows. A word's leading space is its own, a
+    special token shows its text, and a token holding part of a character's bytes shows U+FFFD; the
+    texts of an ASCII text's tokens join up to it."""
+    text = "The capital of France is Paris.<|im_end|>"
+    ids = tok.encode(text)
+    assert [tok.token_text(i) for i in ids] == [hf.decode([i]) for i in ids]
+    assert "".join(tok.token_text(i) for i in ids) == text
+    assert tok.token_text(ids[1]) == " capital" and tok.token_text(ids[-1]) == "<|im_end|>"
+    split = [i for i in tok.encode("🎉") if "\ufffd" in tok.token_text(i)]
+    assert split and tok.decode(tok.encode("🎉")) == "🎉"  # the emoji's bytes span tokens
+
 def test_special_token_text_in_a_message_stays_text(tok, hf):
     neutral = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
     injected = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": INJECTED}]

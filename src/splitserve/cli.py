@@ -119,10 +119,13 @@ def _demo(address: str) -> None:
 
 def _print_logprobs(what: str, logprobs) -> None:
     """TokenLogprob messages, one a line, to stderr, then their sum (the text's log probability)."""
-    print(f"[{what}: token id, log probability, rank; the most likely at its position]", file=sys.stderr)
+    import json
+
+    print(f"[{what}: token id, its text (JSON), log probability, rank; the most likely at its position]",
+          file=sys.stderr)
     for lp in logprobs:
         top = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
-        print(f"{lp.token_id}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
+        print(f"{lp.token_id}\t{json.dumps(lp.token)}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
     print(f"[sum: {sum(lp.logprob for lp in logprobs):.4f}]", file=sys.stderr)
 
 

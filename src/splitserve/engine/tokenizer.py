@@ -134,6 +134,7 @@ class Tokenizer:
         eos_id = rust.token_to_id(eos) if eos else None
         self.eos_token_ids = frozenset(() if eos_id is None else (eos_id,))
         self.streams = True  # off when this tokenizers release cannot stream with context
+        self._token_texts: dict[int, str] = {}  # token_text's, at most the vocabulary's
 
     @functools.cached_property
     def max_token_chars(self) -> int | None:
@@ -212,6 +213,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.rust.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone, special tokens included (a log probability's token):
+        U+FFFD where it holds only part of a character's bytes. Kept once decoded."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.rust.decode([token_id], skip_special_tokens=False)
+        return text
 
     def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids)
