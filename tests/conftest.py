@@ -101,3 +101,32 @@ def smol_folder(smol_loaded) -> str:
 def mixed_workload() -> list[dict]:
     with open(MIXED) as f:
         return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def redis_socket(tmp_path_factory):
+    """A real redis-server of the module's own (no persistence): its unix socket's path."""
+    import subprocess
+
+    import redis
+    from service_helpers import wait_for
+    from splitserve.stack import redis_server_binary
+
+    d = tmp_path_factory.mktemp("redis")
+    sock = str(d / "redis.sock")
+    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
+                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(unix_socket_path=sock)
+
+        def up():
+            try:
+                return client.ping()
+            except (redis.ConnectionError, FileNotFoundError):
+                return False
+        wait_for(up, timeout=10, what="redis-server up")
+        client.close()
+        yield sock
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -63,3 +63,75 @@ def test_a_restarted_or_departed_worker_starts_empty():
     assert (idx.cached_tokens("d0", hashes), idx.cached_tokens("d1", hashes)) == (0, 8)
     idx.workers([W("d0", epoch="e2")])  # d1 left the registry
     assert idx.cached_tokens("d1", hashes) == 0 and "d1" not in idx.blocks
+
+
+def test_the_chain_is_the_same_in_every_process():
+    """Routers share their records (prefix_share.py): a prompt's hashes may not depend on the
+    process's hash salt (PYTHONHASHSEED), as a str's hash does."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from splitserve.router.prefix_index import chain; "
+            "print(chain(list(range(40)), 16, 'tenant-a'), chain(list(range(40)), 16))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "random")}
+    assert outs == {f"{chain(list(range(40)), 16, 'tenant-a')} {chain(list(range(40)), 16)}\n"}
+
+
+def test_routers_share_what_they_record_through_redis(redis_socket):
+    """Two routers' records over a real Redis: what one records reaches the other's, for the runs
+    of workers it knows; its own entries are not applied again; the stream has a TTL."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.prefix_share import STREAM_TTL_S, SharedRecord
+
+    key = "{t}:prefix-records"
+
+    async def main():
+        clients = [aioredis.Redis(unix_socket_path=redis_socket) for _ in range(2)]
+        idx = [PrefixIndex(block_size=4), PrefixIndex(block_size=4)]
+        for i in idx:
+            i.workers([W("d0"), W("d1", epoch="e2")])
+        a, b = (SharedRecord(c, key, f"router-{n}", i) for c, n, i in zip(clients, "ab", idx))
+        tasks = [asyncio.create_task(x.run()) for x in (a, b)]
+        try:
+            await asyncio.wait_for(asyncio.gather(a.reading.wait(), b.reading.wait()), 10)
+            prompt = list(range(10))
+            applied = []
+            a.apply, b.apply = _counting(a.apply, applied, "a"), _counting(b.apply, applied, "b")
+            idx[0].record("d0", idx[0].chain(prompt))
+            a.publish("d0", "e1", idx[0].chain(prompt))
+            a.publish("d1", "e1", idx[0].chain([7] * 8))  # a run of d1 that b does not know (it has e2)
+            b.publish("d1", "e2", idx[1].chain([5] * 12, "s"))
+            for _ in range(200):
+                if len(applied) == 6:  # each reads all three entries
+                    break
+                await asyncio.sleep(0.02)
+            # its own two and b's, applied; a's for d0, and its own and a's for a run it does not know
+            assert sorted(applied) == [("a", False), ("a", False), ("a", True), ("b", False), ("b", False), ("b", True)]
+            assert idx[1].cached_tokens("d0", idx[1].prompt_chain(prompt + [1])) == 8
+            assert idx[1].cached_tokens("d1", idx[1].prompt_chain([7] * 9)) == 0
+            assert idx[0].cached_tokens("d1", idx[0].prompt_chain([5] * 13, "s")) == 12
+            assert 0 < await clients[0].ttl(key) <= STREAM_TTL_S
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for c in clients:
+                await c.aclose()
+        assert not a.running and not b.running
+        a.publish("d0", "e1", [1, 2])  # not running: nothing is kept
+        assert a.pending == []
+
+    asyncio.run(main())
+
+
+def _counting(apply, into: list, who: str):
+    def wrapped(fields):
+        done = apply(fields)
+        into.append((who, done))
+        return done
+    return wrapped

@@ -11,7 +11,7 @@ import pytest
 import redis
 from redis.cluster import RedisCluster, key_slot
 
-from service_helpers import keys_without_ttl, kv_idle, wait_for
+from service_helpers import keys_without_ttl, kv_idle, scrape, wait_for
 from splitserve.client import Client
 from splitserve.service.redis_state import Keys, connect, is_cluster
 from splitserve.service.settings import Settings
@@ -111,7 +111,7 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
     elsewhere = next(p for p in cluster if p != home)  # REDIS_URL names a node without the slot
     s = Stack(Settings.from_env(redis_url=f"redis://127.0.0.1:{elsewhere}", redis_prefix=PREFIX,
                                 kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20,
-                                heartbeat_s=0.25, drain_s=3.0), prefill=1, decode=1).start()
+                                heartbeat_s=0.25, drain_s=3.0), prefill=1, decode=1, routers=2).start()
     try:
         with Client(s.router_address) as c:
             ref = c.generate("The capital of France is", max_tokens=8, ignore_eos=True, request_id="c-unary")
@@ -130,6 +130,11 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("x", max_tokens=0)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # A prompt of whole KV blocks: router 0's prefix records reach router 1 (a stream's
+            # blocking read, through the cluster client).
+            c.generate("Shared records: " + "one two three " * 20, max_tokens=4, ignore_eos=True)
+            wait_for(lambda: scrape(s.proc("router-1").metrics_address).get(
+                "splitserve_prefix_records_applied_total", 0) >= 2, timeout=20, what="records applied at router 1")
         wait_for(lambda: kv_idle(s), timeout=20, what="KV blocks and arena regions back to zero")
         assert keys_without_ttl(s) == []
         st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", s.settings.redis_url,
@@ -139,7 +144,7 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
         on = {p: [k.decode() for k in redis.Redis(port=p).scan_iter(match="*")] for p in cluster}
         assert on[home] and all(k.startswith(keys.prefix + ":") for k in on[home]), on[home]
         assert all(not ks for p, ks in on.items() if p != home), on
-        assert keys.req("c-unary") in on[home]
+        assert keys.req("c-unary") in on[home] and keys.prefix_records in on[home]
     finally:
         s.stop()
     assert all(p.popen.poll() is not None for p in s.procs)

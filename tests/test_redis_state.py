@@ -1,36 +1,17 @@
 """The Redis scripts that keep request hashes honest, against a real redis-server."""
 
-import subprocess
 import time
 
 import pytest
 import redis
 
-from service_helpers import wait_for
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA,
                                            UPDATE_LUA, Keys, run_scripts, update_args)
-from splitserve.stack import redis_server_binary
 
 
 @pytest.fixture(scope="module")
-def r(tmp_path_factory):
-    d = tmp_path_factory.mktemp("redis")
-    sock = str(d / "redis.sock")
-    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
-                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(unix_socket_path=sock, decode_responses=True)
-
-        def up():
-            try:
-                return client.ping()
-            except (redis.ConnectionError, FileNotFoundError):
-                return False
-        wait_for(up, timeout=10, what="redis-server up")
-        yield client
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def r(redis_socket):
+    return redis.Redis(unix_socket_path=redis_socket, decode_responses=True)
 
 
 def test_update_touches_only_a_hash_that_exists_and_never_leaves_a_final_state(r):

@@ -262,16 +262,18 @@ def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_d
 
 
 def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_computes_only_the_rest(smol_loaded):
-    """Disaggregated, two decode workers, local_prefill_max_tokens 64. A request whose prompt starts
-    with an earlier request's prompt and completion (a chat's next turn) goes to the decode worker
-    that ran it, though that worker has a stream more open than the other (prefix affinity), and
-    with at most 64 tokens left to compute there, that worker prefills it from its prefix cache:
-    no prefill worker, no KV handed over. Under another cache_salt the same prompt is placed by
-    load and prefilled by a prefill worker, with the same greedy output."""
-    s = _start(decode=2, local_prefill_max_tokens=64)
+    """Disaggregated, two decode workers, two routers, local_prefill_max_tokens 64. A request whose
+    prompt starts with an earlier request's prompt and completion (a chat's next turn) goes to the
+    decode worker that ran it, though that worker has a stream more open than the other (prefix
+    affinity), and though it reaches the other router, which learnt of the first turn from the
+    shared record; with at most 64 tokens left to compute there, that worker prefills it from its
+    prefix cache: no prefill worker, no KV handed over. Under another cache_salt the same prompt
+    is placed by load and prefilled by a prefill worker, with the same greedy output."""
+    s = _start(decode=2, routers=2, local_prefill_max_tokens=64)
     tok = smol_loaded.tokenizer
+    applied = "splitserve_prefix_records_applied_total"
     try:
-        with Client(s.router_address) as c:
+        with Client(s.router_address) as c, Client(s.router_addresses[1]) as c1:
             first = tok.encode("Affinity: " + "apple banana cherry " * 60)  # a first word of its own
             a = c.generate(token_ids=first, max_tokens=8, ignore_eos=True, request_id="aff-a", timeout=120)
             assert c.get_request("aff-a").prefill_worker  # too long to prefill locally, and nothing cached
@@ -290,20 +292,26 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             assert streaming.wait(60), "the long stream did not start"
             il = c.get_request("aff-long")
             assert (il.decode_worker, il.prefill_worker) == (home, "")
+            # router-1 has seen none of these: it learns of aff-a's prompt and completion and of
+            # aff-long's prompt from router 0's entries (and its registry read, of aff-long's stream)
+            wait_for(lambda: scrape(s.proc("router-1").metrics_address).get(applied, 0) >= 3, timeout=10,
+                     what="router 0's prefix records applied at router 1")
+            time.sleep(4 * s.settings.heartbeat_s)
             turn = first + list(a.token_ids) + tok.encode(" Now say it again, shorter.")
-            b = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-b", timeout=120)
+            b = c1.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-b", timeout=120)
             ib = c.get_request("aff-b")
             assert (ib.decode_worker, ib.prefill_worker, ib.kv_transport) == (home, "", "")
             # the blocks of the first prompt and all but the last of its completion's tokens
             assert b.usage.cached_tokens >= (len(first) + 7) // 16 * 16 > len(turn) - 64
             assert not ends[-1]  # the long stream still runs: home still the busier worker
-            salted = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-c", cache_salt="x",
-                                timeout=120)
+            salted = c1.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-c", cache_salt="x",
+                                 timeout=120)
             ic = c.get_request("aff-c")
             assert ic.decode_worker != home and ic.prefill_worker and salted.usage.cached_tokens == 0
             assert list(salted.token_ids) == list(b.token_ids)
             # b at least went past the least loaded worker for its prefix (aff-long maybe: a tie)
-            assert scrape(s.proc("router").metrics_address)["splitserve_requests_placed_by_prefix_total"] in (1, 2)
+            assert scrape(s.proc("router").metrics_address)["splitserve_requests_placed_by_prefix_total"] in (0, 1)
+            assert scrape(s.proc("router-1").metrics_address)["splitserve_requests_placed_by_prefix_total"] == 1
             assert not ends[-1]
             c.abort("aff-long")
             long.join(60)

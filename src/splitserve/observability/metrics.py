@@ -86,6 +86,9 @@ class RouterMetrics(Metrics):
         self.prefix_placements = self.c("requests_placed_by_prefix", "Requests placed on a decode worker other "
                                                                      "than the least loaded, for the prefix it "
                                                                      "is expected to hold (prefix affinity)")
+        self.prefix_records_applied = self.c("prefix_records_applied", "Prefix records of other routers (a decode "
+                                                                       "worker's chain of cached blocks) applied to "
+                                                                       "this router's record")
         self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
                                                         "prefill worker was registered, for their decode worker "
                                                         "to prefill")

@@ -9,7 +9,10 @@ conditional disaggregation, let that worker compute the rest itself instead of a
 computing the whole prompt and handing over all of its KV.
 
 It is a record, not the cache: the worker evicts on its own (least recently used first, as
-here), other routers place there too, and a hash may collide. A wrong guess costs time, never
+here), and a hash may collide. Other routers place there too, and tell this one what they
+recorded (prefix_share.py), so the hashes are the same in every process: the chain's root is
+a blake2b of the salt, and each link hashes a tuple of ints, which Python hashes alike in every
+process of one version (only str and bytes hashes are salted per process). A wrong guess costs time, never
 a wrong token: the engine looks the prompt up itself, by its exact tokens. The record is kept
 honest where it can be:
 
@@ -22,6 +25,7 @@ honest where it can be:
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 DEFAULT_BLOCKS = 1 << 16  # per worker, when the worker does not say how much KV it holds
@@ -34,11 +38,18 @@ def chain(token_ids: list[int], block_size: int, salt: str = "", limit: int | No
     `known`: the hashes of its first blocks, already computed (the chain goes on from them)."""
     n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
     out = list(known[:n])
-    h = out[-1] if out else hash(("splitserve-prefix", salt))
+    h = out[-1] if out else root(salt)
     for i in range(len(out), n):
         h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         out.append(h)
     return out
+
+
+def root(salt: str) -> int:
+    """The hash a salt's chain starts from, the same in every process (a signed 64-bit int, as
+    Python's hashes are)."""
+    digest = hashlib.blake2b(b"splitserve-prefix\0" + salt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 class PrefixIndex:

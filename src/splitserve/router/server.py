@@ -31,6 +31,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.placement import Placement, Placements
 from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.prefix_share import SharedRecord
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
                                       Unavailable, code_of, status_code)
@@ -238,6 +239,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.local_seen = 0  # ... and of those tokens, the ones their decode workers prefill
         self.metrics = metrics or RouterMetrics()
         self.background = Background()
+        # the other routers' records come in, and this one's go out (while run() runs: serve())
+        self.shared = SharedRecord(r, self.keys.prefix_records, self.id, self.prefixes, self.metrics)
 
     # -- registry -----------------------------------------------------------------------
 
@@ -732,8 +735,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             await self._name_tokens(ev)
                         if ev.token_ids and not active.first and self.affinity:
                             # a first token: the prompt's KV is at the worker now, or on its way
-                            self.prefixes.record(worker.worker_id, self.prefixes.chain(ids, request.cache_salt,
-                                                                                       hashes))
+                            self._record(worker, self.prefixes.chain(ids, request.cache_salt, hashes))
                         if ev.token_ids and not active.first and params.prompt_logprobs is not None \
                                 and len(ev.prompt_logprobs) != len(ids) - 1:
                             raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
@@ -767,8 +769,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev.finish_reason:
                             final = ev
                             if self.affinity and generated:  # the KV of all but the last token is cached there
-                                self.prefixes.record(worker.worker_id, self.prefixes.chain(
-                                    ids + generated[:-1], request.cache_salt, hashes))
+                                self._record(worker, self.prefixes.chain(ids + generated[:-1], request.cache_salt,
+                                                                         hashes))
                             break
                 except asyncio.CancelledError:
                     if active.lost:
@@ -857,6 +859,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if request.priority:
             attrs["splitserve.priority"] = request.priority
         return attrs
+
+    def _record(self, worker: WorkerInfo, hashes: list[int]) -> None:
+        """worker holds the KV of these blocks now: in this router's record, and the others'."""
+        self.prefixes.record(worker.worker_id, hashes)
+        self.shared.publish(worker.worker_id, worker.epoch, hashes)
 
     async def _name_tokens(self, ev: w_pb.DecodeEvent) -> None:
         """Set the text of each token in the event's log probabilities (~1 us a token and 0.4 us
@@ -1093,6 +1100,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 log.warning("registry refresh failed: %s", e)
 
     task = asyncio.create_task(refresh())
+    sharing = asyncio.create_task(servicer.shared.run()) if servicer.affinity else None
     address = settings.address(port)
     log.info("router serving on %s", address)
     if metrics_port:
@@ -1101,6 +1109,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await stop.wait()
     await grpc_server.set_not_serving(health, [SERVICE])
     task.cancel()
+    if sharing is not None:
+        sharing.cancel()
     await server.stop(grace=settings.drain_s)  # in-flight requests finish, new ones are refused
     for peer in servicer.peers.clear():  # their watchers end with them
         await peer.channel.close()

@@ -329,6 +329,7 @@ class Keys:
         self.streams = tuple(self.by_class.values())  # in PRIORITY_CLASSES order: the order workers pull in
         self.admission = f"{prefix}:admission"
         self.routers = f"{prefix}:routers"
+        self.prefix_records = f"{prefix}:prefix-records"  # routers' prefix records, shared (router/prefix_share.py)
 
     def stream_for(self, priority: int) -> str:
         return self.by_class[priority_class(priority)]
