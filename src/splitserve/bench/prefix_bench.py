@@ -39,6 +39,12 @@ worker): "partial" (prefix affinity on: the KV of a chat's last turn, which the 
 holds, is not sent) and "whole" (prefix_affinity_slack -1: all of it is). With one decode
 worker both place every turn alike; they differ only in the bytes sent. Measured besides: the
 KV bytes received (GetRequest's kv_bytes) and the later turns' KV transfer time (p50).
+
+--shared-records: the same chats through two stacks of 1 prefill worker, 2 decode workers and 2
+routers, each turn of a chat sent to the other router than its last (as a load balancer in
+front of several routers may), prefix affinity on in both (as --multi-turn's "affinity"):
+"shared" (the routers share their prefix records: share_prefix_records) and "unshared" (each
+router knows only the turns it placed itself).
 """
 
 from __future__ import annotations
@@ -115,9 +121,9 @@ def service(args, convs: list) -> dict:
 
 
 def multi_turn(args, convs: list) -> dict:
-    """Chats of several turns through two stacks: prefix affinity and without (--multi-turn), or
-    KV sent without what the decode worker holds and whole (--partial-kv); see the module's
-    docstring."""
+    """Chats of several turns through two stacks: prefix affinity and without (--multi-turn), KV
+    sent without what the decode worker holds and whole (--partial-kv), or prefix records shared
+    between two routers and not (--shared-records); see the module's docstring."""
     from splitserve.bench.service_bench import light_ttft_service
     from splitserve.client import Client
     from splitserve.service.settings import Settings
@@ -125,7 +131,12 @@ def multi_turn(args, convs: list) -> dict:
 
     base = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
                              prefix_caching=True)
-    if args.partial_kv:
+    routers = 2 if args.shared_records else 1
+    if args.shared_records:
+        affinity = base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens)
+        configs = {"shared": affinity.replace(share_prefix_records=True),
+                   "unshared": affinity.replace(share_prefix_records=False)}
+    elif args.partial_kv:
         grpc_kv = base.replace(kv_transport="grpc", local_prefill_max_tokens=0)
         configs = {"partial": grpc_kv.replace(prefix_affinity_slack=8),
                    "whole": grpc_kv.replace(prefix_affinity_slack=-1)}
@@ -133,21 +144,24 @@ def multi_turn(args, convs: list) -> dict:
         configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
                    "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
     follow_ups = [c[1]["content"] for c in convs]
-    results: dict = {"mode": "partial-kv" if args.partial_kv else "multi-turn", "threads": args.threads,
-                     "turns": args.turns,
+    mode = "shared-records" if args.shared_records else "partial-kv" if args.partial_kv else "multi-turn"
+    results: dict = {"mode": mode, "threads": args.threads, "turns": args.turns, "routers": routers,
                      "local_prefill_max_tokens": args.local_tokens, "rounds": []}
     with contextlib.ExitStack() as es:
         clients = {}
         for name, settings in configs.items():
-            stack = es.enter_context(Stack(settings, prefill=1, decode=1 if args.partial_kv else 2))
-            clients[name] = es.enter_context(Client(stack.router_address))
-            light_ttft_service(clients[name], 2, messages=convs[-1], cache_salt="warm-up")
+            stack = es.enter_context(Stack(settings, prefill=1, decode=1 if args.partial_kv else 2, routers=routers))
+            clients[name] = [es.enter_context(Client(a)) for a in stack.router_addresses]
+            for c in clients[name]:
+                light_ttft_service(c, 2, messages=convs[-1], cache_salt="warm-up")
 
-        def chat(c, i: int, salt: str) -> list:
-            """One chat's turns, one after another: [(TTFT ms, last message, request id)]."""
+        def chat(cs, i: int, salt: str) -> list:
+            """One chat's turns, one after another, each through the next of the routers' clients cs:
+            [(TTFT ms, last message, request id)]."""
             messages, out = list(convs[i][:2]), []
             for turn in range(args.turns):
                 rid = f"{salt}-{i}-{turn}"
+                c = cs[(i + turn) % len(cs)]
                 ttft, last, text = light_ttft_service(c, args.max_tokens, with_text=True, messages=messages,
                                                       cache_salt=salt, request_id=rid, ignore_eos=False)
                 out.append((ttft, last, rid))
@@ -158,10 +172,11 @@ def multi_turn(args, convs: list) -> dict:
         for r in range(args.rounds):
             rnd = {}
             for name in list(configs) if r % 2 == 0 else list(configs)[::-1]:
-                c, salt = clients[name], f"run{r}-{name.replace(' ', '-')}"
+                cs, salt = clients[name], f"run{r}-{name.replace(' ', '-')}"
+                c = cs[0]
                 t0 = time.perf_counter()
                 with cf.ThreadPoolExecutor(args.requests) as ex:
-                    got = list(ex.map(lambda i: chat(c, i, salt), range(args.requests)))
+                    got = list(ex.map(lambda i: chat(cs, i, salt), range(args.requests)))
                 wall = time.perf_counter() - t0
                 later = [ttft for turns in got for ttft, _, _ in turns[1:]]
                 infos = [c.get_request(rid) for turns in got for _, _, rid in turns]
@@ -201,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--multi-turn", action="store_true", help="chats of several turns, prefix affinity on and off")
     ap.add_argument("--partial-kv", action="store_true",
                     help="chats of several turns, KV as bytes without what the decode worker holds, and whole")
+    ap.add_argument("--shared-records", action="store_true",
+                    help="chats whose turns alternate between two routers, prefix records shared and not")
     ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per chat")
     ap.add_argument("--local-tokens", type=int, default=256,
                     help="--multi-turn: local_prefill_max_tokens of the affinity stack")
@@ -213,9 +230,10 @@ def main(argv=None) -> int:
 
     if args.turns < 2 or args.local_tokens < 1:
         ap.error("--turns must be >= 2 and --local-tokens >= 1")
-    if args.multi_turn or args.partial_kv:
+    if args.multi_turn or args.partial_kv or args.shared_records:
         results = multi_turn(args, chats(args.workloads, max(args.requests, args.light + 1)))
-        on, off = ("partial", "whole") if args.partial_kv else ("affinity", "by load")
+        on, off = (("partial", "whole") if args.partial_kv else ("shared", "unshared") if args.shared_records
+                   else ("affinity", "by load"))
         ttft = "later turns' TTFT p50"
     elif args.service:
         results = service(args, chats(args.workloads, max(args.requests, args.light + 1)))

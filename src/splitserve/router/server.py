@@ -1100,7 +1100,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 log.warning("registry refresh failed: %s", e)
 
     task = asyncio.create_task(refresh())
-    sharing = asyncio.create_task(servicer.shared.run()) if servicer.affinity else None
+    sharing = asyncio.create_task(servicer.shared.run()) if servicer.affinity and settings.share_prefix_records else None
     address = settings.address(port)
     log.info("router serving on %s", address)
     if metrics_port:

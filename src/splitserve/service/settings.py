@@ -46,6 +46,7 @@ class Settings:
     admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
     retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
     local_prefill_max_tokens: int = 0  # disaggregated: a prompt with at most this many tokens to compute (those its decode worker is not expected to hold in its prefix cache) is prefilled by that worker, not a prefill worker; 0 = off
+    share_prefix_records: bool = True  # routers tell one another what they record of the decode workers' prefix caches (a capped Redis stream); false = each keeps its own
     prefix_affinity_slack: int = 8  # a decode worker expected (by the router's record) to hold more of a prompt in its prefix cache gets it while it has at most this many more requests open than the least loaded; -1 = placement by load alone
     local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
     local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those still queued are taken back for it to prefill; false = they wait in the queue for one
