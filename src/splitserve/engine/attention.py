@@ -41,6 +41,9 @@ class RaggedBatch:
     dec_rows: torch.Tensor | None = None  # [S] int64, their rows of the batch
     dec_slots: torch.Tensor | None = None  # [S, longest ctx] int64, each one's context slots, padded with 0
     dec_mask: torch.Tensor | None = None  # [S, 1, 1, longest ctx] bool, False on the padding
+    # The forward returns the logits rows' final hidden states (normed) instead of their logits:
+    # the caller makes logits of them a slice at a time (prompt log probabilities' many rows).
+    hidden_out: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -269,7 +269,7 @@ class PiecewiseGraphs:
         return num_tokens <= self.sizes[-1]
 
     def run(self, batch: RaggedBatch) -> torch.Tensor:
-        """Logits for batch.logits_rows, as model.forward(batch, kv) gives them."""
+        """Logits for batch.logits_rows (or their normed hidden states), as model.forward(batch, kv) gives them."""
         T = batch.num_tokens
         b = self._bucket(bucket(self.sizes, T))
         ids, pos, slots = b.views()
@@ -286,7 +286,8 @@ class PiecewiseGraphs:
                 q, k, v = out["q"][:T], out["k"][:T], out["v"][:T]
                 batch.attention(q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T])
             out = self._piece(b, li)
-        return m.mm(out["h"][batch.logits_rows], None, "lm_head")
+        h = out["h"][batch.logits_rows]  # after the final norm
+        return h if batch.hidden_out else m.lm_head_of(h)
 
     def _bucket(self, tokens: int) -> _Pieces:
         b = self.buckets.get(tokens)

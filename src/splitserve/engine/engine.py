@@ -277,9 +277,9 @@ class LLMEngine:
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
-        if prompt_rows:  # their logits follow the samplers' rows
-            _add_prompt_logprobs(prompt_rows, logits[len(samplers):])
-            logits = logits[: len(samplers)]
+        if prompt_rows:  # hidden states: the samplers' rows, then theirs
+            _add_prompt_logprobs(prompt_rows, logits[len(samplers):], self.model.lm_head_of)
+            logits = self.model.lm_head_of(logits[: len(samplers)])
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
         stats.num_seqs = len(sched.scheduled)
@@ -349,6 +349,7 @@ class LLMEngine:
             seqs=seqs,
             ctx_slots=torch.cat(ctx_slots).to(dev) if ctx_slots else None,
             ctx_info=torch.tensor(ctx_info, dtype=torch.int64) if ctx_info else None,
+            hidden_out=bool(prompt_rows),
         )
         if dec_rows:
             lens = torch.tensor([len(t) for t in dec_slots])
@@ -572,12 +573,14 @@ def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]
     return rows
 
 
-_PROMPT_ROWS_AT_ONCE = 256  # log_softmax over the vocabulary: ~50 MB of float32 rows for SmolLM2's 49152
+_PROMPT_ROWS_AT_ONCE = 256  # logits made at once: ~50 MB of float32 rows for SmolLM2's 49152-token vocabulary
 
 
-def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], logits: torch.Tensor) -> None:
-    """logits: those of rows' positions, in order. Each sequence's prompt log probabilities grow by
-    its positions' next prompt tokens (and the k most likely, k its request's)."""
+def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor, lm_head) -> None:
+    """hidden: the normed final hidden states of rows' positions, in order (lm_head makes their
+    logits, a slice at a time: a chunk's 2048 rows at once would be 400 MB). Each sequence's
+    prompt log probabilities grow by its positions' next prompt tokens (and the k most likely,
+    k its request's)."""
     targets: list[tuple[Sequence, int]] = []
     for seq, first, n, _ in rows:
         if first != len(seq.prompt_logprobs):
@@ -586,7 +589,7 @@ def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], logits: tor
         targets.extend((seq, p + 1) for p in range(first, first + n))
     for i in range(0, len(targets), _PROMPT_ROWS_AT_ONCE):
         part = targets[i : i + _PROMPT_ROWS_AT_ONCE]
-        dist = torch.log_softmax(logits[i : i + len(part)].float(), dim=-1)
+        dist = torch.log_softmax(lm_head(hidden[i : i + len(part)]).float(), dim=-1)
         found = token_logprobs(dist, [seq.token_ids[at] for seq, at in part],
                                [seq.params.prompt_logprobs for seq, _ in part])
         for (seq, _), lp in zip(part, found):

@@ -175,11 +175,21 @@ class LlamaModel:
         """h: [S, H] final hidden states of the rows to sample -> [S, V]."""
         return self.mm(self.rms_norm(h, self.norm), None, "lm_head")
 
+    def head(self, h: torch.Tensor, batch: "RaggedBatch") -> torch.Tensor:
+        """The forward's result from the final hidden states of batch.logits_rows: their logits, or,
+        with batch.hidden_out, the states after the final norm (lm_head() makes logits of them)."""
+        return self.rms_norm(h, self.norm) if batch.hidden_out else self.logits(h)
+
+    def lm_head_of(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [S, V] of normed final hidden states [S, H] (a forward's, with batch.hidden_out)."""
+        return self.mm(h, None, "lm_head")
+
     # -- ragged forward over the paged cache ---------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, batch: "RaggedBatch", kv: torch.Tensor) -> torch.Tensor:
-        """One forward over every scheduled token; returns logits for ``batch.logits_rows``.
+        """One forward over every scheduled token; returns logits for ``batch.logits_rows`` (with
+        ``batch.hidden_out``, their normed final hidden states: see head()).
 
         kv: [layers, 2, slots, Hkv, D], the paged cache (slot = block * block_size + offset).
         """
@@ -195,9 +205,9 @@ class LlamaModel:
                 # Past the last K/V write only the sampled rows matter: a prefill's other rows skip
                 # the last layer's output projection and MLP (~2.8% of a prefill's FLOPs here).
                 rows = batch.logits_rows
-                return self.logits(self.attn_out(li, x[rows], attn[rows]))
+                return self.head(self.attn_out(li, x[rows], attn[rows]), batch)
             x = self.attn_out(li, x, attn)
-        return self.logits(x[batch.logits_rows])
+        return self.head(x[batch.logits_rows], batch)
 
     # Layer halves around attention (the forward above; cuda_graphs.py captures them).
 
