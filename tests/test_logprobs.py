@@ -223,6 +223,7 @@ def test_prompt_logprobs_survive_preemption_and_travel_with_the_kv(tiny_engine_f
     check(reference(prompts[0][:1], prompts[0][1:]), prompts[0][1:], export.prompt_logprobs, 4)
     first = decode.import_kv(export, payload)
     assert first.prompt_logprobs == export.prompt_logprobs and first.new_token_ids == export.token_ids[-1:]
+    assert decode.seqs["h"].prompt_logprobs == []  # handed out: not held for the rest of its decode
     _, later = prompt_logprobs_of(decode)
     assert later == {}  # sent once, with the first token
     export, payload = exported(prefill, "short", prompts[1], sp)

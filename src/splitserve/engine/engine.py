@@ -423,6 +423,8 @@ class LLMEngine:
         prompt_logprobs = None  # with the first token
         if seq.params.prompt_logprobs is not None and seq.emitted_tokens == 0 and new_ids:
             prompt_logprobs = seq.prompt_logprobs
+            if not seq.prefill_only:  # not needed here any more (a long prompt's: megabytes)
+                seq.prompt_logprobs, seq.prompt_logprobs_sent = [], True
         seq.emitted_chars, seq.emitted_tokens = end, seq.num_output
         return RequestOutput(
             request_id=seq.request_id,

@@ -46,8 +46,10 @@ class Sequence:
     cache_salt: str = ""  # the root of its prefixes: only sequences with the same salt share cached KV
     logprobs: list = field(default_factory=list)  # TokenLogprob of each output token, when params.logprobs is set
     # With params.prompt_logprobs: TokenLogprob of prompt tokens 1, 2, ... (entry i from the logits at
-    # position i), as far as computed: a chunked prefill adds them chunk by chunk.
+    # position i), as far as computed: a chunked prefill adds them chunk by chunk. Handed out with
+    # the first token, and then dropped (kept by a prefill_only sequence, whose export carries them).
     prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
     def __post_init__(self) -> None:
@@ -63,13 +65,15 @@ class Sequence:
         logits give the next token), and, while it lacks prompt log probabilities it asked for,
         none past those it has (a cached block's KV holds no logits)."""
         n = len(self.token_ids) - 1
-        if self.params.prompt_logprobs is not None:
+        if self.wants_prompt_logprobs:
             n = min(n, len(self.prompt_logprobs))
         return n
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
+        """It asked for prompt log probabilities and lacks some (none were handed out yet)."""
+        return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+                and len(self.prompt_logprobs) < self.prompt_len - 1)
 
     @property
     def num_output(self) -> int:
