@@ -415,6 +415,9 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "logprobs": 21}, "sampling.logprobs"),
         ({"prompt": "hi", "logprobs": -1}, "sampling.logprobs"),
         ({"prompt": "hi", "prompt_logprobs": 21}, "sampling.prompt_logprobs"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, "sampling.presence_penalty"),
+        ({"prompt": "hi", "frequency_penalty": -3.0}, "sampling.frequency_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0.0}, "sampling.repetition_penalty"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
@@ -2095,6 +2098,19 @@ def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(stack, clie
     one = client.generate(token_ids=ids, timeout=120, **{**PROMPT_LP_KW, "max_tokens": 1, "logprobs": 0})
     assert one.finish_reason == "length" and len(one.logprobs) == 1  # no KV handed over
     _same_logprobs(one.prompt_logprobs, ids[1:], want)
+
+
+def test_penalties_give_the_in_process_engines_tokens(stack, client, smol_loaded):
+    """The prefill worker samples the first token under them (repetition_penalty looks at the
+    prompt), the decode worker the rest, counting the token it came with."""
+    ids = smol_loaded.tokenizer.encode("List the days of the week, then list them again:")
+    kw = dict(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    want = eng.generate([ids], SamplingParams(**kw))[0]
+    assert want != eng.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    got = client.generate(token_ids=ids, timeout=120, **kw)
+    assert list(got.token_ids) == want
+    assert client.get_request(got.request_id).prefill_worker  # handed over
 
 
 def test_async_client_streams_and_generates(stack, client):

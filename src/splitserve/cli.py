@@ -145,7 +145,9 @@ def _generate(args) -> int:
             address = json.load(f)["router"]
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
-              cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+              cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+              repetition_penalty=args.repetition_penalty)
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
+    p.add_argument("--presence-penalty", type=float, default=None, help="-2 to 2: against tokens already in the output")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2: the same, once per time there")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0 (1 = off): divides the logits of tokens in the prompt or output")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each token's log probability, its rank and the K most likely (0-20)")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",

@@ -89,6 +89,9 @@ def build_request(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
     priority: int = 0,
     cache_salt: str = "",
 ) -> pb.GenerateRequest:
@@ -102,7 +105,8 @@ def build_request(
     sp = req.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
-                        ("prompt_logprobs", prompt_logprobs)):
+                        ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sp, name, value)
     sp.stop.extend(stop or [])

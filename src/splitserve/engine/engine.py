@@ -33,7 +33,8 @@ from splitserve.engine.outputs import (
 )
 from splitserve.engine.padded import PaddedBatcher
 from splitserve.engine.params import check_context
-from splitserve.engine.sampling import SampleRow, SamplingParams, new_generator, sample_with_logprobs, token_logprobs
+from splitserve.engine.sampling import (SampleRow, SamplingParams, Seen, new_generator, sample_with_logprobs,
+                                       token_logprobs)
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.tokenizer import Tokenizer
@@ -367,7 +368,7 @@ class LLMEngine:
             banned = seq.params.stop_token_ids
             if not seq.params.ignore_eos:
                 banned += tuple(self.eos_token_ids)
-        return SampleRow(seq.params, seq.generator, banned)
+        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None)
 
     def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (and its log probability, when the request asks) to seq and finish it
@@ -375,6 +376,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
+        if seq.output_counts is not None:
+            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
         p = seq.params
         if seq.detok is not None:
             seq.text += seq.detok.push(token)
@@ -554,6 +557,20 @@ def _eos_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]
     if tokenizer is not None:
         ids.update(tokenizer.eos_token_ids)
     return frozenset(ids)
+
+
+def _seen(seq: Sequence) -> Seen:
+    """What seq's penalties look at (its counts are made once, at its first sample here: an
+    imported sequence's from the tokens it came with)."""
+    if seq.output_counts is None:
+        seq.output_counts = {}
+        for t in seq.output_ids:
+            seq.output_counts[t] = seq.output_counts.get(t, 0) + 1
+    if seq.prompt_ids is None and seq.params.repetition_penalty != 1.0:
+        seq.prompt_ids = torch.tensor(sorted(set(seq.token_ids[: seq.prompt_len])), dtype=torch.int64)
+    counts = seq.output_counts
+    return Seen(torch.tensor(list(counts), dtype=torch.int64), torch.tensor(list(counts.values()), dtype=torch.float32),
+                seq.prompt_ids)
 
 
 def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:

@@ -15,6 +15,8 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default bound)
+MAX_PRESENCE_FREQUENCY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's bounds)
+MAX_REPETITION = 10.0  # repetition_penalty in (0, 10]: past that a seen token is all but banned
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's log probability and the k most likely
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    presence_penalty: float = 0.0  # subtracted from the logit of a token in the output so far
+    frequency_penalty: float = 0.0  # ... once for each time it is there
+    repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of a token in prompt or output
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -55,6 +60,14 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("sampling.prompt_logprobs",
                                       f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PRESENCE_FREQUENCY <= value <= MAX_PRESENCE_FREQUENCY):
+                raise InvalidRequestError(f"sampling.{name}", f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, "
+                                                              f"{MAX_PRESENCE_FREQUENCY:g}], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION):
+            raise InvalidRequestError("sampling.repetition_penalty",
+                                      f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty}")
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
@@ -68,6 +81,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty on tokens seen before is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def check_stop_counts(stop: int, stop_token_ids: int) -> None:

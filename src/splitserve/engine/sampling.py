@@ -37,17 +37,43 @@ def new_generator(params: SamplingParams) -> torch.Generator | None:
 
 
 @dataclass
+class Seen:
+    """What a row's penalties look at (SamplingParams.penalized): the tokens of its output so far,
+    each once, with how often each is there, and (for repetition_penalty) those of its prompt."""
+
+    output_ids: torch.Tensor  # int64 [n]
+    output_counts: torch.Tensor  # float32 [n]
+    prompt_ids: torch.Tensor | None = None  # int64, the prompt's tokens, each once
+
+
+@dataclass
 class SampleRow:
     """One row of the logits to sample from, and how."""
 
     params: SamplingParams
     generator: torch.Generator | None
     banned: tuple[int, ...] = field(default=())  # token ids masked out (EOS before min_tokens)
+    seen: Seen | None = None  # with penalties
+
+
+def penalize(row: torch.Tensor, p: SamplingParams, seen: Seen) -> None:
+    """Apply p's penalties to one row of logits, in place (vLLM's order: repetition, then
+    frequency and presence)."""
+    dev = row.device
+    out_ids = seen.output_ids.to(dev)
+    if p.repetition_penalty != 1.0:
+        ids = out_ids if seen.prompt_ids is None else torch.cat([seen.prompt_ids.to(dev), out_ids])
+        v = row[ids]  # a token in both is read once here, so it is penalized once
+        row[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
+        row[out_ids] -= p.frequency_penalty * seen.output_counts.to(dev) + p.presence_penalty
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """Pick one token per row. logits: [len(rows), vocab], float32."""
     for i, row in enumerate(rows):
+        if row.seen is not None:
+            penalize(logits[i], row.params, row.seen)
         if row.banned:
             logits[i, list(row.banned)] = -math.inf
     out = logits.argmax(dim=-1).tolist()

@@ -50,6 +50,10 @@ class Sequence:
     # the first token, and then dropped (kept by a prefill_only sequence, whose export carries them).
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # With penalties (params.penalized), made at its first sample: how often each output token is
+    # there (kept up to date by the engine), and its prompt's tokens, each once.
+    output_counts: dict[int, int] | None = None
+    prompt_ids: torch.Tensor | None = None
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
     def __post_init__(self) -> None:

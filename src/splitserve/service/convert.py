@@ -32,6 +32,9 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -46,6 +49,12 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
         sp.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         sp.prompt_logprobs = p.prompt_logprobs
+    if p.presence_penalty:
+        sp.presence_penalty = p.presence_penalty
+    if p.frequency_penalty:
+        sp.frequency_penalty = p.frequency_penalty
+    if p.repetition_penalty != 1.0:
+        sp.repetition_penalty = p.repetition_penalty
     return sp
 
 
