@@ -326,15 +326,18 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
         _finish(s)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["records-unshared", "records-shared"])
 def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_whole_when_it_was_evicted(
-        smol_loaded):
+        smol_loaded, shared):
     """KV over gRPC, two routers, one decode worker with a small KV cache. A chat's next turn (via
     router 0, which saw the last one) is handed over without the KV of the last turn's prompt and
     completion, which the decode worker holds: fewer bytes, the same tokens as the whole handoff
     (under another salt). Then router 1's traffic evicts that prefix from the decode worker;
-    router 0 still expects it, so the next turn's partial KV is refused (FAILED_PRECONDITION)
-    and sent whole, and the request is served all the same."""
-    s = _start(routers=2, kv_transport="grpc", kv_cache_bytes=40 << 20)
+    with the routers keeping their records to themselves, router 0 does not hear of it and still
+    expects the prefix, so the next turn's partial KV is refused (FAILED_PRECONDITION) and sent
+    whole, and the request is served all the same. With the records shared, router 0 models the
+    eviction from router 1's entries and sends the KV whole at once: no refusal."""
+    s = _start(routers=2, kv_transport="grpc", kv_cache_bytes=40 << 20, share_prefix_records=shared)
     tok = smol_loaded.tokenizer
     per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2's KV, fp32
     try:
@@ -357,12 +360,19 @@ def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_wh
             for i in range(8):  # 72 blocks through the other router: the decode worker holds 54
                 other.generate(token_ids=tok.encode(f"Flood {i}: " + "stone river cloud " * 45), max_tokens=2,
                                ignore_eos=True, cache_salt="flood", timeout=120)
+            applied = scrape(s.proc("router").metrics_address).get("splitserve_prefix_records_applied_total", 0)
+            if shared:  # each flood request's first token and end
+                wait_for(lambda: scrape(s.proc("router").metrics_address).get(
+                    "splitserve_prefix_records_applied_total", 0) >= 16, timeout=10, what="router 1's records")
+            else:
+                assert applied == 0
             turn2 = turn + list(b.token_ids) + tok.encode(" Once more.")
             d = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, request_id="part-d", timeout=120)
-            assert c.get_request("part-d").kv_bytes == 64 + per_token * len(turn2)  # sent again, whole
-            assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == 1
-            assert scrape(s.proc("decode-0").metrics_address)[
-                'splitserve_kv_handoffs_refused_total{code=FAILED_PRECONDITION}'] == 1
+            assert c.get_request("part-d").kv_bytes == 64 + per_token * len(turn2)  # sent whole
+            refusals = 0 if shared else 1
+            assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == refusals
+            assert scrape(s.proc("decode-0").metrics_address).get(
+                'splitserve_kv_handoffs_refused_total{code=FAILED_PRECONDITION}', 0) == refusals
             again = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, cache_salt="y", timeout=120)
             assert list(again.token_ids) == list(d.token_ids) and d.finish_reason == "length"
     finally:
