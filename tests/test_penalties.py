@@ -15,13 +15,15 @@ def test_penalties_on_hand_made_logits():
     p = SamplingParams(presence_penalty=0.25, frequency_penalty=0.5, repetition_penalty=2.0)
     # output so far: token 0 twice, token 1 once; the prompt holds 0 (in both: penalized once), 4 and 5
     seen = Seen(torch.tensor([0, 1]), torch.tensor([2.0, 1.0]), torch.tensor([0, 4, 5]))
-    row = logits.clone()
-    penalize(row, p, seen)
-    assert row.tolist() == pytest.approx([2.0 / 2 - 0.5 * 2 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, -4.0, 0.5])
-    # no repetition penalty: the prompt is not looked at
-    row = logits.clone()
-    penalize(row, SamplingParams(frequency_penalty=-1.0), Seen(torch.tensor([2]), torch.tensor([3.0])))
-    assert row.tolist() == pytest.approx([2.0, -1.0, 3.5, 3.0, -2.0, 1.0])
+    # three rows: those penalties; only a frequency penalty (the prompt is not looked at); none
+    rows = logits.repeat(3, 1)
+    penalize(rows, [SampleRow(p, None, seen=seen),
+                    SampleRow(SamplingParams(frequency_penalty=-1.0), None, seen=Seen(torch.tensor([2]),
+                                                                                    torch.tensor([3.0]))),
+                    SampleRow(SamplingParams(), None)])
+    assert rows[0].tolist() == pytest.approx([2.0 / 2 - 0.5 * 2 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, -4.0, 0.5])
+    assert rows[1].tolist() == pytest.approx([2.0, -1.0, 3.5, 3.0, -2.0, 1.0])
+    assert rows[2].tolist() == logits.tolist()
     # in sample(): greedy takes the penalized row's best, an unpenalized row beside it is untouched
     two = torch.stack([logits, logits])
     got = sample(two, [SampleRow(SamplingParams(repetition_penalty=4.0), None, seen=Seen(

@@ -56,24 +56,38 @@ class SampleRow:
     seen: Seen | None = None  # with penalties
 
 
-def penalize(row: torch.Tensor, p: SamplingParams, seen: Seen) -> None:
-    """Apply p's penalties to one row of logits, in place (vLLM's order: repetition, then
-    frequency and presence)."""
-    dev = row.device
-    out_ids = seen.output_ids.to(dev)
-    if p.repetition_penalty != 1.0:
-        ids = out_ids if seen.prompt_ids is None else torch.cat([seen.prompt_ids.to(dev), out_ids])
-        v = row[ids]  # a token in both is read once here, so it is penalized once
-        row[ids] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
-        row[out_ids] -= p.frequency_penalty * seen.output_counts.to(dev) + p.presence_penalty
+def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Apply each row's penalties to its row of logits, in place (vLLM's order: repetition, then
+    frequency and presence), for all rows at once: one gather and one scatter of each kind, so
+    a step's cost on a GPU does not grow with the rows in launches."""
+    rep: list[tuple[int, torch.Tensor, float]] = []  # (row, tokens, penalty)
+    sub: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, tokens, what to subtract)
+    for i, row in enumerate(rows):
+        seen, p = row.seen, row.params
+        if seen is None:
+            continue
+        if p.repetition_penalty != 1.0:
+            ids = seen.output_ids if seen.prompt_ids is None else torch.cat([seen.prompt_ids, seen.output_ids])
+            rep.append((i, ids, p.repetition_penalty))
+        if seen.output_ids.numel() and (p.frequency_penalty or p.presence_penalty):
+            sub.append((i, seen.output_ids, p.frequency_penalty * seen.output_counts + p.presence_penalty))
+    dev = logits.device
+    if rep:
+        r = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, _ in rep]).to(dev)
+        t = torch.cat([t for _, t, _ in rep]).to(dev)
+        by = torch.cat([torch.full((len(t),), x, dtype=torch.float32) for _, t, x in rep]).to(dev)
+        v = logits[r, t]  # a token in both prompt and output is read once here, so penalized once
+        logits[r, t] = torch.where(v > 0, v / by, v * by)
+    if sub:
+        r = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, _ in sub]).to(dev)
+        t = torch.cat([t for _, t, _ in sub]).to(dev)
+        logits.index_put_((r, t), -torch.cat([x for _, _, x in sub]).to(dev), accumulate=True)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """Pick one token per row. logits: [len(rows), vocab], float32."""
+    penalize(logits, rows)
     for i, row in enumerate(rows):
-        if row.seen is not None:
-            penalize(logits[i], row.params, row.seen)
         if row.banned:
             logits[i, list(row.banned)] = -math.inf
     out = logits.argmax(dim=-1).tolist()
