@@ -76,7 +76,8 @@ def trace_of(stack, rid: str, need: set[str]) -> list[traceview.Span]:
 
 def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     with Client(stack.router_address) as c:
-        chunks = list(c.generate_stream("The three primary colors are", max_tokens=12, request_id="traced-1"))
+        chunks = list(c.generate_stream("The three primary colors are", max_tokens=12, request_id="traced-1",
+                                        presence_penalty=0.25, prompt_logprobs=1))
     assert chunks[-1].finish_reason
     gen = "splitserve.v1.Generation/GenerateStream"
     dec = "splitserve.v1.DecodeWorker/Decode"
@@ -113,6 +114,9 @@ def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     assert root.attrs["gen_ai.operation.name"] == "text_completion"
     assert root.attrs["gen_ai.request.model"].startswith("SmolLM2-135M-Instruct")
     assert root.attrs["gen_ai.request.max_tokens"] == 12
+    assert root.attrs["gen_ai.request.presence_penalty"] == 0.25
+    assert root.attrs["splitserve.request.prompt_logprobs"] == 1
+    assert "gen_ai.request.frequency_penalty" not in root.attrs  # not asked for: not there
     assert root.attrs["gen_ai.usage.input_tokens"] == chunks[-1].usage.prompt_tokens
     assert root.attrs["gen_ai.usage.output_tokens"] == chunks[-1].usage.completion_tokens
     assert root.attrs["gen_ai.response.finish_reasons"] == [chunks[-1].finish_reason]

@@ -856,6 +856,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["gen_ai.request.top_k"] = params.top_k
         if params.seed is not None:
             attrs["gen_ai.request.seed"] = params.seed
+        if params.presence_penalty:
+            attrs["gen_ai.request.presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            attrs["gen_ai.request.frequency_penalty"] = params.frequency_penalty
+        if params.repetition_penalty != 1.0:
+            attrs["splitserve.request.repetition_penalty"] = params.repetition_penalty
+        if params.logprobs is not None:
+            attrs["splitserve.request.logprobs"] = params.logprobs
+        if params.prompt_logprobs is not None:
+            attrs["splitserve.request.prompt_logprobs"] = params.prompt_logprobs
         if request.priority:
             attrs["splitserve.priority"] = request.priority
         return attrs
