@@ -21,6 +21,9 @@ def _reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         keep = int((torch.cumsum(values, 0) < p.top_p).sum()) + 1
         values = values[:keep] / values[:keep].sum()
+    if p.min_p > 0:
+        values = values[values >= p.min_p * values[0]]
+        values = values / values.sum()
     out = torch.zeros_like(probs)
     out[order[: values.numel()]] = values
     return out
@@ -53,6 +56,11 @@ def _flat(live: int) -> torch.Tensor:
         (_flat(600), dict(temperature=1.0, top_k=500, top_p=0.9)),  # top_k larger than 256
         (_flat(600), dict(temperature=0.7)),
         (torch.randn(100, generator=torch.Generator().manual_seed(5)), dict(temperature=1.0, top_p=0.9)),  # < 256
+        # min_p: unsorted over the whole vocabulary, after top_k, after top_p (among the 256 and the 8192)
+        (torch.tensor([2.0, 1.0, 0.0, -1.0, -50.0, 1.0]), dict(temperature=1.0, min_p=0.3)),
+        (torch.tensor([2.0, 1.0, 0.0, -1.0, -50.0, 1.0]), dict(temperature=2.0, top_k=5, min_p=0.5)),
+        (_flat(40), dict(temperature=1.0, top_p=0.95, min_p=0.1)),
+        (_flat(600), dict(temperature=0.8, top_p=0.95, min_p=0.02)),
     ],
 )
 def test_draws_follow_the_distribution_and_only_kept_tokens_are_drawn(logits, kw):
@@ -69,6 +77,34 @@ def test_draws_follow_the_distribution_and_only_kept_tokens_are_drawn(logits, kw
     rest[torch.topk(want, 3).indices] = 0
     q = float(rest.sum())
     assert abs(float(got[rest > 0].sum()) - n * q) <= 5 * math.sqrt(n * q * (1 - q)) + 1
+
+
+def test_logit_bias_moves_greedy_and_random_rows_and_adds_to_penalties():
+    from splitserve.engine.sampling import Seen
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    rows = [SampleRow(SamplingParams(logit_bias={3: 3.5}), None),  # -1 + 3.5 beats 2
+            SampleRow(SamplingParams(logit_bias={0: -100.0, 1: -100.0}), None),  # all but banned
+            SampleRow(SamplingParams(logit_bias={2: 2.5}, frequency_penalty=1.0), None,
+                      seen=Seen(torch.tensor([2]), torch.tensor([1.0])))]  # 0 + 2.5 - 1: not enough
+    assert sample(logits.clone(), rows) == [3, 2, 0]
+    p = SamplingParams(temperature=1.0, seed=3, logit_bias={1: -100.0})
+    gen = new_generator(p)
+    assert 1 not in {sample(logits[:1].clone(), [SampleRow(p, gen)])[0] for _ in range(200)}
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(min_p=1.5), "sampling.min_p"), (dict(min_p=-0.1), "sampling.min_p"),
+    (dict(logit_bias={5: 101.0}), "sampling.logit_bias"), (dict(logit_bias={-1: 1.0}), "sampling.logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "sampling.logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "sampling.logit_bias"),
+])
+def test_min_p_and_logit_bias_out_of_range_name_the_field(kw, field):
+    from splitserve.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1e-39), dict(temperature=1e-300), dict(temperature=5e-324),

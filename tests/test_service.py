@@ -428,6 +428,9 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "presence_penalty": 2.5}, "sampling.presence_penalty"),
         ({"prompt": "hi", "frequency_penalty": -3.0}, "sampling.frequency_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"prompt": "hi", "min_p": 2.0}, "sampling.min_p"),
+        ({"prompt": "hi", "logit_bias": {49152: 1.0}}, "sampling.logit_bias"),
+        ({"prompt": "hi", "logit_bias": {5: -200.0}}, "sampling.logit_bias"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
@@ -2121,6 +2124,11 @@ def test_penalties_give_the_in_process_engines_tokens(stack, client, smol_loaded
     got = client.generate(token_ids=ids, timeout=120, **kw)
     assert list(got.token_ids) == want
     assert client.get_request(got.request_id).prefill_worker  # handed over
+    # a logit_bias that bans the tokens the penalized request said, but its first: others come
+    banned = {t: -100.0 for t in want[1:]}
+    other = eng.generate([ids], SamplingParams(**kw, logit_bias=banned))[0]
+    assert other[0] == want[0] and not set(other[1:]) & set(banned)
+    assert list(client.generate(token_ids=ids, timeout=120, logit_bias=banned, **kw).token_ids) == other
 
 
 def test_async_client_streams_and_generates(stack, client):

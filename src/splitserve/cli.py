@@ -117,6 +117,20 @@ def _demo(address: str) -> None:
                       f"total {t.e2e_ms:.0f} ms]\n", flush=True)
 
 
+def _logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias TOKEN_ID=BIAS, repeated -> {token id: bias}."""
+    out = {}
+    for item in items or ():
+        token, sep, bias = item.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise SystemExit(f"splitserve: error: --logit-bias takes TOKEN_ID=BIAS, got {item!r}") from None
+        if not sep:
+            raise SystemExit(f"splitserve: error: --logit-bias takes TOKEN_ID=BIAS, got {item!r}")
+    return out or None
+
+
 def _print_logprobs(what: str, logprobs) -> None:
     """TokenLogprob messages, one a line, to stderr, then their sum (the text's log probability)."""
     import json
@@ -147,7 +161,7 @@ def _generate(args) -> int:
               seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
               cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-              repetition_penalty=args.repetition_penalty)
+              repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias))
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -277,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2: the same, once per time there")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 0 (1 = off): divides the logits of tokens in the prompt or output")
+    p.add_argument("--min-p", type=float, default=None, help="0-1: draw only tokens at least this times as likely "
+                                                             "as the most likely")
+    p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100 to 100) to a token's logit; repeatable")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each token's log probability, its rank and the K most likely (0-20)")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",

@@ -92,6 +92,8 @@ def build_request(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logit_bias: dict[int, float] | None = None,
     priority: int = 0,
     cache_salt: str = "",
 ) -> pb.GenerateRequest:
@@ -106,9 +108,11 @@ def build_request(
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
                         ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
-                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty)):
+                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+                        ("min_p", min_p)):
         if value is not None:
             setattr(sp, name, value)
+    sp.logit_bias.update(logit_bias or {})
     sp.stop.extend(stop or [])
     sp.stop_token_ids.extend(stop_token_ids or [])
     sp.min_tokens = min_tokens

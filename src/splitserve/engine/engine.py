@@ -158,6 +158,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("sampling.stop", "stop strings need a model with a tokenizer")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
+            raise InvalidRequestError("sampling.logit_bias", f"token id {params.logit_bias[-1][0]} is outside the "
+                                                             f"vocabulary [0, {vocab})")
         if params.prompt_logprobs is not None and self.padded is not None:
             raise InvalidRequestError("sampling.prompt_logprobs",
                                       f"needs the continuous policy; this engine batches {self.config.policy}")

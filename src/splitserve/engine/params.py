@@ -17,6 +17,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default bound)
 MAX_PRESENCE_FREQUENCY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's and vLLM's bounds)
 MAX_REPETITION = 10.0  # repetition_penalty in (0, 10]: past that a seen token is all but banned
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's bound)
+MAX_LOGIT_BIAS_ENTRIES = 1024  # as many as stop_token_ids: each is applied at every step of the request
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,14 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of a token in the output so far
     frequency_penalty: float = 0.0  # ... once for each time it is there
     repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of a token in prompt or output
+    min_p: float = 0.0  # drawn only: tokens at least min_p times as likely as the most likely (after top_k, top_p)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias)))
         if self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -68,6 +74,16 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION):
             raise InvalidRequestError("sampling.repetition_penalty",
                                       f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError("sampling.min_p", f"must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError("sampling.logit_bias",
+                                      f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        bad = next(((t, v) for t, v in self.logit_bias
+                    if t < 0 or not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)), None)
+        if bad is not None:
+            raise InvalidRequestError("sampling.logit_bias", f"token {bad[0]}: ids are >= 0 and biases in "
+                                                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[1]}")
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")

@@ -57,13 +57,16 @@ class SampleRow:
 
 
 def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Apply each row's penalties to its row of logits, in place (vLLM's order: repetition, then
-    frequency and presence), for all rows at once: one gather and one scatter of each kind, so
-    a step's cost on a GPU does not grow with the rows in launches."""
+    """Apply each row's penalties, then its logit_bias, to its row of logits, in place (vLLM's
+    order: repetition, then frequency and presence), for all rows at once: one gather and one
+    scatter of each kind, so a step's cost on a GPU does not grow with the rows in launches."""
     rep: list[tuple[int, torch.Tensor, float]] = []  # (row, tokens, penalty)
     sub: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (row, tokens, what to subtract)
     for i, row in enumerate(rows):
         seen, p = row.seen, row.params
+        if p.logit_bias:  # added after the penalties: subtracting its negation
+            ids, bias = zip(*p.logit_bias)
+            sub.append((i, torch.tensor(ids, dtype=torch.int64), -torch.tensor(bias, dtype=torch.float32)))
         if seen is None:
             continue
         if p.repetition_penalty != 1.0:
@@ -78,7 +81,7 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         by = torch.cat([torch.full((len(t),), x, dtype=torch.float32) for _, t, x in rep]).to(dev)
         v = logits[r, t]  # a token in both prompt and output is read once here, so penalized once
         logits[r, t] = torch.where(v > 0, v / by, v * by)
-    if sub:
+    if sub:  # a row's bias and its frequency and presence penalties add up (accumulate)
         r = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, _ in sub]).to(dev)
         t = torch.cat([t for _, t, _ in sub]).to(dev)
         logits.index_put_((r, t), -torch.cat([x for _, _, x in sub]).to(dev), accumulate=True)
@@ -124,7 +127,7 @@ def token_logprobs(dist: torch.Tensor, tokens: list[int], ks: list[int]) -> list
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """One draw from the row's distribution (temperature, then top_k, then top_p), by inverse
+    """One draw from the row's distribution (temperature, then top_k, then top_p, then min_p), by inverse
     transform: one uniform from the request's own generator, so the draw depends on nothing else in
     the batch. For top_p, only the _CANDIDATES most likely are sorted while the kept tokens are among them."""
     # (logits - max) * 1/T: <= 0, the best at 0, never NaN. A 1/T beyond float32's range acts as the
@@ -135,9 +138,13 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
     k = p.top_k if 0 < p.top_k < vocab else vocab
     if p.top_p >= 1.0:
         if k == vocab:  # the whole vocabulary, in its own order: nothing to sort
-            return _inverse(torch.exp(scaled.double()), u)
+            weights = torch.exp(scaled.double())
+            if p.min_p > 0:  # the most likely weighs 1
+                weights = torch.where(weights >= p.min_p, weights, 0.0)
+            return _inverse(weights, u)
         values, order = torch.topk(scaled, k)
-        return int(order[_inverse(torch.exp(values.double()), u)])
+        weights = torch.exp(values.double())
+        return int(order[_inverse(weights[: _min_p_prefix(weights, p.min_p, k)], u)])
     # top_p. Without top_k, the vocabulary's mass is one sum, and the candidates hold the kept
     # tokens when their prefix reaches top_p of it. With top_k, the mass is the top-k set's own.
     if k == vocab:
@@ -147,11 +154,19 @@ def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
             weights = torch.exp(values.double())
             keep = _top_p_prefix(weights, p.top_p * total)
             if keep <= n:
-                return int(order[_inverse(weights[:keep], u)])
+                return int(order[_inverse(weights[: _min_p_prefix(weights, p.min_p, keep)], u)])
     values, order = torch.topk(scaled, k)  # the whole top-k set, sorted
     weights = torch.exp(values.double())
     keep = min(_top_p_prefix(weights, p.top_p * float(weights.sum())), k)
-    return int(order[_inverse(weights[:keep], u)])
+    return int(order[_inverse(weights[: _min_p_prefix(weights, p.min_p, keep)], u)])
+
+
+def _min_p_prefix(weights: torch.Tensor, min_p: float, keep: int) -> int:
+    """Of the first `keep` of weights (sorted, largest first, the first 1: the most likely's),
+    how many min_p leaves (those at least min_p): at least 1."""
+    if min_p <= 0:
+        return keep
+    return max(1, min(keep, int((weights[:keep] >= min_p).sum())))
 
 
 def _top_p_prefix(weights: torch.Tensor, reach: float) -> int:

@@ -510,6 +510,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         check_context(len(ids), params, self.front.context, request.WhichOneof("input"))
         if any(t < 0 or t >= self.front.vocab for t in params.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
+        if any(t >= self.front.vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError("sampling.logit_bias", f"token ids must be in [0, {self.front.vocab})")
         return request.request_id or uuid.uuid4().hex, ids, params
 
     async def _attempt(self, rid: str, fp: str) -> tuple[str, list, list]:

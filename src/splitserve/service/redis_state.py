@@ -395,6 +395,7 @@ class Job:
         d = {k: v for k, v in self.sampling.items() if k in known}
         d["stop"] = tuple(d.get("stop", ()))
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
+        d["logit_bias"] = tuple((int(t), float(v)) for t, v in d.get("logit_bias", ()))
         return SamplingParams(**d)
 
 
