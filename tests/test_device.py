@@ -66,6 +66,19 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens(tiny_engine_factory, po
 
 
 @cuda
+def test_cuda_penalties_and_logit_bias_give_the_cpu_engines_tokens(tiny_engine_factory):
+    """The penalties' gathers and scatters, and the logit bias, on device logits (decode steps
+    replaying graphs); the same tokens as on the CPU."""
+    prompts = random_prompts(4, seed=41)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+              SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=-1.2, presence_penalty=-0.6),
+              SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0}),
+              SamplingParams(max_tokens=16, ignore_eos=True)]
+    want = tiny_engine_factory().generate(prompts, params)
+    assert tiny_engine_factory(device="cuda").generate(prompts, params) == want
+
+
+@cuda
 def test_cuda_chunked_prefill_and_preemption_keep_the_tokens(tiny_engine_factory):
     prompts = random_prompts(6, lo=60, hi=200, seed=5)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
