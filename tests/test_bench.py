@@ -215,6 +215,16 @@ def test_server_metrics_are_differences_of_two_reads():
     assert row["step_s"]["p50_le"] == 0.005 and row["step_s"]["p99_le"] == 0.01
     assert server_metrics.lines({"d": row}) == [
         "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed"]
+    # a CUDA worker's: the forwards' time on the device besides
+    device = ("# TYPE splitserve_iteration_device_seconds histogram\n"
+              'splitserve_iteration_device_seconds_bucket{le="+Inf"} %d\n'
+              "splitserve_iteration_device_seconds_count %d\nsplitserve_iteration_device_seconds_sum %g\n")
+    row = server_metrics.summarize({"d": server_metrics.parse(text(10, (4, 9, 10), 0.06) + device % (10, 10, 0.03))},
+                                   {"d": server_metrics.parse(text(110, (54, 108, 110), 0.66)
+                                                              + device % (110, 110, 0.43))})["d"]
+    assert row["step_device_s"]["count"] == 100 and row["step_device_s"]["mean"] == pytest.approx(0.004)
+    assert server_metrics.lines({"d": row}) == [
+        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed; forward on the device mean 4.0 ms"]
 
 
 def test_bench_rejects_a_bad_compare():

@@ -79,6 +79,26 @@ def test_cuda_penalties_and_logit_bias_give_the_cpu_engines_tokens(tiny_engine_f
 
 
 @cuda
+def test_cuda_steps_report_the_forwards_time_on_the_device(tiny_engine_factory):
+    from splitserve.observability.metrics import EngineMetrics
+
+    eng = tiny_engine_factory(device="cuda")
+    m = EngineMetrics()
+    for i, p in enumerate(random_prompts(4, seed=43)):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+    kinds = set()
+    while eng.has_unfinished():
+        eng.step()
+        s = eng.last_stats
+        assert 0 < s.device_time_s <= s.step_time_s, s
+        kinds.add(s.graphed)
+        m.observe_step(eng)
+    assert True in kinds  # events around graph replays too
+    assert m.registry.get_sample_value("splitserve_iteration_device_seconds_count") == \
+        m.registry.get_sample_value("splitserve_engine_steps_total")
+
+
+@cuda
 def test_cuda_chunked_prefill_and_preemption_keep_the_tokens(tiny_engine_factory):
     prompts = random_prompts(6, lo=60, hi=200, seed=5)
     params = SamplingParams(max_tokens=30, ignore_eos=True)

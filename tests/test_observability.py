@@ -346,6 +346,18 @@ def test_padding_waste_is_counted_for_static_batching(tiny_engine_factory):
     assert get("splitserve_iteration_padding_ratio_count") == get("splitserve_engine_steps_total") > 0
 
 
+def test_steps_on_the_cpu_report_no_device_time(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    m = EngineMetrics()
+    eng.add_request("r", list(range(5, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+        assert eng.last_stats.device_time_s == 0 and eng.last_stats.step_time_s > 0
+        m.observe_step(eng)
+    assert m.registry.get_sample_value("splitserve_iteration_device_seconds_count") == 0
+    assert m.registry.get_sample_value("splitserve_engine_steps_total") > 0
+
+
 def test_exporter_is_chosen_from_the_standard_variables():
     assert exporter_kind({}, trace_file="") == "none"
     assert exporter_kind({}, trace_file="/tmp/x") == "file"

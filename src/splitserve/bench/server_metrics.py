@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "splitserve_"
 # (metric, short name) of the histograms and counters reported, when a process has them.
-HISTOGRAMS = (("iteration_duration_seconds", "step_s"), ("iteration_sequences", "step_seqs"),
+HISTOGRAMS = (("iteration_duration_seconds", "step_s"), ("iteration_device_seconds", "step_device_s"),
+              ("iteration_sequences", "step_seqs"),
               ("iteration_tokens", "step_tokens"), ("kv_adopt_seconds", "kv_adopt_s"),
               ("kv_transfer_seconds", "kv_transfer_s"),
               # the router's: the parts of TTFT (request_kv_transfer runs beside the first token's trip)
@@ -122,6 +123,9 @@ def lines(server: dict) -> list[str]:
             parts.append(f"{st['count']} steps, mean {st['mean'] * 1000:.1f} ms (median "
                          f"{_bound(st['p50_le'], 1000, ' ms')}, p99 {_bound(st['p99_le'], 1000, ' ms')}), "
                          f"{graphed:.0%} graphed")
+            dev = row.get("step_device_s")
+            if dev and dev["count"]:  # CUDA: the forward's share on the device; the rest is the host's
+                parts.append(f"forward on the device mean {dev['mean'] * 1000:.1f} ms")
         for short, what in (("step_seqs", "seqs"), ("step_tokens", "tokens")):
             if row.get(short):
                 parts.append(f"{row[short]['mean']:.1f} {what}/step")

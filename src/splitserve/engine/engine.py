@@ -266,6 +266,7 @@ class LLMEngine:
         whole = not prompt_rows and self.graphs is not None and self.graphs.covers(sched.scheduled)
         batch = None if whole else self._build_batch(sched, prompt_rows)
         stats.graphed = whole or (self.pieces is not None and self.pieces.covers(batch.num_tokens))
+        events = _device_events(self.device)
         t = time.perf_counter()
         try:
             if whole:
@@ -278,6 +279,8 @@ class LLMEngine:
             batch = batch or self._build_batch(sched, prompt_rows)
         if not stats.graphed:
             logits = self.model.forward(batch, self.cache.kv)
+        if events:
+            events[1].record()
         stats.forward_time_s = time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
@@ -286,6 +289,8 @@ class LLMEngine:
             logits = self.model.lm_head_of(logits[: len(samplers)])
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
+        if events:  # done: sampling read the logits back, which waited for the forward
+            stats.device_time_s = events[0].elapsed_time(events[1]) / 1000
         stats.num_seqs = len(sched.scheduled)
         stats.request_ids = [s.seq.request_id for s in sched.scheduled]
         stats.num_tokens = sched.num_tokens
@@ -560,6 +565,16 @@ def _eos_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]
     if tokenizer is not None:
         ids.update(tokenizer.eos_token_ids)
     return frozenset(ids)
+
+
+def _device_events(device: torch.device) -> tuple | None:
+    """On CUDA, a pair of timing events, the first recorded now on the current stream (the
+    forward's; the second is recorded after it): StepStats.device_time_s."""
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
 
 
 def _seen(seq: Sequence) -> Seen:

@@ -60,6 +60,10 @@ class StepStats:
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0
+    # CUDA: the forward's time on the device, between events recorded on its stream before and
+    # after it (time the device spent on other processes' work meanwhile included); 0 elsewhere.
+    # Beside step_time_s it splits a step into the device's part and the host's.
+    device_time_s: float = 0.0
     graphed: bool = False  # the forward replayed captured CUDA graphs (whole, or pieces around attention)
     finished: list[str] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)  # sequences in the forward

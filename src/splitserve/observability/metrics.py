@@ -151,6 +151,9 @@ class EngineMetrics(Metrics):
         self.budget_use = self.h("iteration_token_budget_usage",
                                  "Tokens per step / max_num_batched_tokens", RATIO_BUCKETS)
         self.step_time = self.h("iteration_duration_seconds", "Engine step wall time", STEP_BUCKETS)
+        self.device_time = self.h("iteration_device_seconds", "CUDA: an engine step's forward on the device, "
+                                  "between events on its stream (other processes' work meanwhile included)",
+                                  STEP_BUCKETS)
         self.prefill_tokens = self.c("engine_prefill_tokens", "Prompt tokens computed by engine steps")
         self.decode_tokens = self.c("engine_decode_tokens", "Decode tokens computed by engine steps")
         self.preemptions = self.c("num_preemptions", "Sequences preempted (KV freed, to be recomputed)")
@@ -187,6 +190,8 @@ class EngineMetrics(Metrics):
         self.step_tokens.observe(s.num_tokens)
         self.budget_use.observe(min(1.0, s.num_tokens / max(1, engine.config.max_num_batched_tokens)))
         self.step_time.observe(s.step_time_s)
+        if s.device_time_s:
+            self.device_time.observe(s.device_time_s)
         self.prefill_tokens.inc(s.num_prefill_tokens)
         self.decode_tokens.inc(s.num_decode_tokens)
         self.computed.inc(s.num_tokens)
