@@ -289,7 +289,8 @@ class LLMEngine:
             logits = self.model.lm_head_of(logits[: len(samplers)])
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s = time.perf_counter() - t
-        if events:  # done: sampling read the logits back, which waited for the forward
+        if events:  # done when sampling read the logits back; a step that sampled nothing waits here
+            events[1].synchronize()
             stats.device_time_s = events[0].elapsed_time(events[1]) / 1000
         stats.num_seqs = len(sched.scheduled)
         stats.request_ids = [s.seq.request_id for s in sched.scheduled]
