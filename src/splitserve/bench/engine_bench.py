@@ -26,15 +26,14 @@ from splitserve.engine.model import ModelShape
 from splitserve.engine.sampling import SamplingParams
 
 
-def run_workload(engine: LLMEngine, items: list[WorkItem], logprobs: int | None = None,
-                 prompt_logprobs: int | None = None, max_tokens: int | None = None) -> dict:
-    """items through engine, all added at once; max_tokens, if given, instead of each item's."""
+def run_workload(engine: LLMEngine, items: list[WorkItem], max_tokens: int | None = None, **sampling) -> dict:
+    """items through engine, all added at once; max_tokens, if given, instead of each item's;
+    `sampling`: more SamplingParams fields for every request (logprobs=5, ...)."""
     items = [dataclasses.replace(it, max_tokens=max_tokens) for it in items] if max_tokens else items
     start = time.perf_counter()
     for it in items:
         engine.add_request(it.id, it.prompt_token_ids,
-                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs))
+                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, **sampling))
     done: dict[str, float] = {}
     first: dict[str, float] = {}
     tokens = 0
@@ -121,18 +120,24 @@ def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: i
     return running / percentile(times, 50)
 
 
-def logprobs_cost(engine: LLMEngine, items: list[WorkItem], k: int, rounds: int, prompt: bool = False) -> dict:
-    """The same requests without and with log probabilities (k most likely), alternated so that
-    neither side gets the machine's quieter minutes; the rate of each run, and per-round ratios.
-    The engine has no prefix cache, so every run computes its prompts.
+# --<name>-cost runs: what is asked for, the rate compared, max_tokens instead of the items' own
+PENALTIES = {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+COSTS = {
+    "logprobs": ("output_tok_per_s", None),
+    "prompt logprobs": ("prompt_tok_per_s", 1),  # one output token each: the prefill's rate
+    "penalties": ("output_tok_per_s", None),
+}
 
-    prompt=False: sampling.logprobs, the items' own outputs, output tok/s. prompt=True:
-    sampling.prompt_logprobs, one output token each, prompt tok/s (the prefill's rate)."""
-    what, rate = ("prompt logprobs", "prompt_tok_per_s") if prompt else ("logprobs", "output_tok_per_s")
+
+def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, rounds: int) -> dict:
+    """The same requests without and with `sampling` (SamplingParams fields: COSTS[what] says
+    which rate is compared), alternated so that neither side gets the machine's quieter minutes;
+    the rate of each run, and per-round ratios. The engine has no prefix cache, so every run
+    computes its prompts."""
+    rate, max_tokens = COSTS[what]
 
     def run(on: bool) -> float:
-        kw = {"prompt_logprobs": k if on else None, "max_tokens": 1} if prompt else {"logprobs": k if on else None}
-        return run_workload(engine, items, **kw)[rate]
+        return run_workload(engine, items, max_tokens, **(sampling if on else {}))[rate]
 
     run_workload(engine, items[:4])  # warm-up
     runs: dict[str, list[float]] = {"without": [], "with": []}
@@ -141,7 +146,8 @@ def logprobs_cost(engine: LLMEngine, items: list[WorkItem], k: int, rounds: int,
             runs[side].append(run(side == "with"))
             print(f"round {r + 1}, {side:>7} {what}: {runs[side][-1]:6.1f} {rate.replace('_per_', '/')}", flush=True)
     ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
-    return {"k": k, "requests": len(items), rate: runs, "ratios": ratios, "median_ratio": percentile(ratios, 50)}
+    return {"sampling": sampling, "requests": len(items), rate: runs, "ratios": ratios,
+            "median_ratio": percentile(ratios, 50)}
 
 
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
@@ -187,6 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-logprobs-cost", type=int, default=None, metavar="K",
                     help="only measure the cost of asking for the prompt's log probabilities (K most likely): the "
                          "same prompts prefilled (one output token each) with and without, prompt tok/s")
+    ap.add_argument("--penalties-cost", action="store_true",
+                    help=f"only measure the cost of penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())}): "
+                         "the first 32 mixed requests with and without, output tok/s")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
                     help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
@@ -210,15 +219,16 @@ def main(argv=None) -> int:
     results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device,
                "cuda_graphs": args.device != "cpu" and not args.eager, "policies": {}}
     torch.set_num_threads(base.threads())
-    for key, k in (("logprobs_cost", args.logprobs_cost), ("prompt_logprobs_cost", args.prompt_logprobs_cost)):
-        if k is None:
-            continue
-        prompt = key == "prompt_logprobs_cost"
-        cost = results[key] = logprobs_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
-                                            mixed[:n_mixed], k, args.rounds, prompt)
-        print(f"with / without {'prompt ' if prompt else ''}logprobs, per round: "
-              f"{', '.join(f'{r:.3f}' for r in cost['ratios'])}; median {cost['median_ratio']:.3f}", flush=True)
-    if args.logprobs_cost is not None or args.prompt_logprobs_cost is not None:
+    costs = [(what, sampling) for what, sampling, on in (
+        ("logprobs", {"logprobs": args.logprobs_cost}, args.logprobs_cost is not None),
+        ("prompt logprobs", {"prompt_logprobs": args.prompt_logprobs_cost}, args.prompt_logprobs_cost is not None),
+        ("penalties", PENALTIES, args.penalties_cost)) if on]
+    for what, sampling in costs:
+        got = results[what.replace(" ", "_") + "_cost"] = cost(
+            LLMEngine(base.replace(prefix_caching=False), loaded=loaded), mixed[:n_mixed], what, sampling, args.rounds)
+        print(f"with / without {what}, per round: {', '.join(f'{r:.3f}' for r in got['ratios'])}; "
+              f"median {got['median_ratio']:.3f}", flush=True)
+    if costs:
         write_results(args.out, results)
         return 0
 
