@@ -115,11 +115,12 @@ def test_kv_whose_logprobs_do_not_match_its_tokens_is_refused(tiny_engine_factor
     assert not decode.seqs
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("value", [-1, 21])
-def test_logprobs_out_of_range_name_the_field(value):
+def test_logprobs_out_of_range_name_the_field(name, value):
     with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(logprobs=value)
-    assert e.value.field == "sampling.logprobs" and "20" in str(e.value)
+        SamplingParams(**{name: value})
+    assert e.value.field == f"sampling.{name}" and "20" in str(e.value)
 
 
 def test_logprobs_are_log_probabilities():
@@ -231,13 +232,6 @@ def test_prompt_logprobs_survive_preemption_and_travel_with_the_kv(tiny_engine_f
     with pytest.raises(KVImportError, match="prompt log probabilities"):
         decode.import_kv(export, payload)
     assert not decode.seqs
-
-
-@pytest.mark.parametrize("value", [-1, 21])
-def test_prompt_logprobs_out_of_range_name_the_field(value):
-    with pytest.raises(InvalidRequestError) as e:
-        SamplingParams(prompt_logprobs=value)
-    assert e.value.field == "sampling.prompt_logprobs" and "20" in str(e.value)
 
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])

@@ -121,13 +121,11 @@ def _logit_bias(items: list[str] | None) -> dict[int, float] | None:
     """--logit-bias TOKEN_ID=BIAS, repeated -> {token id: bias}."""
     out = {}
     for item in items or ():
-        token, sep, bias = item.partition("=")
+        token, _, bias = item.partition("=")  # without "=", bias is "" and float() refuses it
         try:
             out[int(token)] = float(bias)
         except ValueError:
             raise SystemExit(f"splitserve: error: --logit-bias takes TOKEN_ID=BIAS, got {item!r}") from None
-        if not sep:
-            raise SystemExit(f"splitserve: error: --logit-bias takes TOKEN_ID=BIAS, got {item!r}")
     return out or None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -386,7 +387,7 @@ class LLMEngine:
         if logprob is not None:
             seq.logprobs.append(logprob)
         if seq.output_counts is not None:
-            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+            seq.output_counts[token] += 1
         p = seq.params
         if seq.detok is not None:
             seq.text += seq.detok.push(token)
@@ -582,9 +583,7 @@ def _seen(seq: Sequence) -> Seen:
     """What seq's penalties look at (its counts are made once, at its first sample here: an
     imported sequence's from the tokens it came with)."""
     if seq.output_counts is None:
-        seq.output_counts = {}
-        for t in seq.output_ids:
-            seq.output_counts[t] = seq.output_counts.get(t, 0) + 1
+        seq.output_counts = Counter(seq.output_ids)
     if seq.prompt_ids is None and seq.params.repetition_penalty != 1.0:
         seq.prompt_ids = torch.tensor(sorted(set(seq.token_ids[: seq.prompt_len])), dtype=torch.int64)
     counts = seq.output_counts

@@ -173,12 +173,13 @@ class LlamaModel:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h: [S, H] final hidden states of the rows to sample -> [S, V]."""
-        return self.mm(self.rms_norm(h, self.norm), None, "lm_head")
+        return self.lm_head_of(self.rms_norm(h, self.norm))
 
     def head(self, h: torch.Tensor, batch: "RaggedBatch") -> torch.Tensor:
         """The forward's result from the final hidden states of batch.logits_rows: their logits, or,
-        with batch.hidden_out, the states after the final norm (lm_head() makes logits of them)."""
-        return self.rms_norm(h, self.norm) if batch.hidden_out else self.logits(h)
+        with batch.hidden_out, the states after the final norm (lm_head_of() makes logits of them)."""
+        normed = self.rms_norm(h, self.norm)
+        return normed if batch.hidden_out else self.lm_head_of(normed)
 
     def lm_head_of(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [S, V] of normed final hidden states [S, H] (a forward's, with batch.hidden_out)."""

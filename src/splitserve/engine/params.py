@@ -61,11 +61,10 @@ class SamplingParams:
             )
         if self.seed is not None and not (0 <= self.seed <= _MAX_SEED):
             raise InvalidRequestError("sampling.seed", f"must be in [0, 2^63), got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError("sampling.prompt_logprobs",
-                                      f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {value}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PRESENCE_FREQUENCY <= value <= MAX_PRESENCE_FREQUENCY):

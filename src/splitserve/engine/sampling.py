@@ -76,15 +76,18 @@ def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             sub.append((i, seen.output_ids, p.frequency_penalty * seen.output_counts + p.presence_penalty))
     dev = logits.device
     if rep:
-        r = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, _ in rep]).to(dev)
-        t = torch.cat([t for _, t, _ in rep]).to(dev)
+        r, t = _flat(rep, dev)
         by = torch.cat([torch.full((len(t),), x, dtype=torch.float32) for _, t, x in rep]).to(dev)
         v = logits[r, t]  # a token in both prompt and output is read once here, so penalized once
         logits[r, t] = torch.where(v > 0, v / by, v * by)
     if sub:  # a row's bias and its frequency and presence penalties add up (accumulate)
-        r = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, _ in sub]).to(dev)
-        t = torch.cat([t for _, t, _ in sub]).to(dev)
-        logits.index_put_((r, t), -torch.cat([x for _, _, x in sub]).to(dev), accumulate=True)
+        logits.index_put_(_flat(sub, dev), -torch.cat([x for _, _, x in sub]).to(dev), accumulate=True)
+
+
+def _flat(entries: list[tuple], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, tokens, ...) entries -> the (row, token) index pairs of all their tokens, on dev."""
+    rows = torch.cat([torch.full((len(t),), i, dtype=torch.int64) for i, t, *_ in entries])
+    return rows.to(dev), torch.cat([t for _, t, *_ in entries]).to(dev)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:

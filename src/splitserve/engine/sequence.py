@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,7 @@ class Sequence:
     prompt_logprobs_sent: bool = False
     # With penalties (params.penalized), made at its first sample: how often each output token is
     # there (kept up to date by the engine), and its prompt's tokens, each once.
-    output_counts: dict[int, int] | None = None
+    output_counts: Counter[int] | None = None
     prompt_ids: torch.Tensor | None = None
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
 
