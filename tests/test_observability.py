@@ -77,7 +77,8 @@ def trace_of(stack, rid: str, need: set[str]) -> list[traceview.Span]:
 def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     with Client(stack.router_address) as c:
         chunks = list(c.generate_stream("The three primary colors are", max_tokens=12, request_id="traced-1",
-                                        presence_penalty=0.25, prompt_logprobs=1))
+                                        presence_penalty=0.25, prompt_logprobs=1,
+                                        structured_output={"regex": "[a-z ,]{1,60}"}))
     assert chunks[-1].finish_reason
     gen = "splitserve.v1.Generation/GenerateStream"
     dec = "splitserve.v1.DecodeWorker/Decode"
@@ -116,6 +117,7 @@ def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     assert root.attrs["gen_ai.request.max_tokens"] == 12
     assert root.attrs["gen_ai.request.presence_penalty"] == 0.25
     assert root.attrs["splitserve.request.prompt_logprobs"] == 1
+    assert root.attrs["splitserve.request.structured_output"] == "regex"
     assert "gen_ai.request.frequency_penalty" not in root.attrs  # not asked for: not there
     assert root.attrs["gen_ai.usage.input_tokens"] == chunks[-1].usage.prompt_tokens
     assert root.attrs["gen_ai.usage.output_tokens"] == chunks[-1].usage.completion_tokens
@@ -298,7 +300,7 @@ def test_traces_and_status_commands(stack):
     assert stack.proc("decode-0").metrics_address in st.stdout
 
 
-def test_generate_command_streams_and_names_the_bad_field(stack):
+def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     exe = [sys.executable, "-m", "splitserve.cli", "generate", "--address", stack.router_address]
     out = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
                           "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
@@ -330,6 +332,17 @@ def test_generate_command_streams_and_names_the_bad_field(stack):
     assert total == pytest.approx(sum(float(r[2]) for r in rows), abs=1e-3) and total < 0
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}},
+                                  "required": ["capital"], "additionalProperties": False}))
+    js = subprocess.run([*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--max-tokens", "40"],
+                        capture_output=True, text=True, timeout=120)
+    assert js.returncode == 0 and json.loads(js.stdout)["capital"] in ("Paris", "Lyon"), js.stderr
+    pick = subprocess.run([*exe, "Is the sky green?", "--choice", "yes", "--choice", "no"], capture_output=True,
+                          text=True, timeout=120)
+    assert pick.returncode == 0 and pick.stdout in ("yes", "no") and "[stop, " in pick.stderr, pick.stderr
+    bad = subprocess.run([*exe, "Hello", "--regex", "(unclosed"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
 
 
 def test_padding_waste_is_counted_for_static_batching(tiny_engine_factory):

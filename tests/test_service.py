@@ -431,6 +431,15 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "min_p": 2.0}, "sampling.min_p"),
         ({"prompt": "hi", "logit_bias": {49152: 1.0}}, "sampling.logit_bias"),
         ({"prompt": "hi", "logit_bias": {5: -200.0}}, "sampling.logit_bias"),
+        ({"prompt": "hi", "structured_output": {"json_schema": "{not json"}}, "sampling.structured_output.json_schema"),
+        ({"prompt": "hi", "structured_output": {"json_schema": {"type": "objekt"}}},
+         "sampling.structured_output.json_schema: Invalid type: objekt"),
+        ({"prompt": "hi", "structured_output": {"regex": "(ab"}}, "sampling.structured_output.regex"),
+        ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
+        ({"prompt": "hi", "structured_output": {"choice": []}}, "sampling.structured_output.choice"),
+        ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),
+        ({"prompt": "hi", "structured_output": __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"])
+          .StructuredOutput()}, "sampling.structured_output: set, but with none"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
     ],
@@ -2129,6 +2138,38 @@ def test_penalties_give_the_in_process_engines_tokens(stack, client, smol_loaded
     other = eng.generate([ids], SamplingParams(**kw, logit_bias=banned))[0]
     assert other[0] == want[0] and not set(other[1:]) & set(banned)
     assert list(client.generate(token_ids=ids, timeout=120, logit_bias=banned, **kw).token_ids) == other
+
+
+def test_structured_output_gives_the_in_process_engines_tokens(stack, client, smol_loaded):
+    """The prefill worker samples the first token under the format, the decode worker the rest
+    with its own matcher: the same tokens as the engine in process, and outputs in the format."""
+    from splitserve.engine.structured import StructuredOutput
+
+    tok = smol_loaded.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    ids = tok.encode_chat([{"role": "user", "content": "Describe Paris as JSON with its population."}])
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    REGEX = r"[A-Z][a-z]{1,12}, [0-9]{4}"  # bounded: SmolLM2 left a [a-z]+ running to max_tokens
+    cases = [({"json_schema": schema}, StructuredOutput("json_schema", json.dumps(schema)), {}),
+             ({"regex": REGEX}, StructuredOutput("regex", REGEX),
+              {"temperature": 1.0, "seed": 7})]
+    for fmt, engine_fmt, kw in cases:
+        want = eng.generate([ids], SamplingParams(max_tokens=80, structured_output=engine_fmt, **kw))[0]
+        chunks = list(client.generate_stream(token_ids=ids, max_tokens=80, structured_output=fmt, timeout=120, **kw))
+        assert [t for c in chunks for t in c.token_ids] == want, fmt
+        assert chunks[-1].finish_reason == "stop"
+        assert client.get_request(chunks[0].request_id).prefill_worker  # handed over
+        text = "".join(c.text for c in chunks)
+        if "json_schema" in fmt:
+            got = json.loads(text)
+            assert set(got) == {"city", "population"} and type(got["population"]) is int
+        else:
+            assert __import__("re").fullmatch(REGEX, text)
+    # a choice done in its first token ends at the prefill worker
+    one = client.generate(token_ids=ids, max_tokens=20, structured_output={"choice": ["Paris", "Lyon"]}, timeout=60)
+    assert one.text in ("Paris", "Lyon") and one.finish_reason == "stop"
 
 
 def test_async_client_streams_and_generates(stack, client):

@@ -141,6 +141,23 @@ def _print_logprobs(what: str, logprobs) -> None:
     print(f"[sum: {sum(lp.logprob for lp in logprobs):.4f}]", file=sys.stderr)
 
 
+def _structured_output(args) -> dict | None:
+    """--json-schema, --json-object, --regex, --choice or --lark -> Client's structured_output."""
+    for kind in ("json_schema", "regex", "lark"):
+        value = getattr(args, kind)
+        if value is not None:
+            if value.startswith("@") and kind != "regex":
+                try:
+                    with open(value[1:], encoding="utf-8") as f:
+                        value = f.read()
+                except OSError as e:
+                    raise SystemExit(f"splitserve: error: --{kind.replace('_', '-')}: {e}") from None
+            return {kind: value}
+    if args.json_object:
+        return {"json_object": True}
+    return {"choice": args.choice} if args.choice else None
+
+
 def _generate(args) -> int:
     import json
 
@@ -159,7 +176,8 @@ def _generate(args) -> int:
               seed=args.seed, stop=args.stop or None, priority=args.priority, request_id=args.request_id,
               cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-              repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias))
+              repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
+              structured_output=_structured_output(args))
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -293,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "as the most likely")
     p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
                    help="add BIAS (-100 to 100) to a token's logit; repeatable")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="SCHEMA", help="hold the output to this JSON Schema (JSON text, or "
+                                                             "@FILE)")
+    fmt.add_argument("--json-object", action="store_true", help="hold the output to a JSON object")
+    fmt.add_argument("--regex", help="hold the output to this regular expression")
+    fmt.add_argument("--choice", action="append", help="the output is one of these strings; repeatable")
+    fmt.add_argument("--lark", metavar="GRAMMAR", help="hold the output to this Lark grammar (text, or @FILE)")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="print each token's log probability, its rank and the K most likely (0-20)")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",

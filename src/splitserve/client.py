@@ -72,6 +72,21 @@ def _trace_metadata() -> tuple:
     return tuple(inject())
 
 
+def structured_output_pb(fmt: dict | pb.StructuredOutput) -> pb.StructuredOutput:
+    """SamplingParams.structured_output from one of {"json_schema": a schema (a dict, or its JSON
+    text)}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"lark": str}."""
+    if isinstance(fmt, pb.StructuredOutput):
+        return fmt
+    if not (isinstance(fmt, dict) and len(fmt) == 1):
+        raise ValueError(f"structured_output: one of json_schema, json_object, regex, choice or lark, got {fmt!r}")
+    (kind, value), = fmt.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choice(values=list(value)))
+    return pb.StructuredOutput(**{kind: value})
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -94,6 +109,7 @@ def build_request(
     repetition_penalty: float | None = None,
     min_p: float | None = None,
     logit_bias: dict[int, float] | None = None,
+    structured_output: dict | pb.StructuredOutput | None = None,
     priority: int = 0,
     cache_salt: str = "",
 ) -> pb.GenerateRequest:
@@ -113,6 +129,8 @@ def build_request(
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})
+    if structured_output is not None:
+        sp.structured_output.CopyFrom(structured_output_pb(structured_output))
     sp.stop.extend(stop or [])
     sp.stop_token_ids.extend(stop_token_ids or [])
     sp.min_tokens = min_tokens

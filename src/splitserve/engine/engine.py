@@ -21,7 +21,6 @@ from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, Piece
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
-from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.outputs import (
     FINISH_CANCELLED,
@@ -38,7 +37,7 @@ from splitserve.engine.sampling import (SampleRow, SamplingParams, Seen, new_gen
                                        token_logprobs)
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.structured import Grammars
 
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
 
@@ -70,8 +69,10 @@ class LLMEngine:
             raise
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = _eos_ids(loaded.config, self.tokenizer)
+        self.eos_token_ids = loaded.config.eos_with(self.tokenizer)
         shape = self.model.shape
+        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, shape.vocab_size,
+                                                                     self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
         graphs = config.cuda_graphs and self.device.type == "cuda"
         continuous = config.policy == "continuous"
@@ -165,6 +166,10 @@ class LLMEngine:
         if params.prompt_logprobs is not None and self.padded is not None:
             raise InvalidRequestError("sampling.prompt_logprobs",
                                       f"needs the continuous policy; this engine batches {self.config.policy}")
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError(params.structured_output.field, "needs a model with a tokenizer")
+            self.grammars.check(params.structured_output)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -199,7 +204,10 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
 
-    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None, cache_salt="") -> Sequence:
+    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None, cache_salt="",
+                 matcher=None) -> Sequence:
+        if params.structured_output is not None and matcher is None:
+            matcher = self.grammars.matcher(params.structured_output)
         seq = Sequence(
             request_id=request_id,
             prompt_len=prompt_len,
@@ -207,6 +215,7 @@ class LLMEngine:
             params=params,
             generator=generator if generator is not None else new_generator(params),
             cache_salt=cache_salt,
+            matcher=matcher,
         )
         if self.tokenizer is not None:
             seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len])
@@ -378,7 +387,7 @@ class LLMEngine:
             banned = seq.params.stop_token_ids
             if not seq.params.ignore_eos:
                 banned += tuple(self.eos_token_ids)
-        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None)
+        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher)
 
     def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (and its log probability, when the request asks) to seq and finish it
@@ -393,12 +402,17 @@ class LLMEngine:
             seq.text += seq.detok.push(token)
         reason, flush = None, True
         past_min = seq.num_output >= p.min_tokens
+        if seq.matcher is not None and not seq.matcher.consume_token(token):  # masked out: cannot happen
+            log.error("request %s: token %d does not follow its structured output: %s", seq.request_id, token,
+                      seq.matcher.get_error())
         if past_min and token in p.stop_token_ids:
             reason = FINISH_STOP
         elif past_min and not p.ignore_eos and token in self.eos_token_ids:
             reason = FINISH_EOS
         elif past_min and p.stop and _cut_at_stop(seq):
             reason, flush = FINISH_STOP, False
+        elif seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+            reason = FINISH_STOP  # the format is complete (nothing may follow)
         elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = FINISH_LENGTH
         if reason is not None:
@@ -506,6 +520,12 @@ class LLMEngine:
         if export.params.prompt_logprobs is not None and len(export.prompt_logprobs) != export.prompt_len - 1:
             raise KVImportError(f"{len(export.prompt_logprobs)} prompt log probabilities for a "
                                 f"{export.prompt_len}-token prompt (one per token after the first)")
+        matcher = None
+        if export.params.structured_output is not None:
+            try:
+                matcher = self.grammars.matcher(export.params.structured_output, export.token_ids[export.prompt_len:])
+            except ValueError as e:
+                raise KVImportError(str(e)) from None
         pool = self.cache.pool
         # The blocks of its prefix already in the prefix cache are shared, not filled again (and
         # the first start tokens' KV, not sent, must be among them).
@@ -522,7 +542,7 @@ class LLMEngine:
         if gen is not None and export.generator_state is not None:
             gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
         seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen,
-                            export.cache_salt)
+                            export.cache_salt, matcher)
         seq.priority = priority
         seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
         seq.prompt_logprobs = list(export.prompt_logprobs) if export.params.prompt_logprobs is not None else []
@@ -559,14 +579,6 @@ class LLMEngine:
             for out in self.step():
                 result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
-
-
-def _eos_ids(config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
-    ids: set[int] = set()
-    ids.update(config.eos_token_ids)
-    if tokenizer is not None:
-        ids.update(tokenizer.eos_token_ids)
-    return frozenset(ids)
 
 
 def _device_events(device: torch.device) -> tuple | None:

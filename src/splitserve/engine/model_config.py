@@ -62,6 +62,10 @@ class ModelConfig:
             return t["cos"], t["sin"]
         return _rope_tables(_hf_config(self.source), self.context_length)
 
+    def eos_with(self, tokenizer) -> frozenset[int]:
+        """The tokens that end a sequence: the config's, and the tokenizer's (None: no tokenizer)."""
+        return frozenset(self.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
+
 
 def read_config(folder: str, cache_dir: str) -> ModelConfig:
     """The model's config, from the cache when it holds this config.json, else resolved (and cached)."""

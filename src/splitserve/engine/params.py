@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.structured import StructuredOutput
 
 _MAX_SEED = 2**63 - 1
 # Every stop string is looked for after every token, and the longest one's length of text is held
@@ -39,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of a token in prompt or output
     min_p: float = 0.0  # drawn only: tokens at least min_p times as likely as the most likely (after top_k, top_p)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    structured_output: StructuredOutput | None = None  # the output held to a format (structured.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -92,6 +94,8 @@ class SamplingParams:
                                                                f"got {len(self.stop[long])}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", "token ids must be >= 0")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("sampling.structured_output", "must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -54,6 +54,7 @@ class SampleRow:
     generator: torch.Generator | None
     banned: tuple[int, ...] = field(default=())  # token ids masked out (EOS before min_tokens)
     seen: Seen | None = None  # with penalties
+    matcher: object | None = None  # with structured output: its llguidance matcher, at the row's next token
 
 
 def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -90,11 +91,40 @@ def _flat(entries: list[tuple], dev: torch.device) -> tuple[torch.Tensor, torch.
     return rows.to(dev), torch.cat([t for _, t, *_ in entries]).to(dev)
 
 
+def constrain(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Mask each structured row's logits, in place, to the tokens its format allows next (-inf for
+    the others), and its banned tokens too unless that leaves none: the format wins over
+    min_tokens (a complete format ends the sequence before it samples again, so this is a format
+    that allows only EOS or a stop token here)."""
+    idx = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if not idx:
+        return
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bits = torch.empty((len(idx), words), dtype=torch.int32)
+    for j, i in enumerate(idx):  # llguidance writes each row's bits (token t: bit t % 32 of word t // 32)
+        rows[i].matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
+    ruled_out = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(len(idx), -1)[:, :vocab] == 0
+    for j, i in enumerate(idx):
+        if rows[i].banned:
+            more = ruled_out[j].clone()
+            more[list(rows[i].banned)] = True
+            if not more.all():
+                ruled_out[j] = more
+    ruled_out = ruled_out.to(logits.device)
+    if len(idx) == len(rows):  # in place: 32 rows in ~0.45 ms here, where indexing them copied them (~0.9 ms)
+        logits.masked_fill_(ruled_out, -math.inf)
+    else:
+        for j, i in enumerate(idx):
+            logits[i].masked_fill_(ruled_out[j], -math.inf)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     """Pick one token per row. logits: [len(rows), vocab], float32."""
+    constrain(logits, rows)  # first: a token the format rules out stays out whatever the penalties add
     penalize(logits, rows)
     for i, row in enumerate(rows):
-        if row.banned:
+        if row.banned and row.matcher is None:  # (constrain() banned a structured row's)
             logits[i, list(row.banned)] = -math.inf
     out = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):

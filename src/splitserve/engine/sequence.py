@@ -56,6 +56,8 @@ class Sequence:
     output_counts: Counter[int] | None = None
     prompt_ids: torch.Tensor | None = None
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
+    # With params.structured_output: its llguidance matcher, fed every output token so far (structured.py).
+    matcher: object | None = None
 
     def __post_init__(self) -> None:
         self.cache_entry = self.cache_root

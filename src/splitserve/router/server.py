@@ -27,6 +27,7 @@ from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import load_frontend
 from splitserve.engine.params import SamplingParams, check_context
+from splitserve.engine.structured import Grammars
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.placement import Placement, Placements
@@ -154,6 +155,9 @@ class Frontend:
                     pass
         self.vocab = config.vocab_size
         self.context = config.context_length
+        # Structured output's formats are compiled here too, so one that does not is refused before it is queued.
+        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab,
+                                                                     config.eos_with(self.tokenizer))
 
     def max_request_bytes(self) -> int:
         """The largest GenerateRequest worth reading: a text the context could hold (4 bytes a
@@ -512,6 +516,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         if any(t >= self.front.vocab for t, _ in params.logit_bias):
             raise InvalidRequestError("sampling.logit_bias", f"token ids must be in [0, {self.front.vocab})")
+        fmt = params.structured_output
+        if fmt is not None:
+            if self.front.grammars is None:
+                raise InvalidRequestError(fmt.field, "needs a model with a tokenizer")
+            await asyncio.to_thread(self.front.grammars.check, fmt)  # ~1 ms to compile, more for a large schema
         return request.request_id or uuid.uuid4().hex, ids, params
 
     async def _attempt(self, rid: str, fp: str) -> tuple[str, list, list]:
@@ -868,6 +877,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.logprobs"] = params.logprobs
         if params.prompt_logprobs is not None:
             attrs["splitserve.request.prompt_logprobs"] = params.prompt_logprobs
+        if params.structured_output is not None:
+            attrs["splitserve.request.structured_output"] = params.structured_output.kind
         if request.priority:
             attrs["splitserve.priority"] = request.priority
         return attrs

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.outputs import TokenLogprob
 from splitserve.engine.params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams, check_stop_counts
+from splitserve.engine.structured import MAX_CHOICES, StructuredOutput
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
 
@@ -40,7 +41,33 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0,
         min_p=sp.min_p if sp.HasField("min_p") else 0.0,
         logit_bias=tuple(sp.logit_bias.items()),
+        structured_output=structured_from_pb(sp.structured_output) if sp.HasField("structured_output") else None,
     )
+
+
+def structured_from_pb(so: gen_pb.StructuredOutput) -> StructuredOutput:
+    kind = so.WhichOneof("format")
+    if kind is None:
+        raise InvalidRequestError("sampling.structured_output", "set, but with none of json_schema, json_object, "
+                                                                "regex, choice or lark")
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidRequestError("sampling.structured_output.json_object", "must be true when set")
+        return StructuredOutput(kind)
+    if kind == "choice":
+        if len(so.choice.values) > MAX_CHOICES:  # counted before the list is copied
+            raise InvalidRequestError("sampling.structured_output.choice", f"at most {MAX_CHOICES} strings, got "
+                                                                           f"{len(so.choice.values)}")
+        return StructuredOutput(kind, tuple(so.choice.values))
+    return StructuredOutput(kind, getattr(so, kind))
+
+
+def structured_to_pb(fmt: StructuredOutput) -> gen_pb.StructuredOutput:
+    if fmt.kind == "json_object":
+        return gen_pb.StructuredOutput(json_object=True)
+    if fmt.kind == "choice":
+        return gen_pb.StructuredOutput(choice=gen_pb.Choice(values=list(fmt.value)))
+    return gen_pb.StructuredOutput(**{fmt.kind: fmt.value})
 
 
 def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
@@ -63,6 +90,8 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     if p.min_p:
         sp.min_p = p.min_p
     sp.logit_bias.update(dict(p.logit_bias))
+    if p.structured_output is not None:
+        sp.structured_output.CopyFrom(structured_to_pb(p.structured_output))
     return sp
 
 

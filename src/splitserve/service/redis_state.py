@@ -23,6 +23,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from splitserve.engine.params import SamplingParams
+from splitserve.engine.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +397,11 @@ class Job:
         d["stop"] = tuple(d.get("stop", ()))
         d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
         d["logit_bias"] = tuple((int(t), float(v)) for t, v in d.get("logit_bias", ()))
+        fmt = d.get("structured_output")
+        if fmt is not None:
+            if not (isinstance(fmt, dict) and isinstance(fmt.get("kind"), str)):
+                raise ValueError("job's sampling.structured_output is not a format")
+            d["structured_output"] = StructuredOutput(fmt["kind"], fmt.get("value", ""))
         return SamplingParams(**d)
 
 

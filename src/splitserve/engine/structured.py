@@ -1,0 +1,150 @@
+"""Structured output: a request's output held to a format (a JSON Schema, any JSON object, a
+regular expression, one of given strings, or a Lark grammar).
+
+llguidance compiles the format against the model's tokenizer into a matcher, which gives, before
+each token, the set of tokens the format allows next (a bit mask over the vocabulary); the
+sampler draws only among them (sampling.constrain). Whoever samples a token holds the sequence's
+matcher: a prefill worker builds one for the first token, and a decode worker builds its own from
+the same format and feeds it the tokens the sequence came with. The format travels as the request
+gave it (sampling.structured_output), so every process compiles the same grammar.
+
+No torch here: the router checks a request's format before admitting it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from splitserve.engine.errors import InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+MAX_FORMAT_CHARS = 65536  # a format's text (a choice's strings together): compiled in every process it reaches
+MAX_CHOICES = 1024
+_CACHED_FORMATS = 64  # compiled matchers kept per process, the least recently used going first
+# Whitespace between JSON's tokens: a line break and an indentation, or spaces alone; llguidance's
+# default (any run of whitespace) let a model write whitespace until max_tokens, which a tiny
+# random one did every time. A schema's own "x-guidance" options override it.
+_JSON_OPTIONS = {"whitespace_pattern": r"(?:\r?\n)?[ \t]{0,64}"}
+# Rust regex's meta characters (regex-syntax): escaped, a choice's strings match only themselves.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: str  # one of KINDS
+    value: str | tuple[str, ...] = ""  # the schema's JSON text, the regex, the Lark grammar; the choice's strings
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError("sampling.structured_output", f"unknown format {self.kind!r}; one of "
+                                                                    f"{', '.join(KINDS)}")
+        if self.kind == "choice":
+            object.__setattr__(self, "value", tuple(self.value))
+            if not self.value:
+                raise InvalidRequestError(self.field, "needs at least one string")
+            if len(self.value) > MAX_CHOICES:
+                raise InvalidRequestError(self.field, f"at most {MAX_CHOICES} strings, got {len(self.value)}")
+            if any(not s for s in self.value):
+                raise InvalidRequestError(self.field, "strings must be non-empty")
+        elif not isinstance(self.value, str):
+            raise InvalidRequestError(self.field, f"must be a string, got {type(self.value).__name__}")
+        elif self.kind != "json_object" and not self.value:
+            raise InvalidRequestError(self.field, "must not be empty")
+        chars = sum(map(len, self.value)) if self.kind == "choice" else len(self.value)
+        if chars > MAX_FORMAT_CHARS:
+            raise InvalidRequestError(self.field, f"at most {MAX_FORMAT_CHARS} characters, got {chars}")
+
+    @property
+    def field(self) -> str:
+        """The request field that holds it, for errors."""
+        return f"sampling.structured_output.{self.kind}"
+
+    def grammar(self) -> str:
+        """llguidance's grammar for it (raises InvalidRequestError for a schema that is not JSON)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.value)
+            except ValueError as e:
+                raise InvalidRequestError(self.field, f"is not JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError(self.field, f"a JSON Schema is an object or a boolean, got "
+                                                      f"{type(schema).__name__}")
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), _JSON_OPTIONS)
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            return LLMatcher.grammar_from_regex("|".join(map(_literal, self.value)))
+        return LLMatcher.grammar_from_lark(self.value)
+
+
+def _literal(text: str) -> str:
+    """A regex matching text alone."""
+    return "(?:" + "".join("\\" + c if c in _REGEX_META else c for c in text) + ")"
+
+
+class Grammars:
+    """One model's compiled formats: llguidance's view of the tokenizer (built at the first format,
+    ~0.2 s for SmolLM2's) and the matchers of the formats seen last, each copied for a sequence.
+    Thread-safe: a worker checks requests on its event loop while its engine steps elsewhere."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._lltok = None
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()  # format -> matcher in its first state
+        self._lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def check(self, fmt: StructuredOutput) -> None:
+        """Raise InvalidRequestError naming the field if the format does not compile."""
+        self._compile(fmt)
+
+    def matcher(self, fmt: StructuredOutput, tokens: list[int] = ()):
+        """A fresh matcher of the format, fed tokens already generated (InvalidRequestError if the
+        format does not compile; ValueError if the tokens do not follow it)."""
+        m = self._compile(fmt).deep_copy()
+        if tokens and not m.consume_tokens(list(tokens)):
+            raise ValueError(f"the tokens generated so far do not follow {fmt.field}: {m.get_error()}")
+        return m
+
+    def _compile(self, fmt: StructuredOutput):
+        with self._lock:
+            hit = self._compiled.get(fmt)
+            if hit is not None:
+                self._compiled.move_to_end(fmt)
+        if hit is None:  # (a format that does not compile is not kept: compiling it again costs ~1 ms)
+            hit = self._build(fmt)
+            with self._lock:
+                self._compiled[fmt] = hit
+                while len(self._compiled) > _CACHED_FORMATS:
+                    self._compiled.popitem(last=False)
+        return hit
+
+    def _build(self, fmt: StructuredOutput):
+        """The format's matcher in its first state (InvalidRequestError if it does not compile)."""
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self._llguidance_tokenizer(), fmt.grammar(), log_level=0)  # drops the GIL while it compiles
+        if m.is_error():
+            raise InvalidRequestError(fmt.field, m.get_error())
+        return m
+
+    def _llguidance_tokenizer(self):
+        with self._lock:
+            if self._lltok is None:
+                from llguidance import LLTokenizer
+
+                self._lltok = LLTokenizer(self._tokenizer.rust.to_str(), n_vocab=self._vocab_size,
+                                          eos_token=self._eos)
+            return self._lltok

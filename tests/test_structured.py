@@ -1,0 +1,230 @@
+"""Structured output (sampling.structured_output): a tiny random model, which left alone says
+nothing of the kind, held to JSON Schemas, any JSON object, regular expressions, choices and Lark
+grammars; under every policy, across a KV handoff, against min_tokens, and bad formats refused
+naming the field."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from engine_helpers import exported
+
+from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.errors import InvalidRequestError, KVImportError
+from splitserve.engine.loader import load_model
+from splitserve.engine.sampling import SampleRow, SamplingParams, constrain
+from splitserve.engine.structured import MAX_FORMAT_CHARS, StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+CHOICES = ("yes", "no", "it depends (a lot)")
+LARK = 'start: "sum(" NUM ("," NUM)* ")"\nNUM: /[1-9][0-9]{0,2}/'
+
+
+def schema_ok(text: str) -> bool:
+    d = json.loads(text)
+    return (set(d) <= {"name", "age", "tags"} and isinstance(d["name"], str) and len(d["name"]) <= 12
+            and type(d["age"]) is int and 0 <= d["age"] <= 150 and all(t in "ab" for t in d.get("tags", [])))
+
+
+# (format, whether a complete output is right), for the text of a request that finished "stop"
+FORMATS = {
+    "json_schema": (StructuredOutput("json_schema", json.dumps(SCHEMA)), schema_ok),
+    "json_object": (StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
+    "regex": (StructuredOutput("regex", PHONE), lambda text: re.fullmatch(PHONE, text) is not None),
+    "choice": (StructuredOutput("choice", CHOICES), lambda text: text in CHOICES),
+    "lark": (StructuredOutput("lark", LARK), lambda text: re.fullmatch(r"sum\([1-9][0-9]{0,2}(,[1-9][0-9]{0,2})*\)",
+                                                                        text) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tok_loaded(tmp_path_factory, smol_folder):
+    """A tiny random Llama with SmolLM2's tokenizer (vocabulary 49152): its outputs are noise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.5, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    folder = tmp_path_factory.mktemp("tiny-tok")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{smol_folder}/{name}", folder / name)
+    return load_model(ModelSpec(path=str(folder)))
+
+
+@pytest.fixture
+def engine_factory(tiny_tok_loaded):
+    from splitserve.engine.engine import LLMEngine
+
+    engines = []
+
+    def make(**kw):
+        kw.setdefault("kv_cache_bytes", 32 << 20)
+        kw.setdefault("num_threads", 1)
+        eng = LLMEngine(EngineConfig(**kw), loaded=tiny_tok_loaded)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        assert eng.cache.pool.num_used == 0 and not eng.seqs and not eng.parked
+
+
+def run(eng, prompt, params) -> tuple[list[int], str, str]:
+    """(tokens, text, finish reason) of one request run alone."""
+    eng.add_request("r", prompt, params)
+    tokens, text, reason = [], "", None
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens += out.new_token_ids
+            text += out.new_text
+            reason = out.finish_reason
+    return tokens, text, reason
+
+
+def follows(eng, fmt, tokens) -> bool:
+    try:
+        eng.grammars.matcher(fmt, tokens)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_their_format(engine_factory, tiny_tok_loaded, kind, temperature):
+    eng = engine_factory()
+    prompt = tiny_tok_loaded.tokenizer.encode("Tell me something.")
+    fmt, complete = FORMATS[kind]
+    free_tokens, free_text, _ = run(eng, prompt, SamplingParams(max_tokens=40, temperature=temperature, seed=3))
+    assert not follows(eng, fmt, free_tokens)  # the model alone does not
+    finished = 0
+    for seed in range(4):
+        tokens, text, reason = run(eng, prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed,
+                                                               structured_output=fmt))
+        assert follows(eng, fmt, tokens), (text, reason)
+        assert reason in ("stop", "eos", "length"), reason
+        if reason != "length":
+            assert complete(text), text
+            finished += 1
+    assert finished, "no output finished within max_tokens"
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_padded_policies_hold_outputs_to_their_formats(engine_factory, tiny_tok_loaded, policy):
+    """Rows of one padded batch, each with its own format or none, the unconstrained one unchanged."""
+    eng = engine_factory(policy=policy)
+    prompt = tiny_tok_loaded.tokenizer.encode("Tell me something.")
+    kinds = ["regex", "choice", "json_schema"]
+    params = [SamplingParams(max_tokens=60, structured_output=FORMATS[k][0]) for k in kinds]
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = eng.generate([prompt] * 4, params + [plain])
+    for kind, tokens in zip(kinds, got):
+        fmt, complete = FORMATS[kind]
+        assert follows(eng, fmt, tokens) and complete(tiny_tok_loaded.tokenizer.decode(tokens)), kind
+    assert got[3] == engine_factory().generate([prompt], plain)[0]
+
+
+def test_a_format_carries_across_a_kv_handoff(engine_factory, tiny_tok_loaded):
+    """The prefill engine samples the first token under the format, the decode engine builds its
+    own matcher and feeds it that token: the same output as one engine's."""
+    prompt = tiny_tok_loaded.tokenizer.encode("A record:")
+    fmt, complete = FORMATS["json_schema"]
+    sp = SamplingParams(max_tokens=100, temperature=0.8, seed=11, structured_output=fmt)
+    want, text, reason = run(engine_factory(), prompt, sp)
+    assert reason == "stop" and complete(text)
+    prefill, decode = engine_factory(), engine_factory()
+    export, payload = exported(prefill, "h", prompt, sp)
+    tokens = list(decode.import_kv(export, payload).new_token_ids)
+    assert decode.seqs["h"].matcher is not None
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.new_token_ids
+    assert tokens == want
+    # a sequence whose tokens so far break the format is refused (a sender that ignored it)
+    bad = exported(prefill, "b", prompt, SamplingParams(max_tokens=100, structured_output=FORMATS["regex"][0]))
+    bad[0].token_ids[-1] = tiny_tok_loaded.tokenizer.encode("x")[0]
+    with pytest.raises(KVImportError, match="do not follow"):
+        decode.import_kv(*bad)
+    assert not decode.seqs
+
+
+def test_min_tokens_gives_way_to_a_format_that_must_end(engine_factory, tiny_tok_loaded):
+    """min_tokens bans EOS; a choice that is complete ends the request all the same ("stop")."""
+    eng = engine_factory()
+    prompt = tiny_tok_loaded.tokenizer.encode("Well?")
+    tokens, text, reason = run(eng, prompt, SamplingParams(max_tokens=30, min_tokens=20,
+                                                           structured_output=FORMATS["choice"][0]))
+    assert text in CHOICES and reason == "stop" and len(tokens) < 20
+    # a format that may end or go on: EOS stays banned until min_tokens, the format still holds
+    fmt = StructuredOutput("regex", "[a-z]+")
+    tokens, text, _ = run(eng, prompt, SamplingParams(max_tokens=30, min_tokens=10, structured_output=fmt))
+    assert len(tokens) >= 10 and re.fullmatch("[a-z]+", text)
+
+
+def test_constrain_masks_to_the_allowed_tokens_and_banned_ones_only_when_others_remain(engine_factory):
+    eng = engine_factory()
+    fmt = StructuredOutput("choice", ("7", "8"))
+    seven, eight = (eng.tokenizer.encode(d)[0] for d in "78")
+    logits = torch.randn(3, 49152)
+    rows = [SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(fmt)),
+            SampleRow(SamplingParams(), None, banned=(seven,), matcher=eng.grammars.matcher(fmt)),
+            SampleRow(SamplingParams(), None)]
+    before = logits[2].clone()
+    constrain(logits, rows)
+    finite = [set(torch.isfinite(logits[i]).nonzero().view(-1).tolist()) for i in range(3)]
+    assert seven in finite[0] and eight in finite[0] and len(finite[0]) <= 4  # "7", "8" (and tokens starting them)
+    assert finite[1] == finite[0] - {seven}
+    assert torch.equal(logits[2], before)
+    # banning all it allows is ignored: the format wins
+    m = eng.grammars.matcher(fmt, [seven])  # complete: only EOS may follow
+    row = torch.zeros(1, 49152)
+    constrain(row, [SampleRow(SamplingParams(), None, banned=(2,), matcher=m)])
+    left = torch.isfinite(row).nonzero().view(-1).tolist()
+    assert 2 in left and len(left) <= 2  # EOS (and the tokenizer's <|endoftext|>, which llguidance ends on too)
+
+
+def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factory, tiny_tok_loaded):
+    eng = engine_factory()
+    prompt = tiny_tok_loaded.tokenizer.encode("Tell me something.")
+    free = eng.generate([prompt], SamplingParams(max_tokens=1, logprobs=1))
+    eng.add_request("s", prompt, SamplingParams(max_tokens=1, logprobs=1, structured_output=FORMATS["regex"][0]))
+    (out,) = eng.step()
+    lp = out.new_logprobs[0]
+    assert out.new_token_ids[0] != free[0][0]  # the model's choice is not a "("
+    assert lp.top[0][0] == free[0][0] and lp.rank > 1  # ... and its most likely is still reported
+
+
+@pytest.mark.parametrize("fmt_kw, field, says", [
+    (("json_schema", "{not json"), "sampling.structured_output.json_schema", "is not JSON"),
+    (("json_schema", "[1, 2]"), "sampling.structured_output.json_schema", "object or a boolean"),
+    (("json_schema", '{"type": "objekt"}'), "sampling.structured_output.json_schema", "objekt"),
+    (("regex", "(ab"), "sampling.structured_output.regex", ""),
+    (("regex", ""), "sampling.structured_output.regex", "empty"),
+    (("lark", "start: nothing_defined"), "sampling.structured_output.lark", "nothing_defined"),
+    (("choice", ()), "sampling.structured_output.choice", "at least one"),
+    (("choice", ("a", "")), "sampling.structured_output.choice", "non-empty"),
+    (("choice", ("a",) * 1025), "sampling.structured_output.choice", "at most 1024"),
+    (("regex", "a" * (MAX_FORMAT_CHARS + 1)), "sampling.structured_output.regex", "at most"),
+    (("xml", "<a/>"), "sampling.structured_output", "unknown format"),
+])
+def test_bad_formats_name_the_field(engine_factory, tiny_tok_loaded, fmt_kw, field, says):
+    eng = engine_factory()
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("bad", [1, 2, 3], SamplingParams(structured_output=StructuredOutput(*fmt_kw)))
+    assert e.value.field == field and says in str(e.value)
+    assert not eng.seqs
+
+
+def test_a_model_without_a_tokenizer_refuses_formats(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("r", [1, 2], SamplingParams(structured_output=StructuredOutput("regex", "a+")))
+    assert e.value.field == "sampling.structured_output.regex" and "tokenizer" in str(e.value)
