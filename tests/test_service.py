@@ -435,6 +435,7 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "structured_output": {"json_schema": {"type": "objekt"}}},
          "sampling.structured_output.json_schema: Invalid type: objekt"),
         ({"prompt": "hi", "structured_output": {"regex": "(ab"}}, "sampling.structured_output.regex"),
+        ({"prompt": "hi", "structured_output": {"regex": "a{200000}"}}, "sampling.structured_output.regex: too costly"),
         ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
         ({"prompt": "hi", "structured_output": {"choice": []}}, "sampling.structured_output.choice"),
         ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),

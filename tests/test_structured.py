@@ -3,6 +3,7 @@ nothing of the kind, held to JSON Schemas, any JSON object, regular expressions,
 grammars; under every policy, across a KV handoff, against min_tokens, and bad formats refused
 naming the field."""
 
+import ctypes
 import json
 import re
 import shutil
@@ -189,6 +190,21 @@ def test_constrain_masks_to_the_allowed_tokens_and_banned_ones_only_when_others_
     constrain(row, [SampleRow(SamplingParams(), None, banned=(2,), matcher=m)])
     left = torch.isfinite(row).nonzero().view(-1).tolist()
     assert 2 in left and len(left) <= 2  # EOS (and the tokenizer's <|endoftext|>, which llguidance ends on too)
+    # a matcher in error (past one of llguidance's limits, say) allows only EOS: its request ends
+    m = eng.grammars.matcher(fmt)
+    assert not m.consume_token(eight + 1) and m.is_error()
+    eng.add_request("e", [1, 2, 3], SamplingParams(max_tokens=8, structured_output=fmt))
+    eng.seqs["e"].matcher = m
+    (out,) = eng.step()
+    assert out.finished and out.new_token_ids in ([0], [2])
+
+    class AllowsNothing:  # a mask of no token at all is not applied (sampling -inf everywhere gives NaN)
+        def unsafe_compute_mask_ptr(self, ptr, size):
+            ctypes.memset(ptr, 0, size)
+
+    row = torch.zeros(1, 49152)
+    constrain(row, [SampleRow(SamplingParams(), None, matcher=AllowsNothing())])
+    assert torch.isfinite(row).all()
 
 
 def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factory, tiny_tok_loaded):
@@ -213,6 +229,7 @@ def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factor
     (("choice", ("a", "")), "sampling.structured_output.choice", "non-empty"),
     (("choice", ("a",) * 1025), "sampling.structured_output.choice", "at most 1024"),
     (("regex", "a" * (MAX_FORMAT_CHARS + 1)), "sampling.structured_output.regex", "at most"),
+    (("regex", "a{200000}"), "sampling.structured_output.regex", "too costly"),  # ~40 ms a mask here
     (("xml", "<a/>"), "sampling.structured_output", "unknown format"),
 ])
 def test_bad_formats_name_the_field(engine_factory, tiny_tok_loaded, fmt_kw, field, says):

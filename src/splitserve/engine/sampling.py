@@ -106,7 +106,9 @@ def constrain(logits: torch.Tensor, rows: list[SampleRow]) -> None:
         rows[i].matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
     ruled_out = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(len(idx), -1)[:, :vocab] == 0
     for j, i in enumerate(idx):
-        if rows[i].banned:
+        if ruled_out[j].all():  # an erring matcher (its limits): unmasked; the token it then refuses ends the row
+            ruled_out[j] = False
+        elif rows[i].banned:
             more = ruled_out[j].clone()
             more[list(rows[i].banned)] = True
             if not more.all():

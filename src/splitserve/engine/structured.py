@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,6 +25,12 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_FORMAT_CHARS = 65536  # a format's text (a choice's strings together): compiled in every process it reaches
 MAX_CHOICES = 1024
 _CACHED_FORMATS = 64  # compiled matchers kept per process, the least recently used going first
+# The time a format's first mask may take, which every step of its row's batch would wait for: a
+# regex a{60000} took 22 ms a step (a third of a 32-row decode step here), and none of llguidance's
+# limits bounds it; the formats of the tests and a 5000-way Lark choice take 0.02-0.6 ms. The
+# lesser of two tries counts (this machine is noisy).
+MAX_MASK_MS = 5.0
+_ERROR_CHARS = 600  # of llguidance's message, in an InvalidRequestError
 # Whitespace between JSON's tokens: a line break and an indentation, or spaces alone; llguidance's
 # default (any run of whitespace) let a model write whitespace until max_tokens, which a tiny
 # random one did every time. A schema's own "x-guidance" options override it.
@@ -84,6 +91,12 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark(self.value)
 
 
+def _mask_ms(matcher) -> float:
+    t = time.perf_counter()
+    matcher.compute_bitmask()
+    return (time.perf_counter() - t) * 1e3
+
+
 def _literal(text: str) -> str:
     """A regex matching text alone."""
     return "(?:" + "".join("\\" + c if c in _REGEX_META else c for c in text) + ")"
@@ -112,7 +125,9 @@ class Grammars:
 
     def matcher(self, fmt: StructuredOutput, tokens: list[int] = ()):
         """A fresh matcher of the format, fed tokens already generated (InvalidRequestError if the
-        format does not compile; ValueError if the tokens do not follow it)."""
+        format does not compile; ValueError if the tokens do not follow it). A matcher that errs
+        later (past one of llguidance's limits) ends its request: the engine finishes it "stop"
+        and logs llguidance's message."""
         m = self._compile(fmt).deep_copy()
         if tokens and not m.consume_tokens(list(tokens)):
             raise ValueError(f"the tokens generated so far do not follow {fmt.field}: {m.get_error()}")
@@ -132,12 +147,18 @@ class Grammars:
         return hit
 
     def _build(self, fmt: StructuredOutput):
-        """The format's matcher in its first state (InvalidRequestError if it does not compile)."""
+        """The format's matcher in its first state (InvalidRequestError if it does not compile, or
+        its first mask takes more than MAX_MASK_MS)."""
         from llguidance import LLMatcher
 
         m = LLMatcher(self._llguidance_tokenizer(), fmt.grammar(), log_level=0)  # drops the GIL while it compiles
+        if not m.is_error():
+            ms = min(_mask_ms(m), _mask_ms(m.deep_copy()))
+            if ms > MAX_MASK_MS:
+                raise InvalidRequestError(fmt.field, f"too costly: a token mask takes {ms:.1f} ms (at most "
+                                                     f"{MAX_MASK_MS:g}), which every step of its batch waits for")
         if m.is_error():
-            raise InvalidRequestError(fmt.field, m.get_error())
+            raise InvalidRequestError(fmt.field, m.get_error()[:_ERROR_CHARS])
         return m
 
     def _llguidance_tokenizer(self):
