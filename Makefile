@@ -36,6 +36,7 @@ bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --logprobs-cost 5 --out bench-results/engine-logprobs.json
 	$(PY) -m splitserve.bench.engine_bench --prompt-logprobs-cost 5 --out bench-results/engine-prompt-logprobs.json
 	$(PY) -m splitserve.bench.engine_bench --penalties-cost --out bench-results/engine-penalties.json
+	$(PY) -m splitserve.bench.engine_bench --structured-cost --out bench-results/engine-structured.json
 
 bench-handoff: install proto
 	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json

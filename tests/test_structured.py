@@ -245,3 +245,11 @@ def test_a_model_without_a_tokenizer_refuses_formats(tiny_engine_factory):
     with pytest.raises(InvalidRequestError) as e:
         eng.add_request("r", [1, 2], SamplingParams(structured_output=StructuredOutput("regex", "a+")))
     assert e.value.field == "sampling.structured_output.regex" and "tokenizer" in str(e.value)
+
+
+def test_the_structured_cost_bench_times_held_and_plain_rows(engine_factory):
+    from splitserve.bench.engine_bench import STRUCTURED, structured_sample_cost
+
+    got = structured_sample_cost(engine_factory(), rows=4, repeats=2)
+    assert set(got) == set(STRUCTURED)
+    assert all(r["output_tokens"] > 0 and r["with_ms"] > 0 and r["without_ms"] > 0 for r in got.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import time
 
@@ -23,7 +24,8 @@ from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.loader import load_model
 from splitserve.engine.model import ModelShape
-from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.sampling import SampleRow, SamplingParams, sample
+from splitserve.engine.structured import StructuredOutput
 
 
 def run_workload(engine: LLMEngine, items: list[WorkItem], max_tokens: int | None = None, **sampling) -> dict:
@@ -150,6 +152,46 @@ def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, ro
             "median_ratio": percentile(ratios, 50)}
 
 
+# --structured-cost: formats of each kind, each held to by the rows of a sampler call
+CITIES_SCHEMA = {"type": "object", "properties": {"cities": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "country", "population", "summary"],
+    "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                   "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+                   "summary": {"type": "string", "maxLength": 120}}}}},
+    "required": ["cities"], "additionalProperties": False}
+STRUCTURED = {"json_schema": StructuredOutput("json_schema", json.dumps(CITIES_SCHEMA)),
+              "regex": StructuredOutput("regex", r"[A-Za-z ,.]{1,400}"),
+              "choice": StructuredOutput("choice", tuple(f"option {i}" for i in range(100)))}
+
+
+def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30) -> dict:
+    """The sampler's time for `rows` greedy rows, each held to a format (STRUCTURED) at positions
+    along the model's own output under it, against the same rows without: medians of `repeats`
+    alternated calls on the same random logits. A decode step of the same rows is the scale."""
+    ask = "Describe three cities as JSON: name, country, population, and a one-sentence summary."
+    tok = engine.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": ask}]) if tok.chat_template else tok.encode(ask)
+    vocab = engine.model.shape.vocab_size
+    out = {}
+    for kind, fmt in STRUCTURED.items():
+        tokens = engine.generate([prompt], SamplingParams(max_tokens=300, structured_output=fmt))[0]
+        held = [SampleRow(SamplingParams(), None, matcher=engine.grammars.matcher(fmt, tokens[: i * 7 % len(tokens)]))
+                for i in range(rows)]
+        plain = [SampleRow(SamplingParams(), None) for _ in range(rows)]
+        logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+        times: dict[str, list[float]] = {"with": [], "without": []}
+        for _ in range(repeats):
+            for side, batch in (("with", held), ("without", plain)):
+                x = logits.clone()
+                t = time.perf_counter()
+                sample(x, batch)
+                times[side].append(time.perf_counter() - t)
+        out[kind] = {"output_tokens": len(tokens), **{f"{side}_ms": percentile(v, 50) * 1e3 for side, v in times.items()}}
+        print(f"{kind:>11}: sampling {rows} rows {out[kind]['with_ms']:.2f} ms held to it, "
+              f"{out[kind]['without_ms']:.2f} ms without (its output: {len(tokens)} tokens)", flush=True)
+    return out
+
+
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
@@ -196,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--penalties-cost", action="store_true",
                     help=f"only measure the cost of penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())}): "
                          "the first 32 mixed requests with and without, output tok/s")
+    ap.add_argument("--structured-cost", action="store_true",
+                    help="only measure the sampler's time for 32 rows held to structured output formats")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
                     help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
@@ -228,7 +272,9 @@ def main(argv=None) -> int:
             LLMEngine(base.replace(prefix_caching=False), loaded=loaded), mixed[:n_mixed], what, sampling, args.rounds)
         print(f"with / without {what}, per round: {', '.join(f'{r:.3f}' for r in got['ratios'])}; "
               f"median {got['median_ratio']:.3f}", flush=True)
-    if costs:
+    if args.structured_cost:
+        results["structured_sample_cost"] = structured_sample_cost(LLMEngine(base, loaded=loaded))
+    if costs or args.structured_cost:
         write_results(args.out, results)
         return 0
 
