@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import exported
+from engine_helpers import drain, exported
 
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.errors import InvalidRequestError, KVImportError
@@ -155,6 +155,22 @@ def test_a_format_carries_across_a_kv_handoff(engine_factory, tiny_tok_loaded):
     with pytest.raises(KVImportError, match="do not follow"):
         decode.import_kv(*bad)
     assert not decode.seqs
+
+
+def test_preempted_structured_rows_resume_where_their_formats_were(engine_factory, tiny_tok_loaded):
+    """A handful of blocks: sequences are preempted and their KV recomputed; each keeps its matcher,
+    and every output is the one a roomy engine gives."""
+    tok = tiny_tok_loaded.tokenizer
+    prompts = [tok.encode(f"Record number {i}: " + "words " * (12 + 3 * i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=60, temperature=0.7, seed=i, structured_output=FORMATS[k][0])
+              for i, k in enumerate(("json_schema", "regex", "lark", "json_schema"))]
+    roomy = engine_factory().generate(prompts, params)
+    eng = engine_factory(kv_cache_bytes=64 << 10, max_num_batched_tokens=24)  # 128 tokens of KV
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"gen-{i}", p, sp)
+    got = drain(eng)
+    assert got.preempted
+    assert [got.tokens[f"gen-{i}"] for i in range(4)] == roomy
 
 
 def test_min_tokens_gives_way_to_a_format_that_must_end(engine_factory, tiny_tok_loaded):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -221,6 +222,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await self._prefill_here(slot, request)
         return w_pb.PrefillHereResponse()
 
+    async def _compile_format(self, params) -> None:
+        """Compile a structured output format on a thread, not on the engine's (where the steps of
+        every running sequence would wait for it): the engine then finds it compiled. One that does
+        not compile is refused there, where the request's errors are answered."""
+        if params.structured_output is not None and self.engine.grammars is not None:
+            with contextlib.suppress(InvalidRequestError):
+                await asyncio.to_thread(self.engine.grammars.check, params.structured_output)
+
     async def _prefill_here(self, slot: Slot, request: w_pb.DecodeRequest | w_pb.PrefillHereRequest) -> None:
         """This engine prefills the prompt (chunked, inside continuous batching): colocated, a
         request the router kept off the prefill workers (conditional disaggregation), or one it took
@@ -229,6 +238,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         convert.check_cache_salt(request.cache_salt)
         slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
+        await self._compile_format(params)
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
             await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
@@ -524,6 +534,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,
                      ps: tracing.rpc_span) -> w_pb.PutKVResponse:
         export = convert.export_from_pb(seq, h)
+        await self._compile_format(export.params)
         t0 = time.perf_counter()
         waits = 0
         deadline = h.lease_deadline_unix or (time.time() + 60)
