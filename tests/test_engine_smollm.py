@@ -154,18 +154,44 @@ def test_the_streaming_detokenizer_gives_the_window_detokenizers_deltas(smol_fol
     assert got[0] == got[1] and got[0][-1].endswith("\ufffd")
 
 
-def test_stop_string_truncates_and_reports_stop(engine, prompts, reference):
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates_and_reports_stop(engine, prompts, reference, include):
     tok = engine.tokenizer
     full = tok.decode(reference[0])
     stop = full.split()[2]  # a word that appears in the greedy output
-    engine.add_request("stop", prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,)))
+    later = full.split()[4]  # one found after it: the first found ends the text, whatever the list's order
+    assert full.index(later) > full.index(stop)
+    engine.add_request("stop", prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=(later, stop),
+                                                          include_stop_str_in_output=include))
     text, outs = "", []
     while engine.has_unfinished():
         for out in engine.step():
             text += out.new_text
             outs.append(out)
     assert outs[-1].finish_reason == "stop"
-    assert text == full[: full.index(stop)]
+    assert text == full[: full.index(stop) + (len(stop) if include else 0)]
+
+
+def test_held_stop_text_is_sent_once_across_a_handoff(engine, prompts, reference):
+    """The first token's text that may start a stop string is held back by the prefill engine as
+    by the decode engine: the two engines' texts together are the one engine's (the prefill
+    engine sent it with the first token, and the decode engine again with its next)."""
+    full = engine.tokenizer.decode(reference[0])
+    stop = max(full.split()[2:6], key=len)  # long: more of the first token's text is held
+    sp = SamplingParams(max_tokens=NEW_TOKENS, stop=(stop,))
+    engine.add_request("h", prompts[0], sp, prefill_only=True)
+    texts = []
+    while "h" not in engine.parked:
+        texts += [out.new_text for out in engine.step()]
+    buf = memoryview(bytearray(engine.kv_nbytes("h")))
+    export = engine.export_kv("h", buf)
+    engine.release("h")
+    texts.append(engine.import_kv(export, buf).new_text)  # what a decode worker sends if FirstToken came late
+    first, texts = texts[0], texts[1:]
+    while engine.has_unfinished():
+        texts += [out.new_text for out in engine.step()]
+    assert first + "".join(texts[1:]) == full[: full.index(stop)]  # the import's own output is not sent
+    assert first == texts[0]  # both engines held the same back: either may send the first token
 
 
 def test_eos_and_stop_token_and_min_tokens(engine):

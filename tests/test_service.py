@@ -2173,6 +2173,16 @@ def test_structured_output_gives_the_in_process_engines_tokens(stack, client, sm
     assert one.text in ("Paris", "Lyon") and one.finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(stack, client):
+    full = client.generate("The days of the week are", max_tokens=24).text
+    stop = full.split()[3]
+    for include in (False, True):
+        chunks = list(client.generate_stream("The days of the week are", max_tokens=24, stop=[stop],
+                                             include_stop_str_in_output=include, timeout=60))
+        assert chunks[-1].finish_reason == "stop"
+        assert "".join(c.text for c in chunks) == full[: full.index(stop) + (len(stop) if include else 0)]
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

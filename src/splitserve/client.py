@@ -102,6 +102,7 @@ def build_request(
     stop_token_ids: list[int] | None = None,
     min_tokens: int = 0,
     ignore_eos: bool = False,
+    include_stop_str_in_output: bool = False,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     presence_penalty: float | None = None,
@@ -135,6 +136,7 @@ def build_request(
     sp.stop_token_ids.extend(stop_token_ids or [])
     sp.min_tokens = min_tokens
     sp.ignore_eos = ignore_eos
+    sp.include_stop_str_in_output = include_stop_str_in_output
     return req
 
 

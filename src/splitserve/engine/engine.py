@@ -440,7 +440,11 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput | None:
         finished = seq.status is Status.FINISHED
-        hold = 0 if finished else max((len(s) for s in seq.params.stop), default=1) - 1
+        # Text that may be the start of a stop string is held back until the request ends: a parked
+        # (prefill_only) one has not ended, and the engine it goes to holds the same back. Sent
+        # with its first token, it came again with the decode worker's next one.
+        ended = finished and seq.finish_reason != FINISH_PREFILLED
+        hold = 0 if ended else max((len(s) for s in seq.params.stop), default=1) - 1
         end = max(seq.emitted_chars, len(seq.text) - hold)
         new_text = seq.text[seq.emitted_chars : end]
         new_ids = seq.output_ids[seq.emitted_tokens :]
@@ -646,11 +650,14 @@ def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], hidden: tor
 
 
 def _cut_at_stop(seq: Sequence) -> bool:
-    """If the output text now holds a stop string, cut the text before it and say so."""
+    """If the output text now holds a stop string, cut the text before it (after it, with
+    include_stop_str_in_output) and say so. Of stop strings found, the one that starts first (the
+    first listed, of those starting there) ends it."""
     longest = max(len(s) for s in seq.params.stop)
     start = max(0, seq.emitted_chars - longest)
-    hits = [i for i in (seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
+    hits = [(i, n) for n, i in enumerate(seq.text.find(s, start) for s in seq.params.stop) if i >= 0]
     if not hits:
         return False
-    seq.text = seq.text[: min(hits)]
+    at, n = min(hits)
+    seq.text = seq.text[: at + (len(seq.params.stop[n]) if seq.params.include_stop_str_in_output else 0)]
     return True

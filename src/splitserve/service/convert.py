@@ -34,6 +34,7 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         stop_token_ids=tuple(sp.stop_token_ids),
         min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
@@ -74,6 +75,7 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     sp = gen_pb.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
     if p.seed is not None:
         sp.seed = p.seed
