@@ -338,6 +338,9 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     js = subprocess.run([*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--max-tokens", "40"],
                         capture_output=True, text=True, timeout=120)
     assert js.returncode == 0 and json.loads(js.stdout)["capital"] in ("Paris", "Lyon"), js.stderr
+    tight = subprocess.run([*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--compact-json",
+                            "--max-tokens", "40"], capture_output=True, text=True, timeout=120)
+    assert tight.returncode == 0 and tight.stdout in ('{"capital":"Paris"}', '{"capital":"Lyon"}'), tight.stderr
     kept = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--stop", ref.text.split()[1],
                            "--include-stop"], capture_output=True, text=True, timeout=120)
     assert kept.returncode == 0 and kept.stdout == ref.text[: ref.text.index(ref.text.split()[1]) +

@@ -438,6 +438,8 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "structured_output": {"regex": "a{200000}"}}, "sampling.structured_output.regex: too costly"),
         ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
         ({"prompt": "hi", "structured_output": {"choice": []}}, "sampling.structured_output.choice"),
+        ({"prompt": "hi", "structured_output": {"choice": ["a"], "disable_any_whitespace": True}},
+         "sampling.structured_output.disable_any_whitespace: applies to json_schema and json_object"),
         ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),
         ({"prompt": "hi", "structured_output": __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"])
           .StructuredOutput()}, "sampling.structured_output: set, but with none"),
@@ -2164,10 +2166,20 @@ def test_structured_output_gives_the_in_process_engines_tokens(stack, client, sm
         assert client.get_request(chunks[0].request_id).prefill_worker  # handed over
         text = "".join(c.text for c in chunks)
         if "json_schema" in fmt:
-            got = json.loads(text)
+            got, loose = json.loads(text), text
             assert set(got) == {"city", "population"} and type(got["population"]) is int
         else:
             assert __import__("re").fullmatch(REGEX, text)
+    # JSON without whitespace (the option travels with the job and the KV)
+    compact = client.generate(token_ids=ids, max_tokens=80, structured_output={"json_schema": schema,
+                                                                               "disable_any_whitespace": True})
+    from test_structured import whitespace_outside_strings
+
+    assert compact.finish_reason == "stop" and json.loads(compact.text)
+    assert whitespace_outside_strings(compact.text) == "" and whitespace_outside_strings(loose), compact.text
+    want = eng.generate([ids], SamplingParams(max_tokens=80, structured_output=StructuredOutput(
+        "json_schema", json.dumps(schema), disable_any_whitespace=True)))[0]
+    assert list(compact.token_ids) == want
     # a choice done in its first token ends at the prefill worker
     one = client.generate(token_ids=ids, max_tokens=20, structured_output={"choice": ["Paris", "Lyon"]}, timeout=60)
     assert one.text in ("Paris", "Lyon") and one.finish_reason == "stop"

@@ -90,6 +90,19 @@ def run(eng, prompt, params) -> tuple[list[int], str, str]:
     return tokens, text, reason
 
 
+def whitespace_outside_strings(text: str) -> str:
+    """The whitespace characters of JSON text that are not inside its strings."""
+    out, in_string, escaped = [], False, False
+    for c in text:
+        if in_string:
+            in_string, escaped = (True, False) if escaped else (c != '"', c == "\\")
+        elif c == '"':
+            in_string = True
+        elif c.isspace():
+            out.append(c)
+    return "".join(out)
+
+
 def follows(eng, fmt, tokens) -> bool:
     try:
         eng.grammars.matcher(fmt, tokens)
@@ -116,6 +129,22 @@ def test_outputs_follow_their_format(engine_factory, tiny_tok_loaded, kind, temp
             assert complete(text), text
             finished += 1
     assert finished, "no output finished within max_tokens"
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_json_without_whitespace(engine_factory, tiny_tok_loaded, kind):
+    """disable_any_whitespace: the tiny model, which fills the whitespace it is allowed, writes none."""
+    eng = engine_factory()
+    prompt = tiny_tok_loaded.tokenizer.encode("Tell me something.")
+    fmt, complete = FORMATS[kind]
+    if kind == "json_schema":  # (greedy, it writes "{}" for any object)
+        loose = run(eng, prompt, SamplingParams(max_tokens=120, structured_output=fmt))[1]
+        assert whitespace_outside_strings(loose)  # with the default whitespace
+    compact = StructuredOutput(kind, fmt.value, disable_any_whitespace=True)
+    for seed in range(3):
+        _, text, reason = run(eng, prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
+                                                          structured_output=compact))
+        assert reason == "stop" and complete(text) and whitespace_outside_strings(text) == "", text
 
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
@@ -247,6 +276,7 @@ def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factor
     (("regex", "a" * (MAX_FORMAT_CHARS + 1)), "sampling.structured_output.regex", "at most"),
     (("regex", "a{200000}"), "sampling.structured_output.regex", "too costly"),  # ~40 ms a mask here
     (("xml", "<a/>"), "sampling.structured_output", "unknown format"),
+    (("regex", "a+", True), "sampling.structured_output.disable_any_whitespace", "not regex"),
 ])
 def test_bad_formats_name_the_field(engine_factory, tiny_tok_loaded, fmt_kw, field, says):
     eng = engine_factory()

@@ -152,9 +152,9 @@ def _structured_output(args) -> dict | None:
                         value = f.read()
                 except OSError as e:
                     raise SystemExit(f"splitserve: error: --{kind.replace('_', '-')}: {e}") from None
-            return {kind: value}
+            return {kind: value, **({"disable_any_whitespace": True} if args.compact_json else {})}
     if args.json_object:
-        return {"json_object": True}
+        return {"json_object": True, **({"disable_any_whitespace": True} if args.compact_json else {})}
     return {"choice": args.choice} if args.choice else None
 
 
@@ -316,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json-schema", metavar="SCHEMA", help="hold the output to this JSON Schema (JSON text, or "
                                                              "@FILE)")
     fmt.add_argument("--json-object", action="store_true", help="hold the output to a JSON object")
+    p.add_argument("--compact-json", action="store_true", help="with --json-schema or --json-object: no whitespace "
+                                                               "between JSON's tokens")
     fmt.add_argument("--regex", help="hold the output to this regular expression")
     fmt.add_argument("--choice", action="append", help="the output is one of these strings; repeatable")
     fmt.add_argument("--lark", metavar="GRAMMAR", help="hold the output to this Lark grammar (text, or @FILE)")

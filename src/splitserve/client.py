@@ -74,17 +74,20 @@ def _trace_metadata() -> tuple:
 
 def structured_output_pb(fmt: dict | pb.StructuredOutput) -> pb.StructuredOutput:
     """SamplingParams.structured_output from one of {"json_schema": a schema (a dict, or its JSON
-    text)}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"lark": str}."""
+    text)}, {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"lark": str}; with
+    "disable_any_whitespace": True beside a JSON one for JSON without whitespace."""
     if isinstance(fmt, pb.StructuredOutput):
         return fmt
+    fmt = dict(fmt) if isinstance(fmt, dict) else fmt
+    compact = bool(fmt.pop("disable_any_whitespace", False)) if isinstance(fmt, dict) else False
     if not (isinstance(fmt, dict) and len(fmt) == 1):
         raise ValueError(f"structured_output: one of json_schema, json_object, regex, choice or lark, got {fmt!r}")
     (kind, value), = fmt.items()
     if kind == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)
     if kind == "choice":
-        return pb.StructuredOutput(choice=pb.Choice(values=list(value)))
-    return pb.StructuredOutput(**{kind: value})
+        return pb.StructuredOutput(choice=pb.Choice(values=list(value)), disable_any_whitespace=compact)
+    return pb.StructuredOutput(**{kind: value}, disable_any_whitespace=compact)
 
 
 def build_request(

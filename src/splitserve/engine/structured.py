@@ -43,6 +43,7 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 class StructuredOutput:
     kind: str  # one of KINDS
     value: str | tuple[str, ...] = ""  # the schema's JSON text, the regex, the Lark grammar; the choice's strings
+    disable_any_whitespace: bool = False  # JSON kinds: none between JSON's tokens
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,6 +61,9 @@ class StructuredOutput:
             raise InvalidRequestError(self.field, f"must be a string, got {type(self.value).__name__}")
         elif self.kind != "json_object" and not self.value:
             raise InvalidRequestError(self.field, "must not be empty")
+        if self.disable_any_whitespace and not self.kind.startswith("json"):
+            raise InvalidRequestError("sampling.structured_output.disable_any_whitespace",
+                                      f"applies to json_schema and json_object, not {self.kind}")
         chars = sum(map(len, self.value)) if self.kind == "choice" else len(self.value)
         if chars > MAX_FORMAT_CHARS:
             raise InvalidRequestError(self.field, f"at most {MAX_FORMAT_CHARS} characters, got {chars}")
@@ -68,6 +72,9 @@ class StructuredOutput:
     def field(self) -> str:
         """The request field that holds it, for errors."""
         return f"sampling.structured_output.{self.kind}"
+
+    def _json_options(self) -> dict:
+        return {"whitespace_flexible": False} if self.disable_any_whitespace else _JSON_OPTIONS
 
     def grammar(self) -> str:
         """llguidance's grammar for it (raises InvalidRequestError for a schema that is not JSON)."""
@@ -81,9 +88,9 @@ class StructuredOutput:
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError(self.field, f"a JSON Schema is an object or a boolean, got "
                                                       f"{type(schema).__name__}")
-            return LLMatcher.grammar_from_json_schema(json.dumps(schema), _JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema(json.dumps(schema), self._json_options())
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema('{"type": "object"}', _JSON_OPTIONS)
+            return LLMatcher.grammar_from_json_schema('{"type": "object"}', self._json_options())
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "choice":

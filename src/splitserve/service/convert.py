@@ -54,21 +54,24 @@ def structured_from_pb(so: gen_pb.StructuredOutput) -> StructuredOutput:
     if kind == "json_object":
         if not so.json_object:
             raise InvalidRequestError("sampling.structured_output.json_object", "must be true when set")
-        return StructuredOutput(kind)
+        return StructuredOutput(kind, disable_any_whitespace=so.disable_any_whitespace)
     if kind == "choice":
         if len(so.choice.values) > MAX_CHOICES:  # counted before the list is copied
             raise InvalidRequestError("sampling.structured_output.choice", f"at most {MAX_CHOICES} strings, got "
                                                                            f"{len(so.choice.values)}")
-        return StructuredOutput(kind, tuple(so.choice.values))
-    return StructuredOutput(kind, getattr(so, kind))
+        return StructuredOutput(kind, tuple(so.choice.values), so.disable_any_whitespace)
+    return StructuredOutput(kind, getattr(so, kind), so.disable_any_whitespace)
 
 
 def structured_to_pb(fmt: StructuredOutput) -> gen_pb.StructuredOutput:
+    so = gen_pb.StructuredOutput(disable_any_whitespace=fmt.disable_any_whitespace)
     if fmt.kind == "json_object":
-        return gen_pb.StructuredOutput(json_object=True)
-    if fmt.kind == "choice":
-        return gen_pb.StructuredOutput(choice=gen_pb.Choice(values=list(fmt.value)))
-    return gen_pb.StructuredOutput(**{fmt.kind: fmt.value})
+        so.json_object = True
+    elif fmt.kind == "choice":
+        so.choice.values.extend(fmt.value)
+    else:
+        setattr(so, fmt.kind, fmt.value)
+    return so
 
 
 def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:

@@ -401,7 +401,8 @@ class Job:
         if fmt is not None:
             if not (isinstance(fmt, dict) and isinstance(fmt.get("kind"), str)):
                 raise ValueError("job's sampling.structured_output is not a format")
-            d["structured_output"] = StructuredOutput(fmt["kind"], fmt.get("value", ""))
+            d["structured_output"] = StructuredOutput(fmt["kind"], fmt.get("value", ""),
+                                                      bool(fmt.get("disable_any_whitespace", False)))
         return SamplingParams(**d)
 
 
