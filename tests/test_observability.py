@@ -345,6 +345,11 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
                            "--include-stop"], capture_output=True, text=True, timeout=120)
     assert kept.returncode == 0 and kept.stdout == ref.text[: ref.text.index(ref.text.split()[1]) +
                                                            len(ref.text.split()[1])], (kept.stdout, ref.text)
+    short = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--truncate-prompt-tokens", "2"],
+                           capture_output=True, text=True, timeout=120)
+    with Client(stack.router_address) as c:
+        two = c.generate("The capital of France is", max_tokens=5, truncate_prompt_tokens=2)
+    assert short.returncode == 0 and short.stdout == two.text and two.usage.prompt_tokens == 2, short.stderr
     pick = subprocess.run([*exe, "Is the sky green?", "--choice", "yes", "--choice", "no"], capture_output=True,
                           text=True, timeout=120)
     assert pick.returncode == 0 and pick.stdout in ("yes", "no") and "[stop, " in pick.stderr, pick.stderr

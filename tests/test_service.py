@@ -438,6 +438,7 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "structured_output": {"regex": "a{200000}"}}, "sampling.structured_output.regex: too costly"),
         ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
         ({"prompt": "hi", "structured_output": {"choice": []}}, "sampling.structured_output.choice"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 0}, "sampling.truncate_prompt_tokens: must be >= 1"),
         ({"prompt": "hi", "structured_output": {"choice": ["a"], "disable_any_whitespace": True}},
          "sampling.structured_output.disable_any_whitespace: applies to json_schema and json_object"),
         ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),
@@ -2193,6 +2194,33 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack, client):
                                              include_stop_str_in_output=include, timeout=60))
         assert chunks[-1].finish_reason == "stop"
         assert "".join(c.text for c in chunks) == full[: full.index(stop) + (len(stop) if include else 0)]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, client, smol_loaded):
+    tok = smol_loaded.tokenizer
+    text = "Count the fruit: apple, pear, plum, fig, kiwi, lime. And now the vegetables: carrot, leek, pea"
+    ids = tok.encode(text)
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    want = eng.generate([ids[-9:]], SamplingParams(max_tokens=8))[0]
+    assert want != eng.generate([ids], SamplingParams(max_tokens=8))[0]
+    got = client.generate(text, max_tokens=8, truncate_prompt_tokens=9)
+    assert list(got.token_ids) == want and got.usage.prompt_tokens == 9
+    assert client.get_request(got.request_id).prompt_tokens == 9
+    same = client.generate(text, max_tokens=8, truncate_prompt_tokens=len(ids) + 100)  # shorter: kept whole
+    assert same.usage.prompt_tokens == len(ids)
+    # longer than the context, refused without it: kept, tokenized and cut
+    long_ids = (ids * 1000)[:9000]  # SmolLM2's context: 8192
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(token_ids=long_ids, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    cut = client.generate(token_ids=long_ids, max_tokens=4, truncate_prompt_tokens=100, timeout=60)
+    assert cut.usage.prompt_tokens == 100 and cut.finish_reason == "length"
+    huge = text * 8000  # ~760,000 characters: more than the context could hold, refused before tokenizing
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(huge, max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in e.value.details()
+    tail = client.generate(huge, max_tokens=4, truncate_prompt_tokens=50, timeout=120)
+    assert tail.usage.prompt_tokens == 50
 
 
 def test_async_client_streams_and_generates(stack, client):

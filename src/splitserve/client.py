@@ -106,6 +106,7 @@ def build_request(
     min_tokens: int = 0,
     ignore_eos: bool = False,
     include_stop_str_in_output: bool = False,
+    truncate_prompt_tokens: int | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     presence_penalty: float | None = None,
@@ -129,7 +130,7 @@ def build_request(
                         ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
                         ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("min_p", min_p)):
+                        ("min_p", min_p), ("truncate_prompt_tokens", truncate_prompt_tokens)):
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})

@@ -169,11 +169,17 @@ class Frontend:
             return grpc_server.MAX_MESSAGE
         return max(4 << 20, 4 * self.context * (chars or 1) + (1 << 20))
 
-    def check_input_size(self, req: gen_pb.GenerateRequest) -> int:
+    def check_input_size(self, req: gen_pb.GenerateRequest, truncating: bool = False) -> int:
         """How many characters of text the request's input holds (0 for token_ids); raises when the
         input can be seen not to fit the context before tokenizing it, which takes ~0.7 s a MB, or
-        before reading its token ids (6M of them held every stream for 0.75 s)."""
+        before reading its token ids (6M of them held every stream for 0.75 s). truncating: the
+        request keeps only its last tokens (sampling.truncate_prompt_tokens), so a longer input may
+        fit; the message size the router reads still bounds it (max_request_bytes). Then token ids
+        count as characters (many are read on a thread)."""
         kind = req.WhichOneof("input")
+        if truncating:
+            return len(req.token_ids.ids) if kind == "token_ids" else len(req.prompt) if kind == "prompt" else sum(
+                len(m.content) + len(m.role) for m in req.messages.messages)
         if kind == "token_ids":
             if (n := len(req.token_ids.ids)) >= self.context:
                 raise InvalidRequestError("token_ids", f"is {n} tokens; the context length is {self.context}, "
@@ -507,10 +513,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         convert.check_request_id(request.request_id)
         convert.check_cache_salt(request.cache_salt)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
-        if self.front.check_input_size(request) > INLINE_TOKENIZE_CHARS:  # beside the loop, which serves the streams
+        keep = request.sampling.truncate_prompt_tokens if request.sampling.HasField("truncate_prompt_tokens") else None
+        if keep is not None and keep < 1:
+            raise InvalidRequestError("sampling.truncate_prompt_tokens", f"must be >= 1, got {keep}")
+        if self.front.check_input_size(request, keep is not None) > INLINE_TOKENIZE_CHARS:  # beside the loop
             ids = await asyncio.to_thread(self.front.prompt_ids, request)
         else:
             ids = self.front.prompt_ids(request)
+        if keep is not None:
+            ids = ids[-keep:]
         check_context(len(ids), params, self.front.context, request.WhichOneof("input"))
         if any(t < 0 or t >= self.front.vocab for t in params.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
