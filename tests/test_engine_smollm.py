@@ -172,6 +172,22 @@ def test_stop_string_truncates_and_reports_stop(engine, prompts, reference, incl
     assert text == full[: full.index(stop) + (len(stop) if include else 0)]
 
 
+def test_skip_special_tokens_false_keeps_their_text(engine):
+    tok = engine.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Say hi in two words."}])
+    texts = {}
+    for skip in (True, False):
+        engine.add_request("sp", ids, SamplingParams(max_tokens=30, ignore_eos=True, skip_special_tokens=skip))
+        tokens, text = [], ""
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                text += out.new_text
+        texts[skip] = text
+        assert text == tok.rust.decode(tokens, skip_special_tokens=skip)
+    assert "<|im_end|>" in texts[False] and "<|im_end|>" not in texts[True]  # (the model says it, and goes on)
+
+
 def test_held_stop_text_is_sent_once_across_a_handoff(engine, prompts, reference):
     """The first token's text that may start a stop string is held back by the prefill engine as
     by the decode engine: the two engines' texts together are the one engine's (the prefill

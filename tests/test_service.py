@@ -2223,6 +2223,18 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack, client, smo
     assert tail.usage.prompt_tokens == 50
 
 
+def test_skip_special_tokens_false_keeps_their_text(stack, client):
+    chat = [{"role": "user", "content": "Say hi in two words."}]
+    plain = client.generate(messages=chat, max_tokens=30, ignore_eos=True)
+    kept = list(client.generate_stream(messages=chat, max_tokens=30, ignore_eos=True, skip_special_tokens=False))
+    assert [t for c in kept for t in c.token_ids] == list(plain.token_ids)
+    assert "<|im_end|>" in "".join(c.text for c in kept) and "<|im_end|>" not in plain.text
+    # the first token, EOS itself, ends the request at the prefill worker: its text too
+    eos = client.generate(messages=chat, max_tokens=8, logit_bias={2: 100.0}, skip_special_tokens=False)
+    assert list(eos.token_ids) == [2] and eos.finish_reason == "eos" and eos.text == "<|im_end|>"
+    assert client.generate(messages=chat, max_tokens=8, logit_bias={2: 100.0}).text == ""
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

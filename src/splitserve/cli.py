@@ -174,7 +174,8 @@ def _generate(args) -> int:
             address = json.load(f)["router"]
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
-              truncate_prompt_tokens=args.truncate_prompt_tokens, priority=args.priority, request_id=args.request_id,
+              truncate_prompt_tokens=args.truncate_prompt_tokens,
+              skip_special_tokens=False if args.keep_special_tokens else None, priority=args.priority, request_id=args.request_id,
               cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
               repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
@@ -307,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-stop", action="store_true", help="keep the stop string that ended the text at its end")
     p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
                    help="keep only the prompt's last N tokens")
+    p.add_argument("--keep-special-tokens", action="store_true", help="special tokens' text in the output text")
     p.add_argument("--presence-penalty", type=float, default=None, help="-2 to 2: against tokens already in the output")
     p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2: the same, once per time there")
     p.add_argument("--repetition-penalty", type=float, default=None,

@@ -107,6 +107,7 @@ def build_request(
     ignore_eos: bool = False,
     include_stop_str_in_output: bool = False,
     truncate_prompt_tokens: int | None = None,
+    skip_special_tokens: bool | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     presence_penalty: float | None = None,
@@ -130,7 +131,8 @@ def build_request(
                         ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
                         ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("min_p", min_p), ("truncate_prompt_tokens", truncate_prompt_tokens)):
+                        ("min_p", min_p), ("truncate_prompt_tokens", truncate_prompt_tokens),
+                        ("skip_special_tokens", skip_special_tokens)):
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})

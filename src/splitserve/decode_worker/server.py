@@ -518,7 +518,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _finished_at_prefill(self, slot: Slot, seq: w_pb.SequenceState) -> w_pb.PutKVResponse:
         out = list(seq.token_ids[seq.prompt_len :])
-        text = self.engine.tokenizer.decode(out) if self.engine.tokenizer else ""
+        skip = seq.sampling.skip_special_tokens if seq.sampling.HasField("skip_special_tokens") else True
+        text = self.engine.tokenizer.decode(out, skip) if self.engine.tokenizer else ""
         slot.imported = True
         slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
         slot.kv_done = time.time()

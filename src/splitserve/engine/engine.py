@@ -218,7 +218,7 @@ class LLMEngine:
             matcher=matcher,
         )
         if self.tokenizer is not None:
-            seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len])
+            seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len], params.skip_special_tokens)
         self.seqs[request_id] = seq
         return seq
 

@@ -34,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the stop string that ended the text is kept at its end
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output text
     logprobs: int | None = None  # None: none; k: each token's log probability and the k most likely
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0  # subtracted from the logit of a token in the output so far

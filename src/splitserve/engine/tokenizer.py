@@ -211,8 +211,8 @@ class Tokenizer:
         literal.encode_special_tokens = True
         return literal
 
-    def decode(self, ids: list[int]) -> str:
-        return self.rust.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text decoded alone, special tokens included (a log probability's token):
@@ -222,8 +222,8 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.rust.decode([token_id], skip_special_tokens=False)
         return text
 
-    def detokenizer(self, prompt_ids: list[int]) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, prompt_ids)
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -236,15 +236,16 @@ class IncrementalDetokenizer:
     window is only kept for ``flush``.
     """
 
-    def __init__(self, tok: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tok: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tok = tok
+        self.skip = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix = 0
         self.read = len(self.ids)
         self.stream = None
         if tok.streams:
             try:
-                self.stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True)
+                self.stream = DecodeStream(ids=list(self.ids), skip_special_tokens=skip_special_tokens)
             except TypeError:  # a tokenizers release whose streams take no context: windows from now on
                 tok.streams = False
 
@@ -253,8 +254,8 @@ class IncrementalDetokenizer:
         if self.stream is not None:
             delta = self.stream.step(self.tok.rust, token_id)
         else:
-            prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-            full = self.tok.decode(self.ids[self.prefix :])
+            prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+            full = self.tok.decode(self.ids[self.prefix :], self.skip)
             ready = len(full) > len(prefix_text) and not full.endswith("\ufffd")
             delta = full[len(prefix_text) :] if ready else None
         if delta is None:
@@ -264,7 +265,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back, incomplete bytes included."""
-        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
-        full = self.tok.decode(self.ids[self.prefix :])
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read], self.skip)
+        full = self.tok.decode(self.ids[self.prefix :], self.skip)
         self.prefix = self.read = len(self.ids)
         return full[len(prefix_text) :]

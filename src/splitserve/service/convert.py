@@ -35,6 +35,7 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         min_tokens=sp.min_tokens,
         ignore_eos=sp.ignore_eos,
         include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
@@ -82,6 +83,8 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     )
     if p.seed is not None:
         sp.seed = p.seed
+    if not p.skip_special_tokens:
+        sp.skip_special_tokens = False
     if p.logprobs is not None:
         sp.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
