@@ -2235,6 +2235,30 @@ def test_skip_special_tokens_false_keeps_their_text(stack, client):
     assert client.generate(messages=chat, max_tokens=8, logit_bias={2: 100.0}).text == ""
 
 
+def test_tokenize_and_detokenize(stack, client, smol_loaded):
+    tok = smol_loaded.tokenizer
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    t = client.tokenize("The capital of France is")
+    assert list(t.token_ids) == tok.encode("The capital of France is") and t.count == len(t.token_ids)
+    assert t.max_model_len == 8192 and t.model.startswith("SmolLM2-135M-Instruct")
+    c = client.tokenize(messages=chat)
+    assert list(c.token_ids) == tok.encode_chat(chat)
+    # the count is what Generate uses
+    assert client.generate(messages=chat, max_tokens=1).usage.prompt_tokens == c.count
+    # a text longer than the context is counted, not refused
+    assert client.tokenize("word " * 10_000, timeout=60).count > 8192
+    assert client.detokenize(list(c.token_ids)).text == tok.decode(list(c.token_ids))
+    kept = client.detokenize(list(c.token_ids), skip_special_tokens=False).text
+    assert kept.startswith("<|im_start|>system") and kept.count("<|im_end|>") == 2
+    for call, field in ((lambda: client.stub.Tokenize(__import__("splitserve_proto.v1.generation_pb2", fromlist=["x"])
+                                                      .TokenizeRequest()), "input"),
+                        (lambda: client.tokenize(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+                        (lambda: client.detokenize([5, 49152]), "token_ids")):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
 def test_async_client_streams_and_generates(stack, client):
     import asyncio
 

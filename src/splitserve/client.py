@@ -90,6 +90,22 @@ def structured_output_pb(fmt: dict | pb.StructuredOutput) -> pb.StructuredOutput
     return pb.StructuredOutput(**{kind: value}, disable_any_whitespace=compact)
 
 
+def tokenize_request(prompt: str | None = None, messages: list[dict] | None = None) -> pb.TokenizeRequest:
+    req = pb.TokenizeRequest()
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    return req
+
+
+def detokenize_request(token_ids: list[int], skip_special_tokens: bool | None = None) -> pb.DetokenizeRequest:
+    req = pb.DetokenizeRequest(token_ids=token_ids)
+    if skip_special_tokens is not None:
+        req.skip_special_tokens = skip_special_tokens
+    return req
+
+
 def build_request(
     prompt: str | None = None,
     *,
@@ -157,6 +173,14 @@ class Client:
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateResponse]:
         return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 timeout: float | None = None) -> pb.TokenizeResponse:
+        return self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
+
+    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
+                   timeout: float | None = None) -> pb.DetokenizeResponse:
+        return self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
+
     def abort(self, request_id: str) -> pb.AbortResponse:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id))
 
@@ -188,6 +212,14 @@ class AsyncClient:
                 yield resp
         finally:  # left early (break, an exception, the task cancelled): the request is cancelled too
             call.cancel()
+
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       timeout: float | None = None) -> pb.TokenizeResponse:
+        return await self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
+
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
+                         timeout: float | None = None) -> pb.DetokenizeResponse:
+        return await self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
 
     async def abort(self, request_id: str) -> pb.AbortResponse:
         return await self.stub.Abort(pb.AbortRequest(request_id=request_id))

@@ -1102,6 +1102,33 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+    async def Tokenize(self, request, context):
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequestError("input", "one of prompt or messages is required")
+        as_generate = gen_pb.GenerateRequest(**{kind: getattr(request, kind)})
+        # Any length the router reads (max_request_bytes): counting a text that does not fit is the point.
+        if self.front.check_input_size(as_generate, truncating=True) > INLINE_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(self.front.prompt_ids, as_generate)
+        else:
+            ids = self.front.prompt_ids(as_generate)
+        return gen_pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.front.context,
+                                       model=self.front.name)
+
+    async def Detokenize(self, request, context):
+        tok = self.front.tokenizer
+        if tok is None:
+            raise InvalidRequestError("token_ids", "this model has no tokenizer")
+        ids = list(request.token_ids)
+        bad = next((t for t in ids if not 0 <= t < self.front.vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {self.front.vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        if len(ids) > INLINE_TOKENIZE_CHARS:
+            return gen_pb.DetokenizeResponse(text=await asyncio.to_thread(tok.decode, ids, skip))
+        return gen_pb.DetokenizeResponse(text=tok.decode(ids, skip))
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     frontend = await asyncio.to_thread(Frontend, settings)
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
