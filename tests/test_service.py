@@ -2181,6 +2181,10 @@ def test_structured_output_gives_the_in_process_engines_tokens(stack, client, sm
     want = eng.generate([ids], SamplingParams(max_tokens=80, structured_output=StructuredOutput(
         "json_schema", json.dumps(schema), disable_any_whitespace=True)))[0]
     assert list(compact.token_ids) == want
+    # counted by kind (the router's scrape: every admitted request so far in this stack's run)
+    counts = scrape(stack.proc("router").metrics_address)
+    assert counts["splitserve_requests_structured_total{kind=json_schema}"] >= 2
+    assert counts["splitserve_requests_structured_total{kind=regex}"] >= 1
     # a choice done in its first token ends at the prefill worker
     one = client.generate(token_ids=ids, max_tokens=20, structured_output={"choice": ["Paris", "Lyon"]}, timeout=60)
     assert one.text in ("Paris", "Lyon") and one.finish_reason == "stop"

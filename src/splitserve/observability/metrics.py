@@ -93,6 +93,8 @@ class RouterMetrics(Metrics):
                                                         "prefill worker was registered, for their decode worker "
                                                         "to prefill")
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
+        self.structured = self.c("requests_structured", "Admitted requests held to a structured output format, by "
+                                                        "its kind", ["kind"])
         self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)
         self.tpot = self.h("time_per_output_token_seconds", "Mean time between output tokens, per request",
                            TPOT_BUCKETS)

@@ -740,6 +740,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 m.prompt_tokens.inc(len(ids))
                 if local:
                     m.local_prefills.inc()
+                if params.structured_output is not None:
+                    m.structured.labels(params.structured_output.kind).inc()
                 active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
                                                    request.cache_salt, local, queued, t_admitted)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
