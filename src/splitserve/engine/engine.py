@@ -7,6 +7,7 @@ their KV for export after the first token) and as a decode worker (``import_kv``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -87,6 +88,7 @@ class LLMEngine:
             self.pieces = PiecewiseGraphs(self.model, self.cache, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
+        self.children: dict[str, list[str]] = {}  # params.n > 1: a request's id -> its later samples' (running)
         self.last_stats = StepStats(policy=config.policy)
 
     def _load(self, config: EngineConfig, loaded: LoadedModel | None, on_cpu: bool) -> LoadedModel:
@@ -163,6 +165,15 @@ class LLMEngine:
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
             raise InvalidRequestError("sampling.logit_bias", f"token id {params.logit_bias[-1][0]} is outside the "
                                                              f"vocabulary [0, {vocab})")
+        if params.n > 1 and not prefill_only:
+            if self.padded is not None:
+                raise InvalidRequestError("sampling.n", f"n > 1 needs the continuous policy; this engine batches "
+                                                        f"{self.config.policy}")
+            pool = self.cache.pool  # the later samples share the prompt's whole blocks but the last
+            each = pool.blocks_for(total) - (len(prompt_token_ids) - 1) // pool.block_size
+            if pool.blocks_for(total) + (params.n - 1) * each > pool.num_blocks:
+                raise InvalidRequestError("sampling.n", f"{params.n} samples of {total} tokens can never fit in this "
+                                                        f"engine's KV cache ({self.kv_capacity_tokens} tokens)")
         if params.prompt_logprobs is not None and self.padded is not None:
             raise InvalidRequestError("sampling.prompt_logprobs",
                                       f"needs the continuous policy; this engine batches {self.config.policy}")
@@ -223,7 +234,11 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request wherever it is; its KV blocks are freed at once."""
+        """Cancel a request wherever it is, all its samples; its KV blocks are freed at once. The
+        first sample's output (None when it had ended)."""
+        for key in self.children.pop(request_id, ()):
+            if (child := self.seqs.get(key)) is not None:
+                self._finish(child, FINISH_CANCELLED)
         seq = self.seqs.get(request_id)
         if seq is None:
             self.release(request_id)
@@ -402,6 +417,7 @@ class LLMEngine:
             seq.text += seq.detok.push(token)
         reason, flush = None, True
         past_min = seq.num_output >= p.min_tokens
+        fork = p.n > 1 and seq.index == 0 and seq.num_output == 1  # its first token: the other samples start now
         if seq.matcher is not None and not seq.matcher.consume_token(token):  # masked out: cannot happen
             log.error("request %s: token %d does not follow its structured output: %s", seq.request_id, token,
                       seq.matcher.get_error())
@@ -415,13 +431,45 @@ class LLMEngine:
             reason = FINISH_STOP  # the format is complete (nothing may follow)
         elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = FINISH_LENGTH
+        if fork and seq.prefill_only:  # the KV goes to the decode worker, which makes the others from it
+            seq.first_finish = reason
+            self._park(seq)
+            return
+        if fork:
+            self._fork(seq)
         if reason is not None:
             self._finish(seq, reason, flush)
         elif seq.prefill_only:
             self._park(seq)
 
+    def _fork(self, first: Sequence) -> None:
+        """Start a request's samples after the first (params.n > 1), now that the first's prompt KV
+        is computed: each shares its whole blocks but the last (taken, not copied), computes the
+        rest of the prompt (at most a block) and samples its own first token. Sample i is seeded
+        seed + i, and asks for no prompt log probabilities (the first's carry them)."""
+        pool, bs, p = self.cache.pool, self.cache.block_size, first.params
+        shared = first.block_table[: (first.prompt_len - 1) // bs]
+        kids = []
+        for i in range(1, p.n):
+            params = dataclasses.replace(p, n=1, prompt_logprobs=None,
+                                         seed=None if p.seed is None else (p.seed + i) % 2**63)
+            child = self._new_seq(f"{first.request_id}/{i}", first.token_ids[: first.prompt_len], first.prompt_len,
+                                  params, cache_salt=first.cache_salt)
+            child.index, child.parent, child.priority = i, first.request_id, first.priority
+            pool.take(shared)
+            child.block_table.extend(shared)
+            child.num_computed = len(shared) * bs
+            self.scheduler.add(child)
+            kids.append(child.request_id)
+        self.children[first.request_id] = kids
+
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         seq.finish_reason = reason
+        if seq.parent and (kids := self.children.get(seq.parent)) is not None:
+            if seq.request_id in kids:
+                kids.remove(seq.request_id)
+            if not kids:
+                del self.children[seq.parent]
         if seq.detok is not None and flush:  # not after a stop string: the text was cut there
             seq.text += seq.detok.flush()
         if self.padded is not None:
@@ -443,7 +491,7 @@ class LLMEngine:
         # Text that may be the start of a stop string is held back until the request ends: a parked
         # (prefill_only) one has not ended, and the engine it goes to holds the same back. Sent
         # with its first token, it came again with the decode worker's next one.
-        ended = finished and seq.finish_reason != FINISH_PREFILLED
+        ended = finished and (seq.finish_reason != FINISH_PREFILLED or seq.first_finish is not None)
         hold = 0 if ended else max((len(s) for s in seq.params.stop), default=1) - 1
         end = max(seq.emitted_chars, len(seq.text) - hold)
         new_text = seq.text[seq.emitted_chars : end]
@@ -458,7 +506,8 @@ class LLMEngine:
                 seq.prompt_logprobs, seq.prompt_logprobs_sent = [], True
         seq.emitted_chars, seq.emitted_tokens = end, seq.num_output
         return RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.parent or seq.request_id,
+            index=seq.index,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
@@ -563,6 +612,11 @@ class LLMEngine:
         seq.num_shared_on_import = held
         self.scheduler.cache_computed(seq)
         self.scheduler.add(seq)
+        if seq.params.n > 1:
+            self._fork(seq)
+        if export.finish_reason:  # its first token ended it where it was sampled: the other samples go on
+            cut = export.finish_reason == FINISH_STOP and bool(seq.params.stop) and _cut_at_stop(seq)
+            self._finish(seq, export.finish_reason, flush=not cut)
         return self._output(seq)
 
     def reset_prefix_cache(self) -> None:
@@ -573,8 +627,10 @@ class LLMEngine:
     # -- convenience ------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion; returns each one's output token ids."""
+        """Run prompts to completion; returns each one's output token ids (one sample each: n = 1)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if any(p.n > 1 for p in plist):
+            raise ValueError("generate() returns one sample a prompt; for n > 1, step() and read each output's index")
         ids = [f"gen-{i}" for i in range(len(prompts))]
         for rid, p, sp in zip(ids, prompts, plist):
             self.add_request(rid, p, sp)

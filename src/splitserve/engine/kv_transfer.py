@@ -56,6 +56,9 @@ class KVExport:
     start: int = 0  # the body holds the KV of tokens [start, num_tokens)
     logprobs: list = field(default_factory=list)  # TokenLogprob of the tokens sampled so far (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of its prompt (params.prompt_logprobs set)
+    # params.n > 1: the first sample's finish reason when its first token ended it (the KV still
+    # travels: the other samples are made from it); "" otherwise
+    finish_reason: str = ""
 
 
 def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
@@ -110,6 +113,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         layout_version=layout_version(start),
         logprobs=list(seq.logprobs),
         prompt_logprobs=list(seq.prompt_logprobs),
+        finish_reason=seq.first_finish or "",
     )
 
 

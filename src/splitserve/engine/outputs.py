@@ -39,6 +39,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per new token
     # With params.prompt_logprobs, on the output of the first token: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's params.n samples (request_id is the request's for all)
 
 
 @dataclass

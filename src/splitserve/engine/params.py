@@ -20,6 +20,7 @@ MAX_PRESENCE_FREQUENCY = 2.0  # presence_penalty and frequency_penalty lie in [-
 MAX_REPETITION = 10.0  # repetition_penalty in (0, 10]: past that a seen token is all but banned
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's bound)
 MAX_LOGIT_BIAS_ENTRIES = 1024  # as many as stop_token_ids: each is applied at every step of the request
+MAX_N = 16  # samples of one request (each its own decode row and KV after the prompt's shared blocks)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # the stop string that ended the text is kept at its end
     skip_special_tokens: bool = True  # False: special tokens' text is in the output text
+    n: int = 1  # samples of the prompt, each generated on its own (sample i seeded seed + i)
     logprobs: int | None = None  # None: none; k: each token's log probability and the k most likely
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0  # subtracted from the logit of a token in the output so far
@@ -57,6 +59,8 @@ class SamplingParams:
             raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError("sampling.top_k", f"must be >= 0, got {self.top_k}")
+        if not (1 <= self.n <= MAX_N):
+            raise InvalidRequestError("sampling.n", f"must be in [1, {MAX_N}], got {self.n}")
         if self.min_tokens < 0:
             raise InvalidRequestError("sampling.min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:

@@ -58,6 +58,11 @@ class Sequence:
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
     # With params.structured_output: its llguidance matcher, fed every output token so far (structured.py).
     matcher: object | None = None
+    # params.n > 1: the samples after the first are sequences of their own, made from the first's
+    # prompt KV once its first token is sampled (LLMEngine._fork): request_id "<parent>/<index>".
+    index: int = 0
+    parent: str = ""  # a later sample's: the request's id ("" for the first sample)
+    first_finish: str | None = None  # prefill_only with n > 1: the reason its first token ended it (parked all the same)
 
     def __post_init__(self) -> None:
         self.cache_entry = self.cache_root

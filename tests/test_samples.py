@@ -1,0 +1,142 @@
+"""n samples of one request (sampling.n): made from the first sample's prompt KV (its whole blocks
+shared, not copied), sample i seeded seed + i, each the tokens of a request of its own; across a
+KV handoff (also when the first token ends the first sample), under preemption and abort."""
+
+import pytest
+from engine_helpers import exported, random_prompts
+
+from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.sampling import SamplingParams
+
+
+def run(eng, rid, prompt, params) -> dict[int, tuple[list[int], str]]:
+    """index -> (tokens, finish reason) of one request's samples, run alone."""
+    eng.add_request(rid, prompt, params)
+    return collect(eng)
+
+
+def collect(eng, got=None) -> dict[int, tuple[list[int], str]]:
+    got = {} if got is None else got
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, reason = got.get(out.index, ([], None))
+            got[out.index] = (tokens + out.new_token_ids, out.finish_reason if out.finished else reason)
+    return got
+
+
+def alone(eng, prompt, params, seed) -> list[int]:
+    return eng.generate([prompt], SamplingParams(**{**params, "seed": seed}))[0]
+
+
+# block_size 16: prompts whose first sample shares 2 whole blocks and computes 5 more tokens, 2 and
+# 1 (33: 32 shared), 1 and 16 (32), and none (1)
+@pytest.mark.parametrize("length", [37, 33, 32, 1])
+def test_samples_are_the_requests_seeded_seed_plus_i(tiny_engine_factory, length):
+    eng = tiny_engine_factory(max_num_batched_tokens=64)
+    prompt = random_prompts(1, seed=81, lo=length, hi=length + 1)[0]
+    kw = dict(max_tokens=12, ignore_eos=True, temperature=1.0)
+    got = run(eng, "r", prompt, SamplingParams(n=4, seed=7, **kw))
+    assert sorted(got) == [0, 1, 2, 3]
+    for i, (tokens, reason) in got.items():
+        assert reason == "length" and tokens == alone(eng, prompt, kw, 7 + i), i
+    assert len({tuple(t) for t, _ in got.values()}) == 4  # different draws
+    assert not eng.children
+
+
+def test_later_samples_share_the_first_ones_whole_prompt_blocks(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = random_prompts(1, seed=82, lo=50, hi=51)[0]  # 3 whole blocks of the prompt's 4
+    eng.add_request("r", prompt, SamplingParams(n=3, max_tokens=8, ignore_eos=True))
+    early = []
+    while "r/1" not in eng.seqs:
+        early += eng.step()
+    assert [(o.index, len(o.new_token_ids)) for o in early] == [(0, 1)]
+    first, kids = eng.seqs["r"], [eng.seqs["r/1"], eng.seqs["r/2"]]
+    assert eng.children == {"r": ["r/1", "r/2"]}
+    for kid in kids:
+        assert kid.block_table == first.block_table[:3] and kid.num_computed == 48 and kid.token_ids == prompt
+        assert kid.parent == "r" and kid.params.n == 1
+    assert all(eng.cache.pool._refs[b] == 3 for b in first.block_table[:3])
+    got = collect(eng, {0: (early[0].new_token_ids, None)})
+    greedy = alone(eng, prompt, dict(max_tokens=8, ignore_eos=True), None)
+    assert all(tokens == greedy for tokens, _ in got.values())  # greedy: the same tokens, three times
+
+
+def test_abort_cancels_every_sample(tiny_engine_factory):
+    eng = tiny_engine_factory()
+    prompt = random_prompts(1, seed=83, lo=40, hi=41)[0]
+    eng.add_request("r", prompt, SamplingParams(n=3, max_tokens=30, ignore_eos=True, temperature=0.8, seed=1))
+    for _ in range(3):
+        eng.step()
+    assert set(eng.seqs) == {"r", "r/1", "r/2"}
+    out = eng.abort_request("r")
+    assert out.finish_reason == "cancelled" and out.index == 0
+    assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+    # the first sample done, the others running: abort still reaches them
+    eng.add_request("s", prompt, SamplingParams(n=2, max_tokens=30, ignore_eos=True))
+    while "s/1" not in eng.seqs:
+        eng.step()
+    eng._finish(eng.seqs["s"], "length")
+    assert eng.abort_request("s") is None and not eng.seqs and not eng.children
+
+
+@pytest.mark.parametrize("max_tokens", [10, 1])
+def test_samples_across_a_kv_handoff(tiny_engine_factory, max_tokens):
+    """The prefill engine samples the first sample's first token; the decode engine makes the
+    others from the KV. With max_tokens 1 that token ends the first sample where it was sampled:
+    its KV still goes, and it ends on arrival."""
+    prefill, decode = tiny_engine_factory(), tiny_engine_factory()
+    prompt = random_prompts(1, seed=84, lo=45, hi=46)[0]
+    kw = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.9)
+    sp = SamplingParams(n=3, seed=11, **kw)
+    export, payload = exported(prefill, "h", prompt, sp)
+    assert export.finish_reason == ("length" if max_tokens == 1 else "")
+    first = decode.import_kv(export, payload)
+    assert first.index == 0 and first.finished == (max_tokens == 1)
+    got = collect(decode, {0: (list(first.new_token_ids), first.finish_reason if first.finished else None)})
+    for i in range(3):
+        assert got[i] == (alone(decode, prompt, kw, 11 + i), "length"), i
+
+
+def test_preempted_samples_give_a_roomy_engines_tokens(tiny_engine_factory):
+    prompts = random_prompts(2, seed=85, lo=34, hi=40)  # 2 whole blocks shared, 4 for each first sample
+    sp = SamplingParams(n=3, max_tokens=20, ignore_eos=True, temperature=0.7, seed=3)
+    roomy = [run(tiny_engine_factory(), "r", p, sp) for p in prompts]
+    eng = tiny_engine_factory(kv_cache_bytes=64 << 10, max_num_batched_tokens=24)  # 128 tokens of KV
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, sp)
+    got: dict[str, dict] = {}
+    preempted = 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, _ = got.setdefault(out.request_id, {}).get(out.index, ([], None))
+            got[out.request_id][out.index] = (tokens + out.new_token_ids, out.finish_reason)
+        preempted += eng.last_stats.num_preempted
+    assert preempted
+    assert [got[f"r{i}"] for i in range(2)] == roomy
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(n=0), "must be in [1, 16]"),
+    (dict(n=17), "must be in [1, 16]"),
+])
+def test_n_out_of_range_names_the_field(kw, says):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == "sampling.n" and says in str(e.value)
+
+
+def test_engines_refuse_samples_they_cannot_serve(tiny_engine_factory):
+    for policy in ("static", "dynamic"):
+        with pytest.raises(InvalidRequestError) as e:
+            tiny_engine_factory(policy=policy).add_request("r", [5, 6, 7], SamplingParams(n=2))
+        assert e.value.field == "sampling.n" and "continuous" in str(e.value)
+    small = tiny_engine_factory(kv_cache_bytes=48 << 10)  # 6 blocks of 16 tokens
+    # 33 + 8 tokens: 3 blocks for the first sample, and 1 more for each other (2 whole ones shared)
+    small.add_request("fits", [5] * 33, SamplingParams(n=4, max_tokens=8))
+    with pytest.raises(InvalidRequestError) as e:
+        small.add_request("big", [5] * 33, SamplingParams(n=5, max_tokens=8))
+    assert e.value.field == "sampling.n" and "can never fit" in str(e.value)
+    collect(small)
+    with pytest.raises(ValueError, match="one sample"):
+        small.generate([[5, 6]], SamplingParams(n=2))
