@@ -350,6 +350,12 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     with Client(stack.router_address) as c:
         two = c.generate("The capital of France is", max_tokens=5, truncate_prompt_tokens=2)
     assert short.returncode == 0 and short.stdout == two.text and two.usage.prompt_tokens == 2, short.stderr
+    three = subprocess.run([*exe, "The capital of France is", "--max-tokens", "4", "-n", "3", "--temperature", "1",
+                            "--seed", "9"], capture_output=True, text=True, timeout=120)
+    with Client(stack.router_address) as c:
+        samples = c.generate("The capital of France is", max_tokens=4, n=3, temperature=1.0, seed=9).choices
+    assert three.returncode == 0 and three.stdout == "".join(s.text + "\n" for s in samples), three.stderr
+    assert [f"[sample {i}: length, 4 tokens]" for i in range(3)] == re.findall(r"\[sample .*\]", three.stderr)
     pick = subprocess.run([*exe, "Is the sky green?", "--choice", "yes", "--choice", "no"], capture_output=True,
                           text=True, timeout=120)
     assert pick.returncode == 0 and pick.stdout in ("yes", "no") and "[stop, " in pick.stderr, pick.stderr

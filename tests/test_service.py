@@ -191,11 +191,19 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
                 scored = c.generate(token_ids=pids, timeout=300, **PROMPT_LP_KW)
                 assert list(scored.token_ids) == ptokens
                 _same_logprobs(scored.prompt_logprobs, pids[1:], pwant)
+                # n samples: the decode worker prefills, then makes the others from the first's KV
+                three = c.generate(token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True)
+                for i, choice in enumerate(three.choices):
+                    alone = c.generate(token_ids=p0, max_tokens=6, temperature=1.0, seed=4 + i, ignore_eos=True)
+                    assert list(choice.token_ids) == list(alone.token_ids), i
             else:
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate(token_ids=pids, timeout=300, **PROMPT_LP_KW)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "sampling.prompt_logprobs" in e.value.details() and "static" in e.value.details()
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate(token_ids=p0, max_tokens=6, n=2)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details()
             stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="co-cancel")
             for i, _ in enumerate(stream):
                 if i == 3:
@@ -439,6 +447,8 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
         ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
         ({"prompt": "hi", "structured_output": {"choice": []}}, "sampling.structured_output.choice"),
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "sampling.truncate_prompt_tokens: must be >= 1"),
+        ({"prompt": "hi", "n": 17}, "sampling.n: must be in [1, 16]"),
+        ({"prompt": "hi", "n": 0}, "sampling.n: must be in [1, 16]"),
         ({"prompt": "hi", "structured_output": {"choice": ["a"], "disable_any_whitespace": True}},
          "sampling.structured_output.disable_any_whitespace: applies to json_schema and json_object"),
         ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),
@@ -801,7 +811,7 @@ def test_only_requests_of_at_most_replay_max_tokens_keep_their_result(small_queu
         assert r.hget(small_queue_stack.keys.req("eight"), "result_tokens") == ",".join(map(str, kept.token_ids)).encode()
         with pytest.raises(grpc.RpcError) as e:
             c.generate("Rivers.", max_tokens=9, ignore_eos=True, request_id="nine", timeout=60)
-        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "replay_max_tokens is 8" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "replay_max_tokens = 8" in e.value.details()
 
 
 def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_queue_stack):
@@ -2261,6 +2271,62 @@ def test_tokenize_and_detokenize(stack, client, smol_loaded):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+def test_n_samples_are_the_in_process_engines(stack, client, smol_loaded):
+    """The prompt is prefilled once (the prefill worker samples sample 0's first token); the decode
+    worker makes the other samples from its KV. Each sample is the in-process engine's sample of
+    that index (seeded seed + i), streamed with its index, finished on its own."""
+    from splitserve.engine.engine import LLMEngine as Engine
+
+    ids = smol_loaded.tokenizer.encode("Write a short line about the sea:")
+    kw = dict(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    eng = Engine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
+    eng.add_request("ref", ids, SamplingParams(n=3, **kw))
+    want: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            want.setdefault(out.index, []).extend(out.new_token_ids)
+    assert len({tuple(t) for t in want.values()}) == 3
+    chunks = list(client.generate_stream(token_ids=ids, n=3, timeout=120, **kw))
+    got: dict[int, list[int]] = {}
+    for c in chunks:
+        got.setdefault(c.index, []).extend(c.token_ids)
+    assert got == want
+    ends = [c for c in chunks if c.finish_reason]
+    assert sorted(c.index for c in ends) == [0, 1, 2] and chunks[-1] is ends[-1]
+    assert all(c.finish_reason == "length" and c.usage.completion_tokens == 16 for c in ends)
+    info = client.get_request(chunks[0].request_id)
+    assert info.prefill_worker and info.completion_tokens == 48 and info.state == "finished"
+    # unary: sample 0 at the top, every sample in choices
+    one = client.generate(token_ids=ids, n=3, timeout=120, **kw)
+    assert [list(c.token_ids) for c in one.choices] == [want[0], want[1], want[2]]
+    assert [c.index for c in one.choices] == [0, 1, 2] and list(one.token_ids) == want[0]
+    assert all(c.text == smol_loaded.tokenizer.decode(want[c.index]) for c in one.choices)
+    # the first token ends sample 0 where it is sampled: its KV goes all the same, for the others
+    short = client.generate(token_ids=ids, n=4, timeout=120, **{**kw, "max_tokens": 1})
+    assert [len(c.token_ids) for c in short.choices] == [1, 1, 1, 1]
+    assert [c.token_ids[0] for c in short.choices] == [want[0][0], want[1][0], want[2][0], short.choices[3].token_ids[0]]
+    # a kept request_id's result is not kept for n > 1: sent again, refused
+    client.generate(token_ids=ids, n=2, request_id="n-kept", max_tokens=4)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(token_ids=ids, n=2, request_id="n-kept", max_tokens=4)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "not kept" in e.value.details()
+    wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
+
+
+def test_an_abort_ends_every_sample(stack, client):
+    chunks = []
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: chunks.extend(client.generate_stream(
+            "Tell me a long story about a lighthouse.", n=3, max_tokens=400, ignore_eos=True, temperature=0.8,
+            request_id="n-abort", timeout=120)))
+        wait_for(lambda: len({c.index for c in chunks}) == 3, what="all three samples streaming")
+        assert client.abort("n-abort").found
+        fut.result(timeout=60)
+    assert chunks[-1].finish_reason == "cancelled" and sum(1 for c in chunks if c.finish_reason) == 1
+    assert client.get_request("n-abort").state == "cancelled"
+    wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
 
 
 def test_async_client_streams_and_generates(stack, client):

@@ -158,6 +158,21 @@ def _structured_output(args) -> dict | None:
     return {"choice": args.choice} if args.choice else None
 
 
+def _print_samples(client, prompt, timeout, kw) -> int:
+    """n > 1: each sample's text, after a line naming it (on stderr), once all have finished."""
+    import grpc
+
+    try:
+        resp = client.generate(prompt, timeout=timeout, **kw)
+    except grpc.RpcError as e:
+        print(f"splitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    for choice in resp.choices:
+        print(f"[sample {choice.index}: {choice.finish_reason}, {choice.usage.completion_tokens} tokens]", file=sys.stderr)
+        print(choice.text, flush=True)
+    return 0
+
+
 def _generate(args) -> int:
     import json
 
@@ -175,7 +190,7 @@ def _generate(args) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
               truncate_prompt_tokens=args.truncate_prompt_tokens,
-              skip_special_tokens=False if args.keep_special_tokens else None, priority=args.priority, request_id=args.request_id,
+              skip_special_tokens=False if args.keep_special_tokens else None, n=args.n, priority=args.priority, request_id=args.request_id,
               cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
               repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
@@ -186,6 +201,8 @@ def _generate(args) -> int:
     else:
         prompt = args.prompt
     with Client(address) as c:
+        if args.n is not None and args.n > 1:
+            return _print_samples(c, prompt, args.timeout, kw)
         try:
             logprobs = []
             for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
@@ -309,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
                    help="keep only the prompt's last N tokens")
     p.add_argument("--keep-special-tokens", action="store_true", help="special tokens' text in the output text")
+    p.add_argument("-n", "--n", type=int, default=None, help="samples of the prompt (1-16), printed one after another")
     p.add_argument("--presence-penalty", type=float, default=None, help="-2 to 2: against tokens already in the output")
     p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2: the same, once per time there")
     p.add_argument("--repetition-penalty", type=float, default=None,

@@ -124,6 +124,7 @@ def build_request(
     include_stop_str_in_output: bool = False,
     truncate_prompt_tokens: int | None = None,
     skip_special_tokens: bool | None = None,
+    n: int | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     presence_penalty: float | None = None,
@@ -148,7 +149,7 @@ def build_request(
                         ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
                         ("min_p", min_p), ("truncate_prompt_tokens", truncate_prompt_tokens),
-                        ("skip_special_tokens", skip_special_tokens)):
+                        ("skip_special_tokens", skip_special_tokens), ("n", n)):
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -83,7 +84,9 @@ class Slot:
     first_sent: bool = False
     open_seq: int = 0  # its number among the streams this worker opened
     close_seq: int = 0  # ... and closed (0: still open)
-    completion_tokens: int = 0  # sent so far
+    completion_tokens: int = 0  # sent so far (of all its samples)
+    sample_tokens: dict = field(default_factory=dict)  # sampling.n > 1: a sample's index -> its tokens sent
+    samples_left: int = 1  # samples not finished (sampling.n, once the request's sampling is here)
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
@@ -156,7 +159,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield w_pb.DecodeEvent(accepted=True, open_seq=slot.open_seq, epoch=self.epoch)
                 while True:
                     ev = await slot.events.get()
-                    if ev.finish_reason or ev.error:
+                    if ev.finish_reason and not ev.more or ev.error:
                         ev.close_seq = self._close(slot)
                         slot.done = True
                         yield ev
@@ -238,6 +241,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         convert.check_cache_salt(request.cache_salt)
         slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
+        slot.samples_left = params.n
         await self._compile_format(params)
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
@@ -275,10 +279,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
             return
-        slot.completion_tokens = out.num_output_tokens
+        slot.sample_tokens[out.index] = out.num_output_tokens
+        slot.completion_tokens = sum(slot.sample_tokens.values())
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
-            logprobs=convert.logprobs_to_pb(out.new_logprobs),
+            logprobs=convert.logprobs_to_pb(out.new_logprobs), index=out.index,
         )
         if not slot.first_sent or out.finished:
             ev.timings.CopyFrom(gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms,
@@ -299,7 +304,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ev.finish_reason = out.finish_reason or "error"
             if out.error:
                 ev.error = out.error
-            self._end_decode_span(slot, ev.finish_reason, out)
+            slot.samples_left -= 1
+            if slot.samples_left > 0 and not out.error and ev.finish_reason != "cancelled":
+                ev.more = True  # (the stream goes on: other samples of the request still run)
+            else:
+                self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
 
     def _ended(self, rid: str) -> None:
@@ -382,7 +391,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         slot.first_sent = True
         self.metrics.first_tokens.labels(via).inc()
-        slot.completion_tokens = len(request.token_ids)
+        slot.completion_tokens = slot.sample_tokens[0] = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
         slot.cached_tokens = request.cached_tokens
@@ -427,7 +436,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         with self._put_span("PutKV", request.sequence) as ps:
             try:
                 slot = await self._slot_for(request.sequence)
-                if request.sequence.finish_reason:
+                if request.sequence.finish_reason and not request.HasField("handle"):
                     return await self._finished_at_prefill(slot, request.sequence)
                 h = request.handle
                 self._check_handle(request.sequence, h, transport="shm")
@@ -453,7 +462,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _put_stream(self, req: w_pb.PutKVRequest, first: w_pb.KVChunk, request_iterator,
                           ps: tracing.rpc_span) -> w_pb.PutKVResponse:
         slot = await self._slot_for(req.sequence)
-        if req.sequence.finish_reason:
+        if req.sequence.finish_reason and not req.HasField("handle"):
             return await self._finished_at_prefill(slot, req.sequence)
         h = req.handle
         self._check_handle(req.sequence, h, transport="grpc")
@@ -535,6 +544,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,
                      ps: tracing.rpc_span) -> w_pb.PutKVResponse:
         export = convert.export_from_pb(seq, h)
+        slot.samples_left = export.params.n
         await self._compile_format(export.params)
         t0 = time.perf_counter()
         waits = 0
@@ -591,6 +601,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._start_decode_span(slot)
         if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
             self._on_output(slot, first)
+        elif first is not None and first.finished:  # its first token, sent already, ended sample 0 (n > 1)
+            self._on_output(slot, dataclasses.replace(first, new_token_ids=[], new_text="", prompt_logprobs=None,
+                                                      new_logprobs=[] if first.new_logprobs is not None else None))
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
         self.background.start(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
@@ -602,7 +615,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _import(engine, export, payload, priority: int) -> tuple:
         """Engine thread: adopt the KV; (its first output, the tokens whose KV was cached here already)."""
         first = engine.import_kv(export, payload, priority)
-        return first, engine.seqs[export.request_id].num_shared_on_import
+        seq = engine.seqs.get(export.request_id)  # (gone if its first token ended it: sampling.n > 1)
+        return first, seq.num_shared_on_import if seq is not None else engine.last_shared_on_import
 
     # -- registry -----------------------------------------------------------------------
 

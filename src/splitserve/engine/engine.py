@@ -89,6 +89,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
         self.children: dict[str, list[str]] = {}  # params.n > 1: a request's id -> its later samples' (running)
+        self.last_shared_on_import = 0  # the last import_kv's Sequence.num_shared_on_import
         self.last_stats = StepStats(policy=config.policy)
 
     def _load(self, config: EngineConfig, loaded: LoadedModel | None, on_cpu: bool) -> LoadedModel:
@@ -609,7 +610,7 @@ class LLMEngine:
                              n - start, skip=held - start)
         seq.num_computed = n
         seq.num_cache_blocks, seq.cache_entry = len(shared), entry
-        seq.num_shared_on_import = held
+        seq.num_shared_on_import = self.last_shared_on_import = held
         self.scheduler.cache_computed(seq)
         self.scheduler.add(seq)
         if seq.params.n > 1:

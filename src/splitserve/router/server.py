@@ -302,7 +302,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("no decode worker is registered; retry shortly")
         largest = max(w.kv_capacity_tokens for w in self.workers)
         if largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):  # 0: an older worker, unknown
-            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens = {need_tokens} tokens can never fit "
+            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens (× sampling.n) = {need_tokens} tokens "
+                                                             f"can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
         def load(w: WorkerInfo) -> tuple:
@@ -560,8 +561,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if state == b"finished":
             if (recorded := await self._recorded(rid, latest)) is not None:
                 raise Recorded(recorded)
-            raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept "
-                                f"(replay_max_tokens is {self.s.replay_max_tokens}); see GetRequest")
+            raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept (only "
+                                f"one sample, n = 1, of at most replay_max_tokens = {self.s.replay_max_tokens} is); "
+                                "see GetRequest")
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
         if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
@@ -659,7 +661,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 # registered by now, and is placed at once (not after the next periodic read).
                 await self.refresh_since(time.monotonic())
             hashes = self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity else None
-            worker, placed, expect_cached = self.pick(len(ids) + params.max_tokens, hashes)
+            worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens, hashes)
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
             local = self._prefill_locally(len(ids), expect_cached)
@@ -688,11 +690,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         state = "failed"
         queued = False
         active = None
-        sent = 0  # completion tokens streamed so far
+        sent = 0  # completion tokens streamed so far (of all samples)
+        sent_by: dict[int, int] = {}  # sampling.n > 1: a sample's index -> its completion tokens so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         generated: list[int] = []  # the completion's tokens (prefix affinity: a next turn's prompt starts so)
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
-        result = ([], [], [], []) if request.request_id and params.max_tokens <= self.s.replay_max_tokens else None
+        result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
+                                      and params.n == 1) else None
         marked = False  # the end recorded (_mark) already
         with dec:
             try:
@@ -774,7 +778,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
-                        sent = ev.completion_tokens or sent
+                        if ev.completion_tokens:
+                            sent_by[ev.index] = ev.completion_tokens
+                            sent = sum(sent_by.values())
                         cached = ev.cached_tokens or cached
                         if result is not None:
                             result[0].extend(ev.token_ids)
@@ -787,11 +793,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
                                     await self._mark(rid, "finished", ev, result=result)
                                 marked = True
-                        if self.affinity:
+                        if self.affinity and ev.index == 0:
                             generated.extend(ev.token_ids)
                         yield rid, public_id, len(ids), ev
-                        if ev.finish_reason:
+                        if ev.finish_reason and not ev.more:
                             final = ev
+                            if params.n > 1:  # recorded with every sample's tokens
+                                final = w_pb.DecodeEvent(finish_reason=ev.finish_reason, completion_tokens=sent,
+                                                         cached_tokens=ev.cached_tokens)
                             if self.affinity and generated:  # the KV of all but the last token is cached there
                                 self._record(worker, self.prefixes.chain(ids + generated[:-1], request.cache_salt,
                                                                          hashes))
@@ -957,23 +966,28 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 attributes=tracing.rpc_attributes(full))
 
     def _finish(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, rid: str, n_prompt: int, ev,
-                t0: float, t_first: float | None) -> None:
-        """The last message's finish reason, usage and timings; recorded on the span and in the metrics."""
+                t0: float, t_first: float | None, ended: list) -> None:
+        """A sample's last message: its finish reason, usage and timings. ended: the finish events of
+        the request's samples so far, this one's last; the last sample's (or a cancellation) records
+        the request on the span and in the metrics."""
         resp.finish_reason = ev.finish_reason
         resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens,
                                          cached_tokens=ev.cached_tokens))
         resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
+        if ev.more:
+            return
         t = resp.timings
+        out = sum(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else ev.completion_tokens
         rs.span.set_attributes({
-            "gen_ai.usage.output_tokens": resp.usage.completion_tokens,
+            "gen_ai.usage.output_tokens": out,
             "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
-            "gen_ai.response.finish_reasons": [resp.finish_reason],
+            "gen_ai.response.finish_reasons": [e.finish_reason for e in ended],
             "splitserve.ttft_ms": t.ttft_ms, "splitserve.e2e_ms": t.e2e_ms,
         })
         if resp.finish_reason == "cancelled":
             self.metrics.cancelled.labels("abort").inc()
         self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
-        self.metrics.observe_finished(t, resp.finish_reason, resp.usage.completion_tokens)
+        self.metrics.observe_finished(t, resp.finish_reason, out)
 
     def _replayed(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, t0: float) -> gen_pb.GenerateResponse:
         """A finished request's recorded result, sent again: on the span and in the metrics as such."""
@@ -1001,14 +1015,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         try:
             with self._server_span("GenerateStream", context) as rs:
                 try:
+                    ended = []
                     async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
                         resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text,
-                                                       logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs)
+                                                       logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
+                                                       index=ev.index)
                         if t_first is None and ev.token_ids:
                             t_first = time.perf_counter()
                             rs.span.add_event("first_token")
                         if ev.finish_reason:
-                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
+                            ended.append(ev)
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended)
                         yield resp
                 except Recorded as r:
                     yield self._replayed(rs, r.response, t0)
@@ -1021,13 +1038,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         t_first = None
-        resp = gen_pb.GenerateResponse()
-        text = []
+        samples: dict[int, tuple[gen_pb.GenerateResponse, list[str]]] = {}  # index -> (its response, its texts)
+        ended = []
         self.metrics.in_flight.inc()
         try:
             with self._server_span("Generate", context) as rs:
                 try:
                     async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                        resp, text = samples.setdefault(ev.index, (gen_pb.GenerateResponse(index=ev.index), []))
                         resp.request_id = public_id
                         if t_first is None and ev.token_ids:
                             t_first = time.perf_counter()
@@ -1037,7 +1055,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         resp.prompt_logprobs.extend(ev.prompt_logprobs)
                         text.append(ev.text)
                         if ev.finish_reason:
-                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first)
+                            ended.append(ev)
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended)
                 except Recorded as r:
                     return self._replayed(rs, r.response, t0)
         except BaseException as e:
@@ -1045,7 +1064,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.dec()
-        resp.text = "".join(text)
+        for resp, text in samples.values():
+            resp.text = "".join(text)
+        resp = gen_pb.GenerateResponse()
+        if 0 in samples:
+            resp.CopyFrom(samples[0][0])
+        if len(samples) > 1 or request.sampling.n > 1:
+            resp.choices.extend(samples[i][0] for i in sorted(samples))
         return resp
 
     async def Abort(self, request, context):

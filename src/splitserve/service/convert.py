@@ -36,6 +36,7 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
         ignore_eos=sp.ignore_eos,
         include_stop_str_in_output=sp.include_stop_str_in_output,
         skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        n=sp.n if sp.HasField("n") else 1,
         logprobs=sp.logprobs if sp.HasField("logprobs") else None,
         prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else 0.0,
@@ -85,6 +86,8 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
         sp.seed = p.seed
     if not p.skip_special_tokens:
         sp.skip_special_tokens = False
+    if p.n != 1:
+        sp.n = p.n
     if p.logprobs is not None:
         sp.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
@@ -161,7 +164,7 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
         token_ids=export.token_ids,
         sampling=sampling_to_pb(export.params),
         generator_state=export.generator_state or b"",
-        finish_reason=finish_reason,
+        finish_reason=finish_reason or export.finish_reason,
         queue_ms=queue_ms,
         prefill_ms=prefill_ms,
         traceparent=traceparent,
@@ -189,4 +192,5 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         start=handle.start_token,
         logprobs=logprobs_from_pb(seq.logprobs),
         prompt_logprobs=logprobs_from_pb(seq.prompt_logprobs),
+        finish_reason=seq.finish_reason,
     )
