@@ -363,6 +363,22 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
 
 
+def test_tpot_of_a_request_with_samples_is_its_longest_samples():
+    """n samples decode side by side: 30 tokens over 3 samples of 10 in 0.9 s are 0.1 s a token,
+    not 0.03; the tokens count all 30."""
+    from splitserve.observability.metrics import RouterMetrics
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    m = RouterMetrics()
+    m.observe_finished(pb.Timings(ttft_ms=50, decode_ms=900, e2e_ms=950), "length", 30, tpot_tokens=10)
+    m.observe_finished(pb.Timings(ttft_ms=50, decode_ms=900, e2e_ms=950), "length", 10)
+    get = m.registry.get_sample_value
+    assert get("splitserve_time_per_output_token_seconds_sum") == pytest.approx(2 * 0.1)
+    assert get("splitserve_generation_tokens_total") == 40
+    m.observe_finished(pb.Timings(ttft_ms=50, decode_ms=900, e2e_ms=950), "cancelled", 30, tpot_tokens=0)
+    assert get("splitserve_time_per_output_token_seconds_count") == 2  # unknown: not observed
+
+
 def test_padding_waste_is_counted_for_static_batching(tiny_engine_factory):
     eng = tiny_engine_factory(policy="static", static_batch_size=4, max_wait_ms=0)
     m = EngineMetrics()

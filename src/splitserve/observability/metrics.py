@@ -112,7 +112,10 @@ class RouterMetrics(Metrics):
         self.first_token_time = self.h("request_first_token_time_seconds",
                                        "TTFT part: prefill done -> first token at the router", PART_BUCKETS)
 
-    def observe_finished(self, timings, finish_reason: str, completion_tokens: int) -> None:
+    def observe_finished(self, timings, finish_reason: str, completion_tokens: int,
+                         tpot_tokens: int | None = None) -> None:
+        """tpot_tokens: the tokens the decode took its steps for (sampling.n > 1: its longest sample's,
+        0: unknown); by default completion_tokens."""
         self.success.labels(finish_reason or "unknown").inc()
         self.generation_tokens.inc(completion_tokens)
         if timings.ttft_ms:
@@ -122,8 +125,9 @@ class RouterMetrics(Metrics):
                              (self.first_token_time, timings.first_token_ms)):
                 hist.observe(max(ms, 0.0) / 1000)
         self.e2e.observe(timings.e2e_ms / 1000)
-        if completion_tokens > 1:
-            self.tpot.observe(timings.decode_ms / 1000 / (completion_tokens - 1))
+        steps = completion_tokens if tpot_tokens is None else tpot_tokens
+        if steps > 1:
+            self.tpot.observe(timings.decode_ms / 1000 / (steps - 1))
 
 
 class EngineMetrics(Metrics):

@@ -966,10 +966,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 attributes=tracing.rpc_attributes(full))
 
     def _finish(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, rid: str, n_prompt: int, ev,
-                t0: float, t_first: float | None, ended: list) -> None:
+                t0: float, t_first: float | None, ended: list, n: int) -> None:
         """A sample's last message: its finish reason, usage and timings. ended: the finish events of
         the request's samples so far, this one's last; the last sample's (or a cancellation) records
-        the request on the span and in the metrics."""
+        the request on the span and in the metrics. n: its samples (TPOT is its longest one's steps)."""
         resp.finish_reason = ev.finish_reason
         resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens,
                                          cached_tokens=ev.cached_tokens))
@@ -987,7 +987,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if resp.finish_reason == "cancelled":
             self.metrics.cancelled.labels("abort").inc()
         self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
-        self.metrics.observe_finished(t, resp.finish_reason, out)
+        longest = max(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else 0
+        self.metrics.observe_finished(t, resp.finish_reason, out, longest if n > 1 else None)
 
     def _replayed(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, t0: float) -> gen_pb.GenerateResponse:
         """A finished request's recorded result, sent again: on the span and in the metrics as such."""
@@ -1025,7 +1026,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             rs.span.add_event("first_token")
                         if ev.finish_reason:
                             ended.append(ev)
-                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended)
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
                         yield resp
                 except Recorded as r:
                     yield self._replayed(rs, r.response, t0)
@@ -1056,7 +1057,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         text.append(ev.text)
                         if ev.finish_reason:
                             ended.append(ev)
-                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended)
+                            self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
                 except Recorded as r:
                     return self._replayed(rs, r.response, t0)
         except BaseException as e:
