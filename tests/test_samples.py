@@ -138,5 +138,8 @@ def test_engines_refuse_samples_they_cannot_serve(tiny_engine_factory):
         small.add_request("big", [5] * 33, SamplingParams(n=5, max_tokens=8))
     assert e.value.field == "sampling.n" and "can never fit" in str(e.value)
     collect(small)
+    with pytest.raises(InvalidRequestError) as e:  # the id a sample would run under
+        small.add_request("r/1", [5, 6], SamplingParams())
+    assert e.value.field == "request_id"
     with pytest.raises(ValueError, match="one sample"):
         small.generate([[5, 6]], SamplingParams(n=2))

@@ -41,6 +41,7 @@ from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.structured import Grammars
 
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
+SAMPLE_SEP = "/"  # a request's sample i > 0 runs here as <request id>/<i> (params.n > 1)
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,8 @@ class LLMEngine:
             raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
         if request_id in self.seqs or request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
+        if SAMPLE_SEP in request_id:  # a request's later samples run under <id>/<index> (_fork)
+            raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {request_id!r}")
         prefill_only = prefill_only and self.padded is None
         self.validate(prompt_token_ids, params, prefill_only)
         seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params, cache_salt=cache_salt)
@@ -454,7 +457,8 @@ class LLMEngine:
         for i in range(1, p.n):
             params = dataclasses.replace(p, n=1, prompt_logprobs=None,
                                          seed=None if p.seed is None else (p.seed + i) % 2**63)
-            child = self._new_seq(f"{first.request_id}/{i}", first.token_ids[: first.prompt_len], first.prompt_len,
+            child = self._new_seq(f"{first.request_id}{SAMPLE_SEP}{i}", first.token_ids[: first.prompt_len],
+                                  first.prompt_len,
                                   params, cache_salt=first.cache_salt)
             child.index, child.parent, child.priority = i, first.request_id, first.priority
             pool.take(shared)
@@ -563,6 +567,8 @@ class LLMEngine:
             raise KVImportError("KV import needs the continuous policy")
         if export.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
+        if SAMPLE_SEP in export.request_id:
+            raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {export.request_id!r}")
         kv_transfer.check(self.model, export, payload)
         n, start = export.num_tokens, export.start
         if len(export.token_ids) != n + 1:
