@@ -37,6 +37,7 @@ bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --prompt-logprobs-cost 5 --out bench-results/engine-prompt-logprobs.json
 	$(PY) -m splitserve.bench.engine_bench --penalties-cost --out bench-results/engine-penalties.json
 	$(PY) -m splitserve.bench.engine_bench --structured-cost --out bench-results/engine-structured.json
+	$(PY) -m splitserve.bench.engine_bench --samples-cost 4 --out bench-results/engine-samples.json
 
 bench-handoff: install proto
 	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json

@@ -143,3 +143,16 @@ def test_engines_refuse_samples_they_cannot_serve(tiny_engine_factory):
     assert e.value.field == "request_id"
     with pytest.raises(ValueError, match="one sample"):
         small.generate([[5, 6]], SamplingParams(n=2))
+
+
+def test_the_samples_bench_computes_each_prompt_once_as_one_request(tiny_engine_factory):
+    from splitserve.bench.engine_bench import samples_cost
+    from splitserve.bench.workload import WorkItem
+
+    items = [WorkItem(f"w{i}", "", p, 4) for i, p in enumerate(random_prompts(3, seed=86, lo=40, hi=60))]
+    got = samples_cost(tiny_engine_factory(), items, n=3, rounds=2, max_tokens=4)
+    prompt = sum(len(it.prompt_token_ids) for it in items)
+    for one, separate in zip(got["runs"]["n"], got["runs"]["separate"]):
+        assert separate["prefill_tokens_computed"] == 3 * prompt
+        assert prompt < one["prefill_tokens_computed"] < prompt + 2 * 3 * 16  # the others: at most a block each
+    assert len(got["speedups"]) == 2 and got["median_speedup"] > 0

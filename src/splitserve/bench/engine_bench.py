@@ -192,6 +192,40 @@ def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30)
     return out
 
 
+def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, max_tokens: int = 32) -> dict:
+    """Each prompt's n samples as one request (sampling.n) against n requests of it (seeded seed + i:
+    the same tokens), all submitted at once, alternated over rounds: wall time, output tok/s and
+    the prompt tokens computed. The engine has no prefix cache, so the n requests compute their
+    prompt each, and the samples after the first of one request at most a block of it."""
+    def run(as_one: bool) -> dict:
+        start = time.perf_counter()
+        tokens = computed = 0
+        for k, it in enumerate(items):
+            sp = dict(max_tokens=max_tokens, ignore_eos=True, temperature=1.0)
+            if as_one:
+                engine.add_request(it.id, it.prompt_token_ids, SamplingParams(n=n, seed=100 * k, **sp))
+            for i in range(0 if as_one else n):
+                engine.add_request(f"{it.id}-{i}", it.prompt_token_ids, SamplingParams(seed=100 * k + i, **sp))
+        while engine.has_unfinished():
+            tokens += sum(len(out.new_token_ids) for out in engine.step())
+            computed += engine.last_stats.num_prefill_tokens
+        wall = time.perf_counter() - start
+        assert tokens == len(items) * n * max_tokens
+        return {"wall_s": wall, "output_tok_per_s": tokens / wall, "prefill_tokens_computed": computed}
+
+    run(True)  # warm-up
+    runs: dict[str, list[dict]] = {"n": [], "separate": []}
+    for r in range(rounds):
+        for side in ("n", "separate") if r % 2 == 0 else ("separate", "n"):
+            runs[side].append(run(side == "n"))
+            got = runs[side][-1]
+            print(f"round {r + 1}, {side:>8}: {got['wall_s']:5.1f} s, {got['output_tok_per_s']:6.1f} out tok/s, "
+                  f"{got['prefill_tokens_computed']} prompt tokens computed", flush=True)
+    ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["n"], runs["separate"])]
+    return {"n": n, "requests": len(items), "max_tokens": max_tokens, "runs": runs, "speedups": ratios,
+            "median_speedup": percentile(ratios, 50)}
+
+
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
@@ -238,6 +272,9 @@ def main(argv=None) -> int:
     ap.add_argument("--penalties-cost", action="store_true",
                     help=f"only measure the cost of penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())}): "
                          "the first 32 mixed requests with and without, output tok/s")
+    ap.add_argument("--samples-cost", type=int, default=None, metavar="N",
+                    help="only measure N samples of each of 8 prompts as one request each (sampling.n) against N "
+                         "requests of each")
     ap.add_argument("--structured-cost", action="store_true",
                     help="only measure the sampler's time for 32 rows held to structured output formats")
     ap.add_argument("--rounds", type=int, default=3)
@@ -274,7 +311,12 @@ def main(argv=None) -> int:
               f"median {got['median_ratio']:.3f}", flush=True)
     if args.structured_cost:
         results["structured_sample_cost"] = structured_sample_cost(LLMEngine(base, loaded=loaded))
-    if costs or args.structured_cost:
+    if args.samples_cost:
+        got = results["samples_cost"] = samples_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
+                                                     mixed[:8], args.samples_cost, args.rounds)
+        print(f"separate / as one request, wall time per round: {', '.join(f'{r:.2f}' for r in got['speedups'])}; "
+              f"median {got['median_speedup']:.2f}", flush=True)
+    if costs or args.structured_cost or args.samples_cost:
         write_results(args.out, results)
         return 0
 
