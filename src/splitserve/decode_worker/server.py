@@ -87,6 +87,9 @@ class Slot:
     completion_tokens: int = 0  # sent so far (of all its samples)
     sample_tokens: dict = field(default_factory=dict)  # sampling.n > 1: a sample's index -> its tokens sent
     samples_left: int = 1  # samples not finished (sampling.n, once the request's sampling is here)
+    # While its KV is adopted: the engine's outputs of it that came before the import's own (a step's,
+    # delivered before _adopt resumed), sent after that one
+    held: list | None = None
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
@@ -148,7 +151,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.slots[rid] = slot
             self.opened += 1
             slot.open_seq = self.opened
-            self.runner.sinks[rid] = lambda out, slot=slot: self._on_output(slot, out)
+            self.runner.sinks[rid] = lambda out, slot=slot: self._from_engine(slot, out)
             if (waiting := self.arrivals.pop(rid, None)) is not None and not waiting.done():
                 waiting.set_result(slot)
             try:
@@ -275,6 +278,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if out.error:
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
         span.end()
+
+    def _from_engine(self, slot: Slot, out: RequestOutput) -> None:
+        if slot.held is not None:  # the import's own output (its first token) goes out first: _adopt
+            slot.held.append(out)
+        else:
+            self._on_output(slot, out)
 
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
@@ -549,61 +558,68 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         t0 = time.perf_counter()
         waits = 0
         deadline = h.lease_deadline_unix or (time.time() + 60)
-        # Backpressure: wait for blocks rather than refuse. Waiting handoffs take freed blocks
-        # in priority order, then in arrival order; one tries only when none waits ahead of it
-        # (so a big KV at the head is not starved by smaller ones behind it).
-        rank = (slot.priority, next(self._arrivals))
+        slot.held = []
         try:
-            while True:
-                if not any(r < rank for r in self.adopt_waiting):
+            # Backpressure: wait for blocks rather than refuse. Waiting handoffs take freed blocks
+            # in priority order, then in arrival order; one tries only when none waits ahead of it
+            # (so a big KV at the head is not starved by smaller ones behind it).
+            rank = (slot.priority, next(self._arrivals))
+            try:
+                while True:
+                    if not any(r < rank for r in self.adopt_waiting):
+                        try:
+                            first, shared = await self.runner.submit(
+                                lambda e: self._import(e, export, payload, slot.priority))
+                            break
+                        except CapacityError:
+                            pass
+                        except KVPrefixMissing as e:  # the producer sends it whole
+                            raise FailedPrecondition(f"handle.start_token: {e}") from None
+                        except InvalidRequestError as e:  # the request can never run here (max_tokens too big)
+                            self._end_with_error(slot, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                            raise
+                    if time.time() > deadline:
+                        raise DeadlineExceeded("no free KV blocks before the handle's lease ran out")
+                    if slot.done or self.slots.get(seq.request_id) is not slot:
+                        raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks")
+                    self.adopt_waiting.add(rank)
+                    waits += 1
+                    self.capacity.clear()
                     try:
-                        first, shared = await self.runner.submit(lambda e: self._import(e, export, payload, slot.priority))
-                        break
-                    except CapacityError:
+                        await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
+                    except asyncio.TimeoutError:
                         pass
-                    except KVPrefixMissing as e:  # the producer sends it whole
-                        raise FailedPrecondition(f"handle.start_token: {e}") from None
-                    except InvalidRequestError as e:  # the request can never run here (max_tokens too big)
-                        self._end_with_error(slot, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                        raise
-                if time.time() > deadline:
-                    raise DeadlineExceeded("no free KV blocks before the handle's lease ran out")
-                if slot.done or self.slots.get(seq.request_id) is not slot:
-                    raise NotFound(f"request {seq.request_id!r} was cancelled while waiting for KV blocks")
-                self.adopt_waiting.add(rank)
-                waits += 1
-                self.capacity.clear()
-                try:
-                    await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            if rank in self.adopt_waiting:
-                self.adopt_waiting.discard(rank)
-                self.capacity.set()  # the next in line may try now
-        if slot.done or self.slots.get(seq.request_id) is not slot:  # cancelled while the KV was copied in
-            self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
-            raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")
-        slot.imported = True
-        adopt_s = time.perf_counter() - t0
-        slot.kv_done = time.time()
-        # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
-        slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
-        slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
-        slot.first_token_at = seq.prefill_end_unix
-        self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
-        self.metrics.kv_bytes.labels(h.transport).inc(h.length)
-        self.metrics.kv_shared_tokens.inc(shared)
-        ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
-                                "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
-                                "splitserve.kv.adopt_ms": adopt_s * 1000, "splitserve.kv.start_token": h.start_token,
-                                "splitserve.kv.shared_tokens": shared})
-        self._start_decode_span(slot)
-        if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
-            self._on_output(slot, first)
-        elif first is not None and first.finished:  # its first token, sent already, ended sample 0 (n > 1)
-            self._on_output(slot, dataclasses.replace(first, new_token_ids=[], new_text="", prompt_logprobs=None,
-                                                      new_logprobs=[] if first.new_logprobs is not None else None))
+            finally:
+                if rank in self.adopt_waiting:
+                    self.adopt_waiting.discard(rank)
+                    self.capacity.set()  # the next in line may try now
+            if slot.done or self.slots.get(seq.request_id) is not slot:  # cancelled while the KV was copied in
+                self.runner.submit_nowait(lambda e: e.abort_request(seq.request_id))
+                raise NotFound(f"request {seq.request_id!r} was cancelled during the handoff")
+            slot.imported = True
+            adopt_s = time.perf_counter() - t0
+            slot.kv_done = time.time()
+            # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
+            slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
+            slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
+            slot.first_token_at = seq.prefill_end_unix
+            self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
+            self.metrics.kv_bytes.labels(h.transport).inc(h.length)
+            self.metrics.kv_shared_tokens.inc(shared)
+            ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
+                                    "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
+                                    "splitserve.kv.adopt_ms": adopt_s * 1000,
+                                    "splitserve.kv.start_token": h.start_token, "splitserve.kv.shared_tokens": shared})
+            self._start_decode_span(slot)
+            if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
+                self._on_output(slot, first)
+            elif first is not None and first.finished:  # its first token, sent already, ended sample 0 (n > 1)
+                self._on_output(slot, dataclasses.replace(first, new_token_ids=[], new_text="", prompt_logprobs=None,
+                                                          new_logprobs=[] if first.new_logprobs is not None else None))
+        finally:  # a step's outputs that came before the import's own go out after it
+            held, slot.held = slot.held, None
+            for out in held:
+                self._on_output(slot, out)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
         self.background.start(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,

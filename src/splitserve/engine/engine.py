@@ -458,8 +458,7 @@ class LLMEngine:
             params = dataclasses.replace(p, n=1, prompt_logprobs=None,
                                          seed=None if p.seed is None else (p.seed + i) % 2**63)
             child = self._new_seq(f"{first.request_id}{SAMPLE_SEP}{i}", first.token_ids[: first.prompt_len],
-                                  first.prompt_len,
-                                  params, cache_salt=first.cache_salt)
+                                  first.prompt_len, params, cache_salt=first.cache_salt)
             child.index, child.parent, child.priority = i, first.request_id, first.priority
             pool.take(shared)
             child.block_table.extend(shared)

@@ -302,8 +302,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("no decode worker is registered; retry shortly")
         largest = max(w.kv_capacity_tokens for w in self.workers)
         if largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):  # 0: an older worker, unknown
-            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens (× sampling.n) = {need_tokens} tokens "
-                                                             f"can never fit "
+            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens (× sampling.n) = {need_tokens} "
+                                                             f"tokens can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
 
         def load(w: WorkerInfo) -> tuple:
