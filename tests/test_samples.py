@@ -156,3 +156,65 @@ def test_the_samples_bench_computes_each_prompt_once_as_one_request(tiny_engine_
         assert separate["prefill_tokens_computed"] == 3 * prompt
         assert prompt < one["prefill_tokens_computed"] < prompt + 2 * 3 * 16  # the others: at most a block each
     assert len(got["speedups"]) == 2 and got["median_speedup"] > 0
+
+
+def test_outputs_delivered_before_an_adoption_resumes_go_out_after_its_first_token(tiny_engine_factory):
+    """The engine thread can finish a step, and hand its outputs to the event loop, before the
+    coroutine that imported the KV resumes: the later samples' first tokens (and with n = 1 the
+    second token) would go out before the import's own first token, which was then dropped. The
+    decode worker holds them until the import's is out. A runner that delivers such a step before
+    resolving the import plays that order here."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from splitserve.decode_worker.server import DecodeServicer, Slot
+    from splitserve.service import convert
+    from splitserve.service.redis_state import Keys
+    from splitserve.service.settings import Settings
+    from splitserve_proto.v1 import worker_pb2 as w_pb
+
+    prefill, decode = tiny_engine_factory(), tiny_engine_factory()
+    prompt = random_prompts(1, seed=87, lo=40, hi=41)[0]
+    for n in (3, 1):
+        export, payload = exported(prefill, f"r{n}", prompt, SamplingParams(n=n, max_tokens=5, ignore_eos=True,
+                                                                            temperature=1.0, seed=6))
+        seq = convert.sequence_to_pb(export)
+        handle = w_pb.KVHandle(num_tokens=export.num_tokens, fingerprint=export.fingerprint, dtype=export.dtype,
+                               layout_version=export.layout_version, length=len(payload), transport="grpc")
+
+        class Runner:
+            engine, sinks = decode, {}
+
+            def submit(self, fn):
+                fut = asyncio.get_running_loop().create_future()
+                result = fn(decode)
+                for out in decode.step():  # a step delivered before the import's future resolves
+                    self.sinks[out.request_id](out)
+                fut.set_result(result)
+                return fut
+
+            def submit_nowait(self, fn):
+                fn(decode)
+
+        async def adopt():
+            redis = SimpleNamespace(register_script=lambda script: lambda **kw: asyncio.sleep(0))
+            svc = DecodeServicer(Settings(), Runner(), redis, Keys("t"), "decode-t")
+            slot = svc.slots[seq.request_id] = Slot(seq.request_id, 0.0)
+            svc.runner.sinks[seq.request_id] = lambda out: svc._from_engine(slot, out)
+            await svc._adopt(slot, seq, handle, payload, SimpleNamespace(span=SimpleNamespace(
+                set_attributes=lambda attrs: None)))
+            while decode.has_unfinished():
+                for out in decode.step():
+                    svc._from_engine(slot, out)
+            events = []
+            while not slot.events.empty():
+                events.append(slot.events.get_nowait())
+            return events
+
+        events = asyncio.run(adopt())
+        assert events[0].index == 0 and list(events[0].token_ids) == export.token_ids[export.prompt_len:]
+        tokens: dict[int, list[int]] = {}
+        for ev in events:
+            tokens.setdefault(ev.index, []).extend(ev.token_ids)
+        assert sorted(tokens) == list(range(n)) and all(len(t) == 5 for t in tokens.values())
+        assert [ev.more for ev in events if ev.finish_reason] == [True] * (n - 1) + [False]
