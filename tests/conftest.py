@@ -6,7 +6,8 @@ import tempfile
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig, ModelSpec
+from engine_helpers import engine_factory_of
+from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import load_model
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
@@ -64,24 +65,7 @@ def tiny_loaded(tiny_model_dir):
 
 @pytest.fixture
 def tiny_engine_factory(tiny_loaded):
-    from splitserve.engine.engine import LLMEngine
-
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("kv_cache_bytes", 64 << 20)
-        kw.setdefault("num_threads", 1)
-        # Off unless a test asks: tests that run the same prompts twice compare computed KV
-        # (tests/test_prefix_cache.py turns it on).
-        kw.setdefault("prefix_caching", False)
-        eng = LLMEngine(EngineConfig(**kw), loaded=tiny_loaded)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:  # leak check after every test: no KV block held
-        assert eng.cache.pool.num_used == 0, f"{eng.cache.pool.num_used} KV blocks still held"
-        assert not eng.seqs and not eng.parked
+    yield from engine_factory_of(tiny_loaded)
 
 
 @pytest.fixture(scope="session")

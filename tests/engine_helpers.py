@@ -40,3 +40,27 @@ def exported(engine, request_id: str, prompt: list[int], params, start: int = 0,
     export = engine.export_kv(request_id, buf, start)
     engine.release(request_id)
     return export, buf
+
+
+def engine_factory_of(loaded):
+    """A fixture's body: yields make(**EngineConfig fields), an in-process engine on `loaded`; after
+    the test, the leak check of every engine made: no KV block held, no sequence left."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+
+    engines = []
+
+    def make(**kw):
+        kw.setdefault("kv_cache_bytes", 64 << 20)
+        kw.setdefault("num_threads", 1)
+        # Off unless a test asks: tests that run the same prompts twice compare computed KV
+        # (tests/test_prefix_cache.py turns it on).
+        kw.setdefault("prefix_caching", False)
+        eng = LLMEngine(EngineConfig(**kw), loaded=loaded)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:  # leak check after every test: no KV block held
+        assert eng.cache.pool.num_used == 0, f"{eng.cache.pool.num_used} KV blocks still held"
+        assert not eng.seqs and not eng.parked

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import drain, exported
+from engine_helpers import drain, engine_factory_of, exported
 
-from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError, KVImportError
 from splitserve.engine.loader import load_model
 from splitserve.engine.sampling import SampleRow, SamplingParams, constrain
@@ -62,20 +62,7 @@ def tiny_tok_loaded(tmp_path_factory, smol_folder):
 
 @pytest.fixture
 def engine_factory(tiny_tok_loaded):
-    from splitserve.engine.engine import LLMEngine
-
-    engines = []
-
-    def make(**kw):
-        kw.setdefault("kv_cache_bytes", 32 << 20)
-        kw.setdefault("num_threads", 1)
-        eng = LLMEngine(EngineConfig(**kw), loaded=tiny_tok_loaded)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        assert eng.cache.pool.num_used == 0 and not eng.seqs and not eng.parked
+    yield from engine_factory_of(tiny_tok_loaded)
 
 
 def run(eng, prompt, params) -> tuple[list[int], str, str]:
