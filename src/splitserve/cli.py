@@ -143,6 +143,7 @@ def _print_logprobs(what: str, logprobs) -> None:
 
 def _structured_output(args) -> dict | None:
     """--json-schema, --json-object, --regex, --choice or --lark -> Client's structured_output."""
+    compact = {"disable_any_whitespace": True} if args.compact_json else {}
     for kind in ("json_schema", "regex", "lark"):
         value = getattr(args, kind)
         if value is not None:
@@ -152,9 +153,9 @@ def _structured_output(args) -> dict | None:
                         value = f.read()
                 except OSError as e:
                     raise SystemExit(f"splitserve: error: --{kind.replace('_', '-')}: {e}") from None
-            return {kind: value, **({"disable_any_whitespace": True} if args.compact_json else {})}
+            return {kind: value, **compact}
     if args.json_object:
-        return {"json_object": True, **({"disable_any_whitespace": True} if args.compact_json else {})}
+        return {"json_object": True, **compact}
     return {"choice": args.choice} if args.choice else None
 
 
@@ -190,7 +191,8 @@ def _generate(args) -> int:
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
               truncate_prompt_tokens=args.truncate_prompt_tokens,
-              skip_special_tokens=False if args.keep_special_tokens else None, n=args.n, priority=args.priority, request_id=args.request_id,
+              skip_special_tokens=False if args.keep_special_tokens else None, n=args.n, priority=args.priority,
+              request_id=args.request_id,
               cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
               repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),

@@ -95,8 +95,12 @@ def tokenize_request(prompt: str | None = None, messages: list[dict] | None = No
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.CopyFrom(_chat(messages))
     return req
+
+
+def _chat(messages: list[dict]) -> pb.Messages:
+    return pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
 
 
 def detokenize_request(token_ids: list[int], skip_special_tokens: bool | None = None) -> pb.DetokenizeRequest:
@@ -140,7 +144,7 @@ def build_request(
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.CopyFrom(_chat(messages))
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     sp = req.sampling

@@ -131,6 +131,18 @@ COSTS = {
 }
 
 
+def alternated(rounds: int, sides: dict, show) -> dict[str, list]:
+    """Each of two runs (sides: name -> run()) once a round, their order swapped every round so that
+    neither gets the machine's quieter minutes; each result printed as round r, show(name, result)."""
+    runs: dict[str, list] = {side: [] for side in sides}
+    order = list(sides)
+    for r in range(rounds):
+        for side in order if r % 2 == 0 else order[::-1]:
+            runs[side].append(sides[side]())
+            print(f"round {r + 1}, {show(side, runs[side][-1])}", flush=True)
+    return runs
+
+
 def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, rounds: int) -> dict:
     """The same requests without and with `sampling` (SamplingParams fields: COSTS[what] says
     which rate is compared), alternated so that neither side gets the machine's quieter minutes;
@@ -142,11 +154,8 @@ def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, ro
         return run_workload(engine, items, max_tokens, **(sampling if on else {}))[rate]
 
     run_workload(engine, items[:4])  # warm-up
-    runs: dict[str, list[float]] = {"without": [], "with": []}
-    for r in range(rounds):
-        for side in ("without", "with") if r % 2 == 0 else ("with", "without"):
-            runs[side].append(run(side == "with"))
-            print(f"round {r + 1}, {side:>7} {what}: {runs[side][-1]:6.1f} {rate.replace('_per_', '/')}", flush=True)
+    runs = alternated(rounds, {"without": lambda: run(False), "with": lambda: run(True)},
+                      lambda side, got: f"{side:>7} {what}: {got:6.1f} {rate.replace('_per_', '/')}")
     ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
     return {"sampling": sampling, "requests": len(items), rate: runs, "ratios": ratios,
             "median_ratio": percentile(ratios, 50)}
@@ -214,13 +223,9 @@ def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, 
         return {"wall_s": wall, "output_tok_per_s": tokens / wall, "prefill_tokens_computed": computed}
 
     run(True)  # warm-up
-    runs: dict[str, list[dict]] = {"n": [], "separate": []}
-    for r in range(rounds):
-        for side in ("n", "separate") if r % 2 == 0 else ("separate", "n"):
-            runs[side].append(run(side == "n"))
-            got = runs[side][-1]
-            print(f"round {r + 1}, {side:>8}: {got['wall_s']:5.1f} s, {got['output_tok_per_s']:6.1f} out tok/s, "
-                  f"{got['prefill_tokens_computed']} prompt tokens computed", flush=True)
+    runs = alternated(rounds, {"n": lambda: run(True), "separate": lambda: run(False)},
+                      lambda side, got: f"{side:>8}: {got['wall_s']:5.1f} s, {got['output_tok_per_s']:6.1f} out tok/s, "
+                                        f"{got['prefill_tokens_computed']} prompt tokens computed")
     ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["n"], runs["separate"])]
     return {"n": n, "requests": len(items), "max_tokens": max_tokens, "runs": runs, "speedups": ratios,
             "median_speedup": percentile(ratios, 50)}

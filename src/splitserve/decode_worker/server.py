@@ -84,8 +84,7 @@ class Slot:
     first_sent: bool = False
     open_seq: int = 0  # its number among the streams this worker opened
     close_seq: int = 0  # ... and closed (0: still open)
-    completion_tokens: int = 0  # sent so far (of all its samples)
-    sample_tokens: dict = field(default_factory=dict)  # sampling.n > 1: a sample's index -> its tokens sent
+    sample_tokens: dict = field(default_factory=dict)  # a sample's index (sampling.n) -> its tokens sent so far
     samples_left: int = 1  # samples not finished (sampling.n, once the request's sampling is here)
     # While its KV is adopted: the engine's outputs of it that came before the import's own (a step's,
     # delivered before _adopt resumed), sent after that one
@@ -95,6 +94,11 @@ class Slot:
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
+
+    @property
+    def completion_tokens(self) -> int:
+        """Sent so far, of all its samples."""
+        return sum(self.sample_tokens.values())
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -289,7 +293,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.done:  # cancelled: its abort is on the way to the engine
             return
         slot.sample_tokens[out.index] = out.num_output_tokens
-        slot.completion_tokens = sum(slot.sample_tokens.values())
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
             logprobs=convert.logprobs_to_pb(out.new_logprobs), index=out.index,
@@ -400,7 +403,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         slot.first_sent = True
         self.metrics.first_tokens.labels(via).inc()
-        slot.completion_tokens = slot.sample_tokens[0] = len(request.token_ids)
+        slot.sample_tokens[0] = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
         slot.cached_tokens = request.cached_tokens
