@@ -10,6 +10,11 @@ from engine_helpers import engine_factory_of
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import load_model
 
+# Without a CUDA device, Triton's interpreter runs the fused kernels on CPU tensors (tests/test_fused.py).
+# Read when Triton is imported, which nothing has done yet.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 MIXED = SHARED / "bench" / "workload_mixed.jsonl"
 REPO = pathlib.Path(__file__).resolve().parents[1]

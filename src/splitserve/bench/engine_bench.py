@@ -104,19 +104,23 @@ def decode_max_tokens(config: EngineConfig, running: int, context: int, steps: i
 
 
 def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = DECODE_STEPS,
-                context: int = 128) -> float:
-    """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long."""
+                context: int = 128, device_ms: list | None = None) -> float:
+    """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long (on CUDA,
+    the median step's forward on the device, in ms, is appended to device_ms)."""
     for i in range(running):
         engine.add_request(f"dec-{running}-{i}", context_prompt(items, i, context),
                            SamplingParams(max_tokens=decode_max_tokens(engine.config, running, context, steps),
                                           ignore_eos=True))
     while any(s.num_computed < s.prompt_len for s in engine.seqs.values()):
         engine.step()
-    times = []
+    times, on_device = [], []
     for _ in range(steps):
         engine.step()
         assert engine.last_stats.num_decode_tokens == running, engine.last_stats
         times.append(engine.last_stats.step_time_s)
+        on_device.append(engine.last_stats.device_time_s)
+    if device_ms is not None:
+        device_ms.append(percentile(on_device, 50) * 1000)
     for rid in list(engine.seqs):
         engine.abort_request(rid)
     return running / percentile(times, 50)
@@ -266,6 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--eager", action="store_true", help="CUDA: run every step eagerly, no CUDA graphs")
+    ap.add_argument("--unfused", action="store_true", help="CUDA: torch's ops instead of the fused Triton kernels")
     ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
     ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
     ap.add_argument("--logprobs-cost", type=int, default=None, metavar="K",
@@ -298,7 +303,8 @@ def main(argv=None) -> int:
 
     loaded = load_model(ModelSpec(path=args.model))
     base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30,
-                        device=args.device, cuda_graphs=not args.eager)
+                        device=args.device, cuda_graphs=not args.eager,
+                        fused_kernels=not args.unfused)
     mixed = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"))
     short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
     n_mixed, n_short = (8, 16) if args.quick else (32, 64)
@@ -357,12 +363,18 @@ def main(argv=None) -> int:
     # Decode steps at each context length: attention reads every running sequence's context, so
     # a step's time grows with it (the service's contexts are its prompts plus their outputs).
     results["decode_by_context"] = {}
+    results["decode_device_ms_by_context"] = {}
+    results["fused_kernels"] = eng.model.fused is not None
     for context in contexts:
         rates = results["decode_by_context"][context] = {}
+        device = results["decode_device_ms_by_context"][context] = {}
         for running in (1, 8, 32, 64):
-            rates[running] = decode_rate(eng, mixed, running, context=context)
+            on_device: list[float] = []
+            rates[running] = decode_rate(eng, mixed, running, context=context, device_ms=on_device)
+            device[running] = on_device[0]
+            shown = f", {on_device[0]:.2f} ms of it on the device" if on_device[0] else ""
             print(f"decode with {running:>2} running, contexts of {context} tokens: {rates[running]:6.1f} tok/s, "
-                  f"{running / rates[running] * 1000:.2f} ms a step", flush=True)
+                  f"{running / rates[running] * 1000:.2f} ms a step{shown}", flush=True)
     results["decode_tok_per_s"] = results["decode_by_context"][contexts[0]]
     results["single_stream_tok_per_s"] = results["decode_tok_per_s"][1]
     if eng.graphs is not None:

@@ -41,6 +41,10 @@ class RaggedBatch:
     dec_rows: torch.Tensor | None = None  # [S] int64, their rows of the batch
     dec_slots: torch.Tensor | None = None  # [S, longest ctx] int64, each one's context slots, padded with 0
     dec_mask: torch.Tensor | None = None  # [S, 1, 1, longest ctx] bool, False on the padding
+    # fused kernels (CUDA): the same decodes read through their block tables instead
+    dec_tables: torch.Tensor | None = None  # [S, blocks] int64, each one's block table, padded
+    dec_lens: torch.Tensor | None = None  # [S] int64, each one's context length with its new token
+    block_size: int = 0
     # The forward returns the logits rows' final hidden states (normed) instead of their logits:
     # the caller makes logits of them a slice at a time (prompt log probabilities' many rows).
     hidden_out: bool = False
@@ -49,16 +53,24 @@ class RaggedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def attention(self, q, k, v, k_cache, v_cache, scale: float, kernel=None, out=None) -> torch.Tensor:
+    def attention(self, q, k, v, k_cache, v_cache, scale: float, kernel=None, out=None, fused=None) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D] -> [T, Hq*D] (into out if given).
 
         With ``kernel`` (native.PagedAttention), every cache-reading sequence is done in one
-        call straight from the paged cache; fresh prefills still use torch's SDPA.
+        call straight from the paged cache; fresh prefills still use torch's SDPA. With
+        ``fused`` (fused.FusedOps) and dec_tables, the batched decodes are read the same way.
         """
         T, Hq, D = q.shape
         if out is None:
             out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
-        if self.dec_rows is not None:
+        if self.dec_tables is not None:
+            every = self.dec_rows.shape[0] == T  # a pure decode step: the rows are the whole batch, in order
+            qd = q if every else q.index_select(0, self.dec_rows)
+            o = fused.paged_decode(qd, k_cache, v_cache, self.dec_tables, self.dec_lens, self.block_size, scale,
+                                   out if every else None)
+            if not every:
+                out.index_copy_(0, self.dec_rows, o)
+        elif self.dec_rows is not None:
             S, L = self.dec_slots.shape
             Hkv = k_cache.shape[1]
             kd = k_cache.index_select(0, self.dec_slots.view(-1)).view(S, L, Hkv, D).transpose(1, 2)

@@ -57,6 +57,7 @@ class EngineConfig:
     small_gemm: bool = True  # matmuls of <= 128 rows through the weight-streaming C kernel (AVX2)
     device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
+    fused_kernels: bool = True  # CUDA: Triton kernels for rotary + KV write, decode attention, SiLU (fused.py)
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)
 
     def __post_init__(self) -> None:

@@ -160,10 +160,14 @@ class DecodeGraphs:
         bs = self.block_size
         ids, pos, tables = buf[:rows], buf[rows : 2 * rows], buf[2 * rows :].view(rows, nb)
         written = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
+        every = torch.arange(rows, device=buf.device)
+        if self.model.fused is not None:  # attention reads through the block tables: no slot list, no mask
+            batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
+                                ctx_slots=None, dec_rows=every, dec_tables=tables, dec_lens=pos + 1, block_size=bs)
+            return self.model.forward(batch, self.kv)
         offsets = torch.arange(bs, device=buf.device)
         read = (tables.unsqueeze(-1) * bs + offsets).view(rows, nb * bs)
         mask = (torch.arange(nb * bs, device=buf.device) <= pos.unsqueeze(1)).view(rows, 1, 1, nb * bs)
-        every = torch.arange(rows, device=buf.device)
         batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
                             ctx_slots=None, dec_rows=every, dec_slots=read, dec_mask=mask)
         return self.model.forward(batch, self.kv)
@@ -284,7 +288,8 @@ class PiecewiseGraphs:
         for li in range(len(m.layers) + 1):
             if li:  # layer li - 1's attention, on the q, k, v of the piece before
                 q, k, v = out["q"][:T], out["k"][:T], out["v"][:T]
-                batch.attention(q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T])
+                batch.attention(q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T],
+                                fused=m.fused)
             out = self._piece(b, li)
         h = out["h"][batch.logits_rows]  # after the final norm
         return h if batch.hidden_out else m.lm_head_of(h)

@@ -112,15 +112,21 @@ class LLMEngine:
             if lib is not None:
                 self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick)
         self.model.to(self.device)
+        if config.fused_kernels and self.device.type == "cuda":
+            from splitserve.engine import fused  # imports Triton: only where it is used
+
+            s = self.model.shape
+            self.model.fused = fused.load(s.num_heads, s.num_kv_heads, s.head_dim, self.device)
         if tick:
             self.model.on_layer = tick
             self.core_share.idle()
         return loaded
 
     def drop_graphs(self, error: Exception) -> None:
-        """Run every later step eagerly (a capture failed on this device)."""
-        log.warning("%s; running every step eagerly from now on", error)
+        """Run every later step eagerly, with torch's ops (a capture failed on this device)."""
+        log.warning("%s; running every step eagerly, unfused, from now on", error)
         self.graphs = self.pieces = None
+        self.model.fused = None
         if self.padded is not None:
             self.padded.graphs = None
 
@@ -353,6 +359,8 @@ class LLMEngine:
         logits_rows: list[int] = []
         seqs: list[AttnSeq] = []
         kernel = self.model.attn_kernel is not None
+        fused = self.model.fused is not None  # fused kernels: decodes read through their block tables
+        dec_tables: list[list[int]] = []
         dev = self.device
         ctx_off = 0
         for s in sched.scheduled:
@@ -369,7 +377,10 @@ class LLMEngine:
                 slot_mapping.append(slots[start:])
                 if n == 1 and not kernel:
                     dec_rows.append(q_start)
-                    dec_slots.append(slots)
+                    if fused:
+                        dec_tables.append(seq.block_table)
+                    else:
+                        dec_slots.append(slots)
                 else:
                     ctx_slots.append(slots)
                     mask = None if kernel else chunk_mask(n, end).to(dev)
@@ -390,7 +401,14 @@ class LLMEngine:
             ctx_info=torch.tensor(ctx_info, dtype=torch.int64) if ctx_info else None,
             hidden_out=bool(prompt_rows),
         )
-        if dec_rows:
+        if dec_tables:
+            blocks = max(len(t) for t in dec_tables)
+            batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
+            batch.dec_tables = torch.tensor([t + [0] * (blocks - len(t)) for t in dec_tables],
+                                            dtype=torch.int64).to(dev)
+            batch.dec_lens = batch.positions.index_select(0, batch.dec_rows) + 1
+            batch.block_size = self.cache.block_size
+        elif dec_rows:
             lens = torch.tensor([len(t) for t in dec_slots])
             padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)  # [S, longest], 0-padded
             batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)

@@ -91,6 +91,7 @@ class LlamaModel:
         self.rope_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [max_pos, D]
         self.fingerprint = _fingerprint(self.shape, cfg, sd)
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
+        self.fused = None  # fused.FusedOps (CUDA: Triton), set by the engine when available
         self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
         self.on_layer = None  # called before every layer (the engine's CoreShare.tick)
         self.lm_head_packed = None  # native.Packed
@@ -155,16 +156,27 @@ class LlamaModel:
         var = x.pow(2).mean(-1, keepdim=True)
         return weight * (x * torch.rsqrt(var + self.shape.rms_eps))
 
-    def qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """h: [T, H] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rotary applied to q and k."""
+    def qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write=None):
+        """h: [T, H] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rotary applied to q and k.
+
+        write (slot_mapping [T], k_cache, v_cache) also stores k and v in the paged cache."""
         s = self.shape
+        if self.fused is not None:  # one projection (with its bias) and one kernel for the rest
+            w = layer.w_qkv
+            qkv = torch.mm(h, w) if layer.b_qkv is None else torch.addmm(layer.b_qkv, h, w)
+            return self.fused.rope_qkv(qkv, cos, sin, *(write or ()))
         qkv = self.mm(h, layer, "w_qkv")
         if layer.b_qkv is not None:
             qkv = qkv + layer.b_qkv
         qkv = qkv.view(h.shape[0], s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk = qkv[:, : s.num_heads + s.num_kv_heads]
         qk = qk * cos + torch.roll(qk, s.head_dim // 2, dims=-1) * sin  # cos/sin: [T, 1, D]
-        return qk[:, : s.num_heads], qk[:, s.num_heads :], qkv[:, s.num_heads + s.num_kv_heads :]
+        q, k, v = qk[:, : s.num_heads], qk[:, s.num_heads :], qkv[:, s.num_heads + s.num_kv_heads :]
+        if write is not None:
+            slots, k_cache, v_cache = write
+            k_cache.index_copy_(0, slots, k)
+            v_cache.index_copy_(0, slots, v)
+        return q, k, v
 
     def mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
         gu = self.mm(x, layer, "w_gate_up")
@@ -201,7 +213,8 @@ class LlamaModel:
             if self.on_layer is not None:
                 self.on_layer()
             q, k, v = self.attn_in(li, x, cos, sin, kv, batch.slot_mapping)
-            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel)  # [T, Hq*D]
+            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel,
+                                   fused=self.fused)  # [T, Hq*D]
             if li == last and batch.logits_rows.shape[0] < x.shape[0]:
                 # Past the last K/V write only the sampled rows matter: a prefill's other rows skip
                 # the last layer's output projection and MLP (~2.8% of a prefill's FLOPs here).
@@ -219,14 +232,15 @@ class LlamaModel:
     def attn_in(self, li: int, x, cos, sin, kv: torch.Tensor, slot_mapping: torch.Tensor):
         """Layer li up to attention: norm, q/k/v with rotary, and the new K/V written to the cache."""
         layer = self.layers[li]
-        q, k, v = self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin)
-        kv[li, 0].index_copy_(0, slot_mapping, k)
-        kv[li, 1].index_copy_(0, slot_mapping, v)
-        return q, k, v
+        return self.qkv(layer, self.rms_norm(x, layer.ln1), cos, sin, (slot_mapping, kv[li, 0], kv[li, 1]))
 
     def attn_out(self, li: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer li after attention: output projection and MLP, each added to the residual x."""
         layer = self.layers[li]
+        if self.fused is not None:  # the residual adds in the matmuls' epilogue, SiLU * up in one kernel
+            x = torch.addmm(x, attn, layer.w_o)
+            gu = torch.mm(self.rms_norm(x, layer.ln2), layer.w_gate_up)
+            return torch.addmm(x, self.fused.silu_mul(gu), layer.w_down)
         x = x + self.mm(attn, layer, "w_o")
         return x + self.mlp(layer, self.rms_norm(x, layer.ln2))
 

@@ -30,6 +30,7 @@ class Settings:
     threads: int = 0  # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
     device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
     cuda_graphs: bool = True  # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
+    fused_kernels: bool = True  # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU (fused.py); false = torch's ops
     prefix_caching: bool = True  # continuous engines keep the KV of computed prompt blocks: a prompt that starts with a cached prefix (whole blocks) computes only the rest; false = off
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
@@ -149,7 +150,8 @@ class Settings:
     def engine_config(self, role: str) -> EngineConfig:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
         compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
-                       core_share=self.core_share_board, prefix_caching=self.prefix_caching)
+                       fused_kernels=self.fused_kernels, core_share=self.core_share_board,
+                       prefix_caching=self.prefix_caching)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
