@@ -72,8 +72,9 @@ bench-disagg: install proto
 # The GPU figures of the README in one command, on a CUDA machine: capacity of static and
 # continuous batching (64 clients), the policies at a Poisson rate 1.25x static's capacity, and
 # colocated vs disaggregated at 70% of continuous's capacity. First, the engine's own decode steps
-# with contexts of 128 tokens and of 768 (a bench's longest). GPU_DEVICE=cpu GPU_REQUESTS=8 runs the
-# same steps on the CPU (slowly; for checking the recipe).
+# with contexts of 128 tokens and of 768 (a bench's longest), with the fused kernels and without;
+# and continuous batching without them at the policies' rate. GPU_DEVICE=cpu GPU_REQUESTS=8 runs the
+# same steps on the CPU (slowly; for checking the recipe; the kernels are CUDA only).
 GPU_DEVICE ?= cuda
 GPU_REQUESTS ?= 512
 GPU_OUT := bench-results/gpu
@@ -82,11 +83,16 @@ RESULT = $(PY) -c "import json,sys; print(round(float(sys.argv[2]) * json.load(o
 bench-gpu: install proto
 	$(PY) -m splitserve.bench.engine_bench --device $(GPU_DEVICE) --decode-only --decode-context 128,768 \
 		--out $(GPU_OUT)/decode.json
+	$(PY) -m splitserve.bench.engine_bench --device $(GPU_DEVICE) --decode-only --decode-context 128,768 \
+		--unfused --out $(GPU_OUT)/decode-unfused.json
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,continuous --concurrency 64 \
 		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/capacity
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,dynamic,continuous \
 		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
 		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity
+	SPLITSERVE_DEVICE=$(GPU_DEVICE) SPLITSERVE_FUSED_KERNELS=false $(VENV)/bin/splitserve bench --policy continuous \
+		--mode colocated --rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
+		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity-unfused
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare colocated,disaggregated \
 		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 0.7 continuous) \
 		--requests $$(($(GPU_REQUESTS) / 2)) --warmup 1 --no-progress --out $(GPU_OUT)/disagg
