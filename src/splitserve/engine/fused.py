@@ -251,6 +251,7 @@ def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device)
     if problem:
         log.warning("fused kernels failed their check on %s (%s): CUDA steps run torch's ops", device, problem)
         return None
+    log.info("fused kernels (Triton %s) checked on %s: in use", triton.__version__, device)
     return ops
 
 
