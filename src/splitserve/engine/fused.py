@@ -277,21 +277,18 @@ def self_check(ops: FusedOps, device: torch.device, atol: float = 1e-4) -> str:
     q1, k1, _ = ops.rope_qkv(qkv, cos, sin)  # without the write (static and dynamic batches)
     if not (torch.equal(q1, q) and torch.equal(k1, k)):
         return "rotary embedding without the KV write"
-    tables = torch.tensor([[5, 1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           0, 0, 0, 0]], device=device)
-    lens = torch.tensor([40, 9], device=device)
+    tables = torch.tensor([[5, 1, 7, 2, 6, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 0], [2] + [0] * 15], device=device)
     q2 = rnd(2, hq, d)
-    got = ops.paged_decode(q2, k_cache, v_cache, tables, lens, bs, d ** -0.5)  # in two splits
-    one = ops.paged_decode(q2, k_cache, v_cache, tables[:, :8], lens, bs, d ** -0.5)  # in one
-    if not torch.allclose(one, got, atol=atol):
-        return "paged decode attention in one split"
-    for i in range(2):
-        n = int(lens[i])
-        sl = (tables[i, : -(-n // bs)].unsqueeze(1) * bs + torch.arange(bs, device=device)).view(-1)[:n]
-        ref = sdpa_decode(q2[i : i + 1], k_cache[sl].transpose(0, 1).unsqueeze(0),
-                          v_cache[sl].transpose(0, 1).unsqueeze(0), None, d ** -0.5)
-        if not torch.allclose(got[i : i + 1], ref, atol=atol):
-            return "paged decode attention"
+    # 256 slots a row: in two splits, the first row's context in both; then 128 slots: in one.
+    for width, lens in ((16, [200, 9]), (8, [40, 9])):
+        got = ops.paged_decode(q2, k_cache, v_cache, tables[:, :width], torch.tensor(lens, device=device), bs,
+                               d ** -0.5)
+        for i, n in enumerate(lens):
+            sl = (tables[i, : -(-n // bs)].unsqueeze(1) * bs + torch.arange(bs, device=device)).view(-1)[:n]
+            ref = sdpa_decode(q2[i : i + 1], k_cache[sl].transpose(0, 1).unsqueeze(0),
+                              v_cache[sl].transpose(0, 1).unsqueeze(0), None, d ** -0.5)
+            if not torch.allclose(got[i : i + 1], ref, atol=atol):
+                return f"paged decode attention ({'two splits' if width == 16 else 'one split'})"
     gu = rnd(3, 2 * 40)
     if not torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:], atol=atol):
         return "SiLU and product"
