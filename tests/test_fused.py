@@ -11,7 +11,6 @@ from engine_helpers import random_prompts
 from test_device import graph_bodies_without_capture
 
 from splitserve.engine import fused
-from splitserve.engine.attention import sdpa_decode
 from splitserve.engine.sampling import SamplingParams
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -46,17 +45,6 @@ def test_rope_qkv_rotates_q_and_k_and_writes_the_cache(hq, hkv, d, write):
         assert kc.abs().max() == 0 and vc.abs().max() == 0
 
 
-def reference_decode(q, kc, vc, tables, lens, bs, scale):
-    """One sequence at a time: its context gathered through its table, then SDPA."""
-    rows = []
-    for i in range(q.shape[0]):
-        n = int(lens[i])
-        slots = (tables[i].unsqueeze(1) * bs + torch.arange(bs, device=q.device)).view(-1)[:n]
-        rows.append(sdpa_decode(q[i : i + 1], kc[slots].transpose(0, 1).unsqueeze(0),
-                                vc[slots].transpose(0, 1).unsqueeze(0), None, scale))
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 2, 16), (4, 4, 32)])
 def test_paged_decode_equals_sdpa_over_each_context(hq, hkv, d):
     """Contexts of 1 token to several splits (a split reads 128), not whole blocks, through
@@ -71,7 +59,7 @@ def test_paged_decode_equals_sdpa_over_each_context(hq, hkv, d):
         lens_t = torch.tensor(lens, device=DEVICE)
         q = rnd(S, hq, d, seed=6)
         got = ops.paged_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5)
-        torch.testing.assert_close(got, reference_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5))
+        torch.testing.assert_close(got, fused.reference_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5))
         out = torch.full((S + 2, hq * d), 7.0, device=DEVICE)
         ops.paged_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5, out=out[1 : S + 1])
         torch.testing.assert_close(out[1 : S + 1], got, rtol=0, atol=0)

@@ -104,9 +104,9 @@ def decode_max_tokens(config: EngineConfig, running: int, context: int, steps: i
 
 
 def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = DECODE_STEPS,
-                context: int = 128, device_ms: list | None = None) -> float:
-    """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long (on CUDA,
-    the median step's forward on the device, in ms, is appended to device_ms)."""
+                context: int = 128) -> tuple[float, float]:
+    """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long, and the
+    median step's forward on the device in ms (CUDA; 0 elsewhere)."""
     for i in range(running):
         engine.add_request(f"dec-{running}-{i}", context_prompt(items, i, context),
                            SamplingParams(max_tokens=decode_max_tokens(engine.config, running, context, steps),
@@ -119,11 +119,9 @@ def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: i
         assert engine.last_stats.num_decode_tokens == running, engine.last_stats
         times.append(engine.last_stats.step_time_s)
         on_device.append(engine.last_stats.device_time_s)
-    if device_ms is not None:
-        device_ms.append(percentile(on_device, 50) * 1000)
     for rid in list(engine.seqs):
         engine.abort_request(rid)
-    return running / percentile(times, 50)
+    return running / percentile(times, 50), percentile(on_device, 50) * 1000
 
 
 # --<name>-cost runs: what is asked for, the rate compared, max_tokens instead of the items' own
@@ -369,10 +367,8 @@ def main(argv=None) -> int:
         rates = results["decode_by_context"][context] = {}
         device = results["decode_device_ms_by_context"][context] = {}
         for running in (1, 8, 32, 64):
-            on_device: list[float] = []
-            rates[running] = decode_rate(eng, mixed, running, context=context, device_ms=on_device)
-            device[running] = on_device[0]
-            shown = f", {on_device[0]:.2f} ms of it on the device" if on_device[0] else ""
+            rates[running], device[running] = decode_rate(eng, mixed, running, context=context)
+            shown = f", {device[running]:.2f} ms of it on the device" if device[running] else ""
             print(f"decode with {running:>2} running, contexts of {context} tokens: {rates[running]:6.1f} tok/s, "
                   f"{running / rates[running] * 1000:.2f} ms a step{shown}", flush=True)
     results["decode_tok_per_s"] = results["decode_by_context"][contexts[0]]

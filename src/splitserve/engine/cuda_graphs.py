@@ -160,16 +160,16 @@ class DecodeGraphs:
         bs = self.block_size
         ids, pos, tables = buf[:rows], buf[rows : 2 * rows], buf[2 * rows :].view(rows, nb)
         written = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1) * bs + pos % bs
-        every = torch.arange(rows, device=buf.device)
         if self.model.fused is not None:  # attention reads through the block tables: no slot list, no mask
-            batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
-                                ctx_slots=None, dec_rows=every, dec_tables=tables, dec_lens=pos + 1, block_size=bs)
-            return self.model.forward(batch, self.kv)
-        offsets = torch.arange(bs, device=buf.device)
-        read = (tables.unsqueeze(-1) * bs + offsets).view(rows, nb * bs)
-        mask = (torch.arange(nb * bs, device=buf.device) <= pos.unsqueeze(1)).view(rows, 1, 1, nb * bs)
+            reads = dict(dec_tables=tables, dec_lens=pos + 1, block_size=bs)
+        else:
+            offsets = torch.arange(bs, device=buf.device)
+            read = (tables.unsqueeze(-1) * bs + offsets).view(rows, nb * bs)
+            mask = (torch.arange(nb * bs, device=buf.device) <= pos.unsqueeze(1)).view(rows, 1, 1, nb * bs)
+            reads = dict(dec_slots=read, dec_mask=mask)
+        every = torch.arange(rows, device=buf.device)
         batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
-                            ctx_slots=None, dec_rows=every, dec_slots=read, dec_mask=mask)
+                            ctx_slots=None, dec_rows=every, **reads)
         return self.model.forward(batch, self.kv)
 
 

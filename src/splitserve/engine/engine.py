@@ -401,9 +401,10 @@ class LLMEngine:
             ctx_info=torch.tensor(ctx_info, dtype=torch.int64) if ctx_info else None,
             hidden_out=bool(prompt_rows),
         )
+        if dec_rows:
+            batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
         if dec_tables:
             blocks = max(len(t) for t in dec_tables)
-            batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
             batch.dec_tables = torch.tensor([t + [0] * (blocks - len(t)) for t in dec_tables],
                                             dtype=torch.int64).to(dev)
             batch.dec_lens = batch.positions.index_select(0, batch.dec_rows) + 1
@@ -411,7 +412,6 @@ class LLMEngine:
         elif dec_rows:
             lens = torch.tensor([len(t) for t in dec_slots])
             padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)  # [S, longest], 0-padded
-            batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
             batch.dec_slots = padded.to(dev)
             batch.dec_mask = (torch.arange(padded.shape[1]) < lens.unsqueeze(1)).view(len(dec_rows), 1, 1, -1).to(dev)
         return batch

@@ -28,6 +28,9 @@ import logging
 
 import torch
 
+from splitserve.engine.attention import sdpa_decode
+from splitserve.engine.cuda_graphs import pow2_at_least
+
 log = logging.getLogger(__name__)
 
 try:  # pragma: no cover - depends on the environment
@@ -154,19 +157,12 @@ if triton is not None:
         tl.store(out_ptr + t * inter + c, gate / (1.0 + tl.exp(-gate)) * up, mask=m)
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 class FusedOps:
     """The kernels above for one model shape (heads, KV heads, head size)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         assert triton is not None, "Triton is not installed"
-        assert head_dim == _pow2(head_dim) and head_dim % 2 == 0, "head_dim must be a power of two"
+        assert head_dim == pow2_at_least(head_dim, 1) and head_dim % 2 == 0, "head_dim must be a power of two"
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
 
@@ -186,7 +182,7 @@ class FusedOps:
             _rope_qkv_kernel[(T,)](
                 qkv, cos, sin, slots if write else qkv, q, k, k_cache if write else q, v_cache if write else q,
                 qkv.stride(0), cos.stride(0), k_cache.stride(0) if write else 0,
-                HQ=hq, HKV=hkv, D=d, HP=_pow2(hq + 2 * hkv), WRITE=write)
+                HQ=hq, HKV=hkv, D=d, HP=pow2_at_least(hq + 2 * hkv, 1), WRITE=write)
         return q, k, v
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -203,7 +199,7 @@ class FusedOps:
         assert q.stride(2) == 1 and q.stride(1) == d and k_cache.stride(1) == d and out.stride(1) == 1
         span = BLOCK_N * SPLIT_TILES
         nsplit = -(-tables.shape[1] * block_size // span)
-        gp = max(2, _pow2(self.group))
+        gp = pow2_at_least(self.group, 2)
         direct = nsplit == 1
         if direct:
             pacc = pml = out
@@ -217,7 +213,7 @@ class FusedOps:
             NEG=NEG)
         if not direct:
             _combine_kernel[(S, hkv)](pacc, pml, out, out.stride(0), nsplit, G=self.group, GP=gp, D=d,
-                                      SP=max(MIN_SPLIT_SLOTS, _pow2(nsplit)), NEG=NEG)
+                                      SP=pow2_at_least(nsplit, MIN_SPLIT_SLOTS), NEG=NEG)
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -239,7 +235,7 @@ def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device)
     if triton is None:
         log.warning("Triton is not installed: CUDA steps run torch's ops, unfused")
         return None
-    if head_dim != _pow2(head_dim) or num_heads % num_kv_heads:
+    if head_dim != pow2_at_least(head_dim, 1) or num_heads % num_kv_heads:
         log.warning("fused kernels need a power-of-two head size (got %d): CUDA steps run torch's ops",
                     head_dim)
         return None
@@ -255,10 +251,20 @@ def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device)
     return ops
 
 
+def reference_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: float) -> torch.Tensor:
+    """paged_decode's result by torch's ops, one sequence at a time: its context gathered through
+    its table, then SDPA."""
+    rows = []
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        slots = (tables[i].unsqueeze(1) * block_size + torch.arange(block_size, device=q.device)).view(-1)[:n]
+        rows.append(sdpa_decode(q[i : i + 1], k_cache[slots].transpose(0, 1).unsqueeze(0),
+                                v_cache[slots].transpose(0, 1).unsqueeze(0), None, scale))
+    return torch.cat(rows)
+
+
 def self_check(ops: FusedOps, device: torch.device, atol: float = 1e-4) -> str:
     """Run each kernel once on small random inputs against torch's ops: "" or what differed."""
-    from splitserve.engine.attention import sdpa_decode
-
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, bs = ops.hq, ops.hkv, ops.d, 16
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
@@ -281,14 +287,10 @@ def self_check(ops: FusedOps, device: torch.device, atol: float = 1e-4) -> str:
     q2 = rnd(2, hq, d)
     # 256 slots a row: in two splits, the first row's context in both; then 128 slots: in one.
     for width, lens in ((16, [200, 9]), (8, [40, 9])):
-        got = ops.paged_decode(q2, k_cache, v_cache, tables[:, :width], torch.tensor(lens, device=device), bs,
-                               d ** -0.5)
-        for i, n in enumerate(lens):
-            sl = (tables[i, : -(-n // bs)].unsqueeze(1) * bs + torch.arange(bs, device=device)).view(-1)[:n]
-            ref = sdpa_decode(q2[i : i + 1], k_cache[sl].transpose(0, 1).unsqueeze(0),
-                              v_cache[sl].transpose(0, 1).unsqueeze(0), None, d ** -0.5)
-            if not torch.allclose(got[i : i + 1], ref, atol=atol):
-                return f"paged decode attention ({'two splits' if width == 16 else 'one split'})"
+        t, n = tables[:, :width], torch.tensor(lens, device=device)
+        if not torch.allclose(ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5),
+                              reference_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5), atol=atol):
+            return f"paged decode attention ({'two splits' if width == 16 else 'one split'})"
     gu = rnd(3, 2 * 40)
     if not torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:], atol=atol):
         return "SiLU and product"
