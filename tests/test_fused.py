@@ -80,22 +80,58 @@ def test_the_self_check_passes_and_names_what_differs(monkeypatch):
     assert fused.self_check(ops, DEVICE) == "SiLU and product"
 
 
+def test_the_self_check_runs_each_variant_the_engine_uses(monkeypatch):
+    """The decode kernel has a variant per block size, and past 2048 tokens the combine kernel
+    one per power of two of splits: the check runs those of the engine's block size and of its
+    longest context (so none compiles inside a step), and finds a kernel wrong past 16 splits."""
+    assert fused.combine_spans(2048) == []
+    assert fused.combine_spans(2049) == [4096]  # 32 splits of 128 tokens
+    assert fused.combine_spans(8192) == [4096, 8192]
+    ops = fused.FusedOps(4, 2, 16)
+    seen = []
+
+    def spy(name, key):
+        real = getattr(fused, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen.append((key, kw[key]))
+                    return real[grid](*args, **kw)
+                return launch
+        monkeypatch.setattr(fused, name, Spy())
+    spy("_combine_kernel", "SP")
+    spy("_paged_decode_kernel", "BS")
+    for bs, max_context, want in ((16, 4100, {("SP", 16), ("SP", 32), ("SP", 64), ("BS", 16)}),
+                                  (32, 2048, {("SP", 16), ("BS", 32)})):
+        seen.clear()
+        assert fused.self_check(ops, DEVICE, block_size=bs, max_context=max_context) == ""
+        assert set(seen) == want, (bs, seen)
+    monkeypatch.setattr(ops, "paged_decode", lambda q, kc, vc, t, n, bs, scale: (  # wrong past 16 splits
+        torch.zeros(q.shape[0], q.shape[1] * q.shape[2], device=q.device) if t.shape[1] > 16
+        else fused.reference_decode(q, kc, vc, t, n, bs, scale)))
+    assert fused.self_check(ops, DEVICE, max_context=2048) == ""
+    assert fused.self_check(ops, DEVICE, max_context=4100) == "paged decode attention (32 splits)"
+
+
 def test_kernels_that_fail_their_check_or_do_not_suit_are_not_used(monkeypatch, caplog):
     """load() gives None, with a warning naming why, and the engine runs torch's ops."""
     with caplog.at_level("WARNING", logger="splitserve.engine.fused"):
         assert isinstance(fused.load(9, 3, 64, DEVICE), fused.FusedOps)
         assert not caplog.records
         assert fused.load(9, 3, 48, DEVICE) is None  # head size not a power of two
-        monkeypatch.setattr(fused, "self_check", lambda ops, device: "paged decode attention")
+        assert fused.load(9, 2, 64, DEVICE) is None  # query heads not in groups of the KV heads
+        monkeypatch.setattr(fused, "self_check", lambda ops, device, bs, max_context: "paged decode attention")
         assert fused.load(9, 3, 64, DEVICE) is None
 
-        def broken(ops, device):
+        def broken(ops, device, bs, max_context):
             raise RuntimeError("no kernel image is available for execution on the device")
         monkeypatch.setattr(fused, "self_check", broken)
         assert fused.load(9, 3, 64, DEVICE) is None
     warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 3 and "power-of-two head size (got 48)" in warned[0], warned
-    assert "(paged decode attention)" in warned[1] and "no kernel image" in warned[2], warned
+    assert len(warned) == 4 and "power-of-two head size (got 48)" in warned[0], warned
+    assert "query heads (9) to be a multiple of the KV heads (2)" in warned[1], warned
+    assert "(paged decode attention)" in warned[2] and "no kernel image" in warned[3], warned
     assert all("torch's ops" in w for w in warned)
 
 

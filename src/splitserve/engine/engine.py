@@ -116,7 +116,8 @@ class LLMEngine:
             from splitserve.engine import fused  # imports Triton: only where it is used
 
             s = self.model.shape
-            self.model.fused = fused.load(s.num_heads, s.num_kv_heads, s.head_dim, self.device)
+            self.model.fused = fused.load(s.num_heads, s.num_kv_heads, s.head_dim, self.device, config.block_size,
+                                          min(config.max_model_len or s.max_position, s.max_position))
         if tick:
             self.model.on_layer = tick
             self.core_share.idle()

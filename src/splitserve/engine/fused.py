@@ -228,20 +228,27 @@ class FusedOps:
         return out
 
 
-def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> FusedOps | None:
+def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_size: int = 16,
+         max_context: int = 0) -> FusedOps | None:
     """FusedOps for a model's shape on device, checked there against torch's ops; None (with a
     warning naming why) where Triton is missing, the shape does not suit, or the check fails.
-    The engine then runs torch's ops, as it does on the CPU."""
+    The engine then runs torch's ops, as it does on the CPU. block_size: the paged cache's;
+    max_context: the longest context the engine decodes at. The check runs the kernel variants
+    for both, so none compiles inside a step."""
     if triton is None:
         log.warning("Triton is not installed: CUDA steps run torch's ops, unfused")
         return None
-    if head_dim != pow2_at_least(head_dim, 1) or num_heads % num_kv_heads:
+    if head_dim != pow2_at_least(head_dim, 1):
         log.warning("fused kernels need a power-of-two head size (got %d): CUDA steps run torch's ops",
                     head_dim)
         return None
+    if num_heads % num_kv_heads:
+        log.warning("fused kernels need the query heads (%d) to be a multiple of the KV heads (%d): "
+                    "CUDA steps run torch's ops", num_heads, num_kv_heads)
+        return None
     ops = FusedOps(num_heads, num_kv_heads, head_dim)
     try:
-        problem = self_check(ops, device)
+        problem = self_check(ops, device, block_size, max_context)
     except Exception as e:  # a compile or launch failure on this device or Triton build
         problem = f"{type(e).__name__}: {e}"
     if problem:
@@ -263,10 +270,25 @@ def reference_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: 
     return torch.cat(rows)
 
 
-def self_check(ops: FusedOps, device: torch.device, atol: float = 1e-4) -> str:
-    """Run each kernel once on small random inputs against torch's ops: "" or what differed."""
+def combine_spans(max_context: int) -> list[int]:
+    """A block table's span in tokens for each variant of the combine kernel that contexts up to
+    max_context need past the first (2048 tokens): the variants go by the count of splits,
+    rounded up to a power of two."""
+    per_split = BLOCK_N * SPLIT_TILES
+    spans, splits = [], 2 * MIN_SPLIT_SLOTS
+    while (splits // 2) * per_split < max_context:
+        spans.append(splits * per_split)
+        splits *= 2
+    return spans
+
+
+def self_check(ops: FusedOps, device: torch.device, block_size: int = 16, max_context: int = 0,
+               atol: float = 1e-4) -> str:
+    """Run each kernel once on small random inputs against torch's ops: "" or what differed.
+    It runs each variant that the engine's steps use: those for block_size, and for contexts
+    up to max_context."""
     g = torch.Generator().manual_seed(0)
-    hq, hkv, d, bs = ops.hq, ops.hkv, ops.d, 16
+    hq, hkv, d, bs = ops.hq, ops.hkv, ops.d, block_size
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
     T = 5
     qkv = rnd(T, (hq + 2 * hkv) * d)
@@ -283,14 +305,18 @@ def self_check(ops: FusedOps, device: torch.device, atol: float = 1e-4) -> str:
     q1, k1, _ = ops.rope_qkv(qkv, cos, sin)  # without the write (static and dynamic batches)
     if not (torch.equal(q1, q) and torch.equal(k1, k)):
         return "rotary embedding without the KV write"
-    tables = torch.tensor([[5, 1, 7, 2, 6, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 0], [2] + [0] * 15], device=device)
+    order = [5, 1, 7, 2, 6, 3, 4, 0]  # the 8 blocks of the cache above, shuffled
     q2 = rnd(2, hq, d)
-    # 256 slots a row: in two splits, the first row's context in both; then 128 slots: in one.
-    for width, lens in ((16, [200, 9]), (8, [40, 9])):
-        t, n = tables[:, :width], torch.tensor(lens, device=device)
+    # Tables of 128 tokens (one split) and of 256 (two, the first row's context in both), then
+    # as wide as the combine's variants need, with the contexts short.
+    for span in [128, 256] + combine_spans(max_context):
+        width = -(-span // bs)
+        t = torch.tensor([(order * width)[:width], [2] + [0] * (width - 1)], device=device)
+        n = torch.tensor([200 if span > 128 else 40, 9], device=device)
         if not torch.allclose(ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5),
                               reference_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5), atol=atol):
-            return f"paged decode attention ({'two splits' if width == 16 else 'one split'})"
+            splits = -(-width * bs // (BLOCK_N * SPLIT_TILES))
+            return f"paged decode attention ({splits} split{'s' if splits > 1 else ''})"
     gu = rnd(3, 2 * 40)
     if not torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:], atol=atol):
         return "SiLU and product"
