@@ -2479,3 +2479,56 @@ def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_corr
             t.join()
         for c in clients:
             c.close()
+
+
+def test_a_decode_worker_that_leaves_out_prompt_logprobs_fails_the_request_internal():
+    """A decode worker of a release without prompt log probabilities sends a first token without
+    them. The router fails that request INTERNAL, naming why, rather than answer without them;
+    a request that asked for none goes through the same worker; nothing is left counted."""
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    from splitserve.service.grpc_server import options
+    from splitserve.service.redis_state import WorkerInfo, heartbeat
+
+    class Older(worker_pb2_grpc.DecodeWorkerServicer):
+        def __init__(self):
+            self.asked = []
+            self.opened = 0
+
+        def Decode(self, request, context):
+            self.asked.append((request.request_id, list(request.prompt_token_ids)))
+            self.opened += 1
+            yield w.DecodeEvent(accepted=True, open_seq=self.opened, epoch="older")
+            yield w.DecodeEvent(token_ids=[28], text="x", first_token_unix=time.time(), completion_tokens=1)
+            yield w.DecodeEvent(finish_reason="length", completion_tokens=1, close_seq=self.opened)
+
+        def Cancel(self, request, context):
+            return w.CancelResponse(found=False)
+
+    older = Older()
+    server = grpc.server(cf.ThreadPoolExecutor(4), options=options())
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(older, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    stack = _start(prefill=0, decode=0, mode="colocated")  # a router alone; the older worker is its decode worker
+    try:
+        r = stack.redis()
+        info = WorkerInfo(worker_id="older-0", role="decode", address=address, host_id="elsewhere",
+                          free_kv_tokens=1 << 16, kv_capacity_tokens=1 << 16, epoch="older")
+        heartbeat(r, stack.keys, info, lease_s=120)
+        time.sleep(2 * stack.settings.heartbeat_s)  # read by the router
+        with Client(stack.router_address) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate("The capital of France is", max_tokens=1, prompt_logprobs=1, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INTERNAL, e.value
+            assert "prompt log probabilities: 0 came for a" in e.value.details(), e.value.details()
+            done = c.generate("The capital of France is", max_tokens=1, timeout=30)
+            assert list(done.token_ids) == [28] and done.finish_reason == "length"
+        assert len(older.asked) == 2 and all(ids for _, ids in older.asked)  # colocated: each prompt sent along
+        r.delete(stack.keys.worker("decode", "older-0"))
+    finally:
+        try:
+            _finish(stack)
+        finally:
+            server.stop(None)
