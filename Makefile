@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority clean
 
 install: $(STAMP)
 
@@ -69,33 +69,43 @@ bench-sweep: install proto
 bench-disagg: install proto
 	$(VENV)/bin/splitserve bench --compare colocated,disaggregated --rate 1.0 --requests 48 --no-progress --out bench-results/disagg
 
-# The GPU figures of the README in one command, on a CUDA machine: capacity of static and
-# continuous batching (64 clients), the policies at a Poisson rate 1.25x static's capacity, and
-# colocated vs disaggregated at 70% of continuous's capacity. First, the engine's own decode steps
-# with contexts of 128 tokens and of 768 (a bench's longest), with the fused kernels and without;
-# and continuous batching without them at the policies' rate. GPU_DEVICE=cpu GPU_REQUESTS=8 runs the
-# same steps on the CPU (slowly; for checking the recipe; the kernels are CUDA only).
+# Capacity and load, on any device: the capacity of static and continuous batching (64 clients),
+# the three policies at a Poisson rate 1.25x static's capacity, and colocated vs disaggregated at
+# 70% of continuous's capacity. CAP_DEVICE=cuda on a GPU (bench-gpu runs it so); on the CPU,
+# `make bench-capacity` takes about half an hour with the 128 requests of workload_mixed.
+CAP_DEVICE ?= cpu
+CAP_REQUESTS ?= 128
+CAP_OUT ?= bench-results/capacity
+RESULT = $(PY) -c "import json,sys; print(round(float(sys.argv[2]) * json.load(open(sys.argv[1]))['variants'][sys.argv[3]]['request_throughput'], 2))"
+
+bench-capacity: install proto
+	SPLITSERVE_DEVICE=$(CAP_DEVICE) $(VENV)/bin/splitserve bench --compare static,continuous --concurrency 64 \
+		--requests $(CAP_REQUESTS) --warmup 1 --no-progress --out $(CAP_OUT)/capacity
+	SPLITSERVE_DEVICE=$(CAP_DEVICE) $(VENV)/bin/splitserve bench --compare static,dynamic,continuous \
+		--rate $$($(RESULT) $(CAP_OUT)/capacity/results.json 1.25 static) \
+		--requests $(CAP_REQUESTS) --warmup 1 --no-progress --out $(CAP_OUT)/near-static-capacity
+	SPLITSERVE_DEVICE=$(CAP_DEVICE) $(VENV)/bin/splitserve bench --compare colocated,disaggregated \
+		--rate $$($(RESULT) $(CAP_OUT)/capacity/results.json 0.7 continuous) \
+		--requests $$(($(CAP_REQUESTS) / 2)) --warmup 1 --no-progress --out $(CAP_OUT)/disagg
+
+# The GPU figures of the README in one command, on a CUDA machine. First, the engine's own decode
+# steps with contexts of 128 tokens and of 768 (a bench's longest), with the fused kernels and
+# without; then bench-capacity on the GPU; then continuous batching without the kernels at the
+# policies' rate. GPU_DEVICE=cpu GPU_REQUESTS=8 runs the same steps on the CPU (slowly; for checking
+# the recipe; the kernels are CUDA only).
 GPU_DEVICE ?= cuda
 GPU_REQUESTS ?= 512
 GPU_OUT := bench-results/gpu
-RESULT = $(PY) -c "import json,sys; print(round(float(sys.argv[2]) * json.load(open(sys.argv[1]))['variants'][sys.argv[3]]['request_throughput'], 2))"
 
 bench-gpu: install proto
 	$(PY) -m splitserve.bench.engine_bench --device $(GPU_DEVICE) --decode-only --decode-context 128,768 \
 		--out $(GPU_OUT)/decode.json
 	$(PY) -m splitserve.bench.engine_bench --device $(GPU_DEVICE) --decode-only --decode-context 128,768 \
 		--unfused --out $(GPU_OUT)/decode-unfused.json
-	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,continuous --concurrency 64 \
-		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/capacity
-	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare static,dynamic,continuous \
-		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
-		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity
+	$(MAKE) bench-capacity CAP_DEVICE=$(GPU_DEVICE) CAP_REQUESTS=$(GPU_REQUESTS) CAP_OUT=$(GPU_OUT)
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) SPLITSERVE_FUSED_KERNELS=false $(VENV)/bin/splitserve bench --policy continuous \
 		--mode colocated --rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
 		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity-unfused
-	SPLITSERVE_DEVICE=$(GPU_DEVICE) $(VENV)/bin/splitserve bench --compare colocated,disaggregated \
-		--rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 0.7 continuous) \
-		--requests $$(($(GPU_REQUESTS) / 2)) --warmup 1 --no-progress --out $(GPU_OUT)/disagg
 
 bench-priority: install proto
 	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
