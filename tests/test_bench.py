@@ -79,7 +79,14 @@ def test_prefilled_locally_counts_the_successes_their_decode_worker_prefilled():
     results = [_result(i, ttft=0.1, e2e=1.0, n=5) for i in range(4)] + [_result(4, 0, 0, 0, ok=False)]
     for r, who in zip(results, ["prefill-a", "", "", None, ""]):
         r.prefill_worker = who
-    assert loadgen.summarize(results, wall_s=1.0)["prefilled_locally"] == 2  # the failure is not counted
+    from splitserve.bench import cli
+
+    s = loadgen.summarize(results, wall_s=1.0)
+    assert s["prefilled_locally"] == 2  # the failure is not counted
+    assert s["prefill_unknown"] == 1  # the router no longer knew it
+    line = cli._local_prefills_line([("static", s)])
+    assert line == ["prefilled by their decode worker (colocated, or conditional disaggregation): "
+                    "static 2 of 4 (1 no longer known to the router)"], line
 
 
 def test_knee_rule():

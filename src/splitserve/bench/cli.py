@@ -344,8 +344,9 @@ def _server_lines(named_points) -> list[str]:
 def _local_prefills_line(named_points) -> list[str]:
     """One line counting, per (name, point), the requests their decode worker prefilled; none when
     no point knows."""
-    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}" for name, p in named_points
-             if p.get("prefilled_locally") is not None]
+    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}"
+             + (f" ({p['prefill_unknown']} no longer known to the router)" if p.get("prefill_unknown") else "")
+             for name, p in named_points if p.get("prefilled_locally") is not None]
     return ["prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local)] if local else []
 
 

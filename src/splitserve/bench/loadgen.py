@@ -182,9 +182,11 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
         "slo": {"ttft_s": ttft_slo_s, "tpot_s": tpot_slo_s},
         "good_requests": n_good,
         "goodput": n_good / wall_s if wall_s > 0 else 0.0,
-        # prefilled by their decode worker (None: not known for any request)
+        # prefilled by their decode worker (None: not known for any request), and the successes
+        # the router no longer knew afterwards (their hash expired: FINISHED_TTL_S in a long run)
         "prefilled_locally": (sum(1 for r in ok if r.prefill_worker == "")
                               if any(r.prefill_worker is not None for r in ok) else None),
+        "prefill_unknown": sum(1 for r in ok if r.prefill_worker is None),
     }
     if any(r.priority for r in results):  # latency by priority class
         out["by_priority"] = {}
