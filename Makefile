@@ -91,7 +91,8 @@ bench-capacity: install proto
 # The GPU figures of the README in one command, on a CUDA machine. First, the engine's own decode
 # steps with contexts of 128 tokens and of 768 (a bench's longest), with the fused kernels and
 # without; then bench-capacity on the GPU; then continuous batching without the kernels at the
-# policies' rate. GPU_DEVICE=cpu GPU_REQUESTS=8 runs the same steps on the CPU (slowly; for checking
+# policies' rate, and disaggregated with prefill forwards of 512 tokens, not 2048 (on one GPU the
+# prefill worker's forwards hold up the decode worker's steps). GPU_DEVICE=cpu GPU_REQUESTS=8 runs the same steps on the CPU (slowly; for checking
 # the recipe; the kernels are CUDA only).
 GPU_DEVICE ?= cuda
 GPU_REQUESTS ?= 512
@@ -106,6 +107,9 @@ bench-gpu: install proto
 	SPLITSERVE_DEVICE=$(GPU_DEVICE) SPLITSERVE_FUSED_KERNELS=false $(VENV)/bin/splitserve bench --policy continuous \
 		--mode colocated --rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 1.25 static) \
 		--requests $(GPU_REQUESTS) --warmup 1 --no-progress --out $(GPU_OUT)/near-static-capacity-unfused
+	SPLITSERVE_DEVICE=$(GPU_DEVICE) SPLITSERVE_PREFILL_TOKEN_BUDGET=512 $(VENV)/bin/splitserve bench --policy continuous \
+		--mode disaggregated --rate $$($(RESULT) $(GPU_OUT)/capacity/results.json 0.7 continuous) \
+		--requests $$(($(GPU_REQUESTS) / 2)) --warmup 1 --no-progress --out $(GPU_OUT)/disagg-prefill-512
 
 bench-priority: install proto
 	$(VENV)/bin/splitserve bench --rate 2.0 --requests 48 --high-priority 0.25 --no-progress --out bench-results/priority
