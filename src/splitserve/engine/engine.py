@@ -76,6 +76,11 @@ class LLMEngine:
         self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, shape.vocab_size,
                                                                      self.eos_token_ids)
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
+        if config.fused_kernels and self.device.type == "cuda":
+            from splitserve.engine import fused  # imports Triton: only where it is used
+
+            self.model.fused = fused.load(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.device,
+                                          config.block_size, self.max_model_len)
         graphs = config.cuda_graphs and self.device.type == "cuda"
         continuous = config.policy == "continuous"
         self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
@@ -112,12 +117,6 @@ class LLMEngine:
             if lib is not None:
                 self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick)
         self.model.to(self.device)
-        if config.fused_kernels and self.device.type == "cuda":
-            from splitserve.engine import fused  # imports Triton: only where it is used
-
-            s = self.model.shape
-            self.model.fused = fused.load(s.num_heads, s.num_kv_heads, s.head_dim, self.device, config.block_size,
-                                          min(config.max_model_len or s.max_position, s.max_position))
         if tick:
             self.model.on_layer = tick
             self.core_share.idle()

@@ -44,6 +44,12 @@ BLOCK_N = 32  # context tokens per loop iteration of the decode kernel
 NEG = -1.0e30  # a score below any real one (the decode kernel's -inf)
 MIN_SPLIT_SLOTS = 16  # the combine kernel takes up to this many splits (2048 tokens) in one variant
 SPLIT_TILES = 4  # iterations per program: a program reads at most BLOCK_N * SPLIT_TILES tokens
+SPLIT_TOKENS = BLOCK_N * SPLIT_TILES  # a split's span of context
+
+
+def num_splits(blocks: int, block_size: int) -> int:
+    """The splits (programs per sequence and KV head) of decode attention over a table of blocks."""
+    return -(-blocks * block_size // SPLIT_TOKENS)
 
 
 if triton is not None:
@@ -197,8 +203,7 @@ class FusedOps:
         if S == 0:
             return out
         assert q.stride(2) == 1 and q.stride(1) == d and k_cache.stride(1) == d and out.stride(1) == 1
-        span = BLOCK_N * SPLIT_TILES
-        nsplit = -(-tables.shape[1] * block_size // span)
+        nsplit = num_splits(tables.shape[1], block_size)
         gp = pow2_at_least(self.group, 2)
         direct = nsplit == 1
         if direct:
@@ -274,10 +279,9 @@ def combine_spans(max_context: int) -> list[int]:
     """A block table's span in tokens for each variant of the combine kernel that contexts up to
     max_context need past the first (2048 tokens): the variants go by the count of splits,
     rounded up to a power of two."""
-    per_split = BLOCK_N * SPLIT_TILES
     spans, splits = [], 2 * MIN_SPLIT_SLOTS
-    while (splits // 2) * per_split < max_context:
-        spans.append(splits * per_split)
+    while (splits // 2) * SPLIT_TOKENS < max_context:
+        spans.append(splits * SPLIT_TOKENS)
         splits *= 2
     return spans
 
@@ -315,7 +319,7 @@ def self_check(ops: FusedOps, device: torch.device, block_size: int = 16, max_co
         n = torch.tensor([200 if span > 128 else 40, 9], device=device)
         if not torch.allclose(ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5),
                               reference_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5), atol=atol):
-            splits = -(-width * bs // (BLOCK_N * SPLIT_TILES))
+            splits = num_splits(width, bs)
             return f"paged decode attention ({splits} split{'s' if splits > 1 else ''})"
     gu = rnd(3, 2 * 40)
     if not torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:], atol=atol):
