@@ -56,7 +56,9 @@ def _finish(stack):
 
 @pytest.fixture(scope="module")
 def stack():
-    s = _start(max_queue_requests=64, max_queue_tokens=1 << 20, routers=2)  # a second router for Abort's tests
+    # a second router for Abort's tests; masks of formats up to 2 ms, for a clear margin in the test of
+    # one that turns costly while generating (~7 ms a mask; the other formats' take below 0.7 ms)
+    s = _start(max_queue_requests=64, max_queue_tokens=1 << 20, routers=2, max_mask_ms=2.0)
     yield s
     _finish(s)
 
@@ -2152,6 +2154,43 @@ def test_penalties_give_the_in_process_engines_tokens(stack, client, smol_loaded
     other = eng.generate([ids], SamplingParams(**kw, logit_bias=banned))[0]
     assert other[0] == want[0] and not set(other[1:]) & set(banned)
     assert list(client.generate(token_ids=ids, timeout=120, logit_bias=banned, **kw).token_ids) == other
+
+
+def test_a_format_that_turns_costly_while_generating_fails_invalid_argument_alone(stack, client):
+    """The router times a format's first mask only; this one's first three cost nothing, and each
+    after ~7 ms (above the stack's max_mask_ms, 2). The decode worker ends its stream
+    INVALID_ARGUMENT naming the field once three of its last five masks took longer; the request
+    beside it in the batch finishes, and the request is recorded failed."""
+    import re
+
+    from test_structured import COSTLY_LATER
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(client.generate, "Tell me about the sea.", max_tokens=40, ignore_eos=True, timeout=120)
+        chunks = []
+        with pytest.raises(grpc.RpcError) as e:
+            for chunk in client.generate_stream("Three digits, then letters:", max_tokens=64, request_id="costly-later",
+                                                structured_output={"regex": COSTLY_LATER}, timeout=120):
+                chunks.append(chunk)
+        beside = other.result()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert e.value.details().startswith("sampling.structured_output.regex: too costly while generating: "), \
+        e.value.details()
+    text = "".join(c.text for c in chunks)  # what came before the status: the format's start
+    assert re.fullmatch("[0-9]{3}a*", text) and len([t for c in chunks for t in c.token_ids]) == 5, text
+    assert beside.finish_reason == "length" and beside.usage.completion_tokens == 40
+    info = client.get_request("costly-later")
+    assert info.state == "failed" and "too costly while generating" in info.error
+    assert info.prefill_worker  # the first token came from a prefill worker, the rest from the decode worker
+    # n = 2: with this seed, sample 0 takes the costly branch and sample 1 the cheap one, which would
+    # run to max_tokens; the stream ends at sample 0's failure, and sample 1 is stopped with it
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("Write something:", n=2, temperature=1.0, seed=1, max_tokens=2000, ignore_eos=True,
+                        structured_output={"regex": COSTLY_LATER + "|b[a-z ]+"}, timeout=120)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too costly" in e.value.details()
+    t = time.monotonic()
+    wait_for(lambda: kv_idle(stack), timeout=15, what="the other sample stopped, its KV freed")
+    assert time.monotonic() - t < 10  # (2000 tokens take 20 s and more here)
 
 
 def test_structured_output_gives_the_in_process_engines_tokens(stack, client, smol_loaded):

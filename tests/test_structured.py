@@ -222,13 +222,16 @@ def test_constrain_masks_to_the_allowed_tokens_and_banned_ones_only_when_others_
     constrain(row, [SampleRow(SamplingParams(), None, banned=(2,), matcher=m)])
     left = torch.isfinite(row).nonzero().view(-1).tolist()
     assert 2 in left and len(left) <= 2  # EOS (and the tokenizer's <|endoftext|>, which llguidance ends on too)
-    # a matcher in error (past one of llguidance's limits, say) allows only EOS: its request ends
+    # a matcher in error (past one of llguidance's limits, say) rules nothing: its request fails,
+    # naming the field, without the token it was not held to
     m = eng.grammars.matcher(fmt)
     assert not m.consume_token(eight + 1) and m.is_error()
     eng.add_request("e", [1, 2, 3], SamplingParams(max_tokens=8, structured_output=fmt))
     eng.seqs["e"].matcher = m
     (out,) = eng.step()
-    assert out.finished and out.new_token_ids in ([0], [2])
+    assert out.finished and out.finish_reason == "error" and out.new_token_ids == []
+    assert isinstance(out.exception, InvalidRequestError) and out.exception.field == "sampling.structured_output.choice"
+    assert out.error.startswith("sampling.structured_output.choice: failed while generating: ")
 
     class AllowsNothing:  # a mask of no token at all is not applied (sampling -inf everywhere gives NaN)
         def unsafe_compute_mask_ptr(self, ptr, size):
@@ -237,6 +240,68 @@ def test_constrain_masks_to_the_allowed_tokens_and_banned_ones_only_when_others_
     row = torch.zeros(1, 49152)
     constrain(row, [SampleRow(SamplingParams(), None, matcher=AllowsNothing())])
     assert torch.isfinite(row).all()
+
+
+# Cheap at first, costly later: its first three masks (digits) take ~0.0 ms, each after ~7 ms here
+# (llguidance builds a{40000}'s states as the output goes), so admission's check of the first mask
+# lets it through. [0-9]{3}a{60000} goes further: llguidance errs at its first "a".
+COSTLY_LATER = r"[0-9]{3}a{40000}"
+ERRS_LATER = r"[0-9]{3}a{60000}"
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_a_format_that_turns_costly_while_generating_fails_its_request_alone(engine_factory, policy):
+    """Every step of a batch waits for each row's mask. A format whose masks take more than
+    max_mask_ms (CPU time) in 3 of its last 5 steps ends its request "error", naming the field and
+    the masks' times; the other rows of the batch (another format, none) go on to their ends."""
+    eng = engine_factory(policy=policy, max_mask_ms=1.0)  # 7x below the costly masks, 10x above the phone's
+    eng.add_request("costly", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput(
+        "regex", COSTLY_LATER)))
+    eng.add_request("phone", [1, 2, 3, 4], SamplingParams(max_tokens=30, structured_output=FORMATS["regex"][0]))
+    eng.add_request("plain", [1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True))
+    outs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+    costly, phone, plain = outs["costly"][-1], outs["phone"][-1], outs["plain"][-1]
+    assert costly.finish_reason == "error" and isinstance(costly.exception, InvalidRequestError)
+    assert costly.exception.field == "sampling.structured_output.regex"
+    assert "too costly while generating" in costly.error and "(at most 1)" in costly.error
+    took = [float(ms) for ms in re.search(r"masks took ([0-9., ]+) ms", costly.error).group(1).split(", ")]
+    assert len(took) == 5 and sum(ms > 1.0 for ms in took) == 3  # failed at its third costly mask
+    text = "".join(o.new_text for o in outs["costly"])
+    assert re.fullmatch("[0-9]{3}a+", text) and costly.num_output_tokens == 5, text  # 3 digits, 2 tokens of a's
+    assert phone.finish_reason == "stop" and re.fullmatch(PHONE, "".join(o.new_text for o in outs["phone"]))
+    assert plain.finish_reason == "length" and plain.num_output_tokens == 20 and plain.error is None
+
+
+def test_a_format_that_errs_while_generating_fails_its_request(engine_factory):
+    eng = engine_factory()
+    eng.add_request("errs", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput(
+        "regex", ERRS_LATER)))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].finish_reason == "error" and outs[-1].exception.field == "sampling.structured_output.regex"
+    # llguidance's reason, its first line only (the rest is its parser's state)
+    assert outs[-1].error == ("sampling.structured_output.regex: failed while generating: lexer error: too many "
+                              "expressions constructed")
+    assert re.fullmatch("[0-9]{3}a+", "".join(o.new_text for o in outs))
+
+
+def test_masks_are_timed_in_cpu_time_per_row(engine_factory):
+    from collections import deque
+
+    eng = engine_factory()
+    costly = eng.grammars.matcher(StructuredOutput("regex", COSTLY_LATER), eng.tokenizer.encode("123"))
+    rows = [SampleRow(SamplingParams(), None, matcher=costly, mask_ms=deque(maxlen=5)),
+            SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(FORMATS["regex"][0]),
+                      mask_ms=deque(maxlen=5)),
+            SampleRow(SamplingParams(), None)]
+    constrain(torch.zeros(3, 49152), rows)
+    (first,), (phone,) = rows[0].mask_ms, rows[1].mask_ms
+    assert first > 1.0 and 0 <= phone < 1.0, (first, phone)  # the a{40000} part's first mask: ~20 ms here
+    assert rows[2].mask_ms is None
 
 
 def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factory, tiny_tok_loaded):

@@ -316,6 +316,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ev.finish_reason = out.finish_reason or "error"
             if out.error:
                 ev.error = out.error
+                if out.exception is not None:  # the engine's reason (a format that failed: INVALID_ARGUMENT)
+                    ev.error_code = code_of(out.exception).value[0]
+                if slot.samples_left > 1:  # the stream ends here: the request's other samples stop too
+                    self.runner.submit_nowait(lambda e, rid=slot.request_id: e.abort_request(rid))
             slot.samples_left -= 1
             if slot.samples_left > 0 and not out.error and ev.finish_reason != "cancelled":
                 ev.more = True  # (the stream goes on: other samples of the request still run)

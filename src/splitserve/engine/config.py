@@ -59,6 +59,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     fused_kernels: bool = True  # CUDA: Triton kernels for rotary + KV write, decode attention, SiLU (fused.py)
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)
+    # Structured output: a format's token mask may take at most this (structured.MAX_MASK_MS).
+    max_mask_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -75,6 +77,8 @@ class EngineConfig:
         if self.attention_backend not in ("native", "torch"):
             raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
         check_device(self.device)
+        if not 0 < self.max_mask_ms < float("inf"):
+            raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

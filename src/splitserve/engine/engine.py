@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import torch
 
@@ -26,6 +26,7 @@ from splitserve.engine.model import LlamaModel
 from splitserve.engine.outputs import (
     FINISH_CANCELLED,
     FINISH_EOS,
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     RequestOutput,
@@ -38,7 +39,7 @@ from splitserve.engine.sampling import (SampleRow, SamplingParams, Seen, new_gen
                                        token_logprobs)
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
-from splitserve.engine.structured import Grammars
+from splitserve.engine.structured import MASK_WINDOW, Grammars
 
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
 SAMPLE_SEP = "/"  # a request's sample i > 0 runs here as <request id>/<i> (params.n > 1)
@@ -74,7 +75,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.config.eos_with(self.tokenizer)
         shape = self.model.shape
         self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, shape.vocab_size,
-                                                                     self.eos_token_ids)
+                                                                     self.eos_token_ids, config.max_mask_ms)
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
         if config.fused_kernels and self.device.type == "cuda":
             from splitserve.engine import fused  # imports Triton: only where it is used
@@ -237,6 +238,7 @@ class LLMEngine:
             generator=generator if generator is not None else new_generator(params),
             cache_salt=cache_salt,
             matcher=matcher,
+            mask_ms=deque(maxlen=MASK_WINDOW) if matcher is not None else None,
         )
         if self.tokenizer is not None:
             seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len], params.skip_special_tokens)
@@ -424,11 +426,17 @@ class LLMEngine:
             banned = seq.params.stop_token_ids
             if not seq.params.ignore_eos:
                 banned += tuple(self.eos_token_ids)
-        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher)
+        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher,
+                         seq.mask_ms)
 
     def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (and its log probability, when the request asks) to seq and finish it
-        if a stop condition holds."""
+        if a stop condition holds. A sequence held to a format that failed while its mask was made
+        (Grammars.failure) ends "error" instead, without the token, which the format did not rule."""
+        if seq.matcher is not None and (err := self.grammars.failure(seq.params.structured_output, seq.matcher,
+                                                                     seq.mask_ms)) is not None:
+            self._fail(seq, err)
+            return
         seq.token_ids.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
@@ -449,7 +457,10 @@ class LLMEngine:
             reason = FINISH_EOS
         elif past_min and p.stop and _cut_at_stop(seq):
             reason, flush = FINISH_STOP, False
-        elif seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error()):
+        elif seq.matcher is not None and seq.matcher.is_error():  # consuming the token met one of its limits
+            seq.error = self.grammars.failure(seq.params.structured_output, seq.matcher, None)
+            reason = FINISH_ERROR
+        elif seq.matcher is not None and seq.matcher.is_stopped():
             reason = FINISH_STOP  # the format is complete (nothing may follow)
         elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = FINISH_LENGTH
@@ -463,6 +474,13 @@ class LLMEngine:
             self._finish(seq, reason, flush)
         elif seq.prefill_only:
             self._park(seq)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End seq "error" for this reason. (A request's other samples, params.n > 1, run on: whoever
+        ends the request aborts them, as a decode worker does.)"""
+        log.info("request %s ends: %s", seq.parent or seq.request_id, error)
+        seq.error = error
+        self._finish(seq, FINISH_ERROR)
 
     def _fork(self, first: Sequence) -> None:
         """Start a request's samples after the first (params.n > 1), now that the first's prompt KV
@@ -537,6 +555,8 @@ class LLMEngine:
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
             num_cached_tokens=seq.num_cached_tokens,
+            error=None if seq.error is None else str(seq.error),
+            exception=seq.error,
             new_logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

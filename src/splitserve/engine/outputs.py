@@ -36,6 +36,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed)
     error: str | None = None
+    exception: Exception | None = None  # with error, where the engine raised one: servers map it to a status
     new_logprobs: list[TokenLogprob] | None = None  # with params.logprobs: one per new token
     # With params.prompt_logprobs, on the output of the first token: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None

@@ -9,6 +9,8 @@ the sequence when its KV is handed to another engine.
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +57,7 @@ class SampleRow:
     banned: tuple[int, ...] = field(default=())  # token ids masked out (EOS before min_tokens)
     seen: Seen | None = None  # with penalties
     matcher: object | None = None  # with structured output: its llguidance matcher, at the row's next token
+    mask_ms: deque | None = None  # with a matcher: constrain() appends the CPU milliseconds its mask took
 
 
 def penalize(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -103,7 +106,10 @@ def constrain(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     words = (vocab + 31) // 32
     bits = torch.empty((len(idx), words), dtype=torch.int32)
     for j, i in enumerate(idx):  # llguidance writes each row's bits (token t: bit t % 32 of word t // 32)
+        t = time.thread_time_ns()  # on this thread, which llguidance computes on: its CPU time, no waits
         rows[i].matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
+        if rows[i].mask_ms is not None:
+            rows[i].mask_ms.append((time.thread_time_ns() - t) / 1e6)
     ruled_out = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(len(idx), -1)[:, :vocab] == 0
     for j, i in enumerate(idx):
         if ruled_out[j].all():  # an erring matcher (its limits): unmasked; the token it then refuses ends the row

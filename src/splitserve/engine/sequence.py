@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +58,8 @@ class Sequence:
     cache_entry: int | str = 0  # the prefix cache's entry for the last of them (kv_cache.BlockPool), or the root
     # With params.structured_output: its llguidance matcher, fed every output token so far (structured.py).
     matcher: object | None = None
+    mask_ms: deque | None = None  # with a matcher: the CPU milliseconds of its last masks (Grammars.failure)
+    error: Exception | None = None  # finish_reason "error": why (an InvalidRequestError naming the field)
     # params.n > 1: the samples after the first are sequences of their own, made from the first's
     # prompt KV once its first token is sampled (LLMEngine._fork): request_id "<parent>/<index>".
     index: int = 0

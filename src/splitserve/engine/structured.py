@@ -25,11 +25,16 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_FORMAT_CHARS = 65536  # a format's text (a choice's strings together): compiled in every process it reaches
 MAX_CHOICES = 1024
 _CACHED_FORMATS = 64  # compiled matchers kept per process, the least recently used going first
-# The time a format's first mask may take, which every step of its row's batch would wait for: a
-# regex a{60000} took 22 ms a step (a third of a 32-row decode step here), and none of llguidance's
-# limits bounds it; the formats of the tests and a 5000-way Lark choice take 0.02-0.6 ms. The
-# lesser of two tries counts (this machine is noisy).
+# The time a format's mask may take, which every step of its row's batch waits for: a regex
+# a{60000} took 22 ms a step (a third of a 32-row decode step here), and none of llguidance's limits
+# bounds it; the formats of the tests and a 5000-way Lark choice take 0.02-0.6 ms. Masks are timed in
+# CPU time (waits for the GIL or the cores not counted). Admission times the first mask (the lesser
+# of two tries). Some formats are cheap at first and costly later ([0-9]{3}a{40000}: 0.0 ms for
+# three tokens, then 7 ms each), so an engine times every mask too, and ends a sequence whose masks
+# took more than this in MASK_STRIKES of its last MASK_WINDOW steps (a lone spike is forgiven).
 MAX_MASK_MS = 5.0
+MASK_WINDOW = 5
+MASK_STRIKES = 3
 _ERROR_CHARS = 600  # of llguidance's message, in an InvalidRequestError
 # Whitespace between JSON's tokens: a line break and an indentation, or spaces alone; llguidance's
 # default (any run of whitespace) let a model write whitespace until max_tokens, which a tiny
@@ -99,9 +104,10 @@ class StructuredOutput:
 
 
 def _mask_ms(matcher) -> float:
-    t = time.perf_counter()
+    """The CPU time of the matcher's next mask, in ms (llguidance makes it on the calling thread)."""
+    t = time.thread_time_ns()
     matcher.compute_bitmask()
-    return (time.perf_counter() - t) * 1e3
+    return (time.thread_time_ns() - t) / 1e6
 
 
 def _literal(text: str) -> str:
@@ -114,8 +120,9 @@ class Grammars:
     ~0.2 s for SmolLM2's) and the matchers of the formats seen last, each copied for a sequence.
     Thread-safe: a worker checks requests on its event loop while its engine steps elsewhere."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_mask_ms: float = MAX_MASK_MS):
         self._tokenizer = tokenizer
+        self.max_mask_ms = max_mask_ms
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltok = None
@@ -133,12 +140,26 @@ class Grammars:
     def matcher(self, fmt: StructuredOutput, tokens: list[int] = ()):
         """A fresh matcher of the format, fed tokens already generated (InvalidRequestError if the
         format does not compile; ValueError if the tokens do not follow it). A matcher that errs
-        later (past one of llguidance's limits) ends its request: the engine finishes it "stop"
-        and logs llguidance's message."""
+        later (past one of llguidance's limits), or whose masks turn too costly, fails its request
+        (failure())."""
         m = self._compile(fmt).deep_copy()
         if tokens and not m.consume_tokens(list(tokens)):
             raise ValueError(f"the tokens generated so far do not follow {fmt.field}: {m.get_error()}")
         return m
+
+    def failure(self, fmt: StructuredOutput, matcher, mask_ms) -> InvalidRequestError | None:
+        """Why a sequence held to fmt cannot go on, or None: its matcher erred (one of llguidance's
+        limits, met past the first token), or its masks (mask_ms: the CPU milliseconds of its last
+        masks, newest last) took more than max_mask_ms in MASK_STRIKES of its last MASK_WINDOW."""
+        if matcher.is_error():  # (llguidance's message: its first line; the rest is the parser's state)
+            first = matcher.get_error().strip().split("\n", 1)[0]
+            return InvalidRequestError(fmt.field, f"failed while generating: {first[:_ERROR_CHARS]}")
+        if mask_ms and sum(ms > self.max_mask_ms for ms in mask_ms) >= MASK_STRIKES:
+            took = ", ".join(f"{ms:.1f}" for ms in mask_ms)
+            return InvalidRequestError(fmt.field, f"too costly while generating: its last token masks took {took} ms "
+                                                  f"(at most {self.max_mask_ms:g}), which every step of its batch "
+                                                  f"waits for")
+        return None
 
     def _compile(self, fmt: StructuredOutput):
         with self._lock:
@@ -161,9 +182,9 @@ class Grammars:
         m = LLMatcher(self._llguidance_tokenizer(), fmt.grammar(), log_level=0)  # drops the GIL while it compiles
         if not m.is_error():
             ms = min(_mask_ms(m), _mask_ms(m.deep_copy()))
-            if ms > MAX_MASK_MS:
+            if ms > self.max_mask_ms:
                 raise InvalidRequestError(fmt.field, f"too costly: a token mask takes {ms:.1f} ms (at most "
-                                                     f"{MAX_MASK_MS:g}), which every step of its batch waits for")
+                                                     f"{self.max_mask_ms:g}), which every step of its batch waits for")
         if m.is_error():
             raise InvalidRequestError(fmt.field, m.get_error()[:_ERROR_CHARS])
         return m

@@ -438,6 +438,16 @@ class PrefillWorker:
         if fl is None:
             return
         fl.t_end = time.time()
+        if out.error:  # its format failed at the first token (Grammars.failure): the request fails
+            with self.lock:
+                self.inflight.pop(out.request_id, None)
+            fl.span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
+            fl.span.end(end_time=tracing.ns(fl.t_end))
+            self._ack(fl.stream, fl.entry_id)
+            self.metrics.jobs.labels("failed").inc()
+            code = code_of(out.exception) if out.exception is not None else grpc.StatusCode.INTERNAL
+            self.peers.submit(fl.job.decode_address, "handoff", self._give_up, fl.job, code, out.error)
+            return
         fl.cached_tokens = out.num_cached_tokens
         fl.span.set_attribute("splitserve.prefix_cache.tokens", out.num_cached_tokens)
         fl.span.end(end_time=tracing.ns(fl.t_end))

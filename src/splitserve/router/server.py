@@ -157,7 +157,8 @@ class Frontend:
         self.context = config.context_length
         # Structured output's formats are compiled here too, so one that does not is refused before it is queued.
         self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab,
-                                                                     config.eos_with(self.tokenizer))
+                                                                     config.eos_with(self.tokenizer),
+                                                                     settings.max_mask_ms)
 
     def max_request_bytes(self) -> int:
         """The largest GenerateRequest worth reading: a text the context could hold (4 bytes a
@@ -688,6 +689,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self.placements.ended(worker.worker_id, placed)
             raise
         state = "failed"
+        failure = ""  # the decode worker's message, when its stream ends with an error
         queued = False
         active = None
         sent = 0  # completion tokens streamed so far (of all samples)
@@ -758,7 +760,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         close_seq = ev.close_seq or close_seq
                         if ev.error:
                             code = status_code(ev.error_code) if ev.error_code else None
-                            raise UpstreamError(ev.error if code else f"decode failed: {ev.error}", code)
+                            failure = ev.error if code else f"decode failed: {ev.error}"
+                            raise UpstreamError(failure, code)
                         if (ev.logprobs or ev.prompt_logprobs) and self.front.tokenizer is not None:
                             await self._name_tokens(ev)
                         if ev.token_ids and not active.first and self.affinity:
@@ -847,7 +850,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if queued or (active is not None and active.queued):
                     await self._dequeue(rid, len(ids))
                 if state in ("cancelled", "failed"):
-                    mark = self._mark(rid, state, error=active.lost if active is not None else "")
+                    mark = self._mark(rid, state, error=failure or (active.lost if active is not None else ""))
                     # Redis not answering: recording it would keep the client waiting as long again.
                     if isinstance(sys.exc_info()[1], REDIS_UNREACHABLE):
                         self.background.start(mark)

@@ -40,6 +40,7 @@ class Settings:
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
     trace_file_max_bytes: int = 64 << 20  # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
+    max_mask_ms: float = 5.0  # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
     core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers together
@@ -97,6 +98,8 @@ class Settings:
             raise ValueError(f"prefix_affinity_slack must be >= 0 (-1 = off), got {self.prefix_affinity_slack}")
         if self.trace_file_max_bytes < 0:
             raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
+        if not 0 < self.max_mask_ms < float("inf"):
+            raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not 0 <= self.engine_stall_s < float("inf"):
@@ -151,7 +154,7 @@ class Settings:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
         compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
                        fused_kernels=self.fused_kernels, core_share=self.core_share_board,
-                       prefix_caching=self.prefix_caching)
+                       prefix_caching=self.prefix_caching, max_mask_ms=self.max_mask_ms)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
