@@ -38,6 +38,10 @@ def _start(**kw):
 def _assert_idle(stack):
     """Leak checks: no KV or arena region held, no key without a TTL, the queue's counts at zero."""
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
+    for p in stack.procs:  # and the prefill engines' own blocks (those kept for a handoff included)
+        if p.name.startswith("prefill") and p.popen.poll() is None and p.metrics_address:
+            wait_for(lambda p=p: scrape(p.metrics_address).get("splitserve_kv_cache_blocks_used") == 0, timeout=5,
+                     what=f"{p.name}'s KV blocks back to zero")
     assert keys_without_ttl(stack) == []
     assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
     assert int(stack.redis().hget(stack.keys.admission, LOCAL_FIELD) or 0) == 0  # ... those prefilled locally too
@@ -336,18 +340,21 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
         _finish(s)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["records-unshared", "records-shared"])
-def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_whole_when_it_was_evicted(
-        smol_loaded, shared):
-    """KV over gRPC, two routers, one decode worker with a small KV cache. A chat's next turn (via
-    router 0, which saw the last one) is handed over without the KV of the last turn's prompt and
-    completion, which the decode worker holds: fewer bytes, the same tokens as the whole handoff
-    (under another salt). Then router 1's traffic evicts that prefix from the decode worker;
-    with the routers keeping their records to themselves, router 0 does not hear of it and still
-    expects the prefix, so the next turn's partial KV is refused (FAILED_PRECONDITION) and sent
-    whole, and the request is served all the same. With the records shared, router 0 models the
-    eviction from router 1's entries and sends the KV whole at once: no refusal."""
-    s = _start(routers=2, kv_transport="grpc", kv_cache_bytes=40 << 20, share_prefix_records=shared)
+@pytest.mark.parametrize("transport, shared", [("grpc", False), ("grpc", True), ("shm", False)],
+                         ids=["grpc-records-unshared", "grpc-records-shared", "shm-records-unshared"])
+def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whole_when_it_was_evicted(
+        smol_loaded, transport, shared):
+    """Two routers, one decode worker with a small KV cache. A chat's next turn (via router 0,
+    which saw the last one) is handed over without the KV of the last turn's prompt and
+    completion, which the decode worker holds: fewer bytes (sent over gRPC, or written to the
+    shared-memory region), the same tokens as the whole handoff (under another salt). Then router
+    1's traffic evicts that prefix from the decode worker; with the routers keeping their records
+    to themselves, router 0 does not hear of it and still expects the prefix, so the next turn's
+    partial KV is refused (FAILED_PRECONDITION) and sent whole (over shared memory: a new region,
+    written from the KV the prefill engine kept for it), and the request is served all the same.
+    With the records shared, router 0 models the eviction from router 1's entries and sends the KV
+    whole at once: no refusal."""
+    s = _start(routers=2, kv_transport=transport, kv_cache_bytes=40 << 20, share_prefix_records=shared)
     tok = smol_loaded.tokenizer
     per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2's KV, fp32
     try:
@@ -359,7 +366,7 @@ def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_wh
             b = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="part-b", timeout=120)
             ib = c.get_request("part-b")
             held = (len(first) + 7) // 16 * 16  # its prompt's and all but its last token's blocks
-            assert (ib.kv_transport, ib.kv_bytes) == ("grpc", 64 + per_token * (len(turn) - held))
+            assert (ib.kv_transport, ib.kv_bytes) == (transport, 64 + per_token * (len(turn) - held))
             whole = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, cache_salt="x", request_id="part-bx",
                                timeout=120)
             assert c.get_request("part-bx").kv_bytes == 64 + per_token * len(turn)
@@ -378,7 +385,8 @@ def test_kv_sent_as_bytes_leaves_out_what_the_decode_worker_holds_and_is_sent_wh
                 assert applied == 0
             turn2 = turn + list(b.token_ids) + tok.encode(" Once more.")
             d = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, request_id="part-d", timeout=120)
-            assert c.get_request("part-d").kv_bytes == 64 + per_token * len(turn2)  # sent whole
+            id_ = c.get_request("part-d")
+            assert (id_.kv_transport, id_.kv_bytes) == (transport, 64 + per_token * len(turn2))  # sent whole
             refusals = 0 if shared else 1
             assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == refusals
             assert scrape(s.proc("decode-0").metrics_address).get(

@@ -34,11 +34,12 @@ its turns one after another; runs alternate between the stacks, each under a sal
 tokens found in a cache, and how many turns their decode worker prefilled.
 
 --partial-kv: the same chats through two stacks of 1 prefill and 1 decode worker that hand KV
-over as bytes (kv_transport grpc; local_prefill_max_tokens 0, so every turn goes to the prefill
-worker): "partial" (prefix affinity on: the KV of a chat's last turn, which the decode worker
-holds, is not sent) and "whole" (prefix_affinity_slack -1: all of it is). With one decode
-worker both place every turn alike; they differ only in the bytes sent. Measured besides: the
-KV bytes received (GetRequest's kv_bytes) and the later turns' KV transfer time (p50).
+over as bytes (kv_transport grpc, or --kv-transport shm: written to the shared-memory region;
+local_prefill_max_tokens 0, so every turn goes to the prefill worker): "partial" (prefix
+affinity on: the KV of a chat's last turn, which the decode worker holds, is not sent) and
+"whole" (prefix_affinity_slack -1: all of it is). With one decode worker both place every turn
+alike; they differ only in the bytes sent. Measured besides: the KV bytes received (GetRequest's
+kv_bytes) and the later turns' KV transfer time (p50).
 
 --shared-records: the same chats through two stacks of 1 prefill worker, 2 decode workers and 2
 routers, each turn of a chat sent to the other router than its last (as a load balancer in
@@ -137,15 +138,16 @@ def multi_turn(args, convs: list) -> dict:
         configs = {"shared": affinity.replace(share_prefix_records=True),
                    "unshared": affinity.replace(share_prefix_records=False)}
     elif args.partial_kv:
-        grpc_kv = base.replace(kv_transport="grpc", local_prefill_max_tokens=0)
-        configs = {"partial": grpc_kv.replace(prefix_affinity_slack=8),
-                   "whole": grpc_kv.replace(prefix_affinity_slack=-1)}
+        one_way = base.replace(kv_transport=args.kv_transport, local_prefill_max_tokens=0)
+        configs = {"partial": one_way.replace(prefix_affinity_slack=8),
+                   "whole": one_way.replace(prefix_affinity_slack=-1)}
     else:
         configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
                    "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
     follow_ups = [c[1]["content"] for c in convs]
     mode = "shared-records" if args.shared_records else "partial-kv" if args.partial_kv else "multi-turn"
     results: dict = {"mode": mode, "threads": args.threads, "turns": args.turns, "routers": routers,
+                     "kv_transport": configs[next(iter(configs))].kv_transport,
                      "local_prefill_max_tokens": args.local_tokens, "rounds": []}
     with contextlib.ExitStack() as es:
         clients = {}
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--multi-turn", action="store_true", help="chats of several turns, prefix affinity on and off")
     ap.add_argument("--partial-kv", action="store_true",
                     help="chats of several turns, KV as bytes without what the decode worker holds, and whole")
+    ap.add_argument("--kv-transport", choices=("grpc", "shm"), default="grpc",
+                    help="--partial-kv: how the KV goes to the decode worker")
     ap.add_argument("--shared-records", action="store_true",
                     help="chats whose turns alternate between two routers, prefix records shared and not")
     ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per chat")

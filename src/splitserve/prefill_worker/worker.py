@@ -201,6 +201,9 @@ class PrefillWorker:
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
+        # Request ids whose KV stayed in the engine for their handoff (on_output); the loop releases
+        # them, on the engine's thread, once the handoff is over.
+        self.to_release: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.pickup = self.redis.register_script(PICKUP_LUA)
         self.pull_script = self.redis.register_script(PULL_LUA)
@@ -462,14 +465,21 @@ class PrefillWorker:
             # Waiting a moment for it keeps the export's copy from slowing its trip (measured: first
             # token part 2.9 -> 2.0 ms at light load); a busy decode worker costs at most 5 ms here.
             self._first_token(fl, out, wait_s=0.005)
-            nbytes = self.engine.kv_nbytes(out.request_id)
+            rid = out.request_id
+            # Over shared memory, the region leaves out the KV the decode worker is expected to hold
+            # (prefix affinity), and the engine keeps the whole until the handoff is over, should
+            # the decode worker want it whole after all (_handoff). Bytes are cut from a whole copy.
+            start = self._shm_start(fl.job, len(fl.job.token_ids))  # (the prompt's KV)
+            nbytes = self.engine.kv_nbytes(rid, start)
             try:
                 off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
-            except ArenaFull:
-                off = None  # bigger than the whole arena: send it from a private buffer
+            except ArenaFull:  # bigger than the whole arena: sent as bytes, from a private buffer
+                off, start = None, 0
+                nbytes = self.engine.kv_nbytes(rid)
             view = self.arena.view(off, nbytes) if off is not None else memoryview(bytearray(nbytes))
-            export = self.engine.export_kv(out.request_id, view)
-            self.engine.release(out.request_id)  # the KV now lives in the region
+            export = self.engine.export_kv(rid, view, start)
+            if not start:
+                self.engine.release(rid)  # the KV now lives in the region
             self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, off, view)
         else:  # the first token already finished it (eos, stop, max_tokens=1)
             seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
@@ -477,6 +487,33 @@ class PrefillWorker:
                               logprobs=out.new_logprobs or [], prompt_logprobs=out.prompt_logprobs or [])
             self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, None, None,
                               out.finish_reason or "error")
+
+    def _transport(self, job: Job) -> str:
+        """How a job's KV goes to its decode worker (kv_transport; auto: shared memory on this host)."""
+        if self.s.kv_transport != "auto":
+            return self.s.kv_transport
+        return "shm" if job.decode_host_id == self.host else "grpc"
+
+    def _shm_start(self, job: Job, num_tokens: int) -> int:
+        """The first token whose KV goes into the region, for a job whose KV goes over shared memory:
+        the decode worker is expected to hold the ones before. 0 (the whole, and the engine's
+        blocks freed at once) for bytes (cut in _handoff), or when keeping this KV in the engine
+        would leave it short of blocks for a forward's worth of new prompts."""
+        if not job.decode_cached_tokens or self._transport(job) != "shm":
+            return 0
+        pool = self.engine.cache.pool
+        if not pool.can_allocate(pool.blocks_for(self.s.prefill_token_budget)):
+            return 0
+        return min(job.decode_cached_tokens, num_tokens - 1)
+
+    def _release_kept(self) -> None:
+        """Free the engine's copy of the KV of handoffs that are over (on the engine's thread)."""
+        while True:
+            try:
+                rid = self.to_release.get_nowait()
+            except queue.Empty:
+                return
+            self.engine.release(rid)
 
     def _first_token(self, fl: InFlight, out: RequestOutput, wait_s: float) -> None:
         """Send the first token to its decode worker, on the stream kept open to it (with a call of
@@ -506,18 +543,16 @@ class PrefillWorker:
         seq.prefill_end_unix, seq.cached_tokens = fl.t_end, fl.cached_tokens
         span = fl.kv_span
         transport = "none"
+        kept = export.start > 0  # the engine keeps the KV for this handoff (on_output)
         try:
             stub = self._stub(job.decode_address)
             if finish_reason:
                 stub.PutKV(w_pb.PutKVRequest(sequence=seq), timeout=30)
             else:
-                transport = self.s.kv_transport
-                if transport == "auto":
-                    transport = "shm" if job.decode_host_id == self.host and off is not None else "grpc"
-                if off is None:
-                    transport = "grpc"
-                # Bytes leave out the KV the decode worker is expected to hold (prefix affinity).
-                start = min(job.decode_cached_tokens, export.num_tokens - 1) if transport == "grpc" else 0
+                transport = self._transport(job) if off is not None else "grpc"
+                # Bytes leave out the KV the decode worker is expected to hold (prefix affinity); so
+                # did the region (on_output).
+                start = min(job.decode_cached_tokens, export.num_tokens - 1) if transport == "grpc" else export.start
                 span.set_attribute("splitserve.kv.transport", transport)
                 try:
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
@@ -527,6 +562,12 @@ class PrefillWorker:
                     log.info("%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it "
                              "whole", job.request_id, job.decode_worker, start, e.details())
                     self.metrics.kv_resent.inc()
+                    if export.start:  # the region holds a part: a new one, the whole, from the engine's KV
+                        view.release()  # first: a handoff waiting for room must not hold any
+                        self.arena.free(off)
+                        off = view = None
+                        off, view, transport = self._whole_region(job.request_id, transport)
+                        export = self.engine.export_kv(job.request_id, view)
                     start = 0
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 secs = time.time() - fl.t_end
@@ -559,6 +600,8 @@ class PrefillWorker:
                 view.release()
             if off is not None:
                 self.arena.free(off)
+            if kept:
+                self.to_release.put(job.request_id)
             self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
@@ -600,6 +643,17 @@ class PrefillWorker:
         finally:
             if channel is not None:
                 channel.close()
+
+    def _whole_region(self, request_id: str, transport: str) -> tuple:
+        """A region for a request's whole KV, whose engine keeps its blocks (held: no step writes
+        them, so it is read on this thread): (offset, view, transport). Bigger than the arena, a
+        private buffer sent as bytes."""
+        nbytes = self.engine.kv_nbytes(request_id)
+        try:
+            off = self.arena.alloc(nbytes, timeout=None)
+        except ArenaFull:
+            return None, memoryview(bytearray(nbytes)), "grpc"
+        return off, self.arena.view(off, nbytes), transport
 
     def _put(self, stub, seq: w_pb.SequenceState, export, off: int | None, view, transport: str, start: int) -> int:
         """Hand over the KV of tokens [start, n) (start: see KVHandle.start_token): a handle to the
@@ -746,6 +800,7 @@ class PrefillWorker:
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
         pull_failing = False
         while not self.stop.is_set():
+            self._release_kept()
             try:
                 for stream, entry_id, job, first, outcome in self.pull():
                     try:
@@ -786,6 +841,7 @@ class PrefillWorker:
         self.token_streams.close()
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first
             peer.channel.close()
+        self._release_kept()
         self.pool.shutdown(wait=True)
         self.pickups.shutdown(wait=True)
 

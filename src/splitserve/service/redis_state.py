@@ -366,7 +366,7 @@ class Job:
     decode_epoch: str = ""  # the decode worker's run, as the router found it registered
     cache_salt: str = ""  # GenerateRequest.cache_salt
     # prefix affinity: the prompt tokens the router expects the decode worker to hold in its prefix
-    # cache; KV sent as bytes (gRPC) leaves them out (KVHandle.start_token)
+    # cache; the KV handed over leaves them out (KVHandle.start_token), as bytes or in the region
     decode_cached_tokens: int = 0
 
     def to_json(self) -> str:
