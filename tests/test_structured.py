@@ -249,7 +249,7 @@ COSTLY_LATER = r"[0-9]{3}a{40000}"
 ERRS_LATER = r"[0-9]{3}a{60000}"
 
 
-@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("policy", ["continuous", "static", "dynamic"])
 def test_a_format_that_turns_costly_while_generating_fails_its_request_alone(engine_factory, policy):
     """Every step of a batch waits for each row's mask. A format whose masks take more than
     max_mask_ms (CPU time) in 3 of its last 5 steps ends its request "error", naming the field and
