@@ -2009,21 +2009,24 @@ def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_i
     refused, with a message that says so."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     prompt = "Tell me everything about the ocean."
-    ref = list(client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=60).token_ids)
+    # 120 tokens take 0.9 s and more here, far past the 0.3 s deadline below (40 once fitted in it,
+    # the prompt's KV cached and handed over in part)
+    n = 120
+    ref = list(client.generate(prompt, max_tokens=n, ignore_eos=True, timeout=60).token_ids)
 
     def sent_again(rid: str) -> None:  # the same request, with a deadline it meets
-        got = client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=60, request_id=rid)
+        got = client.generate(prompt, max_tokens=n, ignore_eos=True, timeout=60, request_id=rid)
         assert list(got.token_ids) == ref and got.request_id == rid and not got.replayed
         info = client.get_request(rid)
         assert (info.state, info.attempts, info.finish_reason) == ("finished", 2, "length")
 
     with pytest.raises(grpc.RpcError) as e:
-        client.generate(prompt, max_tokens=40, ignore_eos=True, timeout=0.3, request_id="past-deadline")
+        client.generate(prompt, max_tokens=n, ignore_eos=True, timeout=0.3, request_id="past-deadline")
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: _state(client, "past-deadline") == "cancelled", what="the deadline's cancellation recorded")
     sent_again("past-deadline")
 
-    stream = client.generate_stream(prompt, max_tokens=40, ignore_eos=True, request_id="client-cancelled")
+    stream = client.generate_stream(prompt, max_tokens=n, ignore_eos=True, request_id="client-cancelled")
     assert next(stream).token_ids
     stream.cancel()
     wait_for(lambda: _state(client, "client-cancelled") == "cancelled", what="the client's cancellation recorded")
