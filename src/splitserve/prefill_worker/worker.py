@@ -442,12 +442,8 @@ class PrefillWorker:
             return
         fl.t_end = time.time()
         if out.error:  # its format failed at the first token (Grammars.failure): the request fails
-            with self.lock:
-                self.inflight.pop(out.request_id, None)
             fl.span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
-            fl.span.end(end_time=tracing.ns(fl.t_end))
-            self._ack(fl.stream, fl.entry_id)
-            self.metrics.jobs.labels("failed").inc()
+            self._abandon(fl, {}, "failed")
             code = code_of(out.exception) if out.exception is not None else grpc.StatusCode.INTERNAL
             self.peers.submit(fl.job.decode_address, "handoff", self._give_up, fl.job, code, out.error)
             return
@@ -470,13 +466,7 @@ class PrefillWorker:
             # (prefix affinity), and the engine keeps the whole until the handoff is over, should
             # the decode worker want it whole after all (_handoff). Bytes are cut from a whole copy.
             start = self._shm_start(fl.job, len(fl.job.token_ids))  # (the prompt's KV)
-            nbytes = self.engine.kv_nbytes(rid, start)
-            try:
-                off = self.arena.alloc(nbytes, timeout=None)  # blocks while the decode side is full
-            except ArenaFull:  # bigger than the whole arena: sent as bytes, from a private buffer
-                off, start = None, 0
-                nbytes = self.engine.kv_nbytes(rid)
-            view = self.arena.view(off, nbytes) if off is not None else memoryview(bytearray(nbytes))
+            off, view, start = self._region(rid, start)
             export = self.engine.export_kv(rid, view, start)
             if not start:
                 self.engine.release(rid)  # the KV now lives in the region
@@ -566,7 +556,8 @@ class PrefillWorker:
                         view.release()  # first: a handoff waiting for room must not hold any
                         self.arena.free(off)
                         off = view = None
-                        off, view, transport = self._whole_region(job.request_id, transport)
+                        off, view, _ = self._region(job.request_id)  # (read here: no step writes held blocks)
+                        transport = transport if off is not None else "grpc"
                         export = self.engine.export_kv(job.request_id, view)
                     start = 0
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
@@ -644,16 +635,16 @@ class PrefillWorker:
             if channel is not None:
                 channel.close()
 
-    def _whole_region(self, request_id: str, transport: str) -> tuple:
-        """A region for a request's whole KV, whose engine keeps its blocks (held: no step writes
-        them, so it is read on this thread): (offset, view, transport). Bigger than the arena, a
-        private buffer sent as bytes."""
-        nbytes = self.engine.kv_nbytes(request_id)
+    def _region(self, request_id: str, start: int = 0) -> tuple[int | None, memoryview, int]:
+        """Room for a parked request's KV of tokens [start, n): (offset, view, start). A region of the
+        arena, waited for while the decode side holds it full; or, bigger than the whole arena, a
+        private buffer for its bytes, whole (offset None, start 0: bytes are cut in _handoff)."""
+        nbytes = self.engine.kv_nbytes(request_id, start)
         try:
             off = self.arena.alloc(nbytes, timeout=None)
         except ArenaFull:
-            return None, memoryview(bytearray(nbytes)), "grpc"
-        return off, self.arena.view(off, nbytes), transport
+            return None, memoryview(bytearray(self.engine.kv_nbytes(request_id))), 0
+        return off, self.arena.view(off, nbytes), start
 
     def _put(self, stub, seq: w_pb.SequenceState, export, off: int | None, view, transport: str, start: int) -> int:
         """Hand over the KV of tokens [start, n) (start: see KVHandle.start_token): a handle to the
