@@ -1690,6 +1690,93 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
         _finish(s)
 
 
+
+def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_its_drain_leaves():
+    """A rolling update stops a prefill worker with SIGTERM: it pulls no more, prefills and hands over
+    the jobs it holds, acks them and exits 0. Those its DRAIN_S leaves (0 here) are given up at once,
+    not CLAIM_IDLE_MS (60 s here) after it went: the next worker to look claims them."""
+    s = _start(prefill=2, claim_idle_ms=60000, drain_s=60.0)
+    stopped = []
+    try:
+        r = s.redis()
+        stream, group = s.keys.stream, "prefill"
+        other = s.proc("prefill-1").popen.pid
+
+        def consumer(name):
+            return f"{name}-{s.stack_id}"
+
+        def held_by(name):  # the entries the worker holds (pulled, not acked): id -> idle ms
+            return {e["message_id"]: e["time_since_delivered"]
+                    for e in r.xpending_range(stream, group, "-", "+", 100, consumername=consumer(name))}
+
+        def request_of(entry_id):
+            return json.loads(r.xrange(stream, entry_id, entry_id)[0][1][b"job"])["request_id"]
+
+        def send(tag):
+            """Eight 600-token prompts, while prefill-1 is stopped: prefill-0 takes them, about four at
+            a time (its token budget, 2048). Returns the threads, the results and the entries held."""
+            os.kill(other, signal.SIGSTOP)
+            stopped.append(other)
+            results = {}
+
+            def run(i):
+                with Client(s.router_address) as c:
+                    results[i] = c.generate(token_ids=list(range(2000 + 10 * i, 2600 + 10 * i)), max_tokens=4,
+                                            ignore_eos=True, request_id=f"{tag}{i}", timeout=240)
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            held = wait_for(lambda: h if len(h := held_by("prefill-0")) >= 3 else None, timeout=60,
+                            what="jobs held by prefill-0")
+            return threads, results, {entry_id: request_of(entry_id) for entry_id in held}
+
+        def finish(threads, results):
+            os.kill(other, signal.SIGCONT)
+            stopped.remove(other)
+            for t in threads:
+                t.join(240)
+            assert sorted(results) == list(range(8))
+            assert all(len(results[i].token_ids) == 4 for i in range(8))
+
+        # A drain long enough: every job held is prefilled there, prefill-1 still stopped.
+        threads, results, held = send("drain")
+        victim = s.proc("prefill-0")
+        victim.popen.send_signal(signal.SIGTERM)
+        assert victim.popen.wait(120) == 0
+        assert held_by("prefill-0") == {}  # nothing left unacked for a claim 60 s on
+        with Client(s.router_address) as c:
+            infos = {f"drain{i}": c.get_request(f"drain{i}") for i in range(8)}
+        by_victim = {rid for rid, i in infos.items() if i.prefill_worker == consumer("prefill-0")}
+        assert set(held.values()) <= by_victim, (held, infos)  # and those it pulled since, if any
+        assert all(infos[rid].state in ("decoding", "finished") for rid in by_victim), infos
+        assert not any(i.prefill_worker for rid, i in infos.items() if rid not in by_victim)  # none ran yet
+        assert not any(seg.startswith(s.settings.shm_prefix + consumer("prefill-0")) for seg in s.shm_segments())
+        finish(threads, results)
+
+        # No drain: the jobs held are given up as the worker stops, before prefill-1 comes back.
+        s.prefill_env = {"SPLITSERVE_DRAIN_S": "0"}
+        victim = s.restart("prefill-0")
+        wait_for(lambda: len(workers(s, "prefill")) == 2, timeout=30, what="prefill-0 registered again")
+        threads, results, held = send("nodrain")
+        victim.popen.send_signal(signal.SIGTERM)
+        assert victim.popen.wait(120) == 0
+        given_up = held_by("prefill-0")
+        assert given_up, "it held jobs when it stopped"
+        assert all(idle >= 60000 for idle in given_up.values()), given_up  # claimable at once
+        given_up_ids = [request_of(entry_id) for entry_id in given_up]
+        finish(threads, results)
+        with Client(s.router_address) as c:
+            for rid in given_up_ids:
+                info = c.get_request(rid)
+                assert info.state == "finished" and info.prefill_worker == consumer("prefill-1"), info
+        assert held_by("prefill-0") == {}
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        s.procs = [p for p in s.procs if p.popen.poll() is None]  # prefill-0 is gone; stop() removes its arena
+        s.n_prefill = 1
+        _finish(s)
+
 def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
     """Six streams over two decode workers; `disrupt(proc)` on `victim` once both decode some. The
     victim's streams must end UNAVAILABLE naming it, and within a minute (their deadline is two);

@@ -210,7 +210,9 @@ class PrefillWorker:
         self.drop_script = self.redis.register_script(DROP_LUA)
         self.update_script = self.redis.register_script(UPDATE_LUA)
         self.restore_script = self.redis.register_script(RESTORE_LUA)
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # set on SIGTERM: no more pulls; what is held is finished (run)
+        self.stopped = threading.Event()  # set once the worker holds nothing: the heartbeat thread ends
+        self.on_drain = None  # called once the worker starts to drain (sets health)
         self.watch = StepWatch(settings.engine_stall_s, f"prefill worker {self.name}")
         self.on_stall = None  # called by the heartbeat with whether the engine is stalled (sets health)
         self.address = ""
@@ -736,7 +738,8 @@ class PrefillWorker:
 
     def heartbeat_loop(self) -> None:
         lease = 3 * self.s.heartbeat_s
-        while not self.stop.wait(self.s.heartbeat_s):
+        left = False
+        while not self.stopped.wait(self.s.heartbeat_s):
             with self.lock:
                 calling = {fl.job.decode_address for fl in self.inflight.values()}
             pruned = self.peers.prune(calling)  # decode workers not called for a while (gone, moved)
@@ -750,6 +753,13 @@ class PrefillWorker:
             if stalled:  # a step that does not return: let the lease and the held jobs' claims lapse
                 continue  # (after CLAIM_IDLE_MS another worker claims the jobs)
             try:
+                if self.stop.is_set():  # draining: out of the registry (once), the held jobs kept ours
+                    if not left:
+                        self.redis.delete(self.keys.worker("prefill", self.name))
+                        left = True
+                    self._ack_later()
+                    self._keep_claims()
+                    continue
                 e = self.engine
                 heartbeat(self.redis, self.keys, WorkerInfo(
                     worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
@@ -759,13 +769,19 @@ class PrefillWorker:
                 ), lease)
                 self._restore_lost()
                 self._ack_later()
-                with self.lock:
-                    held = [(fl.stream, fl.entry_id) for fl in self.inflight.values()]
-                for stream in {st for st, _ in held}:  # keep our in-flight jobs ours: reset their idle time
-                    ids = [entry_id for st, entry_id in held if st == stream]
-                    self.redis.xclaim(stream, GROUP, self.name, 0, ids, justid=True)
+                self._keep_claims()
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
+
+    def _keep_claims(self, idle_ms: int = 0, only: list[InFlight] | None = None) -> None:
+        """Claim the jobs held here again with their idle time set to idle_ms: 0 keeps them ours (no
+        other worker claims a job idle less than CLAIM_IDLE_MS); CLAIM_IDLE_MS gives them up, so the
+        next worker to look claims them at once (`only`: those jobs)."""
+        with self.lock:
+            held = [(fl.stream, fl.entry_id) for fl in (self.inflight.values() if only is None else only)]
+        for stream in {st for st, _ in held}:
+            ids = [entry_id for st, entry_id in held if st == stream]
+            self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
 
     def _restore_lost(self) -> None:
         """Put back the hashes of the requests held here for prefill that Redis has lost (it restarted
@@ -787,31 +803,26 @@ class PrefillWorker:
                 log.warning("request %s: Redis had lost its hash (restarted empty?); put back", j.request_id)
 
     def run(self) -> None:
+        """Pull, prefill and hand over until stopped; then drain: no more pulls, and the jobs held are
+        prefilled and handed over (up to DRAIN_S), as a rolling update expects of a worker it stops.
+        Those still held after it are given up to the other workers at once (_give_back)."""
         ensure_group(self.redis, self.keys)
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
         pull_failing = False
-        while not self.stop.is_set():
+        drain_end = 0.0
+        while True:
             self._release_kept()
-            try:
-                for stream, entry_id, job, first, outcome in self.pull():
-                    try:
-                        self.admit(stream, entry_id, job, first, outcome)
-                    except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
-                        if isinstance(outcome, cf.Future):  # its 'prefilling' must not land after the drop's 'failed'
-                            cf.wait([outcome])
-                        # its pickup has returned the admission counts already (tokens None: not again)
-                        self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
-                pull_failing = False
-            except redis.RedisError as e:
-                if not pull_failing:
-                    log.warning("pulling jobs failed (again each step until Redis answers): %s", e)
-                pull_failing = True
-                if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
-                    try:  # Redis came back empty (restarted without persistence): make the group again
-                        ensure_group(self.redis, self.keys)
-                    except redis.RedisError:
-                        pass
-                if not self.engine.has_unfinished():
+            if self.stop.is_set():
+                if not drain_end:
+                    drain_end = time.monotonic() + self.s.drain_s
+                    if self.on_drain is not None:
+                        self.on_drain()
+                    log.info("draining: %d job(s) held, pulling no more", len(self.inflight))
+                if not self.engine.has_unfinished() or time.monotonic() >= drain_end:
+                    break
+            else:
+                pull_failing = self._top_up(pull_failing)
+                if pull_failing and not self.engine.has_unfinished():
                     time.sleep(0.5)
                     continue
                 # The jobs in hand need no Redis to be prefilled and handed over: go on with them.
@@ -829,12 +840,59 @@ class PrefillWorker:
                         self._drop_cancelled()
                 except redis.RedisError as e:
                     log.warning("checking held jobs for cancellation failed: %s", e)
+        self._give_back()
         self.token_streams.close()
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first
             peer.channel.close()
         self._release_kept()
         self.pool.shutdown(wait=True)
         self.pickups.shutdown(wait=True)
+        self.stopped.set()
+
+    def _top_up(self, failing: bool) -> bool:
+        """Pull jobs and admit them (pull); True while Redis does not answer (`failing`: it did not
+        the last time, so it is not logged again)."""
+        try:
+            for stream, entry_id, job, first, outcome in self.pull():
+                try:
+                    self.admit(stream, entry_id, job, first, outcome)
+                except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
+                    if isinstance(outcome, cf.Future):  # its 'prefilling' must not land after the drop's 'failed'
+                        cf.wait([outcome])
+                    # its pickup has returned the admission counts already (tokens None: not again)
+                    self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
+            return False
+        except redis.RedisError as e:
+            if not failing:
+                log.warning("pulling jobs failed (again each step until Redis answers): %s", e)
+            if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
+                try:  # Redis came back empty (restarted without persistence): make the group again
+                    ensure_group(self.redis, self.keys)
+                except redis.RedisError:
+                    pass
+            return True
+
+    def _give_back(self) -> None:
+        """After the drain: the jobs not prefilled in it are given up to the other workers, whose next
+        claim (within CLAIM_IDLE_MS / 4) takes them, instead of CLAIM_IDLE_MS after this worker's end."""
+        with self.lock:
+            left = [fl for fl in self.inflight.values() if not fl.t_end]
+        if not left:
+            return
+        try:
+            self._keep_claims(idle_ms=self.s.claim_idle_ms, only=left)
+        except redis.RedisError as e:  # they are claimed CLAIM_IDLE_MS after the last heartbeat anyway
+            log.warning("could not give up the %d job(s) left: %s", len(left), e)
+            return
+        with self.lock:
+            for fl in left:
+                self.inflight.pop(fl.job.request_id, None)
+        for fl in left:
+            self.engine.abort_request(fl.job.request_id)
+            fl.span.set_attribute("splitserve.given_back", True)
+            fl.span.end()
+        self.metrics.jobs.labels("given_back").inc(len(left))
+        log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -862,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         if not worker.stop.is_set():
             hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING)
     worker.on_stall = on_stall
+    worker.on_drain = lambda: hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def on_signal(*_):
         worker.stop.set()
