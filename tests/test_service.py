@@ -1868,6 +1868,62 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
         _finish(s)
 
 
+
+def test_a_decode_worker_sent_sigterm_finishes_its_streams_and_no_request_sent_meanwhile_fails():
+    """A rolling update stops a decode worker with SIGTERM while clients keep sending: its streams
+    finish, and no request fails, though a router may place one there until it reads the registry
+    again (half a heartbeat: 0.5 s here). The worker takes the streams opened in that time too."""
+    s = _start(decode=2, heartbeat_s=1.0, drain_s=60.0)
+    try:
+        time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read (see above)
+        long = {}
+
+        def run_long(i):
+            with Client(s.router_address) as cc:
+                long[i] = cc.generate(f"Story number {i}:", max_tokens=150, ignore_eos=True, request_id=f"long{i}",
+                                      timeout=240)
+        threads = [threading.Thread(target=run_long, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        with Client(s.router_address) as c:
+            wait_for(lambda: {c.get_request(f"long{i}").decode_worker.rsplit("-", 1)[0]
+                              for i in range(4) if _state(c, f"long{i}") == "decoding"} == {"decode-0", "decode-1"},
+                     timeout=120, interval=0.1, what="long streams decoding on both workers")
+        short, stop = [], threading.Event()
+
+        def run_short(k):  # closed loop: one request after another until told to stop
+            with Client(s.router_address) as cc:
+                n = 0
+                while not stop.is_set():
+                    rid = f"short{k}-{n}"
+                    try:
+                        r = cc.generate("Hi", max_tokens=2, ignore_eos=True, request_id=rid, timeout=120)
+                        short.append((rid, time.time(), "OK", len(r.token_ids)))
+                    except grpc.RpcError as e:
+                        short.append((rid, time.time(), e.code().name, e.details()))
+                    n += 1
+        loaders = [threading.Thread(target=run_short, args=(k,)) for k in range(4)]
+        for t in loaders:
+            t.start()
+        time.sleep(2.0)
+        victim = s.proc("decode-0")
+        t_term = time.time()
+        victim.popen.send_signal(signal.SIGTERM)
+        time.sleep(4 * s.settings.heartbeat_s)
+        stop.set()
+        for t in loaders + threads:
+            t.join(240)
+        assert victim.popen.wait(120) == 0
+        assert sorted(long) == list(range(4)) and all(len(r.token_ids) == 150 for r in long.values())
+        assert [x for x in short if x[2:] != ("OK", 2)] == []
+        with Client(s.router_address) as c:
+            after = [c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid, t, *_ in short if t > t_term]
+        assert len(after) >= 8 and after[-4:] == ["decode-1"] * 4, after  # the last ones all on the survivor
+    finally:
+        s.procs = [p for p in s.procs if p.popen.poll() is None]  # decode-0 is gone
+        s.n_decode = len([p for p in s.procs if p.name.startswith("decode")])
+        _finish(s)
+
 def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_rejoins_once_restarted():
     """Killed, a decode worker stays in the registry until its lease runs out (3 heartbeats, 6 s
     here). The router's channel to it fails to connect at once, and the router places nothing

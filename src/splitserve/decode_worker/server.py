@@ -724,15 +724,19 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         print(f"METRICS {settings.host}:{metrics_port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
-    # Drain: no new streams, running sequences finish (up to drain_s), then stop.
-    servicer.draining = True
+    # Drain: out of the registry, then no new streams; running sequences finish (up to drain_s), then stop.
+    t_end = time.time() + settings.drain_s
     await grpc_server.set_not_serving(health, [SERVICE])
     hb.cancel()
     try:
         await r.delete(keys.worker("decode", name))
     except redis.RedisError as e:  # its lease ends it anyway; drain regardless
         log.warning("could not remove the registry entry: %s", e)
-    t_end = time.time() + settings.drain_s
+    # A router places requests here until it reads the registry again (every half heartbeat): the
+    # streams it opens meanwhile are taken and drained too, not refused (UNAVAILABLE to a client).
+    await asyncio.sleep(max(0.0, min(2 * settings.heartbeat_s, t_end - time.time())))
+    servicer.draining = True
+    log.info("draining: %d stream(s) open, taking no more", len(servicer.slots))
     while servicer.slots and time.time() < t_end:
         await asyncio.sleep(0.05)
     for task in servicer.token_streams:  # prefill workers keep these open: not worth the grace period
