@@ -22,7 +22,7 @@ import pytest
 
 from splitserve.client import AsyncClient, Client, channel_options
 from splitserve.service import grpc_server
-from splitserve_proto.v1 import generation_pb2_grpc
+from splitserve_proto.v1 import generation_pb2, generation_pb2_grpc
 
 SILENT_SERVER = textwrap.dedent("""
     import asyncio, sys
@@ -144,3 +144,43 @@ def test_retries_repeat_a_full_queue_but_not_a_message_too_large_to_read():
                 assert details in e.value.details() and counter.calls == attempts, (e.value.details(), counter.calls)
     finally:
         server.stop(0)
+
+
+class _Named(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, name: str):
+        self.name = name
+
+    def Generate(self, request, context):
+        return generation_pb2.GenerateResponse(request_id=self.name)
+
+
+def test_calls_are_spread_round_robin_over_every_address_of_the_target():
+    """A target naming two routers (as a headless Service's DNS name resolves to its ready pods) gets
+    calls on both, from the sync and the asyncio client; a stopped one gets none, without an error."""
+    servers, ports = [], []
+    for name in ("a", "b"):
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        generation_pb2_grpc.add_GenerationServicer_to_server(_Named(name), server)
+        ports.append(server.add_insecure_port("127.0.0.1:0"))
+        server.start()
+        servers.append(server)
+    target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    try:
+        with Client(target) as c:
+            grpc.channel_ready_future(c.channel).result(timeout=10)
+            time.sleep(0.5)  # both subchannels connected
+            assert {c.generate("hi", timeout=10).request_id for _ in range(8)} == {"a", "b"}
+
+            async def run():
+                async with AsyncClient(target) as ac:
+                    await ac.channel.channel_ready()
+                    await asyncio.sleep(0.5)
+                    return {(await ac.generate("hi", timeout=10)).request_id for _ in range(8)}
+            assert asyncio.run(run()) == {"a", "b"}
+
+            servers[0].stop(None).wait()
+            time.sleep(0.5)
+            assert {c.generate("hi", timeout=10).request_id for _ in range(8)} == {"b"}
+    finally:
+        for server in servers:
+            server.stop(0)

@@ -47,6 +47,10 @@ def test_overlay_renders_the_expected_objects(rendered):
     name, docs, _ = rendered
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert ("Deployment", "splitserve-router") in kinds
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    # clients that balance over the routers resolve the headless one: one address per ready router
+    assert services["splitserve-router-headless"]["clusterIP"] == "None"
+    assert services["splitserve-router-headless"]["selector"] == services["splitserve-router"]["selector"]
     assert ("StatefulSet", "splitserve-redis") in kinds
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     if name == "cross-node":

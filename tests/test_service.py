@@ -1869,11 +1869,12 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
-def test_a_decode_worker_sent_sigterm_finishes_its_streams_and_no_request_sent_meanwhile_fails():
+def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_request_sent_meanwhile_fails():
     """A rolling update stops a decode worker with SIGTERM while clients keep sending: its streams
     finish, and no request fails, though a router may place one there until it reads the registry
-    again (half a heartbeat: 0.5 s here). The worker takes the streams opened in that time too."""
-    s = _start(decode=2, heartbeat_s=1.0, drain_s=60.0)
+    again (half a heartbeat: 0.5 s here). The worker takes the streams opened in that time too.
+    Then a router, under clients that balance over both routers as a Kubernetes Service's would."""
+    s = _start(decode=2, heartbeat_s=1.0, drain_s=60.0, routers=2)
     try:
         time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read (see above)
         long = {}
@@ -1919,6 +1920,36 @@ def test_a_decode_worker_sent_sigterm_finishes_its_streams_and_no_request_sent_m
         with Client(s.router_address) as c:
             after = [c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid, t, *_ in short if t > t_term]
         assert len(after) >= 8 and after[-4:] == ["decode-1"] * 4, after  # the last ones all on the survivor
+
+        # A router: its streams finish, new calls go to the other (gRPC retries those it refused
+        # unseen), and it exits 0.
+        target = "ipv4:" + ",".join(s.router_addresses)
+        calls, stop = [], threading.Event()
+
+        def run_balanced():
+            with Client(target) as cc:  # round robin over the addresses
+                while not stop.is_set():
+                    t0 = time.time()
+                    try:
+                        r = cc.generate("Once upon a time", max_tokens=40, ignore_eos=True, timeout=120)
+                        calls.append((t0, time.time(), "OK", len(r.token_ids)))
+                    except grpc.RpcError as e:
+                        calls.append((t0, time.time(), e.code().name, e.details()))
+        loaders = [threading.Thread(target=run_balanced) for _ in range(4)]
+        for t in loaders:
+            t.start()
+        wait_for(lambda: len(calls) >= 4, timeout=120, what="calls through both routers")
+        router = s.proc("router-1")
+        t_term = time.time()
+        router.popen.send_signal(signal.SIGTERM)
+        assert router.popen.wait(120) == 0
+        time.sleep(1.0)
+        stop.set()
+        for t in loaders:
+            t.join(240)
+        assert [x for x in calls if x[2:] != ("OK", 40)] == []
+        assert any(t0 < t_term < t1 for t0, t1, *_ in calls)  # calls in flight when it was stopped
+        assert any(t0 > t_term for t0, *_ in calls)
     finally:
         s.procs = [p for p in s.procs if p.popen.poll() is None]  # decode-0 is gone
         s.n_decode = len([p for p in s.procs if p.name.startswith("decode")])

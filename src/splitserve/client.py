@@ -11,6 +11,13 @@ response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hin
 keeps at most 256 KB of a call to send again: a larger request message is sent once, so one too
 large for the router to read (RESOURCE_EXHAUSTED from gRPC) is not retried.
 
+The address is any gRPC target. Calls are spread round robin over every address it names
+or resolves to: ``ipv4:10.0.0.5:50051,10.0.0.6:50051``, or the DNS name of a Kubernetes
+headless Service (``dns:///splitserve-router-headless.splitserve.svc.cluster.local:50051``),
+whose ready routers it resolves to. A router that stops (SIGTERM, a rolling update) finishes
+its calls and gets no new ones: gRPC sends them to the others. (Through a Service's one
+cluster IP, a channel's one connection keeps every call on one router.)
+
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
 partition, a hung process) fails the open calls with UNAVAILABLE after about two such
@@ -27,7 +34,7 @@ import grpc
 from splitserve_proto.v1 import generation_pb2 as pb
 from splitserve_proto.v1 import generation_pb2_grpc
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin")]
 MAX_RETRIES = 4  # gRPC makes at most 5 attempts
 KEEPALIVE_S = 30.0
 
