@@ -1950,8 +1950,44 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         assert [x for x in calls if x[2:] != ("OK", 40)] == []
         assert any(t0 < t_term < t1 for t0, t1, *_ in calls)  # calls in flight when it was stopped
         assert any(t0 > t_term for t0, *_ in calls)
+
+        # A call still running when the router's drain is over fails UNAVAILABLE saying so, and is
+        # recorded failed (gRPC's own cut said "Cancelling all calls", and the request "cancelled").
+        s.router_env = {"SPLITSERVE_DRAIN_S": "1"}
+        router = s.restart("router-1")
+        cut = {}
+
+        def run_cut(kind):
+            n = 0
+            try:
+                with Client(router.address) as cc:
+                    if kind == "stream":
+                        for chunk in cc.generate_stream("Once", max_tokens=1500, ignore_eos=True, request_id="cut-s",
+                                                        timeout=120):
+                            n += len(chunk.token_ids)
+                    else:
+                        cc.generate("Once", max_tokens=1500, ignore_eos=True, request_id="cut-u", timeout=120)
+                cut[kind] = ("OK", n, "")
+            except grpc.RpcError as e:
+                cut[kind] = (e.code().name, n, e.details())
+        threads = [threading.Thread(target=run_cut, args=(k,)) for k in ("stream", "unary")]
+        for t in threads:
+            t.start()
+        with Client(s.router_address) as c:
+            wait_for(lambda: all(_state(c, rid) == "decoding" for rid in ("cut-s", "cut-u")), timeout=60,
+                     what="both decoding")
+            router.popen.send_signal(signal.SIGTERM)
+            assert router.popen.wait(60) == 0
+            for t in threads:
+                t.join(60)
+            why = f"router router-1-{s.stack_id} stopped before this request finished (its drain of 1 s ran out)"
+            assert cut["stream"][0] == cut["unary"][0] == "UNAVAILABLE" and cut["stream"][1] > 0, cut
+            assert why in cut["stream"][2] and why in cut["unary"][2], cut
+            for rid in ("cut-s", "cut-u"):
+                info = c.get_request(rid)
+                assert info.state == "failed" and why in info.error, info
     finally:
-        s.procs = [p for p in s.procs if p.popen.poll() is None]  # decode-0 is gone
+        s.procs = [p for p in s.procs if p.popen.poll() is None]  # decode-0 and router-1 are gone
         s.n_decode = len([p for p in s.procs if p.name.startswith("decode")])
         _finish(s)
 

@@ -58,7 +58,7 @@ def redis_server_binary() -> str:
 class Stack:
     def __init__(self, settings: Settings | None = None, prefill: int = 1, decode: int = 1,
                  run_dir: str | None = None, prefill_env: dict | None = None, decode_env: dict | None = None,
-                 routers: int = 1):
+                 routers: int = 1, router_env: dict | None = None):
         self.stack_id = uuid.uuid4().hex[:8]
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
@@ -72,6 +72,7 @@ class Stack:
         self.n_prefill, self.n_decode, self.n_routers = prefill, decode, max(1, routers)
         self.prefill_env = prefill_env or {}
         self.decode_env = decode_env or {}
+        self.router_env = router_env or {}
         self.redis_proc: subprocess.Popen | None = None
         self.procs: list[Proc] = []
         self.router_address = ""  # the first router's
@@ -145,7 +146,7 @@ class Stack:
         role = name.split("-")[0]
         module = {"router": "splitserve.router", "prefill": "splitserve.prefill_worker",
                   "decode": "splitserve.decode_worker"}[role]
-        extra_env = {"prefill": self.prefill_env, "decode": self.decode_env}.get(role, {})
+        extra_env = {"prefill": self.prefill_env, "decode": self.decode_env, "router": self.router_env}[role]
         env = dict(os.environ)
         env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port).to_env())
         env.update({k: str(v) for k, v in extra_env.items()})

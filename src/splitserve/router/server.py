@@ -353,6 +353,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         except (asyncio.CancelledError, RuntimeError, ValueError):  # the channel or the loop closed
             return
 
+    def cut_off(self, why: str) -> None:
+        """End every request this router holds with UNAVAILABLE and `why` (it is stopping)."""
+        for rid, a in list(self.active.items()):
+            if not (a.lost or a.aborted):
+                a.lost, a.lost_code = why, grpc.StatusCode.UNAVAILABLE
+                log.warning("request %s: %s", rid, why)
+                a.call.cancel()
+
     # -- this router's lease, and the requests of routers that died ------------------------
 
     async def keep_alive(self) -> None:
@@ -1203,7 +1211,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     task.cancel()
     if sharing is not None:
         sharing.cancel()
-    await server.stop(grace=settings.drain_s)  # in-flight requests finish, new ones are refused
+    # In-flight requests finish, new ones are refused (gRPC sends them to the other routers). Those
+    # still running when DRAIN_S is over fail UNAVAILABLE saying so, and are recorded failed: gRPC's own
+    # cut would say "Cancelling all calls", and the hash "cancelled", as if their clients had.
+    stopping = asyncio.create_task(server.stop(grace=settings.drain_s + 5.0))
+    t_end = time.monotonic() + settings.drain_s
+    while servicer.active and time.monotonic() < t_end:
+        await asyncio.sleep(0.05)
+    servicer.cut_off(f"router {servicer.id} stopped before this request finished (its drain of "
+                     f"{settings.drain_s:g} s ran out); retry")
+    await stopping
     for peer in servicer.peers.clear():  # their watchers end with them
         await peer.channel.close()
     try:
