@@ -1957,19 +1957,19 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         router = s.restart("router-1")
         cut = {}
 
-        def run_cut(kind):
-            n = 0
+        def run_cut(kind, rid=None, address=None):
+            n, rid = 0, rid or f"cut-{kind[0]}"
             try:
-                with Client(router.address) as cc:
+                with Client(address or router.address) as cc:
                     if kind == "stream":
-                        for chunk in cc.generate_stream("Once", max_tokens=1500, ignore_eos=True, request_id="cut-s",
+                        for chunk in cc.generate_stream("Once", max_tokens=1500, ignore_eos=True, request_id=rid,
                                                         timeout=120):
                             n += len(chunk.token_ids)
                     else:
-                        cc.generate("Once", max_tokens=1500, ignore_eos=True, request_id="cut-u", timeout=120)
-                cut[kind] = ("OK", n, "")
+                        cc.generate("Once", max_tokens=1500, ignore_eos=True, request_id=rid, timeout=120)
+                cut[rid if address else kind] = ("OK", n, "")
             except grpc.RpcError as e:
-                cut[kind] = (e.code().name, n, e.details())
+                cut[rid if address else kind] = (e.code().name, n, e.details())
         threads = [threading.Thread(target=run_cut, args=(k,)) for k in ("stream", "unary")]
         for t in threads:
             t.start()
@@ -1986,6 +1986,34 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
             for rid in ("cut-s", "cut-u"):
                 info = c.get_request(rid)
                 assert info.state == "failed" and why in info.error, info
+
+            # The same for a decode worker's streams (gRPC's cut came as "... went away (Cancelling all
+            # calls)", recorded failed without a word): each worker takes one of two long streams.
+            s.decode_env = {"SPLITSERVE_DRAIN_S": "1"}
+            victim = s.restart("decode-0")
+            wait_for(lambda: len(workers(s, "decode")) == 2, timeout=30, what="decode-0 registered again")
+            time.sleep(2 * s.settings.heartbeat_s)  # and read by the router
+            cut.clear()
+            threads = [threading.Thread(target=run_cut, args=("stream",), kwargs={"rid": f"dcut{i}",
+                                                                                  "address": s.router_address})
+                       for i in range(2)]
+            for t in threads:
+                t.start()
+            def on():  # decode worker -> the long stream decoding there
+                return {c.get_request(f"dcut{i}").decode_worker.rsplit("-", 1)[0]: f"dcut{i}"
+                        for i in range(2) if _state(c, f"dcut{i}") == "decoding"}
+            wait_for(lambda: len(on()) == 2, timeout=60, what="a long stream decoding on each worker")
+            victim_rid, other_rid = on()["decode-0"], on()["decode-1"]
+            victim.popen.send_signal(signal.SIGTERM)
+            assert victim.popen.wait(60) == 0
+            c.abort(other_rid)
+            for t in threads:
+                t.join(60)
+            why = f"decode worker decode-0-{s.stack_id} stopped before this request finished (its drain of 1 s ran out)"
+            code, n, details = cut[victim_rid]
+            assert code == "UNAVAILABLE" and n > 0 and why in details, cut
+            info = c.get_request(victim_rid)
+            assert info.state == "failed" and why in info.error, info
     finally:
         s.procs = [p for p in s.procs if p.popen.poll() is None]  # decode-0 and router-1 are gone
         s.n_decode = len([p for p in s.procs if p.name.startswith("decode")])

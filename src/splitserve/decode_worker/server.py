@@ -418,6 +418,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prompt_logprobs=request.prompt_logprobs,
         ))
 
+    def cut_off(self, why: str) -> None:
+        """End every stream still open with UNAVAILABLE and `why` (this worker is stopping), its KV freed."""
+        for slot in list(self.slots.values()):
+            if slot.done:
+                continue
+            slot.done = True
+            if slot.imported:
+                rid = slot.request_id
+                self.runner.submit_nowait(lambda e, rid=rid: e.abort_request(rid))
+            span = slot.decode_span
+            if span is not None:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, why))
+            self._end_decode_span(slot, "error", None)
+            log.warning("request %s: %s", slot.request_id, why)
+            slot.events.put_nowait(w_pb.DecodeEvent(error=why, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                    completion_tokens=slot.completion_tokens))
+
     # -- Fail ---------------------------------------------------------------------------
 
     async def Fail(self, request: w_pb.FailRequest, context):
@@ -739,6 +756,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     log.info("draining: %d stream(s) open, taking no more", len(servicer.slots))
     while servicer.slots and time.time() < t_end:
         await asyncio.sleep(0.05)
+    # Those still open fail UNAVAILABLE saying why (a client may retry), not with gRPC's "Cancelling all calls".
+    servicer.cut_off(f"decode worker {name} stopped before this request finished (its drain of "
+                     f"{settings.drain_s:g} s ran out); retry")
     for task in servicer.token_streams:  # prefill workers keep these open: not worth the grace period
         task.cancel()
     await server.stop(grace=1.0)
