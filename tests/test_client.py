@@ -155,8 +155,9 @@ class _Named(generation_pb2_grpc.GenerationServicer):
 
 
 def test_calls_are_spread_round_robin_over_every_address_of_the_target():
-    """A target naming two routers (as a headless Service's DNS name resolves to its ready pods) gets
-    calls on both, from the sync and the asyncio client; a stopped one gets none, without an error."""
+    """With balance, a target naming two routers (as a headless Service's DNS name resolves to its
+    ready pods) gets calls on both, from the sync and the asyncio client; a stopped one gets none,
+    without an error. Without it, every call goes to one."""
     servers, ports = [], []
     for name in ("a", "b"):
         server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -167,12 +168,14 @@ def test_calls_are_spread_round_robin_over_every_address_of_the_target():
     target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
     try:
         with Client(target) as c:
+            assert {c.generate("hi", timeout=10).request_id for _ in range(8)} in ({"a"}, {"b"})
+        with Client(target, balance=True) as c:
             grpc.channel_ready_future(c.channel).result(timeout=10)
             time.sleep(0.5)  # both subchannels connected
             assert {c.generate("hi", timeout=10).request_id for _ in range(8)} == {"a", "b"}
 
             async def run():
-                async with AsyncClient(target) as ac:
+                async with AsyncClient(target, balance=True) as ac:
                     await ac.channel.channel_ready()
                     await asyncio.sleep(0.5)
                     return {(await ac.generate("hi", timeout=10)).request_id for _ in range(8)}

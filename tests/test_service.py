@@ -1927,7 +1927,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         calls, stop = [], threading.Event()
 
         def run_balanced():
-            with Client(target) as cc:  # round robin over the addresses
+            with Client(target, balance=True) as cc:  # round robin over the addresses
                 while not stop.is_set():
                     t0 = time.time()
                     try:

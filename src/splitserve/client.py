@@ -11,12 +11,16 @@ response message, waiting as long as the router's ``grpc-retry-pushback-ms`` hin
 keeps at most 256 KB of a call to send again: a larger request message is sent once, so one too
 large for the router to read (RESOURCE_EXHAUSTED from gRPC) is not retried.
 
-The address is any gRPC target. Calls are spread round robin over every address it names
-or resolves to: ``ipv4:10.0.0.5:50051,10.0.0.6:50051``, or the DNS name of a Kubernetes
-headless Service (``dns:///splitserve-router-headless.splitserve.svc.cluster.local:50051``),
+The address is any gRPC target. With ``balance=True``, calls are spread round robin over every
+address it names or resolves to: ``ipv4:10.0.0.5:50051,10.0.0.6:50051``, or the DNS name of a
+Kubernetes headless Service (``dns:///splitserve-router-headless.splitserve.svc.cluster.local:50051``),
 whose ready routers it resolves to. A router that stops (SIGTERM, a rolling update) finishes
-its calls and gets no new ones: gRPC sends them to the others. (Through a Service's one
-cluster IP, a channel's one connection keeps every call on one router.)
+its calls and gets no new ones: gRPC sends them to the others, and a router that went away is
+tried again at most 2 s apart. (Through a Service's one cluster IP, a channel's one connection
+keeps every call on one router.) Without it (gRPC's pick_first), a channel uses one address at
+a time, and connects again at its next call after the router restarts; balanced, a lone router
+that restarts takes calls again only at the next try, up to 2 s later (calls meanwhile fail
+UNAVAILABLE), so balance over several routers only.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
@@ -34,7 +38,11 @@ import grpc
 from splitserve_proto.v1 import generation_pb2 as pb
 from splitserve_proto.v1 import generation_pb2_grpc
 
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.lb_policy_name", "round_robin")]
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+# Round robin over the target's addresses; an address that went away is tried again at most 2 s apart
+# (gRPC's default backoff grows to 120 s), so a restarted router soon takes its share again.
+_BALANCE = [("grpc.lb_policy_name", "round_robin"), ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000)]
 MAX_RETRIES = 4  # gRPC makes at most 5 attempts
 KEEPALIVE_S = 30.0
 
@@ -53,12 +61,12 @@ def keepalive_options(keepalive_s: float, when_idle: bool = False) -> list[tuple
             ("grpc.http2.max_pings_without_data", 0)]  # a stream waiting for its first token is pinged too
 
 
-def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S) -> list[tuple]:
+def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False) -> list[tuple]:
     """Channel options: keepalive pings on open calls unless keepalive_s is 0; with retries, a
-    retry policy for the two Generate methods."""
+    retry policy for the two Generate methods; with balance, round robin over the target's addresses."""
     if not 0 <= retries <= MAX_RETRIES:
         raise ValueError(f"retries must be in 0..{MAX_RETRIES}, got {retries}")
-    options = [*_OPTIONS, *keepalive_options(keepalive_s)]
+    options = [*_OPTIONS, *keepalive_options(keepalive_s), *(_BALANCE if balance else ())]
     if not retries:
         return options
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -175,8 +183,8 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S):
-        self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s))
+    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False):
+        self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
@@ -210,8 +218,8 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S):
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s))
+    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False):
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:

@@ -30,7 +30,9 @@ MODES = ("colocated", "disaggregated")
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="load generator: latency, throughput, goodput, sweeps and comparisons",
                        description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="", help="a running router (default: start a stack per variant)")
+    p.add_argument("--address", default="",
+                   help="a running router, or several (ipv4:A,B or a DNS name of several; calls go round robin) "
+                        "(default: start a stack per variant)")
     p.add_argument("--workload", default="", help="JSONL workload (default: shared/bench/workload_mixed.jsonl)")
     p.add_argument("--input-len", default="", help="synthetic prompts instead: N or LO-HI (uniform) tokens")
     p.add_argument("--output-len", default="64", help="synthetic output tokens: N or LO-HI (default 64)")

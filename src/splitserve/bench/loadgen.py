@@ -88,7 +88,7 @@ async def run(address: str, items: list[WorkItem], spec: RunSpec, progress=None)
         if progress is not None:
             progress.update(1)
 
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, balance=True) as client:  # a target of several routers: all of them
         t_run = time.perf_counter()
         if spec.mode == "rate":
             rng = random.Random(spec.seed)
@@ -137,7 +137,7 @@ async def _who_prefilled(client: AsyncClient, results: list[Result]) -> None:
 
 
 async def warm_up(address: str, items: list[WorkItem]) -> None:
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, balance=True) as client:  # a target of several routers: all of them
         for i, item in enumerate(items):
             await _one(client, -1 - i, item, time.perf_counter(), 600)
 
