@@ -397,6 +397,42 @@ def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whol
         _finish(s)
 
 
+
+OLD_DECODE_RELEASE = """\
+# A decode worker of the release before KV without its first tokens: it reads layout version 1 only.
+import splitserve.engine.kv_transfer as kv_transfer
+kv_transfer.LAYOUT_VERSIONS = (kv_transfer.LAYOUT_VERSION,)
+"""
+
+
+def test_kv_without_its_first_tokens_refused_by_a_decode_worker_of_the_release_before_is_sent_whole(
+        smol_loaded, tmp_path):
+    """In a rolling update, a prefill worker of this release hands a chat's next turn over shared
+    memory without the KV its decode worker holds (layout version 2), to a decode worker of the
+    release before, which refuses it (INVALID_ARGUMENT naming handle.layout_version). The prefill
+    worker writes the whole KV into a new region from the blocks its engine kept, the request is
+    served with the tokens of a whole handoff, and nothing is left held."""
+    (tmp_path / "sitecustomize.py").write_text(OLD_DECODE_RELEASE)  # imported first by the decode worker only
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    s = _start(kv_transport="shm", decode_env={"PYTHONPATH": path})
+    tok = smol_loaded.tokenizer
+    try:
+        with Client(s.router_address) as c:
+            first = tok.encode("Rolling: " + "plum pear fig " * 45)
+            a = c.generate(token_ids=first, max_tokens=8, ignore_eos=True, request_id="old-a", timeout=120)
+            turn = first + list(a.token_ids) + tok.encode(" And again, please.")
+            b = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="old-b", timeout=120)
+            whole = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, cache_salt="x", timeout=120)
+            assert list(b.token_ids) == list(whole.token_ids) and b.finish_reason == "length"
+            per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2's KV, fp32
+            ib = c.get_request("old-b")
+            assert (ib.state, ib.kv_transport, ib.kv_bytes) == ("finished", "shm", 64 + per_token * len(turn))
+        assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == 1
+        assert scrape(s.proc("decode-0").metrics_address)[
+            "splitserve_kv_handoffs_refused_total{code=INVALID_ARGUMENT}"] == 1
+    finally:
+        _finish(s)
+
 def test_unary_streaming_and_chat_forms(client, smol_loaded):
     tok = smol_loaded.tokenizer
     unary = client.generate("The three primary colors are", max_tokens=12)
