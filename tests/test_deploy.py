@@ -195,6 +195,11 @@ def test_settings_in_the_configmap_parse():
     assert s.drain_s < min(
         d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for d in docs if d["kind"] == "Deployment"
     )
+    # The router's grace covers its preStop wait, its drain and the 5 s it then gives calls to end.
+    router = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "splitserve-router")
+    pod = router["spec"]["template"]["spec"]
+    wait = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[0] == "sleep" and float(wait[1]) + s.drain_s + 5 < pod["terminationGracePeriodSeconds"], wait
 
 
 def test_yamllint_is_clean():
