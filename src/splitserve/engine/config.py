@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from splitserve.engine.structured import MAX_MASK_MS
+
 Policy = Literal["continuous", "dynamic", "static"]
 POLICIES = ("continuous", "dynamic", "static")
 
@@ -59,8 +61,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     fused_kernels: bool = True  # CUDA: Triton kernels for rotary + KV write, decode attention, SiLU (fused.py)
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)
-    # Structured output: a format's token mask may take at most this (structured.MAX_MASK_MS).
-    max_mask_ms: float = 5.0
+    # Structured output: a format's token mask may take at most this (structured.py).
+    max_mask_ms: float = MAX_MASK_MS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -884,13 +884,8 @@ class PrefillWorker:
         except redis.RedisError as e:  # they are claimed CLAIM_IDLE_MS after the last heartbeat anyway
             log.warning("could not give up the %d job(s) left: %s", len(left), e)
             return
-        with self.lock:
-            for fl in left:
-                self.inflight.pop(fl.job.request_id, None)
-        for fl in left:
-            self.engine.abort_request(fl.job.request_id)
-            fl.span.set_attribute("splitserve.given_back", True)
-            fl.span.end()
+        for fl in left:  # left unacked (outcome None): the next claim takes them
+            self._abandon(fl, {"splitserve.given_back": True}, None)
         self.metrics.jobs.labels("given_back").inc(len(left))
         log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
 

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 
 from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
+from splitserve.engine.structured import MAX_MASK_MS
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Settings:
     trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
     trace_file_max_bytes: int = 64 << 20  # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
-    max_mask_ms: float = 5.0  # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
+    max_mask_ms: float = MAX_MASK_MS  # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
     core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers together
