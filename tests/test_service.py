@@ -1745,8 +1745,17 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             return {e["message_id"]: e["time_since_delivered"]
                     for e in r.xpending_range(stream, group, "-", "+", 100, consumername=consumer(name))}
 
-        def request_of(entry_id):
-            return json.loads(r.xrange(stream, entry_id, entry_id)[0][1][b"job"])["request_id"]
+        def request_of(entry_id):  # None once the worker acked and deleted it
+            entries = r.xrange(stream, entry_id, entry_id)
+            return json.loads(entries[0][1][b"job"])["request_id"] if entries else None
+
+        def held_requests():
+            """Entries prefill-0 holds -> their request ids, read while it holds three or more. One it
+            finished between the two reads (acked and deleted) is left out: prefill-1 is stopped, so
+            prefill-0 prefilled it."""
+            held = {e: request_of(e) for e in held_by("prefill-0")}
+            held = {e: rid for e, rid in held.items() if rid is not None}
+            return held if len(held) >= 3 else None
 
         def send(tag):
             """Eight 600-token prompts, while prefill-1 is stopped: prefill-0 takes them, about four at
@@ -1762,9 +1771,7 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
-            held = wait_for(lambda: h if len(h := held_by("prefill-0")) >= 3 else None, timeout=60,
-                            what="jobs held by prefill-0")
-            return threads, results, {entry_id: request_of(entry_id) for entry_id in held}
+            return threads, results, wait_for(held_requests, timeout=60, what="jobs held by prefill-0")
 
         def finish(threads, results):
             os.kill(other, signal.SIGCONT)
