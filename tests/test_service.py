@@ -1757,20 +1757,28 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             held = {e: rid for e, rid in held.items() if rid is not None}
             return held if len(held) >= 3 else None
 
-        def send(tag):
-            """Eight 600-token prompts, while prefill-1 is stopped: prefill-0 takes them, about four at
-            a time (its token budget, 2048). Returns the threads, the results and the entries held."""
-            os.kill(other, signal.SIGSTOP)
-            stopped.append(other)
+        def send(tag, first):
+            """Eight 600-token prompts (new ones: no prefill worker holds them, prefill affinity sends
+            them nowhere), queued while both workers are stopped; then prefill-0 goes on, prefill-1
+            still stopped: prefill-0 takes them about four at a time (its token budget, 2048), so it
+            holds jobs not yet prefilled for a few forwards (had they trickled in, each could be
+            done before the next came). Returns the threads, the results and the entries held."""
+            victim = s.proc("prefill-0").popen.pid
+            for pid in (other, victim):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
             results = {}
 
             def run(i):
                 with Client(s.router_address) as c:
-                    results[i] = c.generate(token_ids=list(range(2000 + 10 * i, 2600 + 10 * i)), max_tokens=4,
+                    results[i] = c.generate(token_ids=list(range(first + 10 * i, first + 600 + 10 * i)), max_tokens=4,
                                             ignore_eos=True, request_id=f"{tag}{i}", timeout=240)
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
+            wait_for(lambda: _queue_counts(s) == [8, 8 * 600], timeout=60, what="the eight jobs queued")
+            os.kill(victim, signal.SIGCONT)
+            stopped.remove(victim)
             return threads, results, wait_for(held_requests, timeout=60, what="jobs held by prefill-0")
 
         def finish(threads, results):
@@ -1782,7 +1790,7 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             assert all(len(results[i].token_ids) == 4 for i in range(8))
 
         # A drain long enough: every job held is prefilled there, prefill-1 still stopped.
-        threads, results, held = send("drain")
+        threads, results, held = send("drain", 2000)
         victim = s.proc("prefill-0")
         victim.popen.send_signal(signal.SIGTERM)
         assert victim.popen.wait(120) == 0
@@ -1800,7 +1808,7 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
         s.prefill_env = {"SPLITSERVE_DRAIN_S": "0"}
         victim = s.restart("prefill-0")
         wait_for(lambda: len(workers(s, "prefill")) == 2, timeout=30, what="prefill-0 registered again")
-        threads, results, held = send("nodrain")
+        threads, results, held = send("nodrain", 7000)
         victim.popen.send_signal(signal.SIGTERM)
         assert victim.popen.wait(120) == 0
         given_up = held_by("prefill-0")
