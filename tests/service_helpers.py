@@ -56,10 +56,21 @@ def kv_idle(stack) -> bool:
     return all(int(w["running"]) == 0 and int(w["free_kv_tokens"]) == full_arena for w in pre)
 
 
+def departed_streams(stack) -> list[str]:
+    """The own streams (prefill affinity) of prefill workers gone from the registry, not yet removed:
+    the others remove them once they are empty (and none is left when no prefill worker is there to)."""
+    r = stack.redis()
+    registered = {w["worker_id"] for w in workers(stack, "prefill")}
+    listed = {m.decode() for m in r.smembers(stack.keys.directed)}
+    return sorted(listed - registered) if registered else []
+
+
 def keys_without_ttl(stack) -> list[str]:
     r = stack.redis()
     keys = Keys(stack.settings.redis_prefix)
-    allowed = {*keys.streams, keys.admission, keys.routers}
+    # the prefill workers' own streams, while listed: removed once their worker is gone and they are empty
+    allowed = {*keys.streams, keys.admission, keys.routers, keys.directed,
+               *(keys.stream_to(m.decode()) for m in r.smembers(keys.directed))}
     bad = []
     for key in r.scan_iter(match=f"{stack.keys.prefix}:*"):
         k = key.decode()

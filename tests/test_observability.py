@@ -296,7 +296,8 @@ def test_traces_and_status_commands(stack):
     assert "1 prefill, 1 decode" in st.stdout
     assert re.search(rf"routers +1 in Redis: router-{stack.stack_id} \(0 requests held, lease \d+\.\ds left\)",
                      st.stdout), st.stdout
-    assert re.search(r"stream entries incl\. in-flight: high 0, normal [01], low 0\)", st.stdout), st.stdout
+    assert re.search(r"stream entries incl\. in-flight: high 0, normal [01], low 0, "
+                     r"sent to a prefill worker [01]\)", st.stdout), st.stdout
     assert stack.proc("decode-0").metrics_address in st.stdout
 
 

@@ -5,8 +5,9 @@ import time
 import pytest
 import redis
 
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA,
-                                           UPDATE_LUA, Keys, run_scripts, update_args)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA,
+                                           PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
+                                           update_args)
 
 
 @pytest.fixture(scope="module")
@@ -424,3 +425,50 @@ def test_run_scripts_runs_each_once_in_order_and_reloads_a_lost_script(r):
     with pytest.raises(redis.ResponseError, match="boom"):
         run_scripts(r, [(incr, ["t:n"], [1]), (boom, [], [])])
     assert int(r.get("t:n")) == 9
+
+
+def test_a_job_goes_to_its_prefill_workers_own_stream_only_while_that_worker_is_there_and_has_room(r):
+    """Prefill affinity: admission queues the job in the worker's own stream while the worker is
+    registered, its stream (with the group) exists and holds fewer entries than the bound; else in
+    the shared stream. A stream whose worker left is removed once it is empty, not before."""
+    import json
+
+    keys = Keys("aff")
+    admit = r.register_script(ADMIT_LUA)
+    own = r.register_script(OWN_STREAM_LUA)
+    forget = r.register_script(FORGET_STREAM_LUA)
+    mine, entry = keys.stream_to("p1"), keys.worker("prefill", "p1")
+
+    def send(rid, bound=2, attempt_keys=(), attempt_args=("", "")):
+        job = json.dumps({"request_id": rid, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d",
+                          "priority": 0})
+        return admit(keys=[keys.admission, keys.stream, keys.req(rid), keys.router_requests("rt"), *attempt_keys,
+                           mine, entry],
+                     args=[5, 100, 1000, 1.0, 60, job, 1, "rt", *attempt_args, bound])
+
+    assert send("a") == [1, 1, 5, 0, 0]  # not registered: the shared stream
+    r.set(entry, "x")
+    assert send("b") == [1, 2, 10, 0, 0]  # registered, but its stream is not there (XADD would make one without the group)
+    assert own(keys=[mine, keys.directed], args=[GROUP, "p1"]) == 1
+    assert own(keys=[mine, keys.directed], args=[GROUP, "p1"]) == 1  # again: the stream and its group are kept
+    assert r.smembers(keys.directed) == {"p1"}
+    assert send("c")[4] == 1 and send("d")[4] == 1
+    assert send("e")[4] == 0  # two wait there: the bound
+    assert [json.loads(f["job"])["request_id"] for _, f in r.xrange(mine)] == ["c", "d"]
+    assert [json.loads(f["job"])["request_id"] for _, f in r.xrange(keys.stream)] == ["a", "b", "e"]
+    got = r.xreadgroup(GROUP, "p1", {mine: ">"}, count=1)  # the group is there
+    assert json.loads(got[0][1][0][1]["job"])["request_id"] == "c"
+    assert send("f")[4] == 0  # pulled, not done (acked and deleted): it still counts
+    # A request sent again (a new attempt: two more keys before the stream's) goes there too.
+    r.xdel(mine, got[0][1][0][0])
+    r.hset(keys.req("x"), mapping={"state": "failed", "prompt_tokens": 5})
+    assert send("x#2", attempt_keys=(keys.req("x"), keys.req("x")), attempt_args=(1, "fp"))[4] == 1
+    assert r.hget(keys.req("x"), "current") == "x#2" and r.hget(keys.req("x#2"), "fingerprint") == "fp"
+
+    assert forget(keys=[mine, entry, keys.directed], args=["p1"]) == -1  # registered: kept
+    r.delete(entry)
+    assert send("g")[4] == 0  # left the registry: the shared stream
+    assert forget(keys=[mine, entry, keys.directed], args=["p1"]) == 2  # its jobs still wait: kept
+    r.xtrim(mine, maxlen=0)
+    assert forget(keys=[mine, entry, keys.directed], args=["p1"]) == 0
+    assert not r.exists(mine) and r.smembers(keys.directed) == set()

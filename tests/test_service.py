@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from service_helpers import keys_without_ttl, kv_idle, scrape, wait_for, workers
+from service_helpers import departed_streams, keys_without_ttl, kv_idle, scrape, wait_for, workers
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -42,6 +42,7 @@ def _assert_idle(stack):
         if p.name.startswith("prefill") and p.popen.poll() is None and p.metrics_address:
             wait_for(lambda p=p: scrape(p.metrics_address).get("splitserve_kv_cache_blocks_used") == 0, timeout=5,
                      what=f"{p.name}'s KV blocks back to zero")
+    wait_for(lambda: departed_streams(stack) == [], timeout=20, what="departed prefill workers' streams removed")
     assert keys_without_ttl(stack) == []
     assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
     assert int(stack.redis().hget(stack.keys.admission, LOCAL_FIELD) or 0) == 0  # ... those prefilled locally too
@@ -1827,6 +1828,60 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
         s.procs = [p for p in s.procs if p.popen.poll() is None]  # prefill-0 is gone; stop() removes its arena
         s.n_prefill = 1
         _finish(s)
+
+def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_another_once_that_one_is_gone():
+    """Prefill affinity: with two prefill workers, each later turn of a chat is queued for the worker
+    that prefilled the turn before, whose prefix cache holds the chat's prompt so far: it computes
+    the rest only. A turn queued for a worker that then stops (SIGSTOP: its lease lapses) is taken
+    by the other once it has left the registry; its stream is removed when empty, and made again
+    when the worker comes back."""
+    s = _start(prefill=2)
+    stopped = []
+    try:
+        r = s.redis()
+        procs = {f"prefill-{i}-{s.stack_id}": s.proc(f"prefill-{i}") for i in range(2)}
+        router = s.proc("router").metrics_address
+        chats = {k: list(range(1000 + 300 * k, 1100 + 300 * k)) for k in range(3)}
+        turns = {k: [] for k in chats}  # (prefill worker, cached tokens, the prompt's tokens before this turn's)
+        with Client(s.router_address) as c:
+            def send(k, rid):
+                ids = chats[k]
+                out = c.generate(token_ids=ids, max_tokens=8, ignore_eos=True, request_id=rid, timeout=60)
+                turns[k].append((c.get_request(rid).prefill_worker, out.usage.cached_tokens,
+                                 len(turns[k]) and turns[k][-1][3], len(ids)))
+                chats[k] = ids + list(out.token_ids) + list(range(5000 + 40 * len(turns[k]) + 7 * k,
+                                                                  5040 + 40 * len(turns[k]) + 7 * k))
+
+            for turn in range(4):
+                for k in chats:
+                    send(k, f"chat{k}-{turn}")
+            for k, got in turns.items():
+                assert {w for w, *_ in got} <= set(procs) and len({w for w, *_ in got}) == 1, got
+                for _, cached, before, _ in got[1:]:  # the blocks of the last turn's prompt, and no more
+                    assert cached == before // 16 * 16, got
+            assert scrape(router)["splitserve_requests_sent_to_prefill_worker_total"] == 3 * 3
+
+            # The worker holding chat 0 stops: its next turn, queued for it, is taken by the other.
+            holder = turns[0][-1][0]
+            other = next(w for w in procs if w != holder)
+            os.kill(procs[holder].popen.pid, signal.SIGSTOP)
+            stopped.append(procs[holder].popen.pid)
+            send(0, "chat0-stopped")
+            assert scrape(router)["splitserve_requests_sent_to_prefill_worker_total"] == 3 * 3 + 1
+            assert turns[0][-1][0] == other and turns[0][-1][1] == 0, turns[0]  # computed whole there
+            wait_for(lambda: not r.exists(s.keys.stream_to(holder)), timeout=20, what="the stopped worker's stream removed")
+            assert r.smembers(s.keys.directed) == {other.encode()}
+            os.kill(procs[holder].popen.pid, signal.SIGCONT)
+            stopped.remove(procs[holder].popen.pid)
+            wait_for(lambda: r.exists(s.keys.stream_to(holder)) and len(workers(s, "prefill")) == 2, timeout=20,
+                     what="the stopped worker registered again, with its stream")
+            send(0, "chat0-after")  # the other worker holds the chat now
+            assert turns[0][-1][0] == other and turns[0][-1][1] > 0, turns[0]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        _finish(s)
+
 
 def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
     """Six streams over two decode workers; `disrupt(proc)` on `victim` once both decode some. The

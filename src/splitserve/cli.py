@@ -267,6 +267,8 @@ def _status(args) -> int:
     try:
         q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
+        # normal priority, queued for one prefill worker (prefill affinity)
+        by_class["sent to a prefill worker"] = sum(r.xlen(keys.stream_to(m.decode())) for m in r.smembers(keys.directed))
         workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=keys.worker_pattern("*"))
                    if (m := r.hgetall(k))]
         sec, usec = r.time()  # router leases are in Redis's clock

@@ -41,6 +41,13 @@ affinity on: the KV of a chat's last turn, which the decode worker holds, is not
 alike; they differ only in the bytes sent. Measured besides: the KV bytes received (GetRequest's
 kv_bytes) and the later turns' KV transfer time (p50).
 
+--prefill-affinity: the same chats through two stacks of 2 prefill workers and 1 decode worker
+(local_prefill_max_tokens 0: every turn goes to a prefill worker; prefix affinity on):
+"prefill affinity" (prefill_affinity_jobs 4: a turn is queued for the prefill worker that
+prefilled the chat's last turn) and "shared queue" (prefill_affinity_jobs 0: whichever worker
+pulls first). Measured besides: how many later turns the same prefill worker prefilled as the
+turn before.
+
 --shared-records: the same chats through two stacks of 1 prefill worker, 2 decode workers and 2
 routers, each turn of a chat sent to the other router than its last (as a load balancer in
 front of several routers may), prefix affinity on in both (as --multi-turn's "affinity"):
@@ -123,8 +130,9 @@ def service(args, convs: list) -> dict:
 
 def multi_turn(args, convs: list) -> dict:
     """Chats of several turns through two stacks: prefix affinity and without (--multi-turn), KV
-    sent without what the decode worker holds and whole (--partial-kv), or prefix records shared
-    between two routers and not (--shared-records); see the module's docstring."""
+    sent without what the decode worker holds and whole (--partial-kv), prefix records shared
+    between two routers and not (--shared-records), or prefill workers chosen by their prefix
+    caches and not (--prefill-affinity); see the module's docstring."""
     from splitserve.bench.service_bench import light_ttft_service
     from splitserve.client import Client
     from splitserve.service.settings import Settings
@@ -137,6 +145,10 @@ def multi_turn(args, convs: list) -> dict:
         affinity = base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens)
         configs = {"shared": affinity.replace(share_prefix_records=True),
                    "unshared": affinity.replace(share_prefix_records=False)}
+    elif args.prefill_affinity:
+        disagg = base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=0)
+        configs = {"prefill affinity": disagg.replace(prefill_affinity_jobs=4),
+                   "shared queue": disagg.replace(prefill_affinity_jobs=0)}
     elif args.partial_kv:
         one_way = base.replace(kv_transport=args.kv_transport, local_prefill_max_tokens=0)
         configs = {"partial": one_way.replace(prefix_affinity_slack=8),
@@ -145,14 +157,16 @@ def multi_turn(args, convs: list) -> dict:
         configs = {"affinity": base.replace(prefix_affinity_slack=8, local_prefill_max_tokens=args.local_tokens),
                    "by load": base.replace(prefix_affinity_slack=-1, local_prefill_max_tokens=0)}
     follow_ups = [c[1]["content"] for c in convs]
-    mode = "shared-records" if args.shared_records else "partial-kv" if args.partial_kv else "multi-turn"
+    mode = ("shared-records" if args.shared_records else "partial-kv" if args.partial_kv
+            else "prefill-affinity" if args.prefill_affinity else "multi-turn")
     results: dict = {"mode": mode, "threads": args.threads, "turns": args.turns, "routers": routers,
                      "kv_transport": configs[next(iter(configs))].kv_transport,
                      "local_prefill_max_tokens": args.local_tokens, "rounds": []}
     with contextlib.ExitStack() as es:
         clients = {}
         for name, settings in configs.items():
-            stack = es.enter_context(Stack(settings, prefill=1, decode=1 if args.partial_kv else 2, routers=routers))
+            stack = es.enter_context(Stack(settings, prefill=2 if args.prefill_affinity else 1,
+                                           decode=1 if args.partial_kv or args.prefill_affinity else 2, routers=routers))
             clients[name] = [es.enter_context(Client(a)) for a in stack.router_addresses]
             for c in clients[name]:
                 light_ttft_service(c, 2, messages=convs[-1], cache_salt="warm-up")
@@ -191,6 +205,9 @@ def multi_turn(args, convs: list) -> dict:
                     "prefilled_by_decode_worker": sum(1 for i in infos if not i.prefill_worker),
                     "later_ttft_ms": later, "ttft_p50_ms": percentile(later, 50), "ttft_p90_ms": percentile(later, 90),
                     "kv_bytes": sum(i.kv_bytes for i in infos),
+                    "later_same_prefill_worker": sum(a.prefill_worker == b.prefill_worker != ""
+                                                     for k in range(0, len(infos), args.turns)
+                                                     for a, b in zip(infos[k:k + args.turns], infos[k + 1:k + args.turns])),
                     "later_kv_transfer_p50_ms": percentile(
                         [m.timings.kv_transfer_ms for turns in got for _, m, _ in turns[1:]], 50),
                 }
@@ -200,7 +217,8 @@ def multi_turn(args, convs: list) -> dict:
                       f"{t['ttft_p90_ms']:.0f} ms; {t['prefix_cache_tokens']} of {t['prompt_tokens']} prompt tokens "
                       f"from a cache; {t['prefilled_by_decode_worker']} of {t['turns']} turns prefilled by their "
                       f"decode worker; {t['kv_bytes'] / 1e6:.0f} MB of KV received, later turns' KV transfer "
-                      f"p50 {t['later_kv_transfer_p50_ms']:.1f} ms", flush=True)
+                      f"p50 {t['later_kv_transfer_p50_ms']:.1f} ms; {t['later_same_prefill_worker']} of "
+                      f"{len(later)} later turns prefilled by the prefill worker of the turn before", flush=True)
             results["rounds"].append(rnd)
     return results
 
@@ -222,6 +240,9 @@ def main(argv=None) -> int:
                     help="--partial-kv: how the KV goes to the decode worker")
     ap.add_argument("--shared-records", action="store_true",
                     help="chats whose turns alternate between two routers, prefix records shared and not")
+    ap.add_argument("--prefill-affinity", action="store_true",
+                    help="chats of several turns over two prefill workers, each turn queued for the one that "
+                         "prefilled the turn before, and not")
     ap.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per chat")
     ap.add_argument("--local-tokens", type=int, default=256,
                     help="--multi-turn: local_prefill_max_tokens of the affinity stack")
@@ -234,10 +255,10 @@ def main(argv=None) -> int:
 
     if args.turns < 2 or args.local_tokens < 1:
         ap.error("--turns must be >= 2 and --local-tokens >= 1")
-    if args.multi_turn or args.partial_kv or args.shared_records:
+    if args.multi_turn or args.partial_kv or args.shared_records or args.prefill_affinity:
         results = multi_turn(args, chats(args.workloads, max(args.requests, args.light + 1)))
         on, off = (("partial", "whole") if args.partial_kv else ("shared", "unshared") if args.shared_records
-                   else ("affinity", "by load"))
+                   else ("prefill affinity", "shared queue") if args.prefill_affinity else ("affinity", "by load"))
         ttft = "later turns' TTFT p50"
     elif args.service:
         results = service(args, chats(args.workloads, max(args.requests, args.light + 1)))

@@ -92,6 +92,7 @@ class Slot:
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
+    prefill_worker: str = ""  # the prefill worker that prefilled it ("": this worker)
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
 
@@ -311,6 +312,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 ev.timings.prefill_ms = slot.prefill_ms
             ev.first_token_unix = slot.first_token_at or slot.kv_done
             ev.cached_tokens = slot.cached_tokens
+            ev.prefill_worker = slot.prefill_worker
         if out.finished:
             ev.cached_tokens = slot.cached_tokens
             ev.finish_reason = out.finish_reason or "error"
@@ -410,12 +412,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.sample_tokens[0] = len(request.token_ids)
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
-        slot.cached_tokens = request.cached_tokens
+        slot.cached_tokens, slot.prefill_worker = request.cached_tokens, request.prefill_worker
         slot.events.put_nowait(w_pb.DecodeEvent(
             token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
             first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens, logprobs=request.logprobs,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=request.prompt_logprobs, prefill_worker=slot.prefill_worker,
         ))
 
     def cut_off(self, why: str) -> None:
@@ -564,6 +566,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         text = self.engine.tokenizer.decode(out, skip) if self.engine.tokenizer else ""
         slot.imported = True
         slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
+        slot.prefill_worker = seq.prefill_worker
         slot.kv_done = time.time()
         slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
@@ -626,6 +629,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # The handoff as the request sees it: from the end of prefill (export, PutKV, import).
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000 if seq.prefill_end_unix else adopt_s * 1000
             slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
+            slot.prefill_worker = seq.prefill_worker
             slot.first_token_at = seq.prefill_end_unix
             self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
             self.metrics.kv_bytes.labels(h.transport).inc(h.length)

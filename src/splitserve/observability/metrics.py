@@ -86,6 +86,9 @@ class RouterMetrics(Metrics):
         self.prefix_placements = self.c("requests_placed_by_prefix", "Requests placed on a decode worker other "
                                                                      "than the least loaded, for the prefix it "
                                                                      "is expected to hold (prefix affinity)")
+        self.prefill_directed = self.c("requests_sent_to_prefill_worker", "Admitted requests queued for the "
+                                                                          "prefill worker expected to hold the start "
+                                                                          "of their prompt (prefill affinity)")
         self.prefix_records_applied = self.c("prefix_records_applied", "Prefix records of other routers (a decode "
                                                                        "worker's chain of cached blocks) applied to "
                                                                        "this router's record")

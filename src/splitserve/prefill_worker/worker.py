@@ -42,9 +42,9 @@ from splitserve.service.errors import code_of
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (DROP_LUA, GROUP, PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys,
-                                             WorkerInfo, connect, ensure_group, failed, heartbeat,
-                                             run_scripts, update_args)
+from splitserve.service.redis_state import (DROP_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA, PICKUP_LUA, PULL_LUA,
+                                             RESTORE_LUA, UPDATE_LUA, Job, Keys, WorkerInfo, connect, ensure_group,
+                                             failed, heartbeat, run_scripts, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -210,6 +210,16 @@ class PrefillWorker:
         self.drop_script = self.redis.register_script(DROP_LUA)
         self.update_script = self.redis.register_script(UPDATE_LUA)
         self.restore_script = self.redis.register_script(RESTORE_LUA)
+        self.own_script = self.redis.register_script(OWN_STREAM_LUA)
+        self.forget_script = self.redis.register_script(FORGET_STREAM_LUA)
+        # Prefill affinity: routers send this worker the jobs whose prompts start with what its prefix
+        # cache holds, on a stream of its own, read after the high-priority one. Another worker's,
+        # once that worker has left the registry (died, or drained), is read by every worker after
+        # the shared streams, until it is empty (orphans: looked for every heartbeat).
+        self.own = self.keys.stream_to(self.name)
+        self.orphans: list[str] = []
+        self.claimable: list[str] = []  # the own streams, this worker's among them, to claim idle jobs from
+        self._last_look = 0.0
         self.stop = threading.Event()  # set on SIGTERM: no more pulls; what is held is finished (run)
         self.stopped = threading.Event()  # set once the worker holds nothing: the heartbeat thread ends
         self.on_drain = None  # called once the worker starts to drain (sets health)
@@ -226,7 +236,9 @@ class PrefillWorker:
     # -- pulling ------------------------------------------------------------------------
 
     def pull(self) -> list[tuple[str, str, Job, bool, object]]:
-        """New jobs, high priority first (and, every so often, jobs of dead workers).
+        """New jobs, high priority first, then those sent to this worker (prefill affinity), normal,
+        low, and those sent to workers gone from the registry (and, every so often, the jobs dead
+        workers held).
 
         Tops the engine up to its token budget: jobs are pulled while the prompt tokens still
         to prefill are under ``prefill_token_budget`` (the last one may pass it; the engine
@@ -240,20 +252,33 @@ class PrefillWorker:
         """
         held: list[tuple[str, str, Job, bool]] = []
         now = time.monotonic()
+        if now - self._last_look > self.s.heartbeat_s:
+            self._last_look = now
+            self._look_at_directed()
         if now - self._last_claim > self.s.claim_idle_ms / 4000:
             self._last_claim = now
-            for stream in self.keys.streams:
-                _, claimed, *_ = self.redis.xautoclaim(
-                    stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
-                )
+            for stream in [*self.keys.streams, *self.claimable]:
+                try:
+                    _, claimed, *_ = self.redis.xautoclaim(
+                        stream, GROUP, self.name, self.s.claim_idle_ms, "0-0", count=self.s.prefill_batch
+                    )
+                except redis.ResponseError as e:  # a worker's own stream, removed since (it was empty)
+                    if "NOGROUP" in str(e) and stream not in self.keys.streams:
+                        continue
+                    raise
                 held += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
                                     for entry_id, fields in claimed if fields], first=False)
             if held:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
+        if not held and not self.engine.has_unfinished() and self.orphans:  # a departed worker's jobs first
+            held = self._jobs(run_scripts(self.redis, [(self.pull_script, list(self.orphans),
+                                                        [GROUP, self.name, self.s.prefill_batch,
+                                                         self.s.prefill_token_budget])])[0])
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
-            got = self._read({stream: ">" for stream in self.keys.streams}, 1, 200, alone := set())
-            held = sorted(got, key=lambda e: self.keys.streams.index(e[0]))
+            streams = self._streams(orphans=False)  # (one removed meanwhile would fail the read)
+            got = self._read({stream: ">" for stream in streams}, 1, 200, alone := set())
+            held = sorted(got, key=lambda e: streams.index(e[0]))
             if not held:
                 return []
             if len(held) == 1 and held[0][1] in alone and not 0 < held[0][2].deadline_unix < time.time():
@@ -271,7 +296,7 @@ class PrefillWorker:
         calls = [self._pickup_call(job, first) for _, _, job, first in held]
         top_up = jobs > 0 and tokens > 0
         if top_up:
-            calls.append((self.pull_script, list(self.keys.streams), [GROUP, self.name, jobs, tokens]))
+            calls.append((self.pull_script, self._streams(), [GROUP, self.name, jobs, tokens]))
         if not calls:
             return []
         results = run_scripts(self.redis, calls)
@@ -280,6 +305,30 @@ class PrefillWorker:
             outcomes = run_scripts(self.redis, [self._pickup_call(job, first) for _, _, job, first in more])
             out += [(*e, outcome) for e, outcome in zip(more, outcomes)]
         return out
+
+    def _streams(self, orphans: bool = True) -> list[str]:
+        """The streams to pull from, in order: high priority, this worker's own, normal, low, and
+        (`orphans`) the own streams of workers that left the registry with jobs there."""
+        high, *rest = self.keys.streams
+        return [high, self.own, *rest, *(self.orphans if orphans else ())]
+
+    def _look_at_directed(self) -> None:
+        """The other workers' own streams: those of workers that left the registry are read from now
+        on until they are empty (self.orphans), and removed once they are. self.claimable: the own
+        streams to claim idle jobs from (this worker's, and every other one still there)."""
+        others = [m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(self.keys.directed)]
+        others = [m for m in others if m != self.name]
+        left = run_scripts(self.redis, [(self.forget_script, [self.keys.stream_to(m), self.keys.worker("prefill", m),
+                                                              self.keys.directed], [m]) for m in others])
+        orphans = [self.keys.stream_to(m) for m, n in zip(others, left) if int(n) > 0]
+        if set(orphans) - set(self.orphans):
+            log.info("reading the streams of %d prefill worker(s) gone from the registry", len(orphans))
+        self.orphans = orphans
+        self.claimable = [self.own, *(self.keys.stream_to(m) for m, n in zip(others, left) if int(n) != 0)]
+
+    def _own_stream(self) -> None:
+        """This worker's own stream and its group (made again if removed while its lease had lapsed)."""
+        self.own_script(keys=[self.own, self.keys.directed], args=[GROUP, self.name])
 
     def _pickup_call(self, job: Job, first: bool) -> tuple:
         """PICKUP_LUA for a job: leave the admission counts (new deliveries), check the request is
@@ -514,7 +563,8 @@ class PrefillWorker:
         req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
                                      queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
                                      cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs),
-                                     prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs))
+                                     prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs),
+                                     prefill_worker=self.name)
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return
@@ -532,7 +582,7 @@ class PrefillWorker:
             export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
             traceparent=tracing.traceparent_of(fl.kv_span),
         )
-        seq.prefill_end_unix, seq.cached_tokens = fl.t_end, fl.cached_tokens
+        seq.prefill_end_unix, seq.cached_tokens, seq.prefill_worker = fl.t_end, fl.cached_tokens, self.name
         span = fl.kv_span
         transport = "none"
         kept = export.start > 0  # the engine keeps the KV for this handoff (on_output)
@@ -761,11 +811,12 @@ class PrefillWorker:
                     self._keep_claims()
                     continue
                 e = self.engine
+                self._own_stream()  # before the registry entry: routers send jobs there only when both are there
                 heartbeat(self.redis, self.keys, WorkerInfo(
                     worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
                     running=len(self.inflight), waiting=e.num_waiting,
                     free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
-                    metrics=self.metrics_address, arena=self.arena.name,
+                    metrics=self.metrics_address, arena=self.arena.name, kv_capacity_tokens=e.kv_capacity_tokens,
                 ), lease)
                 self._restore_lost()
                 self._ack_later()
@@ -807,6 +858,7 @@ class PrefillWorker:
         prefilled and handed over (up to DRAIN_S), as a rolling update expects of a worker it stops.
         Those still held after it are given up to the other workers at once (_give_back)."""
         ensure_group(self.redis, self.keys)
+        self._own_stream()
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
         pull_failing = False
         drain_end = 0.0
@@ -841,6 +893,7 @@ class PrefillWorker:
                 except redis.RedisError as e:
                     log.warning("checking held jobs for cancellation failed: %s", e)
         self._give_back()
+        self._leave()
         self.token_streams.close()
         for peer in self.peers.clear(wait=True):  # the handoffs in hand finish first
             peer.channel.close()
@@ -866,8 +919,9 @@ class PrefillWorker:
             if not failing:
                 log.warning("pulling jobs failed (again each step until Redis answers): %s", e)
             if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
-                try:  # Redis came back empty (restarted without persistence): make the group again
+                try:  # Redis came back empty (restarted without persistence): make the groups again
                     ensure_group(self.redis, self.keys)
+                    self._own_stream()
                 except redis.RedisError:
                     pass
             return True
@@ -888,6 +942,18 @@ class PrefillWorker:
             self._abandon(fl, {"splitserve.given_back": True}, None)
         self.metrics.jobs.labels("given_back").inc(len(left))
         log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
+
+
+    def _leave(self) -> None:
+        """Out of the registry (the heartbeat has left it already, unless the drain was shorter than a
+        heartbeat), and this worker's own stream removed when nothing is left in it; one with jobs in
+        it is read by the other workers, and removed by them once empty."""
+        try:
+            self.redis.delete(self.keys.worker("prefill", self.name))
+            self.forget_script(keys=[self.own, self.keys.worker("prefill", self.name), self.keys.directed],
+                               args=[self.name])
+        except redis.RedisError as e:
+            log.warning("could not leave the registry: %s", e)
 
 
 def main(argv: list[str] | None = None) -> int:

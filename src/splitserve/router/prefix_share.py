@@ -40,11 +40,13 @@ def unpack(raw: bytes) -> list[int]:
 
 
 class SharedRecord:
-    def __init__(self, r, key: str, router_id: str, index: PrefixIndex, metrics=None):
+    def __init__(self, r, key: str, router_id: str, index: PrefixIndex | list[PrefixIndex], metrics=None):
+        """index: the record the entries apply to; a list of them (the decode workers' and the
+        prefill workers'): each entry to the one that knows its worker's run."""
         self.r = r
         self.key = key
         self.id = router_id
-        self.index = index
+        self.indexes = index if isinstance(index, list) else [index]
         self.metrics = metrics
         self.pending: list[tuple[str, str, list[int]]] = []
         self.wake = asyncio.Event()
@@ -66,9 +68,10 @@ class SharedRecord:
         if fields.get(b"r", b"").decode() == self.id:
             return False
         worker_id, epoch = fields.get(b"w", b"").decode(), fields.get(b"e", b"").decode()
-        if not worker_id or self.index.epochs.get(worker_id) != epoch:
+        index = next((i for i in self.indexes if worker_id and i.epochs.get(worker_id) == epoch), None)
+        if index is None:
             return False
-        self.index.record(worker_id, unpack(fields.get(b"h", b"")))
+        index.record(worker_id, unpack(fields.get(b"h", b"")))
         if self.metrics is not None:
             self.metrics.prefix_records_applied.inc()
         return True

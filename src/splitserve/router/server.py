@@ -240,6 +240,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
         self.prefixes = PrefixIndex(settings.block_size)  # what each decode worker has cached, as seen here
+        # ... and each prefill worker (the prompts it prefilled): a job goes to the one with most of
+        # its prompt, while that one has room (prefill_affinity_jobs; ADMIT_LUA)
+        self.prefill_prefixes = PrefixIndex(settings.block_size)
+        self.prefill_affinity = (not self.colocated and settings.prefix_caching and settings.prefill_affinity_jobs > 0)
         # only continuous engines cache prefixes (a decode worker's policy is the stack's)
         self.affinity = (settings.prefix_caching and settings.policy == "continuous"
                          and settings.prefix_affinity_slack >= 0)
@@ -251,7 +255,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or RouterMetrics()
         self.background = Background()
         # the other routers' records come in, and this one's go out (while run() runs: serve())
-        self.shared = SharedRecord(r, self.keys.prefix_records, self.id, self.prefixes, self.metrics)
+        self.shared = SharedRecord(r, self.keys.prefix_records, self.id, [self.prefixes, self.prefill_prefixes],
+                                   self.metrics)
 
     # -- registry -----------------------------------------------------------------------
 
@@ -262,9 +267,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             m = await self.redis.hgetall(key)
             if m:
                 found.append(WorkerInfo.from_mapping(m))
-        if not self.colocated and self.s.local_prefill_without_prefill_workers:
-            self.prefill_workers = sum([1 async for _ in self.redis.scan_iter(
-                match=self.keys.worker_pattern("prefill"), count=100)])
+        count = not self.colocated and self.s.local_prefill_without_prefill_workers
+        if self.prefill_affinity or count:
+            prefill = []
+            async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
+                m = await self.redis.hgetall(key) if self.prefill_affinity else {b"worker_id": b""}
+                if m:
+                    prefill.append(WorkerInfo.from_mapping(m) if self.prefill_affinity else None)
+            if count:  # (None: not counted, never "none registered")
+                self.prefill_workers = len(prefill)
+            if self.prefill_affinity:
+                self.prefill_prefixes.workers(prefill)
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
@@ -326,6 +339,20 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 w, cached = best, held[best.worker_id]
                 self.metrics.prefix_placements.inc()  # may be a refused admission's: a placement all the same
         return w, self.placements.place(w.worker_id, need_tokens), cached
+
+    def _prefill_worker_for(self, hashes: list[int] | None, priority: int) -> list:
+        """Prefill affinity: [the prefill worker expected to hold more of this prompt in its prefix cache
+        than any other, those tokens], or [] (none does: every worker may take it, as one of several
+        that hold a shared system prompt; or not normal priority: high and low go to their class's
+        stream, read by every worker in its turn). Whether the job goes to it is ADMIT_LUA's to say:
+        while that worker is registered and fewer than prefill_affinity_jobs of its jobs wait."""
+        if not (self.prefill_affinity and hashes) or priority_class(priority) != "normal":
+            return []
+        held = sorted(((self.prefill_prefixes.cached_tokens(w, hashes), w) for w in self.prefill_prefixes.blocks),
+                      reverse=True)
+        if not held or held[0][0] == 0 or (len(held) > 1 and held[1][0] == held[0][0]):
+            return []
+        return [held[0][1], held[0][0]]
 
     def _reachable(self, w: WorkerInfo) -> bool:
         """False while this router's channel to w is in TRANSIENT_FAILURE: its last connection
@@ -669,11 +696,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 # None registered, or none connected: a worker that has just (re)started may be
                 # registered by now, and is placed at once (not after the next periodic read).
                 await self.refresh_since(time.monotonic())
-            hashes = self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity else None
-            worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens, hashes)
+            hashes = (self.prefixes.prompt_chain(ids, request.cache_salt)
+                      if self.affinity or self.prefill_affinity else None)
+            worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens,
+                                                      hashes if self.affinity else None)
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
             local = self._prefill_locally(len(ids), expect_cached)
+            directed = [] if local else self._prefill_worker_for(hashes, request.priority)
             adm.set_attributes({"splitserve.prefill.local": local,
                                 "splitserve.prefix.expected_cached_tokens": expect_cached})
         except BaseException as e:
@@ -723,13 +753,21 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
-                    ok, q, t, lt = await self.admit_script(
+                    got = await self.admit_script(
                         keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
-                              self.keys.router_requests(self.id), *attempt_keys],
+                              self.keys.router_requests(self.id), *attempt_keys,
+                              *((self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
+                                if directed else ())],
                         args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id, *attempt_args],
+                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
+                              *((*attempt_args, "", "")[:2] + (self.s.prefill_affinity_jobs,) if directed
+                                else attempt_args)],
                     )
-                    ok, q, t, lt = int(ok), int(q), int(t), int(lt)
+                    ok, q, t, lt = (int(x) for x in got[:4])
+                    if len(got) > 4 and int(got[4]):
+                        self.metrics.prefill_directed.inc()
+                        adm.set_attributes({"splitserve.prefill.sent_to": directed[0],
+                                            "splitserve.prefix.expected_prefill_cached_tokens": directed[1]})
                     queued = local and ok == 1
                     self.queue_seen, self.local_seen = (q, t, time.monotonic()), lt
                     adm.set_attributes({"splitserve.queue.requests": q, "splitserve.queue.tokens": t,
@@ -772,9 +810,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             raise UpstreamError(failure, code)
                         if (ev.logprobs or ev.prompt_logprobs) and self.front.tokenizer is not None:
                             await self._name_tokens(ev)
-                        if ev.token_ids and not active.first and self.affinity:
-                            # a first token: the prompt's KV is at the worker now, or on its way
-                            self._record(worker, self.prefixes.chain(ids, request.cache_salt, hashes))
+                        if ev.token_ids and not active.first and (self.affinity or self.prefill_affinity):
+                            # a first token: the prompt's KV is at the worker now, or on its way; and
+                            # in the prefix cache of the prefill worker that computed it
+                            full = self.prefixes.chain(ids, request.cache_salt, hashes)
+                            if self.affinity:
+                                self._record(worker, full)
+                            if self.prefill_affinity and ev.prefill_worker:
+                                self.prefill_prefixes.record(ev.prefill_worker, full)
+                                self.shared.publish(ev.prefill_worker, "", full)
                         if ev.token_ids and not active.first and params.prompt_logprobs is not None \
                                 and len(ev.prompt_logprobs) != len(ids) - 1:
                             raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "

@@ -5,6 +5,10 @@ and the scripts, which touch several keys at once, run on a cluster too):
   {p}:prefill            stream of prefill jobs, consumer group "prefill"  (persistent)
   {p}:prefill:high       the same for priority < 0 (pulled first)            (persistent)
   {p}:prefill:low        the same for priority > 0 (pulled last)             (persistent)
+  {p}:prefill:to:{id}    the same for the normal-priority jobs sent to one prefill worker (prefill
+                         affinity: its prefix cache holds the start of their prompts); read by it,
+                         and by any worker once it has left the registry; deleted when left empty
+  {p}:prefill:directed   set: the prefill workers that have such a stream           (persistent)
   {p}:admission          hash: requests, tokens queued (admitted, not yet pulled, or prefilled by their
                          decode worker and not yet at their first token), local_tokens: those
                          prefilled by their decode worker (persistent)
@@ -53,8 +57,13 @@ _MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state
 # which the hash keeps ('fingerprint': a retry must be the same request). Returns {admitted
 # (1, 0 refused, -1 the id exists, -2 an Abort for it came first: ABORT_LUA), requests, tokens,
 # local_tokens}, the counts with this request when it was admitted.
+# Prefill affinity: ARGV[11] (ARGV[9] and [10] given, '' when unused) is a bound, and the last two
+# KEYS a prefill worker's own stream and its registry entry: the job goes to that stream, not
+# KEYS[2], while the worker is registered, its stream is there (its group with it) and holds fewer
+# entries than the bound (its jobs not yet done). Then a fifth value returned is 1.
 ADMIT_LUA = _MAY_RUN_AGAIN + """
-if #KEYS > 4 then
+local nd = (ARGV[11] and ARGV[11] ~= '') and 2 or 0
+if #KEYS - nd > 4 then
   local first = redis.call('HMGET', KEYS[5], 'state', 'attempts')
   local latest = redis.call('HMGET', KEYS[6], 'state', 'aborted')
   if not first[1] or (first[2] or '1') ~= ARGV[9] or not may_run_again(latest[1], latest[2]) then
@@ -84,19 +93,26 @@ end
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[5]))
 redis.call('SADD', KEYS[4], job['request_id'])
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
+local directed = 0
 if ARGV[7] ~= '0' then  -- 'tokens' lets a worker return the counts of a job it cannot read
+  local stream = KEYS[2]
+  if nd > 0 and redis.call('EXISTS', KEYS[#KEYS]) == 1 and redis.call('EXISTS', KEYS[#KEYS - 1]) == 1
+      and redis.call('XLEN', KEYS[#KEYS - 1]) < tonumber(ARGV[11]) then
+    stream = KEYS[#KEYS - 1]
+    directed = 1
+  end
   -- 'queued': the requests queued with this one; 1 tells an idle worker nothing else waits
-  redis.call('XADD', KEYS[2], '*', 'job', ARGV[6], 'tokens', n, 'queued', q + 1)
+  redis.call('XADD', stream, '*', 'job', ARGV[6], 'tokens', n, 'queued', q + 1)
 else
   redis.call('HINCRBY', KEYS[1], 'local_tokens', n)
   redis.call('HSET', KEYS[3], 'local', 1)
   lt = lt + n
 end
-if #KEYS > 4 then  -- the first hash points at this attempt, and lives as long as it may
+if #KEYS - nd > 4 then  -- the first hash points at this attempt, and lives as long as it may
   redis.call('HSET', KEYS[5], 'attempts', tonumber(ARGV[9]) + 1, 'current', job['request_id'])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[5]))
 end
-return {1, q + 1, t + n, lt}
+return {1, q + 1, t + n, lt, directed}
 """
 
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
@@ -280,7 +296,8 @@ local out = {}
 local jobs, tokens = 0, 0
 local max_jobs, max_tokens = tonumber(ARGV[3]), tonumber(ARGV[4])
 for _, stream in ipairs(KEYS) do
-  while jobs < max_jobs and tokens < max_tokens do
+  -- a departed worker's own stream is removed once empty (FORGET_STREAM_LUA): its group with it
+  while jobs < max_jobs and tokens < max_tokens and redis.call('EXISTS', stream) == 1 do
     local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', 1, 'STREAMS', stream, '>')
     if not got then break end
     local entry = got[1][2][1]
@@ -298,6 +315,32 @@ for _, stream in ipairs(KEYS) do
   end
 end
 return out
+"""
+
+# A prefill worker's own stream (prefill affinity), made with its group when it is not there (a
+# worker that comes back after its lease lapsed may find it removed), before each registry write:
+# admission sends jobs there only while both are there. KEYS: the stream, the directed set.
+# ARGV: group, worker id.
+OWN_STREAM_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+end
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
+# A prefill worker's own stream, once the worker has left the registry and the stream holds no
+# entry (every job in it done and deleted), is removed. KEYS: the stream, the worker's registry
+# entry, the directed set. ARGV: the worker id. Returns the entries left (0: removed), or -1 while
+# the worker is registered.
+FORGET_STREAM_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+local n = redis.call('XLEN', KEYS[1])
+if n == 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[3], ARGV[1])
+end
+return n
 """
 
 QUEUE_FIELDS = ("requests", "tokens")  # the admission hash: queued requests and prompt tokens, all routers together
@@ -331,6 +374,11 @@ class Keys:
         self.admission = f"{prefix}:admission"
         self.routers = f"{prefix}:routers"
         self.prefix_records = f"{prefix}:prefix-records"  # routers' prefix records, shared (router/prefix_share.py)
+        self.directed = f"{self.stream}:directed"  # the prefill workers with a stream of their own
+
+    def stream_to(self, worker_id: str) -> str:
+        """A prefill worker's own stream: the normal-priority jobs sent to it (prefill affinity)."""
+        return f"{self.stream}:to:{worker_id}"
 
     def stream_for(self, priority: int) -> str:
         return self.by_class[priority_class(priority)]
