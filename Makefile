@@ -59,6 +59,7 @@ bench-prefix: install
 	$(PY) -m splitserve.bench.prefix_bench --partial-kv --requests 8 --turns 4 --rounds 3 --out bench-results/prefix-partial-kv.json
 	$(PY) -m splitserve.bench.prefix_bench --partial-kv --kv-transport shm --requests 8 --turns 4 --rounds 3 --out bench-results/prefix-partial-kv-shm.json
 	$(PY) -m splitserve.bench.prefix_bench --shared-records --requests 8 --turns 4 --rounds 3 --out bench-results/prefix-shared-records.json
+	$(PY) -m splitserve.bench.prefix_bench --prefill-affinity --requests 8 --turns 4 --rounds 3 --out bench-results/prefix-prefill-affinity.json
 
 # splitserve bench on workload_mixed: policies at one Poisson rate, the knee, colocated vs disaggregated.
 bench-policies: install proto
