@@ -343,10 +343,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def _prefill_worker_for(self, hashes: list[int] | None, priority: int) -> list:
         """Prefill affinity: [the prefill worker expected to hold more of this prompt in its prefix cache
         than any other, those tokens], or [] (none does: every worker may take it, as one of several
-        that hold a shared system prompt; or not normal priority: high and low go to their class's
-        stream, read by every worker in its turn). Whether the job goes to it is ADMIT_LUA's to say:
-        while that worker is registered and fewer than prefill_affinity_jobs of its jobs wait."""
-        if not (self.prefill_affinity and hashes) or priority_class(priority) != "normal":
+        that hold a shared system prompt; fewer than two prefill workers registered, as this router
+        last read: with one, its own stream would only reorder its jobs; or not normal priority: high
+        and low go to their class's stream, read by every worker in its turn). Whether the job goes
+        to it is ADMIT_LUA's to say: while that worker is registered and fewer than
+        prefill_affinity_jobs of its jobs wait."""
+        if not (self.prefill_affinity and hashes) or priority_class(priority) != "normal" \
+                or len(self.prefill_prefixes.epochs) < 2:
             return []
         held = sorted(((self.prefill_prefixes.cached_tokens(w, hashes), w) for w in self.prefill_prefixes.blocks),
                       reverse=True)
