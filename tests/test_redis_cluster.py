@@ -111,7 +111,7 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
     elsewhere = next(p for p in cluster if p != home)  # REDIS_URL names a node without the slot
     s = Stack(Settings.from_env(redis_url=f"redis://127.0.0.1:{elsewhere}", redis_prefix=PREFIX,
                                 kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20,
-                                heartbeat_s=0.25, drain_s=3.0), prefill=1, decode=1, routers=2).start()
+                                heartbeat_s=0.25, drain_s=3.0), prefill=2, decode=1, routers=2).start()
     try:
         with Client(s.router_address) as c:
             ref = c.generate("The capital of France is", max_tokens=8, ignore_eos=True, request_id="c-unary")
@@ -135,16 +135,25 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
             c.generate("Shared records: " + "one two three " * 20, max_tokens=4, ignore_eos=True)
             wait_for(lambda: scrape(s.proc("router-1").metrics_address).get(
                 "splitserve_prefix_records_applied_total", 0) >= 2, timeout=20, what="records applied at router 1")
+            # Prefill affinity: a chat's next turn is queued on the own stream of the prefill worker
+            # that prefilled the last (ADMIT_LUA's extra keys, the worker's read of its stream).
+            turn = "Prefill affinity: " + "alpha beta gamma " * 20
+            c.generate(turn, max_tokens=4, ignore_eos=True, request_id="c-turn-1")
+            c.generate(turn + "delta epsilon " * 10, max_tokens=4, ignore_eos=True, request_id="c-turn-2")
+            first, second = (c.get_request(f"c-turn-{i}") for i in (1, 2))
+            assert first.prefill_worker and second.prefill_worker == first.prefill_worker
+            assert scrape(s.proc("router").metrics_address)["splitserve_requests_sent_to_prefill_worker_total"] == 1
         wait_for(lambda: kv_idle(s), timeout=20, what="KV blocks and arena regions back to zero")
         assert keys_without_ttl(s) == []
         st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", s.settings.redis_url,
                              "--prefix", PREFIX], capture_output=True, text=True, timeout=60)
-        assert st.returncode == 0 and "1 prefill, 1 decode" in st.stdout, st.stdout + st.stderr
+        assert st.returncode == 0 and "2 prefill, 1 decode" in st.stdout, st.stdout + st.stderr
         # Every key the stack wrote is on the node that holds the prefix's slot, none elsewhere.
         on = {p: [k.decode() for k in redis.Redis(port=p).scan_iter(match="*")] for p in cluster}
         assert on[home] and all(k.startswith(keys.prefix + ":") for k in on[home]), on[home]
         assert all(not ks for p, ks in on.items() if p != home), on
         assert keys.req("c-unary") in on[home] and keys.prefix_records in on[home]
+        assert keys.stream_to(first.prefill_worker) in on[home] and keys.directed in on[home]
     finally:
         s.stop()
     assert all(p.popen.poll() is not None for p in s.procs)
