@@ -32,6 +32,7 @@ ROUTER_METRICS = {
     "splitserve_request_prefill_time_seconds", "splitserve_request_kv_transfer_time_seconds",
     "splitserve_request_first_token_time_seconds", "splitserve_prompt_tokens", "splitserve_generation_tokens",
     "splitserve_local_prefills", "splitserve_requests_taken_back", "splitserve_prompt_tokens_cached",
+    "splitserve_requests_sent_to_prefill_worker",
 }
 ENGINE_METRICS = {
     "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",
@@ -41,7 +42,8 @@ ENGINE_METRICS = {
     "splitserve_engine_graphed_steps", "splitserve_kv_cache_blocks_cached", "splitserve_prefix_cache_hit_tokens",
 }
 PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
-                                    "splitserve_prefill_jobs", "splitserve_arena_used_bytes"}
+                                    "splitserve_prefill_jobs", "splitserve_arena_used_bytes",
+                                    "splitserve_prefill_jobs_started"}
 DECODE_METRICS = ENGINE_METRICS | {"splitserve_kv_received_bytes", "splitserve_kv_adopt_seconds",
                                    "splitserve_decode_streams_open", "splitserve_decode_aborted"}
 

@@ -1835,7 +1835,7 @@ def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_a
     the rest only. A turn queued for a worker that then stops (SIGSTOP: its lease lapses) is taken
     by the other once it has left the registry; its stream is removed when empty, and made again
     when the worker comes back."""
-    s = _start(prefill=2)
+    s = _start(prefill=2, heartbeat_s=1.0)  # a lease of 3 s: the stopped worker is still registered at the next admission
     stopped = []
     try:
         r = s.redis()
@@ -1875,6 +1875,13 @@ def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_a
             stopped.remove(procs[holder].popen.pid)
             wait_for(lambda: r.exists(s.keys.stream_to(holder)) and len(workers(s, "prefill")) == 2, timeout=20,
                      what="the stopped worker registered again, with its stream")
+            started = {w: scrape(p.metrics_address) for w, p in procs.items()}
+            key = "splitserve_prefill_jobs_started_total{stream=%s}"
+            # The nine later turns from the workers' own streams; and the stopped turn once more where
+            # the holder was stopped in its blocking read, which Redis answered with that entry: it
+            # reads it on waking, a job queued alone, started beside its pickup, which finds it ended.
+            assert sum(m.get(key % "own", 0) for m in started.values()) in (3 * 3, 3 * 3 + 1), started
+            assert started[other].get(key % "departed") == 1 and started[holder].get(key % "departed", 0) == 0
             send(0, "chat0-after")  # the other worker holds the chat now
             assert turns[0][-1][0] == other and turns[0][-1][1] > 0, turns[0]
     finally:

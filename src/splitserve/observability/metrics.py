@@ -213,6 +213,9 @@ class PrefillMetrics(EngineMetrics):
     def __init__(self):
         super().__init__()
         self.jobs = self.c("prefill_jobs", "Jobs pulled from the queue, by outcome", ["outcome"])
+        self.jobs_from = self.c("prefill_jobs_started", "Jobs whose prefill started here, by the stream they came "
+                                "from: shared (a priority class's), own (sent to this worker: prefill affinity), "
+                                "departed (sent to a worker gone from the registry)", ["stream"])
         self.kv_bytes = self.c("kv_transfer_bytes", "KV bytes handed to decode workers", ["transport"])
         self.kv_seconds = self.h("kv_transfer_seconds", "KV handoff: prefill done -> PutKV answered",
                                  PART_BUCKETS, ["transport"])

@@ -424,9 +424,11 @@ class PrefillWorker:
             self.metrics.jobs.labels("failed").inc()
             self.peers.submit(job.decode_address, "handoff", self._fail, job, code_of(e), str(e))  # off the pulling loop
             return
+        source = "shared" if stream in self.keys.streams else "own" if stream == self.own else "departed"
+        self.metrics.jobs_from.labels(source).inc()
         span = tracing.tracer().start_span("prefill", context=parent, start_time=tracing.ns(t), attributes={
             "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
-            "gen_ai.usage.input_tokens": len(job.token_ids),
+            "gen_ai.usage.input_tokens": len(job.token_ids), "splitserve.prefill.stream": source,
         })
         with self.lock:
             self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span, pickup=pickup)
