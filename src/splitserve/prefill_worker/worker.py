@@ -945,7 +945,6 @@ class PrefillWorker:
         self.metrics.jobs.labels("given_back").inc(len(left))
         log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
 
-
     def _leave(self) -> None:
         """Out of the registry (the heartbeat has left it already, unless the drain was shorter than a
         heartbeat), and this worker's own stream removed when nothing is left in it; one with jobs in
