@@ -48,10 +48,31 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+_GIVEN: set[int] = set()  # ports handed out by _free_port
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. One the kernel hands out (bind to 0) may be
+    taken, before the container that is to listen on it starts, as the source port of another
+    container's outgoing connection (CI: the decode worker failed to bind its port)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _GIVEN:  # not bound yet by the one it went to
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def _size(limit: str) -> str:
