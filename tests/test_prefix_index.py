@@ -135,3 +135,27 @@ def _counting(apply, into: list, who: str):
         into.append((who, done))
         return done
     return wrapped
+
+
+def test_a_shared_record_goes_to_the_index_that_knows_its_workers_run():
+    """A router keeps two records, the decode workers' and the prefill workers' (prefill affinity);
+    another router's entry is applied to the one that knows its worker's run (prefill workers'
+    runs are "": their ids differ per process), and dropped where neither does."""
+    from splitserve.router.prefix_share import SharedRecord, pack
+
+    decode, prefill = PrefixIndex(block_size=4), PrefixIndex(block_size=4)
+    decode.workers([W("d0", epoch="e1")])
+    prefill.workers([W("p0", epoch=""), W("p1", epoch="")])
+    shared = SharedRecord(None, "{t}:prefix-records", "router-b", [decode, prefill])
+    chain = prefill.chain(list(range(12)))
+
+    def entry(worker, epoch):
+        return {b"r": b"router-a", b"w": worker.encode(), b"e": epoch.encode(), b"h": pack(chain)}
+
+    assert shared.apply(entry("p0", ""))
+    assert prefill.cached_tokens("p0", prefill.prompt_chain(list(range(13)))) == 12 and "p0" not in decode.blocks
+    assert shared.apply(entry("d0", "e1"))
+    assert decode.cached_tokens("d0", decode.prompt_chain(list(range(13)))) == 12 and "d0" not in prefill.blocks
+    assert not shared.apply(entry("p2", ""))  # a prefill worker this router has not read from the registry
+    assert not shared.apply(entry("d0", ""))  # (a decode worker's run is never "")
+    assert "p2" not in prefill.blocks and "p2" not in decode.blocks

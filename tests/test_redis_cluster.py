@@ -143,6 +143,15 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
             first, second = (c.get_request(f"c-turn-{i}") for i in (1, 2))
             assert first.prefill_worker and second.prefill_worker == first.prefill_worker
             assert scrape(s.proc("router").metrics_address)["splitserve_requests_sent_to_prefill_worker_total"] == 1
+            # ... and router 1, told by router 0 what that worker holds, queues the turn after for it.
+            wait_for(lambda: scrape(s.proc("router-1").metrics_address).get(
+                "splitserve_prefix_records_applied_total", 0) >= 3 * 3, timeout=20,
+                what="the turns' records applied at router 1")  # 3 requests: prompt (decode, prefill), end (decode)
+            with Client(s.router_addresses[1]) as c1:
+                c1.generate(turn + "delta epsilon " * 10 + "zeta " * 20, max_tokens=4, ignore_eos=True,
+                            request_id="c-turn-3")
+            assert c.get_request("c-turn-3").prefill_worker == first.prefill_worker
+            assert scrape(s.proc("router-1").metrics_address)["splitserve_requests_sent_to_prefill_worker_total"] == 1
         wait_for(lambda: kv_idle(s), timeout=20, what="KV blocks and arena regions back to zero")
         assert keys_without_ttl(s) == []
         st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", s.settings.redis_url,
