@@ -272,9 +272,8 @@ class PrefillWorker:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
         if not held and not self.engine.has_unfinished() and self.orphans:  # a departed worker's jobs first
-            held = self._jobs(run_scripts(self.redis, [(self.pull_script, list(self.orphans),
-                                                        [GROUP, self.name, self.s.prefill_batch,
-                                                         self.s.prefill_token_budget])])[0])
+            held = self._jobs(self.pull_script(keys=self.orphans, args=[GROUP, self.name, self.s.prefill_batch,
+                                                                        self.s.prefill_token_budget]))
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
             streams = self._streams(orphans=False)  # (one removed meanwhile would fail the read)
             got = self._read({stream: ">" for stream in streams}, 1, 200, alone := set())
@@ -318,13 +317,19 @@ class PrefillWorker:
         streams to claim idle jobs from (this worker's, and every other one still there)."""
         others = [m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(self.keys.directed)]
         others = [m for m in others if m != self.name]
-        left = run_scripts(self.redis, [(self.forget_script, [self.keys.stream_to(m), self.keys.worker("prefill", m),
-                                                              self.keys.directed], [m]) for m in others])
+        left = run_scripts(self.redis, [self._forget_call(m) for m in others])
         orphans = [self.keys.stream_to(m) for m, n in zip(others, left) if int(n) > 0]
         if set(orphans) - set(self.orphans):
             log.info("reading the streams of %d prefill worker(s) gone from the registry", len(orphans))
         self.orphans = orphans
         self.claimable = [self.own, *(self.keys.stream_to(m) for m, n in zip(others, left) if int(n) != 0)]
+
+    def _forget_call(self, worker_id: str) -> tuple:
+        """FORGET_STREAM_LUA for a worker's own stream: removed if the worker has left the registry
+        and the stream is empty (run_scripts; the call answers how many entries are left, -1 while
+        the worker is registered)."""
+        return (self.forget_script, [self.keys.stream_to(worker_id), self.keys.worker("prefill", worker_id),
+                                     self.keys.directed], [worker_id])
 
     def _own_stream(self) -> None:
         """This worker's own stream and its group (made again if removed while its lease had lapsed)."""
@@ -951,8 +956,7 @@ class PrefillWorker:
         it is read by the other workers, and removed by them once empty."""
         try:
             self.redis.delete(self.keys.worker("prefill", self.name))
-            self.forget_script(keys=[self.own, self.keys.worker("prefill", self.name), self.keys.directed],
-                               args=[self.name])
+            run_scripts(self.redis, [self._forget_call(self.name)])
         except redis.RedisError as e:
             log.warning("could not leave the registry: %s", e)
 

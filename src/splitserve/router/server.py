@@ -269,15 +269,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 found.append(WorkerInfo.from_mapping(m))
         count = not self.colocated and self.s.local_prefill_without_prefill_workers
         if self.prefill_affinity or count:
-            prefill = []
-            async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
-                m = await self.redis.hgetall(key) if self.prefill_affinity else {b"worker_id": b""}
-                if m:
-                    prefill.append(WorkerInfo.from_mapping(m) if self.prefill_affinity else None)
-            if count:  # (None: not counted, never "none registered")
-                self.prefill_workers = len(prefill)
+            keys = [key async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100)]
+            if count:  # (else None: not counted, never "none registered")
+                self.prefill_workers = len(keys)
             if self.prefill_affinity:
-                self.prefill_prefixes.workers(prefill)
+                self.prefill_prefixes.workers([WorkerInfo.from_mapping(m) for key in keys
+                                               if (m := await self.redis.hgetall(key))])
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
@@ -819,9 +816,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             full = self.prefixes.chain(ids, request.cache_salt, hashes)
                             if self.affinity:
                                 self._record(worker, full)
-                            if self.prefill_affinity and ev.prefill_worker:
-                                self.prefill_prefixes.record(ev.prefill_worker, full)
-                                self.shared.publish(ev.prefill_worker, "", full)
+                            if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
+                                self._record(WorkerInfo(ev.prefill_worker, "prefill", "", ""), full,
+                                             self.prefill_prefixes)
                         if ev.token_ids and not active.first and params.prompt_logprobs is not None \
                                 and len(ev.prompt_logprobs) != len(ids) - 1:
                             raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
@@ -963,9 +960,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.priority"] = request.priority
         return attrs
 
-    def _record(self, worker: WorkerInfo, hashes: list[int]) -> None:
-        """worker holds the KV of these blocks now: in this router's record, and the others'."""
-        self.prefixes.record(worker.worker_id, hashes)
+    def _record(self, worker: WorkerInfo, hashes: list[int], index: PrefixIndex | None = None) -> None:
+        """worker holds the KV of these blocks now: in this router's record (`index`: the decode
+        workers', or the prefill workers'), and the others'."""
+        (self.prefixes if index is None else index).record(worker.worker_id, hashes)
         self.shared.publish(worker.worker_id, worker.epoch, hashes)
 
     async def _name_tokens(self, ev: w_pb.DecodeEvent) -> None:
