@@ -1938,7 +1938,8 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
 
 
 def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_the_rest_is_served():
-    s = _start(decode=2, keepalive_s=1.0)
+    """With resuming off (decode_resumes=0; see the next test for it on)."""
+    s = _start(decode=2, keepalive_s=1.0, decode_resumes=0)
     killed = False
     try:
         with Client(s.router_address) as c:
@@ -1980,6 +1981,80 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
             s.n_decode = 1
         _finish(s)
 
+
+
+def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken():
+    """Greedy streams of 120 tokens over two decode workers. One worker is killed while each has
+    streams part-way; later the other is sent SIGTERM with a drain time far shorter than its streams.
+    Every stream still ends OK, and its tokens and text are those of an unbroken run: the router
+    queued its prompt and the tokens sent so far for a prefill again, and the other worker went on
+    from there, sending only what is new."""
+    s = _start(decode=2, keepalive_s=1.0, drain_s=1.0)
+    stopped = None
+    try:
+        prompts = [f"Tell me a story about the number {i}." for i in range(6)]
+        with Client(s.router_address) as c:
+            want = {i: c.generate(p, max_tokens=120, ignore_eos=True, temperature=0.0, timeout=120)
+                    for i, p in enumerate(prompts)}
+
+        def run_round(tag: str, victim: str, disrupt) -> dict:
+            time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read
+            got: dict[int, list] = {i: [[], "", None] for i in range(6)}  # tokens, text, outcome
+
+            def run(i):
+                try:
+                    with Client(s.router_address) as cc:
+                        for chunk in cc.generate_stream(prompts[i], max_tokens=120, ignore_eos=True, temperature=0.0,
+                                                        request_id=f"{tag}{i}", timeout=120):
+                            got[i][0] += chunk.token_ids
+                            got[i][1] += chunk.text
+                    got[i][2] = "OK"
+                except grpc.RpcError as e:
+                    got[i][2] = f"{e.code().name}: {e.details()}"
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            with Client(s.router_address) as c:
+                def part_way_on_both():  # each worker has a stream with tokens out, and far from its end
+                    on = set()
+                    for i in range(6):
+                        if 5 <= len(got[i][0]) <= 60 and _state(c, f"{tag}{i}") == "decoding":
+                            on.add(c.get_request(f"{tag}{i}").decode_worker.rsplit("-", 1)[0])
+                    return on == {"decode-0", "decode-1"}
+                wait_for(part_way_on_both, timeout=120, interval=0.02, what="streams part-way on both workers")
+                on_victim = {i for i in range(6) if c.get_request(f"{tag}{i}").decode_worker.startswith(victim)
+                             and len(got[i][0]) < 120}
+                disrupt(s.proc(victim))
+                for t in threads:
+                    t.join(120)
+                assert not any(t.is_alive() for t in threads)
+                for i in range(6):
+                    assert got[i][2] == "OK", (i, got[i][2])
+                    assert got[i][0] == list(want[i].token_ids) and got[i][1] == want[i].text, i
+                moved = {i for i in range(6) if not c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
+                assert on_victim and on_victim <= moved, (on_victim, moved)
+            return on_victim
+
+        resumed0 = scrape(s.proc("router").metrics_address).get("splitserve_requests_resumed_total", 0)
+
+        def kill(p):
+            p.popen.kill()
+            p.popen.wait()
+        lost = len(run_round("k", "decode-0", kill))
+        assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
+        s.restart("decode-0")
+
+        def terminate(p):
+            nonlocal stopped
+            p.popen.send_signal(signal.SIGTERM)
+            assert p.popen.wait(60) == 0
+            stopped = p.name
+        lost += len(run_round("t", "decode-1", terminate))
+        assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
+    finally:
+        if stopped:
+            s.restart(stopped)
+        _finish(s)
 
 
 def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_request_sent_meanwhile_fails():

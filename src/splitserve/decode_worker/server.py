@@ -253,8 +253,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await self._compile_format(params)
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
+            resumed = getattr(request, "resumed_tokens", 0), getattr(request, "resumed_chars", 0)
             await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
-                                                             cache_salt=request.cache_salt))
+                                                             cache_salt=request.cache_salt, resumed=resumed[0],
+                                                             resumed_chars=resumed[1]))
         except asyncio.CancelledError:  # the engine takes it yet (its commands run in order): the stream's end aborts it
             slot.imported = True
             raise
@@ -409,12 +411,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         slot.first_sent = True
         self.metrics.first_tokens.labels(via).inc()
-        slot.sample_tokens[0] = len(request.token_ids)
+        completion = request.resumed_tokens + len(request.token_ids)
+        slot.sample_tokens[0] = completion
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
         slot.cached_tokens, slot.prefill_worker = request.cached_tokens, request.prefill_worker
         slot.events.put_nowait(w_pb.DecodeEvent(
-            token_ids=request.token_ids, text=request.text, completion_tokens=len(request.token_ids),
+            token_ids=request.token_ids, text=request.text, completion_tokens=completion,
             timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
             first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens, logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs, prefill_worker=slot.prefill_worker,
@@ -561,9 +564,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid(f"handle.host_id: {h.host_id!r} is another host; send the bytes with PutKVStream")
 
     async def _finished_at_prefill(self, slot: Slot, seq: w_pb.SequenceState) -> w_pb.PutKVResponse:
-        out = list(seq.token_ids[seq.prompt_len :])
+        n = len(seq.token_ids) - seq.prompt_len  # its completion's tokens, the client has seq.resumed_tokens
+        out = list(seq.token_ids[seq.prompt_len + seq.resumed_tokens :])
         skip = seq.sampling.skip_special_tokens if seq.sampling.HasField("skip_special_tokens") else True
-        text = self.engine.tokenizer.decode(out, skip) if self.engine.tokenizer else ""
+        if seq.HasField("text"):
+            text = seq.text
+        else:  # (a prefill worker of a release without it)
+            text = self.engine.tokenizer.decode(out, skip) if self.engine.tokenizer else ""
         slot.imported = True
         slot.queue_ms, slot.prefill_ms, slot.cached_tokens = seq.queue_ms, seq.prefill_ms, seq.cached_tokens
         slot.prefill_worker = seq.prefill_worker
@@ -571,9 +578,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
-        logprobs = convert.logprobs_from_pb(seq.logprobs) if seq.sampling.HasField("logprobs") else None
+        logprobs = (convert.logprobs_from_pb(seq.logprobs[seq.resumed_tokens:])
+                    if seq.sampling.HasField("logprobs") else None)
         prompt = convert.logprobs_from_pb(seq.prompt_logprobs) if seq.sampling.HasField("prompt_logprobs") else None
-        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, len(out),
+        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, n,
                                             new_logprobs=logprobs, prompt_logprobs=prompt))
         return w_pb.PutKVResponse()
 

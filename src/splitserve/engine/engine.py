@@ -208,8 +208,17 @@ class LLMEngine:
         prefill_only: bool = False,
         priority: int = 0,
         cache_salt: str = "",
+        resumed: int = 0,
+        resumed_chars: int = 0,
     ) -> None:
-        """cache_salt: this request shares cached prefixes only with those of the same salt."""
+        """cache_salt: this request shares cached prefixes only with those of the same salt.
+
+        resumed: the last this many of prompt_token_ids are output tokens its client has already,
+        with resumed_chars characters of their text (a request whose decode worker was lost
+        mid-stream, resumed elsewhere): the prompt is the rest; max_tokens, min_tokens, stop strings
+        and a format go on counting from those tokens, which are not handed out again. (A seeded
+        sampler starts again from its seed: its tokens from here differ from an unbroken run's.)
+        """
         if not isinstance(cache_salt, str):  # an int would pass for a prefix cache entry
             raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
         if request_id in self.seqs or request_id in self.parked:
@@ -217,8 +226,28 @@ class LLMEngine:
         if SAMPLE_SEP in request_id:  # a request's later samples run under <id>/<index> (_fork)
             raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {request_id!r}")
         prefill_only = prefill_only and self.padded is None
-        self.validate(prompt_token_ids, params, prefill_only)
-        seq = self._new_seq(request_id, list(prompt_token_ids), len(prompt_token_ids), params, cache_salt=cache_salt)
+        prompt_len = len(prompt_token_ids) - resumed
+        if resumed and (resumed < 0 or prompt_len < 1 or resumed_chars < 0 or params.n > 1):
+            raise InvalidRequestError("resumed", f"{resumed} of {len(prompt_token_ids)} tokens (n={params.n}, "
+                                                 f"{resumed_chars} characters): not a request that can resume")
+        self.validate(prompt_token_ids[:prompt_len], params, prefill_only)
+        matcher = None
+        if resumed:
+            if prefill_only and not self.fits(len(prompt_token_ids) + 1):
+                raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens can never fit in this prefill "
+                                                    f"engine's KV cache ({self.kv_capacity_tokens} tokens)")
+            if params.structured_output is not None:
+                try:
+                    matcher = self.grammars.matcher(params.structured_output, prompt_token_ids[prompt_len:])
+                except ValueError as e:
+                    raise InvalidRequestError(params.structured_output.field, str(e)) from None
+        seq = self._new_seq(request_id, list(prompt_token_ids), prompt_len, params, cache_salt=cache_salt,
+                            matcher=matcher)
+        if resumed:
+            seq.resumed, seq.resumed_chars = resumed, resumed_chars
+            self._resume(seq)
+            if params.logprobs is not None:  # placeholders: those tokens' own went out before it moved
+                seq.logprobs = [TokenLogprob(t, 0.0, 0) for t in seq.output_ids]
         seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:
@@ -244,6 +273,15 @@ class LLMEngine:
             seq.detok = self.tokenizer.detokenizer(token_ids[:prompt_len], params.skip_special_tokens)
         self.seqs[request_id] = seq
         return seq
+
+    @staticmethod
+    def _resume(seq: Sequence) -> None:
+        """Its output's text made again; what its client has already is not handed out again."""
+        if seq.detok is not None:
+            for tok in seq.output_ids:
+                seq.text += seq.detok.push(tok)
+        seq.emitted_tokens = seq.resumed
+        seq.emitted_chars = min(seq.resumed_chars, len(seq.text))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is, all its samples; its KV blocks are freed at once. The
@@ -611,6 +649,9 @@ class LLMEngine:
         if len(export.token_ids) != n + 1:
             raise KVImportError(f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)")
         self.validate(export.token_ids[: export.prompt_len], export.params)
+        if not 0 <= export.resumed < max(1, len(export.token_ids) - export.prompt_len) or export.resumed_chars < 0:
+            raise KVImportError(f"{export.resumed} resumed tokens ({export.resumed_chars} characters) of "
+                                f"{len(export.token_ids) - export.prompt_len} sampled")
         if export.params.logprobs is not None and len(export.logprobs) != len(export.token_ids) - export.prompt_len:
             raise KVImportError(f"{len(export.logprobs)} log probabilities for "
                                 f"{len(export.token_ids) - export.prompt_len} sampled tokens")
@@ -643,9 +684,9 @@ class LLMEngine:
         seq.priority = priority
         seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
         seq.prompt_logprobs = list(export.prompt_logprobs) if export.params.prompt_logprobs is not None else []
-        if seq.detok is not None:
-            for tok in export.token_ids[export.prompt_len :]:
-                seq.text += seq.detok.push(tok)
+        if export.resumed:
+            seq.resumed, seq.resumed_chars = export.resumed, export.resumed_chars
+        self._resume(seq)
         seq.block_table.extend(shared)
         seq.block_table.extend(pool.allocate(need))
         if held < n:

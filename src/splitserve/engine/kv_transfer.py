@@ -59,6 +59,11 @@ class KVExport:
     # params.n > 1: the first sample's finish reason when its first token ended it (the KV still
     # travels: the other samples are made from it); "" otherwise
     finish_reason: str = ""
+    # A request resumed after its decode worker was lost: the last `resumed` of its sampled tokens
+    # before this one (and the first `resumed_chars` characters of their text) its client has
+    # already; they are not sent again
+    resumed: int = 0
+    resumed_chars: int = 0
 
 
 def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
@@ -112,6 +117,8 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         start=start,
         layout_version=layout_version(start),
         logprobs=list(seq.logprobs),
+        resumed=seq.resumed,
+        resumed_chars=seq.resumed_chars,
         prompt_logprobs=list(seq.prompt_logprobs),
         finish_reason=seq.first_finish or "",
     )

@@ -64,6 +64,10 @@ class Sequence:
     # prompt KV once its first token is sampled (LLMEngine._fork): request_id "<parent>/<index>".
     index: int = 0
     parent: str = ""  # a later sample's: the request's id ("" for the first sample)
+    # Resumed (its decode worker was lost mid-stream, LLMEngine.add_request): its first `resumed`
+    # output tokens, and `resumed_chars` characters of their text, its client has already
+    resumed: int = 0
+    resumed_chars: int = 0
     first_finish: str | None = None  # prefill_only with n > 1: the reason its first token ended it (parked all the same)
 
     def __post_init__(self) -> None:

@@ -95,6 +95,9 @@ class RouterMetrics(Metrics):
         self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
                                                         "prefill worker was registered, for their decode worker "
                                                         "to prefill")
+        self.resumed = self.c("requests_resumed", "Requests that resumed on another decode worker after theirs was "
+                                                  "lost mid-stream (killed, unreachable, or stopped past its drain "
+                                                  "time): their prompt and the tokens sent so far prefilled again")
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
         self.structured = self.c("requests_structured", "Admitted requests held to a structured output format, by "
                                                         "its kind", ["kind"])

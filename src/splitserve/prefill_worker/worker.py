@@ -33,7 +33,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError
 from splitserve.engine import kv_transfer
 from splitserve.engine.kv_transfer import KVExport, payload_nbytes
-from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.outputs import RequestOutput, TokenLogprob
 from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
@@ -419,7 +419,8 @@ class PrefillWorker:
             threading.Thread(target=_retire, args=(old,), name="retire", daemon=True).start()
         try:
             self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
-                                    priority=job.priority, cache_salt=job.cache_salt)
+                                    priority=job.priority, cache_salt=job.cache_salt, resumed=job.resumed,
+                                    resumed_chars=job.resumed_chars)
         except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
             if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
@@ -530,11 +531,16 @@ class PrefillWorker:
                 self.engine.release(rid)  # the KV now lives in the region
             self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, off, view)
         else:  # the first token already finished it (eos, stop, max_tokens=1)
-            seq_tokens = list(fl.job.token_ids) + list(out.new_token_ids)
-            export = KVExport(out.request_id, len(fl.job.token_ids), seq_tokens, fl.job.params(), None, 0, "",
-                              logprobs=out.new_logprobs or [], prompt_logprobs=out.prompt_logprobs or [])
-            self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, None, None,
-                              out.finish_reason or "error")
+            job = fl.job
+            seq_tokens = list(job.token_ids) + list(out.new_token_ids)
+            logprobs = list(out.new_logprobs or [])
+            if logprobs and job.resumed:  # the tokens it came with: placeholders (LLMEngine.add_request)
+                logprobs[:0] = [TokenLogprob(t, 0.0, 0) for t in job.token_ids[job.prompt_len:]]
+            export = KVExport(out.request_id, job.prompt_len, seq_tokens, job.params(), None, 0, "",
+                              logprobs=logprobs, prompt_logprobs=out.prompt_logprobs or [],
+                              resumed=job.resumed, resumed_chars=job.resumed_chars)
+            self.peers.submit(job.decode_address, "handoff", self._handoff, fl, export, None, None,
+                              out.finish_reason or "error", out.new_text)
 
     def _transport(self, job: Job) -> str:
         """How a job's KV goes to its decode worker (kv_transport; auto: shared memory on this host)."""
@@ -571,7 +577,7 @@ class PrefillWorker:
                                      queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
                                      cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs),
                                      prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs),
-                                     prefill_worker=self.name)
+                                     prefill_worker=self.name, resumed_tokens=job.resumed)
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return
@@ -583,12 +589,15 @@ class PrefillWorker:
         fut.add_done_callback(done)
         cf.wait([fut], timeout=wait_s)
 
-    def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "") -> None:
+    def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "",
+                 text: str | None = None) -> None:
         job = fl.job
         seq = convert.sequence_to_pb(
             export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
             traceparent=tracing.traceparent_of(fl.kv_span),
         )
+        if text is not None:
+            seq.text = text
         seq.prefill_end_unix, seq.cached_tokens, seq.prefill_worker = fl.t_end, fl.cached_tokens, self.name
         span = fl.kv_span
         transport = "none"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import logging
 import sys
@@ -39,7 +40,7 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancell
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, MAY_RUN_AGAIN,
-                                           QUEUE_FIELDS, REAP_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect,
+                                           QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect,
                                            priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
@@ -47,6 +48,7 @@ from splitserve_proto.v1 import generation_pb2_grpc
 from splitserve_proto.v1 import worker_pb2 as w_pb
 from splitserve_proto.v1 import worker_pb2_grpc
 
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 log = logging.getLogger(__name__)
 SERVICE = gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # A router's lease, in heartbeats: longer than a worker's (3), because a router taken for dead
@@ -138,6 +140,7 @@ class Active:
     lost: str = ""  # why it ends without its decode worker's word (check_waiting), with lost_code
     lost_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
+    resumes: int = 0  # times it resumed on another decode worker (_resume): never taken back (take_back)
 
 
 class Frontend:
@@ -228,6 +231,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.abort_script = r.register_script(ABORT_LUA)
         self.reap_script = r.register_script(REAP_LUA)
         self.take_back_script = r.register_script(TAKE_BACK_LUA)
+        self.resume_script = r.register_script(RESUME_LUA)
         self.id = settings.worker_name("router")
         self.lease_s = ROUTER_LEASE_HEARTBEATS * settings.heartbeat_s
         self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
@@ -304,15 +308,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if self.read_from < t:
                 await self.refresh_workers()
 
-    def pick(self, need_tokens: int, hashes: list[int] | None = None) -> tuple[WorkerInfo, Placement, int]:
+    def pick(self, need_tokens: int, hashes: list[int] | None = None,
+             exclude: str = "") -> tuple[WorkerInfo, Placement, int]:
         """The decode worker for a request of need_tokens (prompt + max_tokens) whose prompt has the
         block hashes `hashes` (PrefixIndex.prompt_chain), its placement, and the prompt tokens it
         is expected to find in its prefix cache. The least loaded worker, unless one expected to
-        hold more of the prompt has at most prefix_affinity_slack more requests open."""
-        if not self.workers:
-            raise Unavailable("no decode worker is registered; retry shortly")
-        largest = max(w.kv_capacity_tokens for w in self.workers)
-        if largest < need_tokens and all(w.kv_capacity_tokens for w in self.workers):  # 0: an older worker, unknown
+        hold more of the prompt has at most prefix_affinity_slack more requests open. Never the
+        worker `exclude` (one a request was lost on)."""
+        workers = [w for w in self.workers if w.worker_id != exclude]
+        if not workers:
+            raise Unavailable("no decode worker is registered" + (f" but {exclude}, which was lost" if exclude else "")
+                              + "; retry shortly")
+        largest = max(w.kv_capacity_tokens for w in workers)
+        if largest < need_tokens and all(w.kv_capacity_tokens for w in workers):  # 0: an older worker, unknown
             raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens (× sampling.n) = {need_tokens} "
                                                              f"tokens can never fit "
                                       f"in a decode worker's KV cache (the largest holds {largest})")
@@ -322,7 +330,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
         # A worker this router cannot connect to (killed, its registry entry not yet lapsed) gets
         # nothing while another can take the request; if none can, the request fails naming it.
-        candidates = [w for w in self.workers if self._reachable(w)] or self.workers
+        candidates = [w for w in workers if self._reachable(w)] or workers
         loads = {c.worker_id: load(c) for c in candidates}
         w = min(candidates, key=lambda c: loads[c.worker_id])
         cached = 0
@@ -468,7 +476,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
-            if take_back and state == b"queued":
+            if take_back and state == b"queued" and not a.resumes:
                 await self.take_back(rid, a)
             if admitted is None:
                 a.missing_since = a.missing_since or now
@@ -733,12 +741,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = 0  # completion tokens streamed so far (of all samples)
         sent_by: dict[int, int] = {}  # sampling.n > 1: a sample's index -> its completion tokens so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        generated: list[int] = []  # the completion's tokens (prefix affinity: a next turn's prompt starts so)
+        # the completion's tokens so far (a resumed request prefills them again; prefix affinity: a next
+        # turn's prompt starts so)
+        generated: list[int] = []
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
         result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
                                       and params.n == 1) else None
         marked = False  # the end recorded (_mark) already
-        with dec:
+        failed_with = None  # the exception the request ends with (the decode span in use ends with it)
+        try:
             try:
                 try:
                     if local:  # the worker starts on the prompt at once: admit only what it accepted
@@ -798,9 +809,34 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                    request.cache_salt, local, queued, t_admitted)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
+                chars = 0  # of sample 0's text sent so far (a resumed request's new text starts after them)
                 try:
                     while True:
-                        ev = await call.read()
+                        try:
+                            ev = await call.read()
+                            lost = ("decode stream ended without a finish" if ev is grpc.aio.EOF
+                                    else ev.error if ev.error and ev.error_code == UNAVAILABLE else "")
+                        except grpc.aio.AioRpcError as e:
+                            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                                raise
+                            ev, lost = e, f"{e.code().name}: {e.details()}"
+                        if lost and active.resumes < self.s.decode_resumes and params.n == 1 and generated \
+                                and not (active.lost or active.aborted):
+                            # Its decode worker was lost mid-stream: it goes on on another.
+                            self.placements.ended(worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq,
+                                                  len(ids) + sent)
+                            close_seq, placed = 0, None
+                            dec.__exit__(Unavailable, Unavailable(lost), None)
+                            dec = None
+                            call.cancel()
+                            old = worker
+                            call, worker, placed, dec = await self._resume(rid, active, old, lost, generated, chars,
+                                                                           deadline, context, rs)
+                            log.warning("request %s: decode worker %s lost (%s); resumed on %s after %d tokens", rid,
+                                        old.worker_id, lost, worker.worker_id, len(generated))
+                            continue
+                        if isinstance(ev, grpc.aio.AioRpcError):
+                            raise ev
                         if ev is grpc.aio.EOF:
                             raise Unavailable("decode stream ended without a finish")
                         close_seq = ev.close_seq or close_seq
@@ -819,7 +855,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
                                 self._record(WorkerInfo(ev.prefill_worker, "prefill", "", ""), full,
                                              self.prefill_prefixes)
-                        if ev.token_ids and not active.first and params.prompt_logprobs is not None \
+                        if ev.token_ids and not active.first and params.prompt_logprobs is not None and not active.resumes \
                                 and len(ev.prompt_logprobs) != len(ids) - 1:
                             raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
                                                 f"{len(ids)}-token prompt (a worker of a release without them?)",
@@ -829,7 +865,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
                             await self._dequeue(rid, len(ids))
-                        if ev.first_token_unix:
+                        if ev.first_token_unix and not active.resumes:
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
@@ -848,8 +884,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
                                     await self._mark(rid, "finished", ev, result=result)
                                 marked = True
-                        if self.affinity and ev.index == 0:
+                        if ev.index == 0:
                             generated.extend(ev.token_ids)
+                            chars += len(ev.text)
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason and not ev.more:
                             final = ev
@@ -894,7 +931,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                       f"({e.details()}); retry") from e
                 raise
             finally:
-                self.placements.ended(worker.worker_id, placed, close_seq, len(ids) + sent)
+                if placed is not None:
+                    self.placements.ended(worker.worker_id, placed, close_seq, len(ids) + sent)
                 if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
                     del self.active[rid]
                     self.first_parts.pop(rid, None)
@@ -908,6 +946,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         self.background.start(mark)
                     else:
                         await mark
+        except BaseException as e:
+            failed_with = e
+            raise
+        finally:  # (a `with dec`, but dec is another span once the request resumes elsewhere)
+            if dec is not None:
+                dec.__exit__(type(failed_with) if failed_with is not None else None, failed_with, None)
 
     @staticmethod
     async def _accepted(call, worker: WorkerInfo, placed: Placement) -> None:
@@ -915,6 +959,72 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if first is grpc.aio.EOF or not first.accepted:
             raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
         Placements.accepted(placed, first.epoch, first.open_seq)
+
+    async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, generated: list[int], chars: int,
+                      deadline: float, context, rs: tracing.rpc_span) -> tuple:
+        """Resume a request whose decode worker was lost mid-stream (killed, unreachable, or stopped
+        past its drain time) on another: its prompt and the tokens its client has (with `chars`
+        characters of their text) are prefilled again, by a prefill worker or by the new decode
+        worker (as _prefill_locally says), which goes on from there and sends only what is new.
+        Greedy, the stream is the one it would have been; a seeded sampler starts again from its
+        seed. Returns (the new Decode call, its worker, its placement, its span)."""
+        ids, params = a.ids, dataclasses.replace(a.params, prompt_logprobs=None)  # those went with the first token
+        tokens = ids + generated
+        try:
+            worker, placed, _ = self.pick(len(ids) + params.max_tokens, exclude=lost.worker_id)
+        except ServiceError as e:
+            raise Unavailable(f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
+                              f"on another: {e}") from None
+        local = self._prefill_locally(len(tokens))
+        a.resumes += 1
+        rs.span.add_event("resumed", {"splitserve.decode_worker.lost": lost.worker_id,
+                                      "splitserve.decode_worker": worker.worker_id, "splitserve.lost.reason": why[:300],
+                                      "splitserve.resumed_tokens": len(generated), "splitserve.prefill.local": local})
+        dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
+                               attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
+                               | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id,
+                                  "splitserve.resumed_tokens": len(generated)})
+        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority)
+        if local:
+            dreq.prompt_token_ids.extend(tokens)
+            dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
+            dreq.cache_salt = a.cache_salt
+            dreq.resumed_tokens, dreq.resumed_chars = len(generated), chars
+        call = None
+        try:
+            peer = self.peers.get(worker.address)
+            peer.run = peer.run or worker.epoch
+            call = peer.stub.Decode(dreq, timeout=context.time_remaining(), metadata=tracing.inject(dec.ctx))
+            if local:
+                await self._accepted(call, worker, placed)
+            now = time.time()
+            job = Job(
+                request_id=rid, token_ids=tokens, sampling=sampling_to_dict(params), decode_worker=worker.worker_id,
+                decode_address=worker.address, decode_epoch=worker.epoch, decode_host_id=worker.host_id,
+                deadline_unix=deadline, traceparent=tracing.traceparent_of(rs.span), t_received=now, t_admitted=now,
+                priority=a.priority, cache_salt=a.cache_salt, resumed=len(generated), resumed_chars=chars,
+            )
+            ok, q, t = (int(x) for x in await self.resume_script(
+                keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
+                args=[len(tokens), self.s.max_queue_requests, self.s.max_queue_tokens, self.s.request_ttl_s,
+                      job.to_json(), 0 if local else 1]))
+            if ok == -2 and a.aborted:
+                raise asyncio.CancelledError()  # (answered as the Abort's: _events)
+            if ok != 1:
+                raise Unavailable(f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
+                                  "on another: " + ("it has ended (see GetRequest)" if ok == -2 else
+                                                    f"the queue is full ({q} requests, {t} tokens)"))
+            if not local:
+                await self._accepted(call, worker, placed)
+        except BaseException as e:
+            if call is not None:
+                call.cancel()
+            self.placements.ended(worker.worker_id, placed)
+            dec.__exit__(type(e), e, None)
+            raise
+        self.metrics.resumed.inc()
+        a.call, a.address, a.local, a.first = call, worker.address, local, False
+        return call, worker, placed, dec
 
     @staticmethod
     def _end_admission(adm, e: BaseException) -> None:

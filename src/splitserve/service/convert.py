@@ -171,6 +171,8 @@ def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float
         cache_salt=export.cache_salt,
         logprobs=logprobs_to_pb(export.logprobs),
         prompt_logprobs=logprobs_to_pb(export.prompt_logprobs),
+        resumed_tokens=export.resumed,
+        resumed_chars=export.resumed_chars,
     )
 
 
@@ -193,4 +195,6 @@ def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
         logprobs=logprobs_from_pb(seq.logprobs),
         prompt_logprobs=logprobs_from_pb(seq.prompt_logprobs),
         finish_reason=seq.finish_reason,
+        resumed=seq.resumed_tokens,
+        resumed_chars=seq.resumed_chars,
     )

@@ -115,6 +115,42 @@ end
 return {1, q + 1, t + n, lt, directed}
 """
 
+# A request whose decode worker was lost mid-stream resumes: its prompt and the tokens its client
+# has go to a prefill worker again (or to its new decode worker, which prefills them), unless it
+# has ended meanwhile (an Abort, a worker's failure) or the queue is full (its bounds themselves:
+# the request has been admitted once). The counts come back at its pickup, as for any job (so the
+# hash's 'dequeued' marker goes). KEYS: admission hash, the stream for its priority, the request
+# hash. ARGV: tokens to prefill, the bounds (requests, tokens), the request TTL, the job, 1 to queue
+# it (0: its decode worker prefills it). Returns {1 | 0 (the queue is full) | -2 (it has ended),
+# requests queued, tokens queued}.
+RESUME_LUA = _IS_FINAL + """
+local got = redis.call('HMGET', KEYS[3], 'state', 'aborted')
+if not got[1] or is_final(got[1]) or got[2] then
+  return {-2, 0, 0}
+end
+local job = cjson.decode(ARGV[5])
+local n = tonumber(ARGV[1])
+local q = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
+local t = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+if ARGV[6] == '1' then
+  if q + 1 > tonumber(ARGV[2]) or t + n > tonumber(ARGV[3]) then
+    return {0, q, t}
+  end
+  redis.call('HINCRBY', KEYS[1], 'requests', 1)
+  redis.call('HINCRBY', KEYS[1], 'tokens', n)
+  q, t = q + 1, t + n
+  redis.call('HDEL', KEYS[3], 'dequeued', 'local')
+  redis.call('HSET', KEYS[3], 'state', 'queued')
+  redis.call('XADD', KEYS[2], '*', 'job', ARGV[5], 'tokens', n, 'queued', q)
+else
+  redis.call('HSET', KEYS[3], 'state', 'prefilling', 'local', 1, 'dequeued', 1)  -- (in no counts)
+end
+redis.call('HINCRBY', KEYS[3], 'resumed', 1)
+redis.call('HSET', KEYS[3], 'decode_worker', job['decode_worker'], 't_resumed', job['t_admitted'])
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
+return {1, q, t}
+"""
+
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
 # just ended keeps its final state. One that has not arrived yet (its Abort overtook its
 # Generate, through another router) gets a hash that says so ('early'), for the early TTL:
@@ -416,6 +452,15 @@ class Job:
     # prefix affinity: the prompt tokens the router expects the decode worker to hold in its prefix
     # cache; the KV handed over leaves them out (KVHandle.start_token), as bytes or in the region
     decode_cached_tokens: int = 0
+    # A request resumed after its decode worker was lost: the last `resumed` of token_ids are
+    # completion tokens its client has (with `resumed_chars` characters of their text); the prompt
+    # is the rest (LLMEngine.add_request)
+    resumed: int = 0
+    resumed_chars: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.token_ids) - self.resumed
 
     def to_json(self) -> str:
         # vars, not asdict: asdict deep-copies token_ids first (~0.2 ms at 300 tokens, on the TTFT path)
@@ -433,9 +478,10 @@ class Job:
             raise ValueError(f"job is missing {', '.join(missing)}")
         if not isinstance(d.get("cache_salt", ""), str):  # an int would pass for a prefix cache entry
             raise ValueError("job's cache_salt is not a string")
-        cached = d.get("decode_cached_tokens", 0)
-        if type(cached) is not int or cached < 0:
-            raise ValueError("job's decode_cached_tokens is not a count of tokens")
+        for name in ("decode_cached_tokens", "resumed", "resumed_chars"):
+            n = d.get(name, 0)
+            if type(n) is not int or n < 0:
+                raise ValueError(f"job's {name} is not a count")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:

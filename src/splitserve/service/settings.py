@@ -52,6 +52,7 @@ class Settings:
     share_prefix_records: bool = True  # routers tell one another what they record of the decode workers' prefix caches (a capped Redis stream); false = each keeps its own
     prefix_affinity_slack: int = 8  # a decode worker expected (by the router's record) to hold more of a prompt in its prefix cache gets it while it has at most this many more requests open than the least loaded; -1 = placement by load alone
     prefill_affinity_jobs: int = 4  # disaggregated: a normal-priority prompt that a prefill worker is expected (by the router's record) to hold the start of in its prefix cache is queued for that worker while fewer than this many jobs queued for it are not done; 0 = off (every job to the shared queue)
+    decode_resumes: int = 2  # a request whose decode worker is lost mid-stream (killed, unreachable, or stopped past drain_s) resumes on another: its prompt and the tokens its client has are prefilled again and the stream goes on, up to this many times a request (sampling.n = 1); 0 = off (the client gets UNAVAILABLE)
     local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
     local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those still queued are taken back for it to prefill; false = they wait in the queue for one
     default_max_tokens: int = 16
@@ -93,7 +94,8 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_device(self.device)
-        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens", "prefill_affinity_jobs"):
+        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens", "prefill_affinity_jobs",
+                     "decode_resumes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.prefix_affinity_slack < -1:

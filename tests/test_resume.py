@@ -1,0 +1,107 @@
+"""A request resumed after its decode worker was lost: the engine takes the prompt and the tokens its
+client already has, recomputes their KV (prefill), and goes on where the stream left off, handing
+out only what the client lacks. Real model, greedy: the tokens and the text put together equal an
+unbroken run's."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import engine_factory_of
+
+from splitserve.engine.errors import InvalidRequestError, KVImportError
+from splitserve.engine.sampling import SamplingParams
+
+PROMPT = "<|im_start|>user\nName three rivers of Europe and say one thing about each.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def engine_factory(smol_loaded):
+    yield from engine_factory_of(smol_loaded)
+
+
+def streamed(eng, rid: str) -> list[tuple[list[int], str, object]]:
+    """Every output of rid until it ends: (its new tokens, its new text, the output)."""
+    got = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                got.append((list(out.new_token_ids), out.new_text, out))
+    return got
+
+
+def so_far(events, k: int) -> tuple[list[int], str]:
+    """The tokens and text a client had once it held k tokens (an output of one token a step)."""
+    tokens, text = [], ""
+    for ids, t, _ in events:
+        tokens += ids
+        text += t
+        if len(tokens) == k:
+            return tokens, text
+    raise AssertionError(f"no point where the client held {k} tokens")
+
+
+def whole(events) -> tuple[list[int], str, str]:
+    return ([t for ids, _, _ in events for t in ids], "".join(t for _, t, _ in events), events[-1][2].finish_reason)
+
+
+@pytest.mark.parametrize("k", [1, 9])
+def test_a_resumed_request_goes_on_where_its_client_left_off(engine_factory, smol_loaded, k):
+    prompt = smol_loaded.tokenizer.encode(PROMPT)
+    # a stop string holds text back while it may be starting: the client's text lags its tokens
+    sp = SamplingParams(max_tokens=40, stop=["Danube flows"], logprobs=1)
+    ref = engine_factory()
+    ref.add_request("r", prompt, sp)
+    events = streamed(ref, "r")
+    want, want_text, reason = whole(events)
+    assert len(want) > k + 5
+    have, have_text = so_far(events, k)
+
+    # in one engine
+    eng = engine_factory()
+    eng.add_request("r", prompt + have, sp, resumed=k, resumed_chars=len(have_text))
+    rest = streamed(eng, "r")
+    tokens, text, got_reason = whole(rest)
+    assert have + tokens == want and have_text + text == want_text and got_reason == reason
+    assert rest[-1][2].num_output_tokens == len(want) and rest[-1][2].num_prompt_tokens == len(prompt)
+    ref_logprobs = [lp for _, _, out in events for lp in out.new_logprobs]
+    got_logprobs = [lp for _, _, out in rest for lp in out.new_logprobs]
+    assert len(got_logprobs) == len(tokens)  # the placeholders of the tokens it came with stay in
+    assert [lp.token_id for lp in got_logprobs] == want[k:]
+    assert [round(lp.logprob, 3) for lp in got_logprobs] == [round(lp.logprob, 3) for lp in ref_logprobs[k:]]
+
+    # prefilled in one engine, its KV handed to another, as a prefill worker and a decode worker do
+    prefill, decode = engine_factory(), engine_factory()
+    prefill.add_request("h", prompt + have, sp, prefill_only=True, resumed=k, resumed_chars=len(have_text))
+    while "h" not in prefill.parked:
+        prefill.step()
+    buf = memoryview(bytearray(prefill.kv_nbytes("h")))
+    export = prefill.export_kv("h", buf)
+    prefill.release("h")
+    assert export.resumed == k and export.prompt_len == len(prompt) and export.num_tokens == len(prompt) + k
+    first = decode.import_kv(export, buf)
+    assert first.new_token_ids == want[k:k + 1]
+    rest = [(list(first.new_token_ids), first.new_text, first)] + streamed(decode, "h")
+    tokens, text, got_reason = whole(rest)
+    assert have + tokens == want and have_text + text == want_text and got_reason == reason
+
+
+def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory, smol_loaded):
+    prompt = smol_loaded.tokenizer.encode(PROMPT)
+    eng = engine_factory()
+    for resumed, params in ((len(prompt), SamplingParams()), (-1, SamplingParams()), (2, SamplingParams(n=2))):
+        with pytest.raises(InvalidRequestError) as e:
+            eng.add_request("r", prompt, params, resumed=resumed)
+        assert e.value.field == "resumed"
+    assert not eng.seqs
+    # an export that says more tokens were resumed than it holds
+    prefill = engine_factory()
+    prefill.add_request("h", prompt, SamplingParams(), prefill_only=True, resumed=3)
+    while "h" not in prefill.parked:
+        prefill.step()
+    buf = memoryview(bytearray(prefill.kv_nbytes("h")))
+    export = prefill.export_kv("h", buf)
+    prefill.release("h")
+    export.resumed = 4  # it holds 3 and the one sampled since
+    with pytest.raises(KVImportError, match="resumed"):
+        eng.import_kv(export, buf)
+    assert not eng.seqs
