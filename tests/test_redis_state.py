@@ -1,12 +1,13 @@
 """The Redis scripts that keep request hashes honest, against a real redis-server."""
 
+import json
 import time
 
 import pytest
 import redis
 
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA,
-                                           PICKUP_LUA, REAP_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
+                                           PICKUP_LUA, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
                                            update_args)
 
 
@@ -115,6 +116,44 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
     assert dequeue(keys=[keys.admission, keys.req("a")], args=[100]) == 1  # its first token, at its router
     assert picked("c") == "cancelled"  # c: cancelled while queued, left at its pickup
     assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
+
+
+def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_leave_once_more(r):
+    """A request whose decode worker was lost mid-stream: queued again (its prompt and the tokens its
+    client has) while it has not ended and was not aborted, within the bounds themselves; its
+    pickup returns its counts again (the first pickup's marker goes). Its decode worker prefilling
+    it instead, it enters no count, and nothing returns any."""
+    keys = Keys("rs")
+    resume, pickup, abort = (r.register_script(x) for x in (RESUME_LUA, PICKUP_LUA, ABORT_LUA))
+    stream = keys.stream_for(0)
+    r.hset(keys.admission, mapping={"requests": 1, "tokens": 10, "local_tokens": 0})
+
+    def resumed(rid, local=False, bounds=(3, 500)):
+        job = json.dumps({"request_id": rid, "decode_worker": "decode-9", "t_admitted": 12.5})
+        return resume(keys=[keys.admission, stream, keys.req(rid)], args=[120, *bounds, 60, job, 0 if local else 1])
+
+    for rid, state in (("a", "decoding"), ("b", "decoding"), ("f", "finished"), ("x", "failed"), ("ab", "decoding")):
+        r.hset(keys.req(rid), mapping={"state": state, "prompt_tokens": 100, "dequeued": 1, "decode_worker": "decode-0"})
+    abort(keys=[keys.req("ab")], args=[time.time(), 60, 5])
+    assert [resumed(rid)[0] for rid in ("f", "x", "ab", "gone")] == [-2] * 4  # ended, aborted, or not there
+    assert resumed("a", bounds=(1, 500)) == [0, 1, 10]  # the queue is full (by its bounds)
+    assert resumed("a", bounds=(3, 100)) == [0, 1, 10]
+    assert r.xlen(stream) == 0
+    assert resumed("a") == [1, 2, 130]
+    got = r.hgetall(keys.req("a"))
+    assert {k: got[k] for k in ("state", "resumed", "decode_worker", "t_resumed")} == {
+        "state": "queued", "resumed": "1", "decode_worker": "decode-9", "t_resumed": "12.5"}
+    assert "dequeued" not in got and r.ttl(keys.req("a")) > 0
+    (_, fields), = r.xrange(stream)
+    assert fields["tokens"] == "120" and json.loads(fields["job"])["request_id"] == "a"
+    assert pickup(keys=[keys.admission, keys.req("a")], args=[120, 1, time.time(), "prefill-x", 0]) == "prefilling"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
+    # prefilled by its new decode worker: no count, and its reaper or a stray pickup returns none
+    assert resumed("b", local=True) == [1, 1, 10]
+    assert r.hget(keys.req("b"), "local") == "1" and r.hget(keys.req("b"), "state") == "prefilling"
+    assert r.xlen(stream) == 1
+    assert pickup(keys=[keys.admission, keys.req("b")], args=[120, 1, time.time(), "prefill-x", 0]) == "local"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
 
 
 def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt(r):

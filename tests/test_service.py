@@ -1983,31 +1983,33 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
-def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken():
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken(mode):
     """Greedy streams of 120 tokens over two decode workers. One worker is killed while each has
     streams part-way; later the other is sent SIGTERM with a drain time far shorter than its streams.
-    Every stream still ends OK, and its tokens and text are those of an unbroken run: the router
-    queued its prompt and the tokens sent so far for a prefill again, and the other worker went on
-    from there, sending only what is new."""
-    s = _start(decode=2, keepalive_s=1.0, drain_s=1.0)
-    stopped = None
+    Every stream still ends OK, and its tokens, text and log probabilities are those of an unbroken
+    run: the router queued its prompt and the tokens sent so far for a prefill again (colocated: the
+    other worker prefilled them), and the other worker went on from there, sending only what is new.
+    (A stop string that never comes holds text back: the client's text lags its tokens.)"""
+    s = _start(decode=2, keepalive_s=1.0, drain_s=1.0, **({"mode": mode, "prefill": 0} if mode == "colocated" else {}))
+    down = []  # the workers killed or stopped, started again at the end
+    sp = dict(max_tokens=120, ignore_eos=True, temperature=0.0, stop=["@@@@@@@@"], logprobs=0)
     try:
         prompts = [f"Tell me a story about the number {i}." for i in range(6)]
         with Client(s.router_address) as c:
-            want = {i: c.generate(p, max_tokens=120, ignore_eos=True, temperature=0.0, timeout=120)
-                    for i, p in enumerate(prompts)}
+            want = {i: c.generate(p, timeout=120, **sp) for i, p in enumerate(prompts)}
 
         def run_round(tag: str, victim: str, disrupt) -> dict:
             time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read
-            got: dict[int, list] = {i: [[], "", None] for i in range(6)}  # tokens, text, outcome
+            got: dict[int, list] = {i: [[], "", None, []] for i in range(6)}  # tokens, text, outcome, log probabilities
 
             def run(i):
                 try:
                     with Client(s.router_address) as cc:
-                        for chunk in cc.generate_stream(prompts[i], max_tokens=120, ignore_eos=True, temperature=0.0,
-                                                        request_id=f"{tag}{i}", timeout=120):
+                        for chunk in cc.generate_stream(prompts[i], request_id=f"{tag}{i}", timeout=120, **sp):
                             got[i][0] += chunk.token_ids
                             got[i][1] += chunk.text
+                            got[i][3] += [(lp.token_id, round(lp.logprob, 2)) for lp in chunk.logprobs]
                     got[i][2] = "OK"
                 except grpc.RpcError as e:
                     got[i][2] = f"{e.code().name}: {e.details()}"
@@ -2015,15 +2017,16 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
             for t in threads:
                 t.start()
             with Client(s.router_address) as c:
-                def part_way_on_both():  # each worker has a stream with tokens out, and far from its end
-                    on = set()
-                    for i in range(6):
-                        if 5 <= len(got[i][0]) <= 60 and _state(c, f"{tag}{i}") == "decoding":
-                            on.add(c.get_request(f"{tag}{i}").decode_worker.rsplit("-", 1)[0])
-                    return on == {"decode-0", "decode-1"}
+                # Every stream has tokens out (one with none yet fails UNAVAILABLE: its client may retry
+                # it, as nothing was sent) and is far from its end; both workers have some.
+                def part_way_on_both():
+                    if not all(5 <= len(got[i][0]) <= 60 for i in range(6)):
+                        return False
+                    return {c.get_request(f"{tag}{i}").decode_worker.rsplit("-", 1)[0] for i in range(6)} \
+                        == {"decode-0", "decode-1"}
                 wait_for(part_way_on_both, timeout=120, interval=0.02, what="streams part-way on both workers")
-                on_victim = {i for i in range(6) if c.get_request(f"{tag}{i}").decode_worker.startswith(victim)
-                             and len(got[i][0]) < 120}
+                on_victim = {i for i in range(6) if c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
+                down.append(victim)
                 disrupt(s.proc(victim))
                 for t in threads:
                     t.join(120)
@@ -2031,6 +2034,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                 for i in range(6):
                     assert got[i][2] == "OK", (i, got[i][2])
                     assert got[i][0] == list(want[i].token_ids) and got[i][1] == want[i].text, i
+                    assert got[i][3] == [(lp.token_id, round(lp.logprob, 2)) for lp in want[i].logprobs], i
                 moved = {i for i in range(6) if not c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
                 assert on_victim and on_victim <= moved, (on_victim, moved)
             return on_victim
@@ -2042,18 +2046,16 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
             p.popen.wait()
         lost = len(run_round("k", "decode-0", kill))
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
-        s.restart("decode-0")
+        s.restart(down.pop())
 
         def terminate(p):
-            nonlocal stopped
             p.popen.send_signal(signal.SIGTERM)
             assert p.popen.wait(60) == 0
-            stopped = p.name
         lost += len(run_round("t", "decode-1", terminate))
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
     finally:
-        if stopped:
-            s.restart(stopped)
+        for name in down:
+            s.restart(name)
         _finish(s)
 
 
@@ -2062,7 +2064,9 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
     finish, and no request fails, though a router may place one there until it reads the registry
     again (half a heartbeat: 0.5 s here). The worker takes the streams opened in that time too.
     Then a router, under clients that balance over both routers as a Kubernetes Service's would."""
-    s = _start(decode=2, heartbeat_s=1.0, drain_s=60.0, routers=2)
+    # (decode_resumes=0: its last part is of a decode worker's stream cut at its drain's end, which
+    # would otherwise resume on the other worker, as the test before this one shows)
+    s = _start(decode=2, heartbeat_s=1.0, drain_s=60.0, routers=2, decode_resumes=0)
     try:
         time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read (see above)
         long = {}
