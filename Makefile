@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority clean
+.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume clean
 
 install: $(STAMP)
 
@@ -130,7 +130,12 @@ image-test: install proto image
 	SPLITSERVE_IMAGE=$(IMAGE) $(PY) -m pytest -q -p no:cacheprovider tests/test_image.py
 
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority
+bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume
+
+# A decode worker lost mid-stream: its streams resume on the other (DECODE_RESUMES); killed, then drained past DRAIN_S
+bench-resume: install
+	$(PY) -m splitserve.bench.resume_bench --rounds 3 --out bench-results/resume.json
+	$(PY) -m splitserve.bench.resume_bench --rounds 3 --sigterm --out bench-results/resume-sigterm.json
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

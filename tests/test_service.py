@@ -2037,6 +2037,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                     assert got[i][3] == [(lp.token_id, round(lp.logprob, 2)) for lp in want[i].logprobs], i
                 moved = {i for i in range(6) if not c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
                 assert on_victim and on_victim <= moved, (on_victim, moved)
+                assert {i for i in range(6) if c.get_request(f"{tag}{i}").resumes == 1} == on_victim
             return on_victim
 
         resumed0 = scrape(s.proc("router").metrics_address).get("splitserve_requests_resumed_total", 0)

@@ -1293,6 +1293,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             prompt_tokens=int(m.get("prompt_tokens", 0)), completion_tokens=int(m.get("completion_tokens", 0)),
             cached_tokens=int(m.get("cached_tokens", 0)), finish_reason=m.get("finish_reason", ""), error=m.get("error", ""),
             kv_transport=m.get("kv_transport", ""), kv_bytes=int(m.get("kv_bytes", 0)),
+            resumes=int(m.get("resumed", 0)),
         )
 
 

@@ -1,0 +1,142 @@
+"""What a client sees when its decode worker is lost mid-stream (DECODE_RESUMES).
+
+A stack of one prefill worker and two decode workers, the real model. Each round sends `--streams`
+greedy streams of `--max-tokens` tokens at once (prompts: workload_mixed's first ones). Once every
+stream has sent `--at` tokens, the decode worker holding most of them is killed (SIGKILL), or sent
+SIGTERM with `--drain-s` (`--sigterm`). Its streams resume on the other worker: the router queues
+their prompt and the tokens sent for a prefill again. The worker is then restarted for the next
+round.
+
+Reported, over every round:
+- the streams that ended OK, and those whose tokens equal an unbroken run's (greedy, sent first);
+- for each resumed stream, the stall its client saw: the longest gap between two of its messages
+  (the loss, then a prefill of prompt + tokens sent and the new worker's first step);
+- for comparison, the median gap between messages of all streams, and the longest gap of the
+  streams on the other worker (they share it with the resumed ones from then on).
+
+    python -m splitserve.bench.resume_bench --rounds 3 --out bench-results/resume.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import threading
+import time
+
+import grpc
+
+from splitserve.bench.workload import default_workload_dir, load_workload, percentile, write_results
+from splitserve.client import Client
+from splitserve.service.settings import Settings
+from splitserve.stack import Stack
+
+
+def _stream(address: str, prompt: str, rid: str, max_tokens: int, out: dict) -> None:
+    """Run one greedy stream; out gets its tokens, the arrival time of each message, and its outcome."""
+    out.update(tokens=[], times=[], outcome=None)
+    try:
+        with Client(address) as c:
+            for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True,
+                                           temperature=0.0, timeout=600):
+                out["times"].append(time.perf_counter())
+                out["tokens"] += chunk.token_ids
+        out["outcome"] = "OK"
+    except grpc.RpcError as e:
+        out["outcome"] = f"{e.code().name}: {e.details()}"
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
+
+
+def run(args) -> dict:
+    prompts = [it.prompt for it in load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), args.streams)]
+    settings = Settings.from_env(threads=args.threads, keepalive_s=1.0, drain_s=args.drain_s,
+                                 **({"model": args.model} if args.model else {}))
+    rounds = []
+    with Stack(settings, prefill=1, decode=2) as stack, Client(stack.router_address) as c:
+        want = [list(c.generate(p, max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
+                                timeout=600).token_ids) for p in prompts]
+        for r in range(args.rounds):
+            time.sleep(2 * settings.heartbeat_s)  # placement by load reads the registry: fresh entries
+            outs = [dict() for _ in prompts]
+            threads = [threading.Thread(target=_stream, args=(stack.router_address, p, f"r{r}-{i}", args.max_tokens,
+                                                              outs[i])) for i, p in enumerate(prompts)]
+            for t in threads:
+                t.start()
+            deadline = time.time() + 600
+            while not all(len(o.get("tokens", ())) >= args.at for o in outs):
+                if time.time() > deadline or any(o.get("outcome") for o in outs):
+                    raise RuntimeError(f"round {r}: the streams did not reach {args.at} tokens")
+                time.sleep(0.01)
+            placed = [c.get_request(f"r{r}-{i}").decode_worker.rsplit("-", 1)[0] for i in range(len(prompts))]
+            victim = max(("decode-0", "decode-1"), key=placed.count)
+            p = stack.proc(victim)
+            if args.sigterm:
+                p.popen.send_signal(signal.SIGTERM)
+                p.popen.wait(120)
+            else:
+                p.popen.kill()
+                p.popen.wait()
+            for t in threads:
+                t.join(600)
+            lost = [i for i, w in enumerate(placed) if w == victim]
+            info = [c.get_request(f"r{r}-{i}") for i in range(len(prompts))]
+            rounds.append({
+                "victim": victim,
+                "resumed": [i for i in lost if info[i].resumes],
+                "ok": sum(o["outcome"] == "OK" for o in outs),
+                "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
+                "outcomes": [o["outcome"] for o in outs],
+                "stall_ms": [max(_gaps(outs[i]["times"])) for i in lost],
+                "other_max_gap_ms": [max(_gaps(outs[i]["times"])) for i in range(len(prompts)) if i not in lost],
+                "gaps_ms": [g for o in outs for g in _gaps(o["times"])],
+            })
+            stack.restart(victim)
+    stalls = [s for rd in rounds for s in rd["stall_ms"]]
+    others = [s for rd in rounds for s in rd["other_max_gap_ms"]]
+    gaps = [g for rd in rounds for g in rd.pop("gaps_ms")]
+    return {
+        "settings": {"streams": len(prompts), "max_tokens": args.max_tokens, "at": args.at, "rounds": args.rounds,
+                     "signal": "SIGTERM" if args.sigterm else "SIGKILL", "drain_s": args.drain_s},
+        "rounds": rounds,
+        "streams": len(prompts) * args.rounds,
+        "ok": sum(rd["ok"] for rd in rounds),
+        "equal_to_unbroken": sum(rd["equal"] for rd in rounds),
+        "resumed": sum(len(rd["resumed"]) for rd in rounds),
+        "lost": len(stalls),
+        "stall_ms_p50": statistics.median(stalls) if stalls else float("nan"),
+        "stall_ms_max": max(stalls, default=float("nan")),
+        "other_worker_max_gap_ms_p50": statistics.median(others) if others else float("nan"),
+        "gap_ms_p50": percentile(gaps, 50),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=default_workload_dir())
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--at", type=int, default=32, help="tokens every stream has sent when the worker is lost")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sigterm", action="store_true", help="SIGTERM with --drain-s rather than SIGKILL")
+    ap.add_argument("--drain-s", type=float, default=1.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    res = run(args)
+    write_results(args.out, res)
+    print(f"{res['settings']['signal']}: {res['ok']}/{res['streams']} streams OK, {res['equal_to_unbroken']} equal "
+          f"to an unbroken run; {res['resumed']}/{res['lost']} on the lost worker resumed")
+    print(f"stall seen by a resumed stream: p50 {res['stall_ms_p50']:.0f} ms, max {res['stall_ms_max']:.0f} ms; "
+          f"longest gap of a stream on the other worker: p50 {res['other_worker_max_gap_ms_p50']:.0f} ms; "
+          f"median gap between messages: {res['gap_ms_p50']:.1f} ms")
+    return 0 if res["ok"] == res["streams"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
