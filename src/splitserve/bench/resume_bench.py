@@ -54,7 +54,9 @@ def _gaps(times: list[float]) -> list[float]:
 
 def run(args) -> dict:
     prompts = [it.prompt for it in load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), args.streams)]
-    settings = Settings.from_env(threads=args.threads, keepalive_s=1.0, drain_s=args.drain_s,
+    # placement by load alone (prefix affinity would put every stream where the reference run's
+    # prompts are cached): both workers hold streams when one is lost
+    settings = Settings.from_env(threads=args.threads, keepalive_s=1.0, drain_s=args.drain_s, prefix_affinity_slack=-1,
                                  **({"model": args.model} if args.model else {}))
     rounds = []
     with Stack(settings, prefill=1, decode=2) as stack, Client(stack.router_address) as c:
