@@ -18,6 +18,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.observability import traceview
 from splitserve.router.server import NAME_TOKENS_INLINE
 from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts
 from splitserve.service.settings import Settings
@@ -2045,7 +2046,23 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         def kill(p):
             p.popen.kill()
             p.popen.wait()
-        lost = len(run_round("k", "decode-0", kill))
+        killed = run_round("k", "decode-0", kill)
+        lost = len(killed)
+
+        def one_trace_with_both_legs():  # the router's span tells of the resume; both Decode calls in it
+            if not os.path.exists(s.settings.trace_file):
+                return False
+            spans = traceview.load_spans(s.settings.trace_file)
+            rid = f"k{min(killed)}"
+            ids = {sp.trace_id for sp in spans if sp.attrs.get("splitserve.request_id") == rid}
+            if len(ids) != 1:
+                return False
+            trace = [sp for sp in spans if sp.trace_id in ids]
+            calls = [sp for sp in trace if sp.name == "splitserve.v1.DecodeWorker/Decode" and sp.kind == "client"]
+            return (len(calls) == 2 and any(name == "resumed" for sp in trace for _, name in sp.events)
+                    and [sp.status.startswith("ERROR: UNAVAILABLE") for sp in sorted(calls, key=lambda x: x.start_ns)]
+                    == [True, False] and calls[1].attrs.get("splitserve.resumed_tokens", 0) >= 5)
+        wait_for(one_trace_with_both_legs, timeout=20, what="one trace holding both decode calls and the resume")
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
         s.restart(down.pop())
 
@@ -2055,6 +2072,57 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         lost += len(run_round("t", "decode-1", terminate))
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
     finally:
+        for name in down:
+            s.restart(name)
+        _finish(s)
+
+
+def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_worker():
+    """DECODE_RESUMES=1, three decode workers: a stream whose worker is killed resumes on another;
+    when that one is killed too it fails UNAVAILABLE naming it, though a third could take it, and
+    is recorded failed, resumed once."""
+    s = _start(decode=3, keepalive_s=1.0, decode_resumes=1)
+    down = []
+    got = {"tokens": [], "outcome": None}
+
+    def run():
+        try:
+            with Client(s.router_address) as cc:
+                for chunk in cc.generate_stream("Tell me a long story.", request_id="cap", max_tokens=400,
+                                                ignore_eos=True, temperature=0.0, timeout=120):
+                    got["tokens"] += chunk.token_ids
+            got["outcome"] = ("OK", "")
+        except grpc.RpcError as e:
+            got["outcome"] = (e.code().name, e.details())
+    t = threading.Thread(target=run)
+    try:
+        t.start()
+        with Client(s.router_address) as c:
+            def on() -> str:
+                return c.get_request("cap").decode_worker.rsplit("-", 1)[0]
+
+            def kill(name):
+                down.append(name)
+                s.proc(name).popen.kill()
+                s.proc(name).popen.wait()
+            wait_for(lambda: len(got["tokens"]) >= 5, timeout=60, interval=0.02, what="tokens out")
+            first = on()
+            kill(first)
+            n = len(got["tokens"])
+            wait_for(lambda: len(got["tokens"]) >= n + 5 and on() != first, timeout=60, interval=0.02,
+                     what="the stream going on on another worker")
+            assert c.get_request("cap").resumes == 1
+            second = on()
+            kill(second)
+            t.join(60)
+            code, details = got["outcome"]
+            assert code == "UNAVAILABLE" and f"decode worker {second}-{s.stack_id}" in details, got["outcome"]
+            assert "went away" in details and "resume" not in details, details
+            assert n + 5 <= len(got["tokens"]) < 400
+            info = c.get_request("cap")
+            assert info.state == "failed" and info.resumes == 1, info
+    finally:
+        t.join(60)
         for name in down:
             s.restart(name)
         _finish(s)
