@@ -205,15 +205,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _cancel(self, slot: Slot) -> bool:
         """End a stream with finish_reason "cancelled" and free its KV; False if it has ended."""
+        imported = slot.imported
+        if not self._end_stream(slot, "cancelled", w_pb.DecodeEvent(finish_reason="cancelled",
+                                                                    completion_tokens=slot.completion_tokens)):
+            return False
+        if imported:
+            self.metrics.aborted.inc()
+        return True
+
+    def _end_stream(self, slot: Slot, finish_reason: str, last: w_pb.DecodeEvent) -> bool:
+        """End a stream with its `last` event, the engine told to drop it (its KV freed) and its decode
+        span ended; False if it has ended already."""
         if slot.done:
             return False
         slot.done = True  # a handoff still on its way is refused (NOT_FOUND): its producer frees the region
         if slot.imported:
             rid = slot.request_id
             self.runner.submit_nowait(lambda e: e.abort_request(rid))
-            self.metrics.aborted.inc()
-        self._end_decode_span(slot, "cancelled", None)
-        slot.events.put_nowait(w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=slot.completion_tokens))
+        self._end_decode_span(slot, finish_reason, None)
+        slot.events.put_nowait(last)
         return True
 
     async def PrefillHere(self, request: w_pb.PrefillHereRequest, context):
@@ -428,17 +438,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         for slot in list(self.slots.values()):
             if slot.done:
                 continue
-            slot.done = True
-            if slot.imported:
-                rid = slot.request_id
-                self.runner.submit_nowait(lambda e, rid=rid: e.abort_request(rid))
-            span = slot.decode_span
-            if span is not None:
-                span.set_status(tracing.Status(tracing.StatusCode.ERROR, why))
-            self._end_decode_span(slot, "error", None)
+            if slot.decode_span is not None:
+                slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, why))
             log.warning("request %s: %s", slot.request_id, why)
-            slot.events.put_nowait(w_pb.DecodeEvent(error=why, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                                    completion_tokens=slot.completion_tokens))
+            self._end_stream(slot, "error", w_pb.DecodeEvent(error=why, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                             completion_tokens=slot.completion_tokens))
 
     # -- Fail ---------------------------------------------------------------------------
 
