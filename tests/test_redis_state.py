@@ -119,12 +119,13 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
 
 
 def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_leave_once_more(r):
-    """A request whose decode worker was lost mid-stream: queued again (its prompt and the tokens its
-    client has) while it has not ended and was not aborted, within the bounds themselves; its
-    pickup returns its counts again (the first pickup's marker goes). Its decode worker prefilling
-    it instead, it enters no count, and nothing returns any."""
+    """A request whose decode worker was lost: queued again (its prompt and the tokens its client
+    has) while it has not ended and was not aborted, within the bounds themselves, as a new leg
+    whose pickup returns its counts (under a marker of its own). A job of an earlier leg still
+    queued is superseded: its pickup returns its own counts and skips it; its worker's report of a
+    failure is ignored. Its decode worker prefilling it instead, it enters no count."""
     keys = Keys("rs")
-    resume, pickup, abort = (r.register_script(x) for x in (RESUME_LUA, PICKUP_LUA, ABORT_LUA))
+    resume, pickup, abort, update = (r.register_script(x) for x in (RESUME_LUA, PICKUP_LUA, ABORT_LUA, UPDATE_LUA))
     stream = keys.stream_for(0)
     r.hset(keys.admission, mapping={"requests": 1, "tokens": 10, "local_tokens": 0})
 
@@ -143,16 +144,35 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     got = r.hgetall(keys.req("a"))
     assert {k: got[k] for k in ("state", "resumed", "decode_worker", "t_resumed")} == {
         "state": "queued", "resumed": "1", "decode_worker": "decode-9", "t_resumed": "12.5"}
-    assert "dequeued" not in got and r.ttl(keys.req("a")) > 0
+    assert r.ttl(keys.req("a")) > 0
     (_, fields), = r.xrange(stream)
     assert fields["tokens"] == "120" and json.loads(fields["job"])["request_id"] == "a"
-    assert pickup(keys=[keys.admission, keys.req("a")], args=[120, 1, time.time(), "prefill-x", 0]) == "prefilling"
+    assert pickup(keys=[keys.admission, keys.req("a")], args=[120, 1, time.time(), "prefill-x", 0, 1]) == "prefilling"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
+    assert pickup(keys=[keys.admission, keys.req("a")], args=[120, 0, time.time(), "prefill-y", 0, 1]) == "prefilling"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}  # (claimed: once)
+
+    # lost before its first token: its first job, still queued, is superseded by the new leg's
+    r.hset(keys.req("q"), mapping={"state": "queued", "prompt_tokens": 100})
+    r.hset(keys.admission, mapping={"requests": 2, "tokens": 110})  # (the first job's counts)
+    assert resumed("q")[0] == 1
+    assert r.hgetall(keys.admission) == {"requests": "3", "tokens": "230", "local_tokens": "0"}
+    assert pickup(keys=[keys.admission, keys.req("q")], args=[100, 1, time.time(), "prefill-x", 0]) == "superseded"
+    assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "130", "local_tokens": "0"}
+    assert r.hget(keys.req("q"), "state") == "queued"
+    # the first job's worker fails it (its handoff to the lost worker): ignored; the new leg's is not
+    update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff", "t_x": 1}))
+    assert r.hget(keys.req("q"), "state") == "queued" and r.hget(keys.req("q"), "t_x") == "1"
+    assert "_leg" not in r.hgetall(keys.req("q"))
+    assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 1, time.time(), "prefill-x", 0, 1]) == "prefilling"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
+    update(keys=[keys.req("q")], args=update_args({"_leg": 1, "state": "failed", "error": "handoff"}))
+    assert r.hget(keys.req("q"), "state") == "failed"
     # prefilled by its new decode worker: no count, and its reaper or a stray pickup returns none
     assert resumed("b", local=True) == [1, 1, 10]
     assert r.hget(keys.req("b"), "local") == "1" and r.hget(keys.req("b"), "state") == "prefilling"
-    assert r.xlen(stream) == 1
-    assert pickup(keys=[keys.admission, keys.req("b")], args=[120, 1, time.time(), "prefill-x", 0]) == "local"
+    assert r.xlen(stream) == 2  # (a's and q's)
+    assert pickup(keys=[keys.admission, keys.req("b")], args=[120, 1, time.time(), "prefill-x", 0]) == "superseded"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
 
 

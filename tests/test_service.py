@@ -2077,6 +2077,58 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         _finish(s)
 
 
+def test_requests_queued_for_a_decode_worker_that_is_killed_resume_on_another_and_their_old_jobs_are_skipped():
+    """Lost before its first token: six greedy requests queued while the prefill worker is stopped,
+    then one of the two decode workers is killed. Each of its requests resumes on the other as a
+    new leg, queued anew; the prefill worker, let go on, skips the earlier legs' jobs (superseded,
+    their counts returned) and prefills the new ones. All six end OK with an unbroken run's tokens,
+    and the queue's counts come back to zero (the leak check)."""
+    s = _start(decode=2, keepalive_s=1.0)
+    down = []
+    prompts = [f"Write a line about the color number {i}." for i in range(6)]
+    sp = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    try:
+        with Client(s.router_address) as c:
+            want = [list(c.generate(p, timeout=120, **sp).token_ids) for p in prompts]
+            time.sleep(2 * s.settings.heartbeat_s)  # placement by load: fresh registry entries
+            prefill = s.proc("prefill-0")
+            os.kill(prefill.popen.pid, signal.SIGSTOP)
+            got = {}
+
+            def run(i):
+                try:
+                    with Client(s.router_address) as cc:
+                        got[i] = ("OK", list(cc.generate(prompts[i], request_id=f"q{i}", timeout=120, **sp).token_ids))
+                except grpc.RpcError as e:
+                    got[i] = (e.code().name, e.details())
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+            try:
+                for t in threads:
+                    t.start()
+                wait_for(lambda: all(_state(c, f"q{i}") == "queued" for i in range(6)), timeout=60,
+                         what="six requests queued")
+                placed = [c.get_request(f"q{i}").decode_worker.rsplit("-", 1)[0] for i in range(6)]
+                assert set(placed) == {"decode-0", "decode-1"}, placed
+                victims = {i for i in range(6) if placed[i] == "decode-0"}
+                down.append("decode-0")
+                s.proc("decode-0").popen.kill()
+                s.proc("decode-0").popen.wait()
+                wait_for(lambda: {i for i in range(6) if c.get_request(f"q{i}").resumes} == victims, timeout=30,
+                         what="the killed worker's requests resumed")
+                assert all(c.get_request(f"q{i}").decode_worker.startswith("decode-1") for i in range(6))
+            finally:
+                os.kill(prefill.popen.pid, signal.SIGCONT)
+            for t in threads:
+                t.join(120)
+            assert got == {i: ("OK", want[i]) for i in range(6)}, got
+            jobs = scrape(prefill.metrics_address)
+            assert jobs.get("splitserve_prefill_jobs_total{outcome=superseded}") == len(victims)
+    finally:
+        for name in down:
+            s.restart(name)
+        _finish(s)
+
+
 def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_worker():
     """DECODE_RESUMES=1, three decode workers: a stream whose worker is killed resumes on another;
     when that one is killed too it fails UNAVAILABLE naming it, though a third could take it, and

@@ -442,7 +442,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, why))
             log.warning("request %s: %s", slot.request_id, why)
             self._end_stream(slot, "error", w_pb.DecodeEvent(error=why, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                                             completion_tokens=slot.completion_tokens))
+                                                             completion_tokens=slot.completion_tokens,
+                                                             worker_stopping=True))
 
     # -- Fail ---------------------------------------------------------------------------
 

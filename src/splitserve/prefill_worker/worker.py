@@ -66,7 +66,7 @@ def _state(raw) -> str:
 def _skipped(outcome: str) -> str:
     """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue, or
     taken back by its router for its decode worker to prefill."""
-    return {"expired": "expired", "local": "taken_back"}.get(outcome, "skipped_cancelled")
+    return {"expired": "expired", "local": "taken_back", "superseded": "superseded"}.get(outcome, "skipped_cancelled")
 
 
 def _wants_it_whole(e: grpc.RpcError) -> bool:
@@ -200,6 +200,7 @@ class PrefillWorker:
         self.pickups = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pickup")
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
+        self.deferred: list[tuple] = []  # admit()'s arguments for jobs waiting on an earlier leg's (_held)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
         # Request ids whose KV stayed in the engine for their handoff (on_output); the loop releases
         # them, on the engine's thread, once the handoff is over.
@@ -339,7 +340,7 @@ class PrefillWorker:
         """PICKUP_LUA for a job: leave the admission counts (new deliveries), check the request is
         still wanted and in time, and mark it prefilling."""
         return (self.pickup, [self.keys.admission, self.keys.req(job.request_id)],
-                [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0])
+                [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0, job.leg])
 
     def _read(self, streams: dict, count: int, block: int | None, alone: set[str]) -> list[tuple[str, str, Job, bool]]:
         """New entries; adds to alone the ids of those admitted when no other request was queued."""
@@ -401,6 +402,9 @@ class PrefillWorker:
         """Start prefilling a pulled job, by its pickup's outcome: 'prefilling', the state of a
         request that has ended (or 'expired') and is skipped, or the pickup still running (a
         future: settled after the forward, by _settle_pickups)."""
+        if self._held(job.request_id, job.leg):  # an earlier leg of it, superseded, is still being handed off here
+            self.deferred.append((stream, entry_id, job, first, outcome))
+            return
         pickup = outcome if isinstance(outcome, cf.Future) else None
         outcome = "prefilling" if pickup is not None else _state(outcome)
         t = time.time()
@@ -425,7 +429,7 @@ class PrefillWorker:
             log.warning("job %s refused: %s", job.request_id, e)
             if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
                 cf.wait([pickup])
-            self._update(job.request_id, failed(code_of(e), str(e)))
+            self._update(job, failed(code_of(e), str(e)))
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
             self.peers.submit(job.decode_address, "handoff", self._fail, job, code_of(e), str(e))  # off the pulling loop
@@ -492,6 +496,24 @@ class PrefillWorker:
             self.metrics.jobs.labels(outcome).inc()
 
     # -- after prefill ------------------------------------------------------------------
+
+    def _held(self, request_id: str, leg: int) -> bool:
+        """This worker still has an earlier leg's job of this request in hand, or its KV (a leg
+        superseded when its decode worker was lost, RESUME_LUA): the new leg waits for it to go
+        (admit_deferred), its claim kept meanwhile (_keep_claims)."""
+        if not leg:
+            return False
+        with self.lock:
+            fl = self.inflight.get(request_id)
+        if fl is not None:
+            return fl.job.leg < leg
+        return request_id in self.engine.seqs or request_id in self.engine.parked
+
+    def admit_deferred(self) -> None:
+        """Admit the jobs deferred while an earlier leg of their request was still here."""
+        waiting, self.deferred = self.deferred, []
+        for d in waiting:
+            self.admit(*d)
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.finished:
@@ -665,19 +687,20 @@ class PrefillWorker:
             with self.lock:
                 self.inflight.pop(job.request_id, None)
             try:
-                self._update(job.request_id, {"t_prefill_end": fl.t_end})
+                self._update(job, {"t_prefill_end": fl.t_end})
             except redis.RedisError as e:  # Redis away: the request goes on without this timestamp
                 log.warning("could not record the end of %s's prefill: %s", job.request_id, e)
 
-    def _update(self, request_id: str, mapping: dict) -> None:
-        """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA)."""
-        self.update_script(keys=[self.keys.req(request_id)], args=update_args(mapping))
+    def _update(self, job: Job, mapping: dict) -> None:
+        """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA); its state
+        only while the request has not resumed past this job's leg (a job of a lost decode worker)."""
+        self.update_script(keys=[self.keys.req(job.request_id)], args=update_args({"_leg": job.leg, **mapping}))
 
     def _give_up(self, job: Job, code: grpc.StatusCode, message: str) -> None:
         """The request has failed: so its hash says (which its router also reads, should the decode
         worker not be told), and its decode stream ends with this status."""
         try:
-            self._update(job.request_id, failed(code, message))
+            self._update(job, failed(code, message))
         except redis.RedisError as e:
             log.warning("could not record %s's failure: %s", job.request_id, e)
         self._fail(job, code, message)
@@ -846,6 +869,8 @@ class PrefillWorker:
         next worker to look claims them at once (`only`: those jobs)."""
         with self.lock:
             held = [(fl.stream, fl.entry_id) for fl in (self.inflight.values() if only is None else only)]
+        if only is None:  # and those waiting for an earlier leg of their request to go (_held)
+            held += [(d[0], d[1]) for d in list(self.deferred)]
         for stream in {st for st, _ in held}:
             ids = [entry_id for st, entry_id in held if st == stream]
             self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
@@ -889,6 +914,8 @@ class PrefillWorker:
                 if not self.engine.has_unfinished() or time.monotonic() >= drain_end:
                     break
             else:
+                if self.deferred:
+                    self.admit_deferred()
                 pull_failing = self._top_up(pull_failing)
                 if pull_failing and not self.engine.has_unfinished():
                     time.sleep(0.5)

@@ -141,6 +141,7 @@ class Active:
     lost_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
     resumes: int = 0  # times it resumed on another decode worker (_resume): never taken back (take_back)
+    carried: int = 0  # completion tokens its latest resume carried (prefilled again with the prompt)
 
 
 class Frontend:
@@ -815,14 +816,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         try:
                             ev = await call.read()
                             lost = ("decode stream ended without a finish" if ev is grpc.aio.EOF
-                                    else ev.error if ev.error and ev.error_code == UNAVAILABLE else "")
+                                    else ev.error if ev.error and ev.worker_stopping else "")
                         except grpc.aio.AioRpcError as e:
                             if e.code() != grpc.StatusCode.UNAVAILABLE:
                                 raise
                             ev, lost = e, f"{e.code().name}: {e.details()}"
-                        if lost and active.resumes < self.s.decode_resumes and params.n == 1 and generated \
+                        if lost and active.resumes < self.s.decode_resumes and params.n == 1 \
                                 and not (active.lost or active.aborted):
-                            # Its decode worker was lost mid-stream: it goes on on another.
+                            # Its decode worker was lost: it goes on on another (_resume).
+                            if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
+                                active.queued = False
+                                await self._dequeue(rid, len(ids))
                             self.placements.ended(worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq,
                                                   len(ids) + sent)
                             close_seq, placed = 0, None
@@ -855,7 +859,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
                                 self._record(WorkerInfo(ev.prefill_worker, "prefill", "", ""), full,
                                              self.prefill_prefixes)
-                        if ev.token_ids and not active.first and params.prompt_logprobs is not None and not active.resumes \
+                        if ev.token_ids and not active.first and params.prompt_logprobs is not None and not active.carried \
                                 and len(ev.prompt_logprobs) != len(ids) - 1:
                             raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
                                                 f"{len(ids)}-token prompt (a worker of a release without them?)",
@@ -865,7 +869,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
                             await self._dequeue(rid, len(ids))
-                        if ev.first_token_unix and not active.resumes:
+                        if ev.first_token_unix and rid not in self.first_parts:  # (a resumed leg's: not the first)
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
                             self.first_parts[rid] = ev.timings
@@ -962,13 +966,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, generated: list[int], chars: int,
                       deadline: float, context, rs: tracing.rpc_span) -> tuple:
-        """Resume a request whose decode worker was lost mid-stream (killed, unreachable, or stopped
-        past its drain time) on another: its prompt and the tokens its client has (with `chars`
-        characters of their text) are prefilled again, by a prefill worker or by the new decode
-        worker (as _prefill_locally says), which goes on from there and sends only what is new.
-        Greedy, the stream is the one it would have been; a seeded sampler starts again from its
-        seed. Returns (the new Decode call, its worker, its placement, its span)."""
-        ids, params = a.ids, dataclasses.replace(a.params, prompt_logprobs=None)  # those went with the first token
+        """Resume a request whose decode worker was lost (killed, unreachable, or stopped past its
+        drain time) on another: its prompt and the tokens its client has (with `chars` characters
+        of their text; none yet, if it was lost before its first token) are prefilled again, by a
+        prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
+        there and sends only what is new. This is a new leg (RESUME_LUA): a job of an earlier one,
+        still queued or prefilling for the lost worker, is superseded. Greedy, the stream is the
+        one it would have been; a seeded sampler starts again from its seed. Returns (the new
+        Decode call, its worker, its placement, its span)."""
+        ids, params = a.ids, a.params
+        if generated:  # its prompt log probabilities went with its first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
         tokens = ids + generated
         try:
             worker, placed, _ = self.pick(len(ids) + params.max_tokens, exclude=lost.worker_id)
@@ -1003,6 +1011,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 decode_address=worker.address, decode_epoch=worker.epoch, decode_host_id=worker.host_id,
                 deadline_unix=deadline, traceparent=tracing.traceparent_of(rs.span), t_received=now, t_admitted=now,
                 priority=a.priority, cache_salt=a.cache_salt, resumed=len(generated), resumed_chars=chars,
+                leg=a.resumes,
             )
             ok, q, t = (int(x) for x in await self.resume_script(
                 keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
@@ -1023,7 +1032,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             dec.__exit__(type(e), e, None)
             raise
         self.metrics.resumed.inc()
-        a.call, a.address, a.local, a.first = call, worker.address, local, False
+        a.call, a.address, a.local, a.first, a.carried = call, worker.address, local, False, len(generated)
         return call, worker, placed, dec
 
     @staticmethod

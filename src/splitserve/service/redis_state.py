@@ -115,11 +115,13 @@ end
 return {1, q + 1, t + n, lt, directed}
 """
 
-# A request whose decode worker was lost mid-stream resumes: its prompt and the tokens its client
-# has go to a prefill worker again (or to its new decode worker, which prefills them), unless it
-# has ended meanwhile (an Abort, a worker's failure) or the queue is full (its bounds themselves:
-# the request has been admitted once). The counts come back at its pickup, as for any job (so the
-# hash's 'dequeued' marker goes). KEYS: admission hash, the stream for its priority, the request
+# A request whose decode worker was lost resumes: its prompt and the tokens its client has go to a
+# prefill worker again (or to its new decode worker, which prefills them), unless it has ended
+# meanwhile (an Abort, a worker's failure) or the queue is full (its bounds themselves: the
+# request has been admitted once). Each resume is a leg ('resumed' counts them; the job carries
+# its number, Job.leg): a job of an earlier leg, still queued or prefilling for the lost worker,
+# is superseded (PICKUP_LUA skips it, returning its own counts; UPDATE_LUA ignores its failure).
+# The new job's counts come back at its pickup, under its leg's marker. KEYS: admission hash, the stream for its priority, the request
 # hash. ARGV: tokens to prefill, the bounds (requests, tokens), the request TTL, the job, 1 to queue
 # it (0: its decode worker prefills it). Returns {1 | 0 (the queue is full) | -2 (it has ended),
 # requests queued, tokens queued}.
@@ -139,7 +141,7 @@ if ARGV[6] == '1' then
   redis.call('HINCRBY', KEYS[1], 'requests', 1)
   redis.call('HINCRBY', KEYS[1], 'tokens', n)
   q, t = q + 1, t + n
-  redis.call('HDEL', KEYS[3], 'dequeued', 'local')
+  redis.call('HDEL', KEYS[3], 'local')
   redis.call('HSET', KEYS[3], 'state', 'queued')
   redis.call('XADD', KEYS[2], '*', 'job', ARGV[5], 'tokens', n, 'queued', q)
 else
@@ -178,14 +180,19 @@ return {state, got[2] or ''}
 # A worker records progress on a request: only on a hash that exists (one that expired, or that a
 # Redis restarted empty lost, is not recreated without a TTL), and never moving a request out of
 # a final state (a late "decoding" must not hide "cancelled"). KEYS[1] the request hash; ARGV
-# field, value, ...  Returns 1 if the hash exists.
+# field, value, ...; a pair ('_leg', n) says it is of leg n's job (RESUME_LUA): its state is
+# ignored once the request has resumed past it. Returns 1 if the hash exists.
 UPDATE_LUA = _IS_FINAL + """
-local state = redis.call('HGET', KEYS[1], 'state')
+local got = redis.call('HMGET', KEYS[1], 'state', 'resumed')
+local state = got[1]
 if not state then return 0 end
 local final = is_final(state)
+for i = 1, #ARGV, 2 do
+  if ARGV[i] == '_leg' and tonumber(ARGV[i + 1]) < tonumber(got[2] or '0') then final = true end
+end
 local args = {}
 for i = 1, #ARGV, 2 do
-  if not (final and (ARGV[i] == 'state' or ARGV[i] == 'error' or ARGV[i] == 'code')) then
+  if ARGV[i] ~= '_leg' and not (final and (ARGV[i] == 'state' or ARGV[i] == 'error' or ARGV[i] == 'code')) then
     args[#args + 1] = ARGV[i]
     args[#args + 1] = ARGV[i + 1]
   end
@@ -282,21 +289,27 @@ DEQUEUE_LUA = _LEAVE_LOCAL + "return leave_local(KEYS[1], KEYS[2], tonumber(ARGV
 # A hash that is gone (expired) falls back to the delivery: only a first delivery returns them.
 # The counts never go below zero (a job picked up by a worker of an older version, which left
 # no marker, and then claimed, would otherwise be returned twice).
-# KEYS[1] admission, KEYS[2] request hash; ARGV[1] prompt tokens, ARGV[2] 1 if first delivery.
+# Each leg of a resumed request (RESUME_LUA) has a marker of its own ('dequeued:<leg>').
+# KEYS[1] admission, KEYS[2] request hash; ARGV[1] prompt tokens, ARGV[2] 1 if first delivery,
+# ARGV[6] the job's leg (absent: 0).
 _LEAVE_QUEUE = """
 local exists = redis.call('EXISTS', KEYS[2]) == 1
-if (exists and redis.call('HSETNX', KEYS[2], 'dequeued', 1) == 1) or (not exists and ARGV[2] == '1') then
+local marker = (ARGV[6] and ARGV[6] ~= '' and ARGV[6] ~= '0') and ('dequeued:' .. ARGV[6]) or 'dequeued'
+if (exists and redis.call('HSETNX', KEYS[2], marker, 1) == 1) or (not exists and ARGV[2] == '1') then
   if redis.call('HINCRBY', KEYS[1], 'requests', -1) < 0 then redis.call('HSET', KEYS[1], 'requests', 0) end
   if redis.call('HINCRBY', KEYS[1], 'tokens', -tonumber(ARGV[1])) < 0 then redis.call('HSET', KEYS[1], 'tokens', 0) end
 end
 """
 
 # A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
-# 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none).
-# Returns "prefilling", "expired" (marked failed), "local" (taken back by its router: its decode
-# worker prefills it, and its router returns the counts, TAKE_BACK_LUA), or the final state / ""
-# of a request that is no longer wanted.
-PICKUP_LUA = _IS_FINAL + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
+# 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none), the job's
+# leg (RESUME_LUA). Returns "prefilling", "expired" (marked failed), "superseded" (the request has
+# resumed past this job's leg: its counts returned), "local" (taken back by its router: its
+# decode worker prefills it, and its router returns the counts, TAKE_BACK_LUA), or the final
+# state / "" of a request that is no longer wanted.
+PICKUP_LUA = (_IS_FINAL + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
+              + _LEAVE_QUEUE + "return 'superseded'\nend\n"
+              + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if not state or is_final(state) then
   return state or ''
@@ -308,7 +321,7 @@ if deadline > 0 and deadline < tonumber(ARGV[3]) then
 end
 redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], 'prefill_worker', ARGV[4])
 return 'prefilling'
-"""
+""")
 
 # A prefill worker drops a job it cannot read. KEYS: admission hash, the request hash (a key no
 # request has when the id is unreadable). ARGV: the entry's 'tokens' as admission counted them
@@ -457,6 +470,7 @@ class Job:
     # is the rest (LLMEngine.add_request)
     resumed: int = 0
     resumed_chars: int = 0
+    leg: int = 0  # the request's resumes when it was queued (RESUME_LUA): an earlier leg's job is superseded
 
     @property
     def prompt_len(self) -> int:
@@ -478,7 +492,7 @@ class Job:
             raise ValueError(f"job is missing {', '.join(missing)}")
         if not isinstance(d.get("cache_salt", ""), str):  # an int would pass for a prefix cache entry
             raise ValueError("job's cache_salt is not a string")
-        for name in ("decode_cached_tokens", "resumed", "resumed_chars"):
+        for name in ("decode_cached_tokens", "resumed", "resumed_chars", "leg"):
             n = d.get(name, 0)
             if type(n) is not int or n < 0:
                 raise ValueError(f"job's {name} is not a count")
