@@ -216,8 +216,9 @@ class LLMEngine:
         resumed: the last this many of prompt_token_ids are output tokens its client has already,
         with resumed_chars characters of their text (a request whose decode worker was lost
         mid-stream, resumed elsewhere): the prompt is the rest; max_tokens, min_tokens, stop strings
-        and a format go on counting from those tokens, which are not handed out again. (A seeded
-        sampler starts again from its seed: its tokens from here differ from an unbroken run's.)
+        and a format go on counting from those tokens, which are not handed out again. A seeded
+        sampler goes on where it was: each sampled token took one draw from the request's
+        generator (sampling._sample_one), so as many are skipped.
         """
         if not isinstance(cache_salt, str):  # an int would pass for a prefix cache entry
             raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
@@ -246,6 +247,9 @@ class LLMEngine:
         if resumed:
             seq.resumed, seq.resumed_chars = resumed, resumed_chars
             self._resume(seq)
+            if seq.generator is not None and params.seed is not None:
+                for _ in range(resumed):  # one at a time, as they were drawn
+                    torch.rand((), dtype=torch.float64, generator=seq.generator)
             if params.logprobs is not None:  # placeholders: those tokens' own went out before it moved
                 seq.logprobs = [TokenLogprob(t, 0.0, 0) for t in seq.output_ids]
         seq.prefill_only = prefill_only

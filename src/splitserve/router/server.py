@@ -971,9 +971,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         of their text; none yet, if it was lost before its first token) are prefilled again, by a
         prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
         there and sends only what is new. This is a new leg (RESUME_LUA): a job of an earlier one,
-        still queued or prefilling for the lost worker, is superseded. Greedy, the stream is the
-        one it would have been; a seeded sampler starts again from its seed. Returns (the new
-        Decode call, its worker, its placement, its span)."""
+        still queued or prefilling for the lost worker, is superseded. Greedy or seeded, the stream
+        is the one it would have been (the engine skips the draws of the tokens carried). Returns
+        (the new Decode call, its worker, its placement, its span)."""
         ids, params = a.ids, a.params
         if generated:  # its prompt log probabilities went with its first token
             params = dataclasses.replace(params, prompt_logprobs=None)
