@@ -32,6 +32,7 @@ from splitserve.engine.outputs import (
     RequestOutput,
     StepStats,
     TokenLogprob,
+    placeholder_logprobs,
 )
 from splitserve.engine.padded import PaddedBatcher
 from splitserve.engine.params import check_context
@@ -250,8 +251,8 @@ class LLMEngine:
             if seq.generator is not None and params.seed is not None:
                 for _ in range(resumed):  # one at a time, as they were drawn
                     torch.rand((), dtype=torch.float64, generator=seq.generator)
-            if params.logprobs is not None:  # placeholders: those tokens' own went out before it moved
-                seq.logprobs = [TokenLogprob(t, 0.0, 0) for t in seq.output_ids]
+            if params.logprobs is not None:
+                seq.logprobs = placeholder_logprobs(seq.output_ids)
         seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:
@@ -688,8 +689,7 @@ class LLMEngine:
         seq.priority = priority
         seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
         seq.prompt_logprobs = list(export.prompt_logprobs) if export.params.prompt_logprobs is not None else []
-        if export.resumed:
-            seq.resumed, seq.resumed_chars = export.resumed, export.resumed_chars
+        seq.resumed, seq.resumed_chars = export.resumed, export.resumed_chars
         self._resume(seq)
         seq.block_table.extend(shared)
         seq.block_table.extend(pool.allocate(need))

@@ -23,6 +23,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def placeholder_logprobs(token_ids) -> list[TokenLogprob]:
+    """Stand-ins for the log probabilities of tokens a resumed request carries (LLMEngine.add_request's
+    resumed): their own went to the client before its decode worker was lost, and these are never
+    handed out; they keep the count of log probabilities equal to the count of sampled tokens."""
+    return [TokenLogprob(t, 0.0, 0) for t in token_ids]
+
+
 @dataclass
 class RequestOutput:
     """New tokens of one request since the last step that reported it."""

@@ -33,7 +33,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError
 from splitserve.engine import kv_transfer
 from splitserve.engine.kv_transfer import KVExport, payload_nbytes
-from splitserve.engine.outputs import RequestOutput, TokenLogprob
+from splitserve.engine.outputs import RequestOutput, placeholder_logprobs
 from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
@@ -556,8 +556,8 @@ class PrefillWorker:
             job = fl.job
             seq_tokens = list(job.token_ids) + list(out.new_token_ids)
             logprobs = list(out.new_logprobs or [])
-            if logprobs and job.resumed:  # the tokens it came with: placeholders (LLMEngine.add_request)
-                logprobs[:0] = [TokenLogprob(t, 0.0, 0) for t in job.token_ids[job.prompt_len:]]
+            if logprobs and job.resumed:  # (the tokens it came with)
+                logprobs[:0] = placeholder_logprobs(job.token_ids[job.prompt_len:])
             export = KVExport(out.request_id, job.prompt_len, seq_tokens, job.params(), None, 0, "",
                               logprobs=logprobs, prompt_logprobs=out.prompt_logprobs or [],
                               resumed=job.resumed, resumed_chars=job.resumed_chars)
