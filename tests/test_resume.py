@@ -89,6 +89,62 @@ def test_a_resumed_request_goes_on_where_its_client_left_off(engine_factory, smo
     assert have + tokens == want and have_text + text == want_text and got_reason == reason
 
 
+def by_sample(eng, rid: str) -> dict[int, list[tuple[list[int], str, object]]]:
+    """Every output of rid until it ends, by sample index."""
+    got: dict[int, list] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                got.setdefault(out.index, []).append((list(out.new_token_ids), out.new_text, out))
+    return got
+
+
+@pytest.mark.parametrize("cuts", [{0: 9, 2: 4}, {0: 1, 1: 0, 2: 0}])
+def test_samples_of_a_resumed_request_go_on_each_where_its_client_left_off(engine_factory, smol_loaded, cuts):
+    """sampling.n = 3, seeded: each sample not finished (here, sample 1 of the first case counts as
+    finished) goes on from its own tokens, sample 0 with the request's generator and sample i with
+    seed + i, as if never stopped; a sample not yet started (0 tokens) starts as it would have."""
+    prompt = smol_loaded.tokenizer.encode(PROMPT)
+    sp = SamplingParams(max_tokens=30, n=3, temperature=0.9, seed=5, stop=["Danube flows"], logprobs=1,
+                        prompt_logprobs=0)
+    ref = engine_factory()
+    ref.add_request("r", prompt, sp)
+    events = by_sample(ref, "r")
+    assert sorted(events) == [0, 1, 2]
+    wants = {i: whole(ev) for i, ev in events.items()}
+    assert len({tuple(w[0]) for w in wants.values()}) == 3  # (three samples, not one three times)
+    samples = []
+    for i, k in cuts.items():
+        tokens, text = so_far(events[i], k) if k else ([], "")
+        samples.append((i, tokens, len(text)))
+
+    eng = engine_factory()
+    eng.resume_samples("r", prompt, sp, samples)
+    got = by_sample(eng, "r")
+    assert sorted(got) == sorted(cuts)  # a sample left out (finished) runs no more
+    for i, tokens, chars in samples:
+        rest = got[i]
+        new, text, reason = whole(rest)
+        want, want_text, want_reason = wants[i]
+        assert (tokens + new, want_text[:chars] + text, reason) == (want, want_text, want_reason), i
+        assert rest[-1][2].num_output_tokens == len(want)
+        assert all(not out.prompt_logprobs for _, _, out in rest)  # they went with sample 0's first token
+        ref_logprobs = [lp.logprob for _, _, out in events[i] for lp in out.new_logprobs]
+        got_logprobs = [lp.logprob for _, _, out in rest for lp in out.new_logprobs]
+        assert got_logprobs == pytest.approx(ref_logprobs[len(tokens):], abs=2e-3)
+    assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+
+
+def test_abort_stops_every_resumed_sample(engine_factory, smol_loaded):
+    prompt = smol_loaded.tokenizer.encode(PROMPT)
+    eng = engine_factory()
+    eng.resume_samples("r", prompt, SamplingParams(max_tokens=30, n=3, seed=1, temperature=1.0),
+                       [(1, [11, 12], 2), (2, [], 0)])  # sample 0 had finished
+    eng.step()
+    eng.abort_request("r")
+    assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+
+
 def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory, smol_loaded):
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     eng = engine_factory()
@@ -97,6 +153,13 @@ def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory
             eng.add_request("r", prompt, params, resumed=resumed)
         assert e.value.field == "resumed"
     assert not eng.seqs
+    n3 = SamplingParams(n=3)
+    for samples, params in (([], n3), ([(0, [], 0), (0, [], 0)], n3), ([(3, [], 0)], n3), ([(0, [5], 1)], SamplingParams()),
+                            ([(0, [5], 1), (1, [7], -1)], n3)):
+        with pytest.raises(InvalidRequestError) as e:
+            eng.resume_samples("r", prompt, params, samples)
+        assert e.value.field == "resumed_samples", samples
+        assert not eng.seqs and not eng.children
     # an export that says more tokens were resumed than it holds
     prefill = engine_factory()
     prefill.add_request("h", prompt, SamplingParams(), prefill_only=True, resumed=3)

@@ -221,17 +221,58 @@ class LLMEngine:
         sampler goes on where it was: each sampled token took one draw from the request's
         generator (sampling._sample_one), so as many are skipped.
         """
+        self._check_new(request_id, cache_salt)
+        self._add(request_id, prompt_token_ids, params, prefill_only, priority, cache_salt, resumed, resumed_chars)
+
+    def resume_samples(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       samples: list[tuple[int, list[int], int]], *, priority: int = 0, cache_salt: str = "") -> None:
+        """A request of params.n > 1 samples resumed here (its decode worker was lost mid-stream):
+        samples holds (index, output tokens its client has, characters of their text) for each of
+        its samples not finished yet; a finished one is not run again. Each goes on as the sample it
+        was (index i > 0 as <id>/<i>, seeded seed + i: _fork), as add_request's `resumed` does for
+        one: its own tokens are prefilled after the prompt and not handed out again. Outputs carry
+        their sample's index; the stream of the request ends with the last of these."""
+        self._check_new(request_id, cache_salt)
+        indexes = [i for i, _, _ in samples]
+        if params.n < 2 or not samples or len(set(indexes)) != len(indexes) \
+                or not all(0 <= i < params.n for i in indexes):
+            raise InvalidRequestError("resumed_samples", f"samples {indexes} of a request of n={params.n}: not a "
+                                                         "request that can resume so")
+        self.validate(prompt_token_ids, params)
+        kids = []
+        try:
+            for i, tokens, chars in sorted(samples, key=lambda s: s[0]):
+                key = f"{request_id}{SAMPLE_SEP}{i}" if i else request_id
+                self._add(key, list(prompt_token_ids) + list(tokens), _sample_params(params, i), False, priority,
+                          cache_salt, len(tokens), chars, field="resumed_samples")
+                seq = self.seqs[key]
+                seq.index, seq.parent = i, request_id if i else ""
+                if i:
+                    kids.append(key)
+        except BaseException:
+            for i, _, _ in samples:  # none of it stays: the request is refused whole
+                key = f"{request_id}{SAMPLE_SEP}{i}" if i else request_id
+                if (seq := self.seqs.get(key)) is not None:
+                    self._finish(seq, FINISH_CANCELLED)
+            raise
+        if kids:
+            self.children[request_id] = kids
+
+    def _check_new(self, request_id: str, cache_salt: str) -> None:
         if not isinstance(cache_salt, str):  # an int would pass for a prefix cache entry
             raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt).__name__}")
         if request_id in self.seqs or request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in this engine")
         if SAMPLE_SEP in request_id:  # a request's later samples run under <id>/<index> (_fork)
             raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {request_id!r}")
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
+             priority: int, cache_salt: str, resumed: int, resumed_chars: int, field: str = "resumed") -> None:
         prefill_only = prefill_only and self.padded is None
         prompt_len = len(prompt_token_ids) - resumed
         if resumed and (resumed < 0 or prompt_len < 1 or resumed_chars < 0 or params.n > 1):
-            raise InvalidRequestError("resumed", f"{resumed} of {len(prompt_token_ids)} tokens (n={params.n}, "
-                                                 f"{resumed_chars} characters): not a request that can resume")
+            raise InvalidRequestError(field, f"{resumed} of {len(prompt_token_ids)} tokens (n={params.n}, "
+                                             f"{resumed_chars} characters): not a request that can resume")
         self.validate(prompt_token_ids[:prompt_len], params, prefill_only)
         matcher = None
         if resumed:
@@ -534,10 +575,8 @@ class LLMEngine:
         shared = first.block_table[: (first.prompt_len - 1) // bs]
         kids = []
         for i in range(1, p.n):
-            params = dataclasses.replace(p, n=1, prompt_logprobs=None,
-                                         seed=None if p.seed is None else (p.seed + i) % 2**63)
             child = self._new_seq(f"{first.request_id}{SAMPLE_SEP}{i}", first.token_ids[: first.prompt_len],
-                                  first.prompt_len, params, cache_salt=first.cache_salt)
+                                  first.prompt_len, _sample_params(p, i), cache_salt=first.cache_salt)
             child.index, child.parent, child.priority = i, first.request_id, first.priority
             pool.take(shared)
             child.block_table.extend(shared)
@@ -728,6 +767,12 @@ class LLMEngine:
             for out in self.step():
                 result[out.request_id].extend(out.new_token_ids)
         return [result[rid] for rid in ids]
+
+
+def _sample_params(p: SamplingParams, i: int) -> SamplingParams:
+    """A request's sample i as a sequence of its own (params.n > 1): seeded seed + i; the first
+    sample's output carries the prompt's log probabilities."""
+    return dataclasses.replace(p, n=1, prompt_logprobs=None, seed=None if p.seed is None else (p.seed + i) % 2**63)
 
 
 def _device_events(device: torch.device) -> tuple | None:
