@@ -148,14 +148,15 @@ def test_abort_stops_every_resumed_sample(engine_factory, smol_loaded):
 def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory, smol_loaded):
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     eng = engine_factory()
-    for resumed, params in ((len(prompt), SamplingParams()), (-1, SamplingParams()), (2, SamplingParams(n=2))):
+    for resumed, params, ids in ((len(prompt), SamplingParams(), prompt), (-1, SamplingParams(), prompt),
+                                 (2, SamplingParams(n=2), prompt), (1, SamplingParams(), prompt + [10**6])):
         with pytest.raises(InvalidRequestError) as e:
-            eng.add_request("r", prompt, params, resumed=resumed)
+            eng.add_request("r", ids, params, resumed=resumed)
         assert e.value.field == "resumed"
     assert not eng.seqs
     n3 = SamplingParams(n=3)
     for samples, params in (([], n3), ([(0, [], 0), (0, [], 0)], n3), ([(3, [], 0)], n3), ([(0, [5], 1)], SamplingParams()),
-                            ([(0, [5], 1), (1, [7], -1)], n3)):
+                            ([(0, [5], 1), (1, [7], -1)], n3), ([(0, [5], 1), (1, [10**6], 1)], n3)):
         with pytest.raises(InvalidRequestError) as e:
             eng.resume_samples("r", prompt, params, samples)
         assert e.value.field == "resumed_samples", samples

@@ -1986,36 +1986,45 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken(mode):
-    """Streams of 120 tokens (greedy, and sampled with a seed) over two decode workers. One worker
-    is killed while each has streams part-way; later the other is sent SIGTERM with a drain time far shorter than its streams.
+    """Streams of 120 tokens (greedy, sampled with a seed, and one of three seeded samples) over two
+    decode workers. The worker holding the three samples is killed while each stream is part-way;
+    later the one holding them then is sent SIGTERM with a drain time far shorter than its streams.
     Every stream still ends OK, and its tokens, text and log probabilities are those of an unbroken
-    run: the router queued its prompt and the tokens sent so far for a prefill again (colocated: the
-    other worker prefilled them), and the other worker went on from there, sending only what is new.
-    (A stop string that never comes holds text back: the client's text lags its tokens.)"""
+    run: the router queued its prompt and the tokens sent so far for a prefill again (colocated, and
+    the samples: the other worker prefilled them, each sample with its own tokens), and the other
+    worker went on from there, sending only what is new. (A stop string that never comes holds text
+    back: the client's text lags its tokens.)"""
     s = _start(decode=2, keepalive_s=1.0, drain_s=1.0, **({"mode": mode, "prefill": 0} if mode == "colocated" else {}))
     down = []  # the workers killed or stopped, started again at the end
-    # greedy, and (odd streams) sampled with a seed: its generator goes on where it was
+    # greedy, and (odd streams) sampled with a seed: its generator goes on where it was; the last
+    # stream is of three samples (sample j seeded seed + j)
     sps = [dict(max_tokens=120, ignore_eos=True, stop=["@@@@@@@@"], logprobs=0,
                 **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i})) for i in range(6)]
+    sps[5]["n"] = 3
     try:
         prompts = [f"Tell me a story about the number {i}." for i in range(6)]
         with Client(s.router_address) as c:
-            want = {i: c.generate(p, timeout=120, **sps[i]) for i, p in enumerate(prompts)}
+            want = {i: list(w.choices) or [w] for i, w in
+                    ((i, c.generate(p, timeout=120, **sps[i])) for i, p in enumerate(prompts))}
+        assert len(want[5]) == 3 and len({tuple(w.token_ids) for w in want[5]}) == 3
 
-        def run_round(tag: str, victim: str, disrupt) -> dict:
+        def run_round(tag: str, disrupt) -> dict:
             time.sleep(2 * s.settings.heartbeat_s)  # placement by load needs a fresh registry read
-            got: dict[int, list] = {i: [[], "", None, []] for i in range(6)}  # tokens, text, outcome, log probabilities
+            # by stream, by sample: tokens, text, log probabilities; and by stream, its outcome
+            got: dict[int, dict[int, list]] = {i: {j: [[], "", []] for j in range(len(want[i]))} for i in range(6)}
+            outcome: dict[int, str] = {}
 
             def run(i):
                 try:
                     with Client(s.router_address) as cc:
                         for chunk in cc.generate_stream(prompts[i], request_id=f"{tag}{i}", timeout=120, **sps[i]):
-                            got[i][0] += chunk.token_ids
-                            got[i][1] += chunk.text
-                            got[i][3] += [(lp.token_id, lp.logprob) for lp in chunk.logprobs]
-                    got[i][2] = "OK"
+                            g = got[i][chunk.index]
+                            g[0] += chunk.token_ids
+                            g[1] += chunk.text
+                            g[2] += [(lp.token_id, lp.logprob) for lp in chunk.logprobs]
+                    outcome[i] = "OK"
                 except grpc.RpcError as e:
-                    got[i][2] = f"{e.code().name}: {e.details()}"
+                    outcome[i] = f"{e.code().name}: {e.details()}"
             threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
@@ -2023,11 +2032,12 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                 # Every stream has tokens out (one with none yet fails UNAVAILABLE: its client may retry
                 # it, as nothing was sent) and is far from its end; both workers have some.
                 def part_way_on_both():
-                    if not all(5 <= len(got[i][0]) <= 60 for i in range(6)):
+                    if not all(5 <= len(g[0]) <= 60 for i in range(6) for g in got[i].values()):
                         return False
                     return {c.get_request(f"{tag}{i}").decode_worker.rsplit("-", 1)[0] for i in range(6)} \
                         == {"decode-0", "decode-1"}
                 wait_for(part_way_on_both, timeout=120, interval=0.02, what="streams part-way on both workers")
+                victim = c.get_request(f"{tag}5").decode_worker.rsplit("-", 1)[0]  # the samples' worker
                 on_victim = {i for i in range(6) if c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
                 down.append(victim)
                 disrupt(s.proc(victim))
@@ -2035,12 +2045,14 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                     t.join(120)
                 assert not any(t.is_alive() for t in threads)
                 for i in range(6):
-                    assert got[i][2] == "OK", (i, got[i][2])
-                    assert got[i][0] == list(want[i].token_ids) and got[i][1] == want[i].text, i
-                    assert [t for t, _ in got[i][3]] == [lp.token_id for lp in want[i].logprobs], i
-                    # (after a resume, the KV was computed by a prefill: equal within float error)
-                    assert [x for _, x in got[i][3]] == pytest.approx([lp.logprob for lp in want[i].logprobs],
-                                                                      abs=2e-3), i
+                    assert outcome.get(i) == "OK", (i, outcome.get(i))
+                    for j, w in enumerate(want[i]):
+                        tokens, text, logprobs = got[i][j]
+                        assert tokens == list(w.token_ids) and text == w.text, (i, j)
+                        assert [t for t, _ in logprobs] == [lp.token_id for lp in w.logprobs], (i, j)
+                        # (after a resume, the KV was computed by a prefill: equal within float error)
+                        assert [x for _, x in logprobs] == pytest.approx([lp.logprob for lp in w.logprobs],
+                                                                         abs=2e-3), (i, j)
                 moved = {i for i in range(6) if not c.get_request(f"{tag}{i}").decode_worker.startswith(victim)}
                 assert on_victim and on_victim <= moved, (on_victim, moved)
                 assert {i for i in range(6) if c.get_request(f"{tag}{i}").resumes == 1} == on_victim
@@ -2051,7 +2063,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         def kill(p):
             p.popen.kill()
             p.popen.wait()
-        killed = run_round("k", "decode-0", kill)
+        killed = run_round("k", kill)
         lost = len(killed)
 
         def one_trace_with_both_legs():  # the router's span tells of the resume; both Decode calls in it
@@ -2074,7 +2086,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         def terminate(p):
             p.popen.send_signal(signal.SIGTERM)
             assert p.popen.wait(60) == 0
-        lost += len(run_round("t", "decode-1", terminate))
+        lost += len(run_round("t", terminate))
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
     finally:
         for name in down:

@@ -259,14 +259,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         convert.check_cache_salt(request.cache_salt)
         slot.prefill_start = time.time()  # set first: a second PrefillHere is refused meanwhile
-        slot.samples_left = params.n
+        samples = [(s.index, list(s.token_ids), s.chars) for s in getattr(request, "resumed_samples", ())]
+        slot.samples_left = len(samples) or params.n
         await self._compile_format(params)
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
-            resumed = getattr(request, "resumed_tokens", 0), getattr(request, "resumed_chars", 0)
-            await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
-                                                             cache_salt=request.cache_salt, resumed=resumed[0],
-                                                             resumed_chars=resumed[1]))
+            if samples:  # sampling.n > 1, resumed: each sample not finished goes on from its own tokens
+                await self.runner.submit(lambda e: e.resume_samples(slot.request_id, ids, params, samples,
+                                                                    priority=request.priority,
+                                                                    cache_salt=request.cache_salt))
+            else:
+                resumed = getattr(request, "resumed_tokens", 0), getattr(request, "resumed_chars", 0)
+                await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
+                                                                 cache_salt=request.cache_salt, resumed=resumed[0],
+                                                                 resumed_chars=resumed[1]))
         except asyncio.CancelledError:  # the engine takes it yet (its commands run in order): the stream's end aborts it
             slot.imported = True
             raise

@@ -276,6 +276,9 @@ class LLMEngine:
         self.validate(prompt_token_ids[:prompt_len], params, prefill_only)
         matcher = None
         if resumed:
+            vocab = self.model.shape.vocab_size
+            if (bad := next((t for t in prompt_token_ids[prompt_len:] if not 0 <= t < vocab), None)) is not None:
+                raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
             if prefill_only and not self.fits(len(prompt_token_ids) + 1):
                 raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens can never fit in this prefill "
                                                     f"engine's KV cache ({self.kv_capacity_tokens} tokens)")

@@ -743,8 +743,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent_by: dict[int, int] = {}  # sampling.n > 1: a sample's index -> its completion tokens so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         # the completion's tokens so far (a resumed request prefills them again; prefix affinity: a next
-        # turn's prompt starts so)
+        # turn's prompt starts so); sampling.n > 1: each sample's, and the characters of its text
         generated: list[int] = []
+        tokens_by: dict[int, list[int]] = {0: generated}
+        chars_by: dict[int, int] = {0: 0}
+        finished_samples: set[int] = set()
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
         result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
                                       and params.n == 1) else None
@@ -810,7 +813,6 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                    request.cache_salt, local, queued, t_admitted)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
-                chars = 0  # of sample 0's text sent so far (a resumed request's new text starts after them)
                 try:
                     while True:
                         try:
@@ -821,8 +823,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if e.code() != grpc.StatusCode.UNAVAILABLE:
                                 raise
                             ev, lost = e, f"{e.code().name}: {e.details()}"
-                        if lost and active.resumes < self.s.decode_resumes and params.n == 1 \
-                                and not (active.lost or active.aborted):
+                        if lost and active.resumes < self.s.decode_resumes and not (active.lost or active.aborted):
                             # Its decode worker was lost: it goes on on another (_resume).
                             if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
                                 active.queued = False
@@ -834,10 +835,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             dec = None
                             call.cancel()
                             old = worker
-                            call, worker, placed, dec = await self._resume(rid, active, old, lost, generated, chars,
-                                                                           deadline, context, rs)
+                            # (sampling.n > 1, once a sample has tokens: each sample not finished, with its own)
+                            samples = ([(i, tokens_by.get(i, []), chars_by.get(i, 0)) for i in range(params.n)
+                                        if i not in finished_samples] if params.n > 1 and sent else None)
+                            call, worker, placed, dec = await self._resume(rid, active, old, lost, generated,
+                                                                           chars_by[0], deadline, context, rs, samples)
                             log.warning("request %s: decode worker %s lost (%s); resumed on %s after %d tokens", rid,
-                                        old.worker_id, lost, worker.worker_id, len(generated))
+                                        old.worker_id, lost, worker.worker_id, active.carried)
                             continue
                         if isinstance(ev, grpc.aio.AioRpcError):
                             raise ev
@@ -888,9 +892,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
                                     await self._mark(rid, "finished", ev, result=result)
                                 marked = True
-                        if ev.index == 0:
-                            generated.extend(ev.token_ids)
-                            chars += len(ev.text)
+                        tokens_by.setdefault(ev.index, []).extend(ev.token_ids)
+                        chars_by[ev.index] = chars_by.get(ev.index, 0) + len(ev.text)
+                        if ev.finish_reason:
+                            finished_samples.add(ev.index)
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason and not ev.more:
                             final = ev
@@ -965,12 +970,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         Placements.accepted(placed, first.epoch, first.open_seq)
 
     async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, generated: list[int], chars: int,
-                      deadline: float, context, rs: tracing.rpc_span) -> tuple:
+                      deadline: float, context, rs: tracing.rpc_span, samples: list | None = None) -> tuple:
         """Resume a request whose decode worker was lost (killed, unreachable, or stopped past its
         drain time) on another: its prompt and the tokens its client has (with `chars` characters
         of their text; none yet, if it was lost before its first token) are prefilled again, by a
         prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
-        there and sends only what is new. This is a new leg (RESUME_LUA): a job of an earlier one,
+        there and sends only what is new. A request of sampling.n > 1 samples, once any has tokens:
+        `samples` holds (index, its tokens, the characters of their text) of each sample not
+        finished, and the new decode worker prefills each (resume_samples), each sample going on
+        from its own tokens. This is a new leg (RESUME_LUA): a job of an earlier one,
         still queued or prefilling for the lost worker, is superseded. Greedy or seeded, the stream
         is the one it would have been (the engine skips the draws of the tokens carried). Returns
         (the new Decode call, its worker, its placement, its span)."""
@@ -978,26 +986,32 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if generated:  # its prompt log probabilities went with its first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         tokens = ids + generated
+        carried = sum(len(t) for _, t, _ in samples) if samples else len(generated)
         try:
-            worker, placed, _ = self.pick(len(ids) + params.max_tokens, exclude=lost.worker_id)
+            worker, placed, _ = self.pick(len(ids) + params.n * params.max_tokens, exclude=lost.worker_id)
         except ServiceError as e:
             raise Unavailable(f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
                               f"on another: {e}") from None
-        local = self._prefill_locally(len(tokens))
+        local = bool(samples) or self._prefill_locally(len(tokens))
         a.resumes += 1
         rs.span.add_event("resumed", {"splitserve.decode_worker.lost": lost.worker_id,
                                       "splitserve.decode_worker": worker.worker_id, "splitserve.lost.reason": why[:300],
-                                      "splitserve.resumed_tokens": len(generated), "splitserve.prefill.local": local})
+                                      "splitserve.resumed_tokens": carried, "splitserve.prefill.local": local}
+                          | ({"splitserve.resumed_samples": len(samples)} if samples else {}))
         dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id,
-                                  "splitserve.resumed_tokens": len(generated)})
+                                  "splitserve.resumed_tokens": carried})
         dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority)
-        if local:
+        if samples:
+            dreq.prompt_token_ids.extend(ids)
+            dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in samples)
+        elif local:
             dreq.prompt_token_ids.extend(tokens)
+            dreq.resumed_tokens, dreq.resumed_chars = len(generated), chars
+        if local:
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
             dreq.cache_salt = a.cache_salt
-            dreq.resumed_tokens, dreq.resumed_chars = len(generated), chars
         call = None
         try:
             peer = self.peers.get(worker.address)
@@ -1032,7 +1046,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             dec.__exit__(type(e), e, None)
             raise
         self.metrics.resumed.inc()
-        a.call, a.address, a.local, a.first, a.carried = call, worker.address, local, False, len(generated)
+        a.call, a.address, a.local, a.first, a.carried = call, worker.address, local, False, carried
         return call, worker, placed, dec
 
     @staticmethod
