@@ -2190,6 +2190,7 @@ def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_wo
             assert n + 5 <= len(got["tokens"]) < 400
             info = c.get_request("cap")
             assert info.state == "failed" and info.resumes == 1, info
+            assert info.error == details, info  # (it was empty)
     finally:
         t.join(60)
         for name in down:

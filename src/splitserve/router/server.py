@@ -949,7 +949,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if queued or (active is not None and active.queued):
                     await self._dequeue(rid, len(ids))
                 if state in ("cancelled", "failed"):
-                    mark = self._mark(rid, state, error=failure or (active.lost if active is not None else ""))
+                    why = failure or (active.lost if active is not None else "")
+                    if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
+                        why = str(sys.exc_info()[1])  # its decode worker went away, or it could not resume
+                    mark = self._mark(rid, state, error=why)
                     # Redis not answering: recording it would keep the client waiting as long again.
                     if isinstance(sys.exc_info()[1], REDIS_UNREACHABLE):
                         self.background.start(mark)
