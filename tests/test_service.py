@@ -187,6 +187,13 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
             again = c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, timeout=300)
             assert list(again.token_ids) == out0
             assert again.usage.cached_tokens == ((len(p0) - 1) // 16 * 16 if policy == "continuous" else 0)
+            # Sent again to go on after k tokens (resume_from): the decode worker prefills prompt and
+            # tokens, and only the rest comes (the queue's counts of it go back: _finish)
+            k = n0 // 2
+            chars = len(c.detokenize(out0[:k]).text)
+            rest = c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, resume_from=(out0[:k], chars), timeout=300)
+            assert k and list(rest.token_ids) == out0[k:] and rest.text == again.text[chars:]
+            assert rest.usage.completion_tokens == n0 and rest.usage.prompt_tokens == len(p0)
             assert c.get_request(again.request_id).cached_tokens == again.usage.cached_tokens
             salted = [c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, cache_salt="t", timeout=300)
                       for _ in range(2)]
@@ -504,6 +511,9 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
           .StructuredOutput()}, "sampling.structured_output: set, but with none"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
+        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)}, "resume_from: needs sampling.n 1"),
+        ({"prompt": "hi", "max_tokens": 3, "resume_from": ([5, 6, 7], 3)}, "resume_from.token_ids: 3 tokens"),
+        ({"prompt": "hi", "resume_from": ([5, 49152], 3)}, "resume_from.token_ids: token id 49152"),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
@@ -2092,6 +2102,76 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         for name in down:
             s.restart(name)
         _finish(s)
+
+
+def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a_resuming_client():
+    """A seeded 120-token stream through one of two routers, by a client balancing over both with
+    resumes=1. Its router is sent SIGTERM with a drain time far shorter than the stream (later,
+    restarted, the one holding the next stream is killed): the client sends the request again with
+    the tokens it has (resume_from) to the other router, which goes on from there. The stream ends
+    OK with the tokens, text and log probabilities of an unbroken run. Killed, the earlier attempt
+    is held by the dead router until the other reaps it: the re-send waits for that (ALREADY_EXISTS
+    meanwhile). Without resumes, the stream fails UNAVAILABLE."""
+    s = _start(routers=2, drain_s=1.0)
+    down = []
+    sp = dict(max_tokens=120, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
+    prompt = "Tell me a story about a lighthouse keeper."
+    target = "ipv4:" + ",".join(a.removeprefix("ipv4:") for a in s.router_addresses)
+    try:
+        with Client(s.router_address) as c:
+            want = c.generate(prompt, timeout=120, **sp)
+        names = {f"router-{s.stack_id}": "router", f"router-1-{s.stack_id}": "router-1"}
+
+        def through(tag: str, disrupt, resumes: int) -> tuple[list, str, str, list]:
+            got = [[], "", None, []]  # tokens, text, outcome, log probabilities
+
+            def run():
+                try:
+                    with Client(target, balance=True) as cc:
+                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, **sp):
+                            got[0] += chunk.token_ids
+                            got[1] += chunk.text
+                            got[3] += [(lp.token_id, lp.logprob) for lp in chunk.logprobs]
+                    got[2] = "OK"
+                except grpc.RpcError as e:
+                    got[2] = f"{e.code().name}: {e.details()}"
+            t = threading.Thread(target=run)
+            t.start()
+            wait_for(lambda: 10 <= len(got[0]), timeout=120, interval=0.02, what="the stream part-way")
+            assert len(got[0]) <= 60
+            holder = names[stack_redis_hget(s, tag, "router")]
+            down.append(holder)
+            disrupt(s.proc(holder))
+            t.join(120)
+            assert not t.is_alive()
+            s.restart(down.pop())
+            return got
+
+        def terminate(p):
+            p.popen.send_signal(signal.SIGTERM)
+            assert p.popen.wait(60) == 0
+
+        def kill(p):
+            p.popen.kill()
+            p.popen.wait()
+        for tag, disrupt in (("t", terminate), ("k", kill)):
+            got = through(tag, disrupt, resumes=1)
+            assert got[2] == "OK", (tag, got[2])
+            assert got[0] == list(want.token_ids) and got[1] == want.text, tag
+            assert [t for t, _ in got[3]] == [lp.token_id for lp in want.logprobs], tag
+            # (the KV of the tokens sent was computed by a prefill: equal within float error)
+            assert [x for _, x in got[3]] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3), tag
+        got = through("u", terminate, resumes=0)
+        assert got[2].startswith("UNAVAILABLE") and got[0] == list(want.token_ids)[:len(got[0])], got[2]
+    finally:
+        for name in down:
+            s.restart(name)
+        _finish(s)
+
+
+def stack_redis_hget(s, rid: str, field: str) -> str:
+    got = s.redis().hget(s.keys.req(rid), field)
+    return got.decode() if got is not None else ""
 
 
 def test_requests_queued_for_a_decode_worker_that_is_killed_resume_on_another_and_their_old_jobs_are_skipped():

@@ -22,6 +22,14 @@ a time, and connects again at its next call after the router restarts; balanced,
 that restarts takes calls again only at the next try, up to 2 s later (calls meanwhile fail
 UNAVAILABLE), so balance over several routers only.
 
+``generate_stream(..., resumes=N)`` goes on with a stream whose router was lost after tokens
+came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
+the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
+on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
+have been). With a ``request_id``, the earlier attempt may still be held by the lost router
+until another router reaps it: the re-send, refused ALREADY_EXISTS meanwhile, is tried again
+every 0.5 s for up to a minute (within the call's timeout). ``n`` 1 only.
+
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
 partition, a hung process) fails the open calls with UNAVAILABLE after about two such
@@ -30,7 +38,9 @@ intervals, instead of leaving them waiting for their deadlines, or forever witho
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -154,7 +164,10 @@ def build_request(
     structured_output: dict | pb.StructuredOutput | None = None,
     priority: int = 0,
     cache_salt: str = "",
+    resume_from: tuple[list[int], int] | None = None,
 ) -> pb.GenerateRequest:
+    """resume_from: (the completion's tokens the client has, the characters of their text): a
+    stream cut off, sent again to go on where it stopped (GenerateRequest.resume_from)."""
     req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
     if prompt is not None:
         req.prompt = prompt
@@ -179,7 +192,59 @@ def build_request(
     sp.min_tokens = min_tokens
     sp.ignore_eos = ignore_eos
     sp.include_stop_str_in_output = include_stop_str_in_output
+    if resume_from is not None:
+        req.resume_from.token_ids.extend(resume_from[0])
+        req.resume_from.text_chars = resume_from[1]
     return req
+
+
+RESEND_WAIT_S = 0.5  # a resumed stream's re-send refused ALREADY_EXISTS: tried again this often ...
+RESEND_FOR_S = 60.0  # ... for at most this long
+
+
+class _Resumer:
+    """A stream sent again to go on after its router was lost (generate_stream's resumes): what its
+    client has, and whether and when to send it again."""
+
+    def __init__(self, prompt: str | None, timeout: float | None, resumes: int, kw: dict):
+        if resumes < 0:
+            raise ValueError(f"resumes must be >= 0, got {resumes}")
+        if resumes and (kw.get("n") or 1) > 1:
+            raise ValueError("resumes: a stream of n > 1 samples is not resumed")
+        self.prompt, self.kw, self.left = prompt, kw, resumes
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.tokens: list[int] = []
+        self.chars = 0
+        self.resent_at = 0.0  # monotonic time of the latest resume (0: none, or a message came since)
+
+    def request(self) -> pb.GenerateRequest:
+        req = build_request(self.prompt, **self.kw)
+        if self.tokens:
+            req.resume_from.token_ids.extend(self.tokens)
+            req.resume_from.text_chars = self.chars
+        return req
+
+    def timeout(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def got(self, resp: pb.GenerateResponse) -> None:
+        self.tokens += resp.token_ids
+        self.chars += len(resp.text)
+        self.resent_at = 0.0
+
+    def wait_before_resend(self, e: grpc.RpcError) -> float | None:
+        """The seconds to wait before sending the request again after its call failed with e; None:
+        it is not sent again (e is the caller's)."""
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            return None
+        if e.code() == grpc.StatusCode.UNAVAILABLE and self.tokens and self.left > 0:
+            self.left -= 1
+            self.resent_at = now
+            return 0.0
+        if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.resent_at and now - self.resent_at < RESEND_FOR_S:
+            return RESEND_WAIT_S  # the earlier attempt is held by the router that was lost, until it is reaped
+        return None
 
 
 class Client:
@@ -190,8 +255,28 @@ class Client:
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
-    def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateResponse]:
-        return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+    def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
+                        **kw) -> Iterator[pb.GenerateResponse]:
+        """resumes: go on after the router was lost at most this many times (see the module's doc)."""
+        if not resumes:
+            return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+        return self._resumed_stream(_Resumer(prompt, timeout, resumes, kw))
+
+    def _resumed_stream(self, r: _Resumer) -> Iterator[pb.GenerateResponse]:
+        while True:
+            call = self.stub.GenerateStream(r.request(), timeout=r.timeout(), metadata=_trace_metadata())
+            try:
+                for resp in call:
+                    r.got(resp)
+                    yield resp
+                return
+            except grpc.RpcError as e:
+                wait = r.wait_before_resend(e)
+                if wait is None:
+                    raise
+            finally:
+                call.cancel()
+            time.sleep(wait)
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  timeout: float | None = None) -> pb.TokenizeResponse:
@@ -225,13 +310,25 @@ class AsyncClient:
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
         return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
-    async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
-        try:
-            async for resp in call:
-                yield resp
-        finally:  # left early (break, an exception, the task cancelled): the request is cancelled too
-            call.cancel()
+    async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
+                              **kw) -> AsyncIterator[pb.GenerateResponse]:
+        """resumes: go on after the router was lost at most this many times (see the module's doc)."""
+        r = _Resumer(prompt, timeout, resumes, kw)
+        while True:
+            call = self.stub.GenerateStream(r.request(), timeout=r.timeout() if resumes else timeout,
+                                            metadata=_trace_metadata())
+            try:
+                async for resp in call:
+                    r.got(resp)
+                    yield resp
+                return
+            except grpc.RpcError as e:
+                wait = r.wait_before_resend(e)
+                if wait is None:
+                    raise
+            finally:  # left early (break, an exception, the task cancelled): the request is cancelled too
+                call.cancel()
+            await asyncio.sleep(wait)
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        timeout: float | None = None) -> pb.TokenizeResponse:

@@ -83,6 +83,7 @@ def fingerprint(request: gen_pb.GenerateRequest) -> str:
     r = gen_pb.GenerateRequest()
     r.CopyFrom(request)
     r.request_id = ""
+    r.ClearField("resume_from")  # (a stream sent again to go on is the same request)
     return hashlib.blake2b(r.SerializeToString(deterministic=True), digest_size=12).hexdigest()
 
 
@@ -477,7 +478,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
-            if take_back and state == b"queued" and not a.resumes:
+            if take_back and state == b"queued" and not (a.resumes or a.carried):
                 await self.take_back(rid, a)
             if admitted is None:
                 a.missing_since = a.missing_since or now
@@ -569,6 +570,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if keep is not None:
             ids = ids[-keep:]
         check_context(len(ids), params, self.front.context, request.WhichOneof("input"))
+        if request.HasField("resume_from"):
+            carried = request.resume_from.token_ids
+            if params.n > 1:
+                raise InvalidRequestError("resume_from", f"needs sampling.n 1, got {params.n}")
+            if len(carried) >= params.max_tokens:
+                raise InvalidRequestError("resume_from.token_ids", f"{len(carried)} tokens: sampling.max_tokens "
+                                                                   f"({params.max_tokens}) leaves none to generate")
+            if (bad := next((t for t in carried if not 0 <= t < self.front.vocab), None)) is not None:
+                raise InvalidRequestError("resume_from.token_ids", f"token id {bad} is outside the vocabulary "
+                                                                   f"[0, {self.front.vocab})")
+            if carried and params.prompt_logprobs is not None:  # they came with its first token
+                params = dataclasses.replace(params, prompt_logprobs=None)
         if any(t < 0 or t >= self.front.vocab for t in params.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         if any(t >= self.front.vocab for t, _ in params.logit_bias):
@@ -687,17 +700,21 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
             rid, ids, params = await self._validate(request)
+            # resume_from: the completion's tokens its client has already (a stream sent again to go
+            # on), prefilled after the prompt; the queue counts them with it
+            carried, carried_chars = list(request.resume_from.token_ids), request.resume_from.text_chars
+            work = len(ids) + len(carried)
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
                 rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request))
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
-            if self._queue_may_be_full(len(ids)):  # fast path: no decode stream opened for a refusal
+            if self._queue_may_be_full(work):  # fast path: no decode stream opened for a refusal
                 *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
                 q, t = queue_counts(counts)
                 self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
-                if q + 1 > int(self.s.max_queue_requests * frac) or t + len(ids) > int(self.s.max_queue_tokens * frac):
+                if q + 1 > int(self.s.max_queue_requests * frac) or t + work > int(self.s.max_queue_tokens * frac):
                     raise self._refusal(q, t, frac)
             remaining = context.time_remaining()
             deadline = t_recv + remaining if remaining is not None else 0.0
@@ -711,7 +728,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                       hashes if self.affinity else None)
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
-            local = self._prefill_locally(len(ids), expect_cached)
+            local = self._prefill_locally(work, expect_cached)
             directed = [] if local else self._prefill_worker_for(hashes, request.priority)
             adm.set_attributes({"splitserve.prefill.local": local,
                                 "splitserve.prefix.expected_cached_tokens": expect_cached})
@@ -725,9 +742,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline,
                                   priority=request.priority)
         if local:  # the decode worker prefills it itself; the queue counts it until its first token
-            dreq.prompt_token_ids.extend(ids)
+            dreq.prompt_token_ids.extend(ids + carried)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
             dreq.cache_salt = request.cache_salt
+            dreq.resumed_tokens, dreq.resumed_chars = len(carried), carried_chars
         try:
             peer = self.peers.get(worker.address)
             peer.run = peer.run or worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
@@ -744,13 +762,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         # the completion's tokens so far (a resumed request prefills them again; prefix affinity: a next
         # turn's prompt starts so); sampling.n > 1: each sample's, and the characters of its text
-        generated: list[int] = []
+        generated: list[int] = list(carried)
         tokens_by: dict[int, list[int]] = {0: generated}
-        chars_by: dict[int, int] = {0: 0}
+        chars_by: dict[int, int] = {0: carried_chars}
         finished_samples: set[int] = set()
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
         result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
-                                      and params.n == 1) else None
+                                      and params.n == 1 and not carried) else None
         marked = False  # the end recorded (_mark) already
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
@@ -760,11 +778,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
-                        request_id=rid, token_ids=ids, sampling=sampling_to_dict(params),
+                        request_id=rid, token_ids=ids + carried, sampling=sampling_to_dict(params),
                         decode_worker=worker.worker_id, decode_address=worker.address, decode_epoch=worker.epoch,
                         decode_host_id=worker.host_id, deadline_unix=deadline,
                         traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
                         priority=request.priority, cache_salt=request.cache_salt, decode_cached_tokens=expect_cached,
+                        resumed=len(carried), resumed_chars=carried_chars,
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
@@ -773,7 +792,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                               self.keys.router_requests(self.id), *attempt_keys,
                               *((self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
                                 if directed else ())],
-                        args=[len(ids), self.s.max_queue_requests, self.s.max_queue_tokens, frac,
+                        args=[work, self.s.max_queue_requests, self.s.max_queue_tokens, frac,
                               self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
                               *((*attempt_args, "", "")[:2] + (self.s.prefill_affinity_jobs,) if directed
                                 else attempt_args)],
@@ -810,7 +829,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if params.structured_output is not None:
                     m.structured.labels(params.structured_output.kind).inc()
                 active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
-                                                   request.cache_salt, local, queued, t_admitted)
+                                                   request.cache_salt, local, queued, t_admitted, carried=len(carried))
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
@@ -827,7 +846,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             # Its decode worker was lost: it goes on on another (_resume).
                             if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
                                 active.queued = False
-                                await self._dequeue(rid, len(ids))
+                                await self._dequeue(rid, work)
                             self.placements.ended(worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq,
                                                   len(ids) + sent)
                             close_seq, placed = 0, None
@@ -872,7 +891,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             active.first = True
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
-                            await self._dequeue(rid, len(ids))
+                            await self._dequeue(rid, work)
                         if ev.first_token_unix and rid not in self.first_parts:  # (a resumed leg's: not the first)
                             ev.timings.admission_ms = (t_admitted - t_recv) * 1000
                             ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
@@ -947,7 +966,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     self.first_parts.pop(rid, None)
                 call.cancel()
                 if queued or (active is not None and active.queued):
-                    await self._dequeue(rid, len(ids))
+                    await self._dequeue(rid, work)
                 if state in ("cancelled", "failed"):
                     why = failure or (active.lost if active is not None else "")
                     if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
