@@ -1113,6 +1113,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.structured_output"] = params.structured_output.kind
         if request.priority:
             attrs["splitserve.priority"] = request.priority
+        if request.resume_from.token_ids:  # a stream sent again to go on: the tokens its client had
+            attrs["splitserve.resume_from.tokens"] = len(request.resume_from.token_ids)
         return attrs
 
     def _record(self, worker: WorkerInfo, hashes: list[int], index: PrefixIndex | None = None) -> None:
