@@ -187,3 +187,72 @@ def test_calls_are_spread_round_robin_over_every_address_of_the_target():
     finally:
         for server in servers:
             server.stop(0)
+
+
+class _CutOff(generation_pb2_grpc.GenerationServicer):
+    """A router that is lost after each call's first tokens (UNAVAILABLE), and whose first re-send
+    finds the earlier attempt still held (ALREADY_EXISTS); it records what each call carried."""
+
+    WORDS = ["a", "b", "c", "d", "e", "f", "g"]
+
+    def __init__(self):
+        self.carried: list[tuple[list[int], int]] = []
+        self.refused_once = False
+
+    def GenerateStream(self, request, context):
+        have = list(request.resume_from.token_ids)
+        if request.prompt == "lost at once":
+            self.carried.append((have, request.resume_from.text_chars))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping")
+        if have and not self.refused_once:
+            self.refused_once = True
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists")
+        self.carried.append((have, request.resume_from.text_chars))
+        for i in range(len(have), min(len(have) + 3, len(self.WORDS))):
+            last = i == len(self.WORDS) - 1
+            yield generation_pb2.GenerateResponse(token_ids=[100 + i], text=self.WORDS[i],
+                                                  finish_reason="length" if last else "")
+        if len(have) + 3 < len(self.WORDS):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
+
+
+def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monkeypatch):
+    """generate_stream(resumes=N), sync and asyncio: each cut (UNAVAILABLE after tokens) sends the
+    request again with the tokens and text length the client has (resume_from), and the caller
+    sees one unbroken stream; a re-send refused ALREADY_EXISTS (the earlier attempt still held) is
+    tried again. Past N resumes, without them, or before any token, the cut is the caller's."""
+    monkeypatch.setattr("splitserve.client.RESEND_WAIT_S", 0.05)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    router = _CutOff()
+    generation_pb2_grpc.add_GenerationServicer_to_server(router, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    whole = [100 + i for i in range(7)]
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
+            assert [t for ch in chunks for t in ch.token_ids] == whole and "".join(ch.text for ch in chunks) == "abcdefg"
+            assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
+            router.carried, router.refused_once = [], True
+            with pytest.raises(grpc.RpcError) as e:  # one resume allowed, two needed
+                list(c.generate_stream("hi", max_tokens=7, resumes=1, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and len(router.carried) == 2
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate_stream("hi", max_tokens=7, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            router.carried = []
+            with pytest.raises(grpc.RpcError) as e:  # nothing came: nothing to go on from (a retry's case)
+                list(c.generate_stream("lost at once", max_tokens=7, resumes=2, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and router.carried == [([], 0)]
+            with pytest.raises(ValueError, match="n > 1"):
+                c.generate_stream("hi", n=2, resumes=1)
+
+        async def run():
+            router.carried, router.refused_once = [], False
+            async with AsyncClient(f"127.0.0.1:{port}") as ac:
+                return [t async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30)
+                        for t in ch.token_ids]
+        assert asyncio.run(run()) == whole
+        assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
+    finally:
+        server.stop(0)
