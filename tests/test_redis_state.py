@@ -74,6 +74,8 @@ def test_local_prefills_leave_the_queue_counts_once_by_their_router_or_by_its_re
     for rid, state, local in (("a", "queued", 1), ("b", "decoding", 1), ("c", "queued", 0), ("d", "finished", 1)):
         r.hset(keys.req(rid), mapping={"state": state, "prompt_tokens": 100, **({"local": 1} if local else {})})
         r.sadd(keys.router_requests("dead"), rid)
+    # d went on from 40 tokens its client had (resume_from): its prompt is 60, and it counts 100
+    r.hset(keys.req("d"), mapping={"prompt_tokens": 60, "queued_tokens": 100})
     assert dequeue(keys=[keys.admission, keys.req("b")], args=[100]) == 1  # b's first token came
     assert dequeue(keys=[keys.admission, keys.req("b")], args=[100]) == 0  # ... and its end: not again
     assert r.hgetall(keys.admission) == {"requests": "3", "tokens": "300", "local_tokens": "200"}

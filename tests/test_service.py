@@ -194,6 +194,8 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
             rest = c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, resume_from=(out0[:k], chars), timeout=300)
             assert k and list(rest.token_ids) == out0[k:] and rest.text == again.text[chars:]
             assert rest.usage.completion_tokens == n0 and rest.usage.prompt_tokens == len(p0)
+            info = c.get_request(rest.request_id)
+            assert (info.prompt_tokens, info.completion_tokens) == (len(p0), n0)  # (the prompt's: not its tokens too)
             assert c.get_request(again.request_id).cached_tokens == again.usage.cached_tokens
             salted = [c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, cache_salt="t", timeout=300)
                       for _ in range(2)]
@@ -719,12 +721,13 @@ def test_an_abort_that_overtakes_its_request_refuses_it_as_cancelled(stack, clie
 
 
 def _outcome(stream, into: dict) -> threading.Thread:
-    """Consume a stream in a thread; into["tokens"] counts its tokens, into["code"] its ending."""
+    """Consume a stream in a thread; into["tokens"] counts its tokens (into["ids"]), into["code"] its ending."""
     def run():
-        into["tokens"] = 0
+        into["tokens"], into["ids"] = 0, []
         try:
             for chunk in stream:
                 into["tokens"] += len(chunk.token_ids)
+                into["ids"] += chunk.token_ids
             into["code"], into["details"] = "OK", ""
         except grpc.RpcError as e:
             into["code"], into["details"] = e.code().name, e.details()
@@ -2105,16 +2108,16 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
 
 
 def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a_resuming_client():
-    """A seeded 120-token stream through one of two routers, by a client balancing over both with
+    """A seeded 200-token stream through one of two routers, by a client balancing over both with
     resumes=1. Its router is sent SIGTERM with a drain time far shorter than the stream (later,
     restarted, the one holding the next stream is killed): the client sends the request again with
     the tokens it has (resume_from) to the other router, which goes on from there. The stream ends
     OK with the tokens, text and log probabilities of an unbroken run. Killed, the earlier attempt
     is held by the dead router until the other reaps it: the re-send waits for that (ALREADY_EXISTS
     meanwhile). Without resumes, the stream fails UNAVAILABLE."""
-    s = _start(routers=2, drain_s=1.0)
+    s = _start(routers=2, drain_s=0.5)
     down = []
-    sp = dict(max_tokens=120, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
+    sp = dict(max_tokens=200, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
     prompt = "Tell me a story about a lighthouse keeper."
     target = "ipv4:" + ",".join(a.removeprefix("ipv4:") for a in s.router_addresses)
     try:
@@ -2163,9 +2166,50 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             assert [x for _, x in got[3]] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3), tag
         got = through("u", terminate, resumes=0)
         assert got[2].startswith("UNAVAILABLE") and got[0] == list(want.token_ids)[:len(got[0])], got[2]
+
+        def said_what_they_carried():  # each re-sent call's request span
+            if not os.path.exists(s.settings.trace_file):
+                return False
+            return {sp.attrs["splitserve.request_id"].split("#")[0] for sp in traceview.load_spans(s.settings.trace_file)
+                    if sp.attrs.get("splitserve.resume_from.tokens", 0) >= 10} == {"t", "k"}
+        wait_for(said_what_they_carried, timeout=20, what="the re-sent calls' spans naming the tokens they carried")
     finally:
         for name in down:
             s.restart(name)
+        _finish(s)
+
+
+def test_a_new_leg_waits_while_its_prefill_worker_still_hands_the_superseded_one_to_the_lost_worker():
+    """A request queued for a decode worker that then hangs (SIGSTOP): the prefill worker takes it
+    and hands its KV to the hung worker, a handoff that holds until the prefill worker's keepalive
+    (6 s here) drops it. The router, whose keepalive is 1 s, resumes the request on the other
+    decode worker first, and the new leg's job reaches the same prefill worker while the old leg's
+    handoff is still in flight there: it waits for that one to go (deferred, counted), keeping its
+    claim, then is prefilled and handed to the new worker. The stream ends OK with an unbroken
+    run's tokens, and nothing is left held."""
+    s = _start(decode=2, keepalive_s=1.0, prefill_env={"SPLITSERVE_KEEPALIVE_S": "6"})
+    stopped = []
+    sp = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    prompt = "Write a line about a paper boat."
+    try:
+        with Client(s.router_address) as c:
+            want = list(c.generate(prompt, timeout=120, **sp).token_ids)
+            got: dict = {}
+            with _prefill_paused(s):
+                t = _outcome(c.generate_stream(prompt, request_id="defer", timeout=120, **sp), got)
+                wait_for(lambda: _state(c, "defer") == "queued", what="request queued")
+                lost = c.get_request("defer").decode_worker.rsplit("-", 1)[0]
+                os.kill(s.proc(lost).popen.pid, signal.SIGSTOP)
+                stopped.append(lost)
+            t.join(120)
+            assert not t.is_alive() and got["code"] == "OK" and got["ids"] == want, got
+            info = c.get_request("defer")
+            assert info.resumes == 1 and not info.decode_worker.startswith(lost), info
+            assert scrape(s.proc("prefill-0").metrics_address).get("splitserve_prefill_jobs_deferred_total") == 1
+        os.kill(s.proc(stopped.pop()).popen.pid, signal.SIGCONT)
+    finally:
+        for name in stopped:
+            os.kill(s.proc(name).popen.pid, signal.SIGCONT)
         _finish(s)
 
 

@@ -216,6 +216,8 @@ class PrefillMetrics(EngineMetrics):
     def __init__(self):
         super().__init__()
         self.jobs = self.c("prefill_jobs", "Jobs pulled from the queue, by outcome", ["outcome"])
+        self.deferred = self.c("prefill_jobs_deferred", "Jobs of a resumed request that waited for its earlier leg "
+                               "(superseded: its decode worker was lost) to leave this worker first")
         self.jobs_from = self.c("prefill_jobs_started", "Jobs whose prefill started here, by the stream they came "
                                 "from: shared (a priority class's), own (sent to this worker: prefill affinity), "
                                 "departed (sent to a worker gone from the registry)", ["stream"])

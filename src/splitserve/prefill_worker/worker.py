@@ -398,12 +398,14 @@ class PrefillWorker:
         if request_id and decode_address:
             self.pool.submit(self._fail_stream, request_id, decode_address, grpc.StatusCode.INTERNAL, message)
 
-    def admit(self, stream: str, entry_id: str, job: Job, first: bool, outcome) -> None:
+    def admit(self, stream: str, entry_id: str, job: Job, first: bool, outcome, again: bool = False) -> None:
         """Start prefilling a pulled job, by its pickup's outcome: 'prefilling', the state of a
         request that has ended (or 'expired') and is skipped, or the pickup still running (a
-        future: settled after the forward, by _settle_pickups)."""
+        future: settled after the forward, by _settle_pickups). again: deferred before."""
         if self._held(job.request_id, job.leg):  # an earlier leg of it, superseded, is still being handed off here
             self.deferred.append((stream, entry_id, job, first, outcome))
+            if not again:
+                self.metrics.deferred.inc()
             return
         pickup = outcome if isinstance(outcome, cf.Future) else None
         outcome = "prefilling" if pickup is not None else _state(outcome)
@@ -513,7 +515,7 @@ class PrefillWorker:
         """Admit the jobs deferred while an earlier leg of their request was still here."""
         waiting, self.deferred = self.deferred, []
         for d in waiting:
-            self.admit(*d)
+            self.admit(*d, again=True)
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.finished:
@@ -888,7 +890,7 @@ class PrefillWorker:
             there = p.execute()
         for fl in (fl for fl, n in zip(held, there) if not n):
             j = fl.job
-            fields = {"state": "prefilling", "prompt_tokens": len(j.token_ids), "priority": j.priority,
+            fields = {"state": "prefilling", "prompt_tokens": j.prompt_len, "priority": j.priority,
                       "t_received": j.t_received, "t_admitted": j.t_admitted, "decode_worker": j.decode_worker,
                       "t_prefill_start": fl.t_start, "prefill_worker": self.name, "dequeued": 1, "restored": 1}
             if self.restore_script(keys=[self.keys.req(j.request_id)], args=[self.s.request_ttl_s, *update_args(fields)]):

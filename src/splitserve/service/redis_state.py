@@ -84,7 +84,10 @@ end
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', n)
 local job = cjson.decode(ARGV[6])
-redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', n, 't_admitted', job['t_admitted'],
+-- prompt_tokens: the prompt's (a job's tokens may end with completion tokens its client has: resumed);
+-- queued_tokens: all it counts in the queue, returned once (a local one's by REAP_LUA)
+local prompt = job['token_ids'] and #job['token_ids'] - (job['resumed'] or 0) or n
+redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', prompt, 'queued_tokens', n, 't_admitted', job['t_admitted'],
            'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
            'router', ARGV[8])
 if ARGV[10] and ARGV[10] ~= '' then
@@ -240,7 +243,7 @@ local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[4] ~= '1' and lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
 local n = 0
 for i = 4, #KEYS do
-  local got = redis.call('HMGET', KEYS[i], 'state', 'local', 'prompt_tokens')
+  local got = redis.call('HMGET', KEYS[i], 'state', 'local', 'queued_tokens', 'prompt_tokens')
   local state = got[1]
   if state and not is_final(state) then
     redis.call('HSET', KEYS[i], 'state', 'failed', 'reaped', 1, 't_finished', ARGV[2],
@@ -248,7 +251,7 @@ for i = 4, #KEYS do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[3]))
     n = n + 1
   end
-  if state and got[2] == '1' then leave_local(KEYS[3], KEYS[i], tonumber(got[3] or '0')) end
+  if state and got[2] == '1' then leave_local(KEYS[3], KEYS[i], tonumber(got[3] or got[4] or '0')) end
 end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
