@@ -2182,12 +2182,12 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
 def test_a_new_leg_waits_while_its_prefill_worker_still_hands_the_superseded_one_to_the_lost_worker():
     """A request queued for a decode worker that then hangs (SIGSTOP): the prefill worker takes it
     and hands its KV to the hung worker, a handoff that holds until the prefill worker's keepalive
-    (6 s here) drops it. The router, whose keepalive is 1 s, resumes the request on the other
+    (3 s here) drops it. The router, whose keepalive is 1 s, resumes the request on the other
     decode worker first, and the new leg's job reaches the same prefill worker while the old leg's
     handoff is still in flight there: it waits for that one to go (deferred, counted), keeping its
     claim, then is prefilled and handed to the new worker. The stream ends OK with an unbroken
     run's tokens, and nothing is left held."""
-    s = _start(decode=2, keepalive_s=1.0, prefill_env={"SPLITSERVE_KEEPALIVE_S": "6"})
+    s = _start(decode=2, keepalive_s=1.0, prefill_env={"SPLITSERVE_KEEPALIVE_S": "3"})
     stopped = []
     sp = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
     prompt = "Write a line about a paper boat."
