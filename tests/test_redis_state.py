@@ -188,12 +188,12 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
     admit = r.register_script(ADMIT_LUA)
     r.hset(keys.req("x"), mapping={"state": "failed", "prompt_tokens": 3})
 
-    def send(attempt_id, expected, latest):
+    def send(attempt_id, expected, latest, supersede=0):
         job = json.dumps({"request_id": attempt_id, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d",
                           "priority": 0})
         return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
                            keys.req("x"), keys.req(latest)],
-                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected, "fp-x"])[0]
+                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected, "fp-x", "", supersede])[0]
 
     assert send("x#2", 1, "x") == 1
     assert r.hget(keys.req("x#2"), "fingerprint") == "fp-x"  # what a later retry must match
@@ -217,7 +217,38 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
     r.hset(keys.req("x#4"), "state", "finished")
     r.hdel(keys.req("x#4"), "aborted")
     assert send("x#5", 4, "x#4") == -1  # finished: never twice
+    assert send("x#5", 4, "x#4", supersede=1) == -1  # ... nor to go on
     assert r.xlen(keys.stream) == 3
+
+
+def test_a_request_sent_again_to_go_on_supersedes_its_running_attempt_but_not_an_aborted_one(r):
+    """A client that lost its stream with its router sends the request again with the tokens it has
+    (resume_from): the latest attempt, still running for the lost router, does not refuse it (it
+    would until that router is reaped) but is marked failed, superseded, once the new attempt is
+    admitted; not when the queue refuses the new one, nor when the latest was aborted."""
+    import json
+
+    keys = Keys("sup")
+    admit, abort = r.register_script(ADMIT_LUA), r.register_script(ABORT_LUA)
+    r.hset(keys.req("y"), mapping={"state": "decoding", "prompt_tokens": 3})
+
+    def send(attempt_id, expected, latest, max_requests=100):
+        job = json.dumps({"request_id": attempt_id, "t_admitted": 2.0, "t_received": 2.0, "decode_worker": "d",
+                          "priority": 0, "token_ids": [1, 2, 3, 7, 8], "resumed": 2})
+        return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
+                           keys.req("y"), keys.req(latest)],
+                     args=[5, max_requests, 1000, 1.0, 60, job, 1, "rt", expected, "fp-y", "", 1])[0]
+
+    r.hset(keys.admission, "requests", 1)
+    assert send("y#2", 1, "y", max_requests=1) == 0  # the queue is full: the running one is left alone
+    assert r.hget(keys.req("y"), "state") == "decoding"
+    assert send("y#2", 1, "y") == 1
+    h = r.hgetall(keys.req("y"))
+    assert h["state"] == "failed" and h["superseded"] == "1" and "y#2" in h["error"] and h["current"] == "y#2"
+    assert r.hget(keys.req("y#2"), "prompt_tokens") == "3" and r.hget(keys.req("y#2"), "queued_tokens") == "5"
+    assert abort(keys=[keys.req("y#2")], args=[3.0, 60, 60])[0] == "queued"
+    assert send("y#3", 2, "y#2") == -1  # aborted: not run again, to go on or not
+    assert r.xlen(keys.stream) == 1
 
 
 def test_an_abort_after_a_request_ended_unfinished_keeps_it_from_running_again(r):

@@ -2113,8 +2113,9 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     restarted, the one holding the next stream is killed): the client sends the request again with
     the tokens it has (resume_from) to the other router, which goes on from there. The stream ends
     OK with the tokens, text and log probabilities of an unbroken run. Killed, the earlier attempt
-    is held by the dead router until the other reaps it: the re-send waits for that (ALREADY_EXISTS
-    meanwhile). Without resumes, the stream fails UNAVAILABLE."""
+    is still running for the dead router (until another reaps it, 10 heartbeats on): the re-send
+    supersedes it (marked failed), rather than waiting. Without resumes, the stream fails
+    UNAVAILABLE."""
     s = _start(routers=2, drain_s=0.5)
     down = []
     sp = dict(max_tokens=200, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
@@ -2164,6 +2165,8 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             assert [t for t, _ in got[3]] == [lp.token_id for lp in want.logprobs], tag
             # (the KV of the tokens sent was computed by a prefill: equal within float error)
             assert [x for _, x in got[3]] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3), tag
+        first = s.redis().hgetall(s.keys.req("k"))
+        assert first[b"state"] == b"failed" and first[b"superseded"] == b"1" and first[b"current"] == b"k#2", first
         got = through("u", terminate, resumes=0)
         assert got[2].startswith("UNAVAILABLE") and got[0] == list(want.token_ids)[:len(got[0])], got[2]
 

@@ -26,9 +26,9 @@ UNAVAILABLE), so balance over several routers only.
 came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
 the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
-have been). With a ``request_id``, the earlier attempt may still be held by the lost router
-until another router reaps it: the re-send, refused ALREADY_EXISTS meanwhile, is tried again
-every 0.5 s for up to a minute (within the call's timeout). ``n`` 1 only.
+have been). With a ``request_id``, the re-send is a new attempt of it, which supersedes the
+earlier one still running for the lost router. A re-send refused ALREADY_EXISTS (it raced
+another) is tried again every 0.5 s for up to a minute, within the call's timeout. ``n`` 1 only.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
@@ -243,7 +243,7 @@ class _Resumer:
             self.resent_at = now
             return 0.0
         if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.resent_at and now - self.resent_at < RESEND_FOR_S:
-            return RESEND_WAIT_S  # the earlier attempt is held by the router that was lost, until it is reaped
+            return RESEND_WAIT_S  # it raced another attempt (or met a router that does not supersede)
         return None
 
 

@@ -1,11 +1,14 @@
-"""What a client sees when its decode worker is lost mid-stream (DECODE_RESUMES).
+"""What a client sees when its decode worker, or its router, is lost mid-stream.
 
 A stack of one prefill worker and two decode workers, the real model. Each round sends `--streams`
 greedy streams of `--max-tokens` tokens at once (prompts: workload_mixed's first ones). Once every
 stream has sent `--at` tokens, the decode worker holding most of them is killed (SIGKILL), or sent
 SIGTERM with `--drain-s` (`--sigterm`). Its streams resume on the other worker: the router queues
 their prompt and the tokens sent for a prefill again. The worker is then restarted for the next
-round.
+round. With `--lose router`: two routers and one decode worker, and clients balancing over both
+routers with `generate_stream(resumes=1)`; the router holding most streams is lost, and each of its
+clients sends its request again with the tokens it has (`resume_from`) to the other router (after
+a kill, once the earlier attempt is reaped: the dead router's lease, 10 heartbeats).
 
 Reported, over every round:
 - the streams that ended OK, and those whose tokens equal an unbroken run's (greedy, sent first);
@@ -15,6 +18,7 @@ Reported, over every round:
   streams on the other worker (they share it with the resumed ones from then on).
 
     python -m splitserve.bench.resume_bench --rounds 3 --out bench-results/resume.json
+    python -m splitserve.bench.resume_bench --rounds 3 --lose router --sigterm --out bench-results/resume-router.json
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
 
-def _stream(address: str, prompt: str, rid: str, max_tokens: int, out: dict) -> None:
-    """Run one greedy stream; out gets its tokens, the arrival time of each message, and its outcome."""
+def _stream(address: str, prompt: str, rid: str, max_tokens: int, out: dict, resumes: int = 0) -> None:
+    """Run one greedy stream; out gets its tokens, the arrival time of each message, and its outcome.
+    resumes: the client goes on after its router is lost (over every address of a balanced target)."""
     out.update(tokens=[], times=[], outcome=None)
     try:
-        with Client(address) as c:
+        with Client(address, balance=bool(resumes)) as c:
             for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True,
-                                           temperature=0.0, timeout=600):
+                                           temperature=0.0, timeout=600, resumes=resumes):
                 out["times"].append(time.perf_counter())
                 out["tokens"] += chunk.token_ids
         out["outcome"] = "OK"
@@ -59,14 +64,18 @@ def run(args) -> dict:
     settings = Settings.from_env(threads=args.threads, keepalive_s=1.0, drain_s=args.drain_s, prefix_affinity_slack=-1,
                                  **({"model": args.model} if args.model else {}))
     rounds = []
-    with Stack(settings, prefill=1, decode=2) as stack, Client(stack.router_address) as c:
+    routers = args.lose == "router"
+    with Stack(settings, prefill=1, decode=1 if routers else 2, routers=2 if routers else 1) as stack, \
+            Client(stack.router_address) as c:
+        target = "ipv4:" + ",".join(stack.router_addresses) if routers else stack.router_address
+        names = {f"router-{stack.stack_id}": "router", f"router-1-{stack.stack_id}": "router-1"}
         want = [list(c.generate(p, max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
                                 timeout=600).token_ids) for p in prompts]
         for r in range(args.rounds):
             time.sleep(2 * settings.heartbeat_s)  # placement by load reads the registry: fresh entries
             outs = [dict() for _ in prompts]
-            threads = [threading.Thread(target=_stream, args=(stack.router_address, p, f"r{r}-{i}", args.max_tokens,
-                                                              outs[i])) for i, p in enumerate(prompts)]
+            threads = [threading.Thread(target=_stream, args=(target, p, f"r{r}-{i}", args.max_tokens, outs[i],
+                                                              int(routers))) for i, p in enumerate(prompts)]
             for t in threads:
                 t.start()
             deadline = time.time() + 600
@@ -74,8 +83,13 @@ def run(args) -> dict:
                 if time.time() > deadline or any(o.get("outcome") for o in outs):
                     raise RuntimeError(f"round {r}: the streams did not reach {args.at} tokens")
                 time.sleep(0.01)
-            placed = [c.get_request(f"r{r}-{i}").decode_worker.rsplit("-", 1)[0] for i in range(len(prompts))]
-            victim = max(("decode-0", "decode-1"), key=placed.count)
+            if routers:
+                red = stack.redis()
+                placed = [names[red.hget(stack.keys.req(f"r{r}-{i}"), "router").decode()] for i in range(len(prompts))]
+                victim = max(("router", "router-1"), key=placed.count)
+            else:
+                placed = [c.get_request(f"r{r}-{i}").decode_worker.rsplit("-", 1)[0] for i in range(len(prompts))]
+                victim = max(("decode-0", "decode-1"), key=placed.count)
             p = stack.proc(victim)
             if args.sigterm:
                 p.popen.send_signal(signal.SIGTERM)
@@ -86,10 +100,13 @@ def run(args) -> dict:
             for t in threads:
                 t.join(600)
             lost = [i for i, w in enumerate(placed) if w == victim]
-            info = [c.get_request(f"r{r}-{i}") for i in range(len(prompts))]
+            if routers:  # sent again: a new attempt of its request_id
+                resumed = [i for i in lost if int(red.hget(stack.keys.req(f"r{r}-{i}"), "attempts") or 1) > 1]
+            else:
+                resumed = [i for i in lost if c.get_request(f"r{r}-{i}").resumes]
             rounds.append({
                 "victim": victim,
-                "resumed": [i for i in lost if info[i].resumes],
+                "resumed": resumed,
                 "ok": sum(o["outcome"] == "OK" for o in outs),
                 "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
                 "outcomes": [o["outcome"] for o in outs],
@@ -103,7 +120,7 @@ def run(args) -> dict:
     gaps = [g for rd in rounds for g in rd.pop("gaps_ms")]
     return {
         "settings": {"streams": len(prompts), "max_tokens": args.max_tokens, "at": args.at, "rounds": args.rounds,
-                     "signal": "SIGTERM" if args.sigterm else "SIGKILL", "drain_s": args.drain_s},
+                     "lose": args.lose, "signal": "SIGTERM" if args.sigterm else "SIGKILL", "drain_s": args.drain_s},
         "rounds": rounds,
         "streams": len(prompts) * args.rounds,
         "ok": sum(rd["ok"] for rd in rounds),
@@ -126,16 +143,17 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--at", type=int, default=32, help="tokens every stream has sent when the worker is lost")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lose", choices=["decode", "router"], default="decode", help="the process lost")
     ap.add_argument("--sigterm", action="store_true", help="SIGTERM with --drain-s rather than SIGKILL")
     ap.add_argument("--drain-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     res = run(args)
     write_results(args.out, res)
-    print(f"{res['settings']['signal']}: {res['ok']}/{res['streams']} streams OK, {res['equal_to_unbroken']} equal "
-          f"to an unbroken run; {res['resumed']}/{res['lost']} on the lost worker resumed")
+    print(f"{res['settings']['lose']}, {res['settings']['signal']}: {res['ok']}/{res['streams']} streams OK, "
+          f"{res['equal_to_unbroken']} equal to an unbroken run; {res['resumed']}/{res['lost']} of the lost one's resumed")
     print(f"stall seen by a resumed stream: p50 {res['stall_ms_p50']:.0f} ms, max {res['stall_ms_max']:.0f} ms; "
-          f"longest gap of a stream on the other worker: p50 {res['other_worker_max_gap_ms_p50']:.0f} ms; "
+          f"longest gap of a stream on the other one: p50 {res['other_worker_max_gap_ms_p50']:.0f} ms; "
           f"median gap between messages: {res['gap_ms_p50']:.1f} ms")
     return 0 if res["ok"] == res["streams"] else 1
 

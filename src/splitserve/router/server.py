@@ -593,7 +593,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             await asyncio.to_thread(self.front.grammars.check, fmt)  # ~1 ms to compile, more for a large schema
         return request.request_id or uuid.uuid4().hex, ids, params
 
-    async def _attempt(self, rid: str, fp: str) -> tuple[str, list, list]:
+    async def _attempt(self, rid: str, fp: str, supersede: bool = False) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
         and args (fp: its fingerprint). A new id runs under itself. The id of a request that
         finished answers with its recorded result (raises Recorded). One whose latest attempt ended
@@ -602,7 +602,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         (request_id#n), so nothing left of the earlier one (a job still queued, a late handoff) can
         touch it. Any other that exists is refused ALREADY_EXISTS (a request never runs twice, nor
         again after an Abort, nor under the id of a different request), and one that an Abort came
-        before is refused CANCELLED."""
+        before is refused CANCELLED. supersede: its client sent it again to go on (resume_from),
+        having lost its stream with its router: a latest attempt still running is superseded by
+        the new one (ADMIT_LUA), not waited for (a dead router's would run on until reaped)."""
         first = self.keys.req(rid)
         state, early, aborted, attempts, current, fp_first = await self.redis.hmget(
             first, "state", "early", "aborted", "attempts", "current", "fingerprint")
@@ -624,7 +626,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 "see GetRequest")
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
-        if state is not None and state.decode() not in MAY_RUN_AGAIN:  # None: the latest's hash expired
+        if state is not None and state.decode() not in MAY_RUN_AGAIN \
+                and not (supersede and state.decode() not in FINAL_STATES):  # None: the latest's hash expired
             raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
                                 "request may be sent again once it has ended")
         n = int(attempts or 1)
@@ -706,7 +709,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             work = len(ids) + len(carried)
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request))
+                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), bool(carried))
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -794,8 +797,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 if directed else ())],
                         args=[work, self.s.max_queue_requests, self.s.max_queue_tokens, frac,
                               self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
-                              *((*attempt_args, "", "")[:2] + (self.s.prefill_affinity_jobs,) if directed
-                                else attempt_args)],
+                              *(*attempt_args, "", "")[:2], self.s.prefill_affinity_jobs if directed else "",
+                              1 if carried and attempt_keys else 0],
                     )
                     ok, q, t, lt = (int(x) for x in got[:4])
                     if len(got) > 4 and int(got[4]):

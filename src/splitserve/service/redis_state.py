@@ -61,13 +61,23 @@ _MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state
 # KEYS a prefill worker's own stream and its registry entry: the job goes to that stream, not
 # KEYS[2], while the worker is registered, its stream is there (its group with it) and holds fewer
 # entries than the bound (its jobs not yet done). Then a fifth value returned is 1.
-ADMIT_LUA = _MAY_RUN_AGAIN + """
+# ARGV[12] '1': a new attempt of a request its client sent again to go on (resume_from), having lost
+# its stream (its router went away): a latest attempt still running (not aborted) does not refuse
+# it but is superseded, marked failed ('superseded'), once this one is admitted.
+ADMIT_LUA = _MAY_RUN_AGAIN + _IS_FINAL + """
 local nd = (ARGV[11] and ARGV[11] ~= '') and 2 or 0
+local supersede = false
 if #KEYS - nd > 4 then
   local first = redis.call('HMGET', KEYS[5], 'state', 'attempts')
   local latest = redis.call('HMGET', KEYS[6], 'state', 'aborted')
-  if not first[1] or (first[2] or '1') ~= ARGV[9] or not may_run_again(latest[1], latest[2]) then
+  if not first[1] or (first[2] or '1') ~= ARGV[9] then
     return {-1, 0, 0, 0}
+  end
+  if not may_run_again(latest[1], latest[2]) then
+    if ARGV[12] ~= '1' or latest[2] or not latest[1] or is_final(latest[1]) then
+      return {-1, 0, 0, 0}
+    end
+    supersede = true
   end
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -114,6 +124,11 @@ end
 if #KEYS - nd > 4 then  -- the first hash points at this attempt, and lives as long as it may
   redis.call('HSET', KEYS[5], 'attempts', tonumber(ARGV[9]) + 1, 'current', job['request_id'])
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[5]))
+end
+if supersede then
+  redis.call('HSET', KEYS[6], 'state', 'failed', 'superseded', 1, 't_finished', job['t_admitted'],
+             'error', 'superseded by attempt ' .. job['request_id'] .. ': its client lost its stream and sent it again')
+  redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
 end
 return {1, q + 1, t + n, lt, directed}
 """
