@@ -145,6 +145,31 @@ class Active:
     carried: int = 0  # completion tokens its latest resume carried (prefilled again with the prompt)
 
 
+class Sent:
+    """What a request's client has been sent, by sample (sampling.n): the tokens, the characters of
+    their text, and which samples finished. A resumed request has them prefilled again (_resume);
+    prefix affinity files sample 0's after the prompt."""
+
+    def __init__(self, tokens: list[int], chars: int):
+        self.tokens: dict[int, list[int]] = {0: list(tokens)}
+        self.chars: dict[int, int] = {0: chars}
+        self.finished: set[int] = set()
+
+    def add(self, ev: w_pb.DecodeEvent) -> None:
+        self.tokens.setdefault(ev.index, []).extend(ev.token_ids)
+        self.chars[ev.index] = self.chars.get(ev.index, 0) + len(ev.text)
+        if ev.finish_reason:
+            self.finished.add(ev.index)
+
+    def unfinished(self, n: int) -> list[tuple[int, list[int], int]] | None:
+        """(index, tokens, characters) of each sample not finished, for a request of n > 1 samples
+        once any has tokens (the engine's resume_samples); None otherwise (it resumes as one, or
+        whole)."""
+        if n == 1 or not any(self.tokens.values()):
+            return None
+        return [(i, self.tokens.get(i, []), self.chars.get(i, 0)) for i in range(n) if i not in self.finished]
+
+
 class Frontend:
     """What the router knows of the model: tokenizer, vocabulary, context."""
 
@@ -763,12 +788,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = 0  # completion tokens streamed so far (of all samples)
         sent_by: dict[int, int] = {}  # sampling.n > 1: a sample's index -> its completion tokens so far
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        # the completion's tokens so far (a resumed request prefills them again; prefix affinity: a next
-        # turn's prompt starts so); sampling.n > 1: each sample's, and the characters of its text
-        generated: list[int] = list(carried)
-        tokens_by: dict[int, list[int]] = {0: generated}
-        chars_by: dict[int, int] = {0: carried_chars}
-        finished_samples: set[int] = set()
+        have = Sent(carried, carried_chars)  # what its client has (resume_from: from the start)
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
         result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
                                       and params.n == 1 and not carried) else None
@@ -857,11 +877,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             dec = None
                             call.cancel()
                             old = worker
-                            # (sampling.n > 1, once a sample has tokens: each sample not finished, with its own)
-                            samples = ([(i, tokens_by.get(i, []), chars_by.get(i, 0)) for i in range(params.n)
-                                        if i not in finished_samples] if params.n > 1 and sent else None)
-                            call, worker, placed, dec = await self._resume(rid, active, old, lost, generated,
-                                                                           chars_by[0], deadline, context, rs, samples)
+                            call, worker, placed, dec = await self._resume(rid, active, old, lost, have, deadline,
+                                                                           context, rs)
                             log.warning("request %s: decode worker %s lost (%s); resumed on %s after %d tokens", rid,
                                         old.worker_id, lost, worker.worker_id, active.carried)
                             continue
@@ -914,18 +931,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
                                     await self._mark(rid, "finished", ev, result=result)
                                 marked = True
-                        tokens_by.setdefault(ev.index, []).extend(ev.token_ids)
-                        chars_by[ev.index] = chars_by.get(ev.index, 0) + len(ev.text)
-                        if ev.finish_reason:
-                            finished_samples.add(ev.index)
+                        have.add(ev)
                         yield rid, public_id, len(ids), ev
                         if ev.finish_reason and not ev.more:
                             final = ev
                             if params.n > 1:  # recorded with every sample's tokens
                                 final = w_pb.DecodeEvent(finish_reason=ev.finish_reason, completion_tokens=sent,
                                                          cached_tokens=ev.cached_tokens)
-                            if self.affinity and generated:  # the KV of all but the last token is cached there
-                                self._record(worker, self.prefixes.chain(ids + generated[:-1], request.cache_salt,
+                            if self.affinity and have.tokens[0]:  # the KV of all but the last token is cached there
+                                self._record(worker, self.prefixes.chain(ids + have.tokens[0][:-1], request.cache_salt,
                                                                          hashes))
                             break
                 except asyncio.CancelledError:
@@ -994,20 +1008,20 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
         Placements.accepted(placed, first.epoch, first.open_seq)
 
-    async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, generated: list[int], chars: int,
-                      deadline: float, context, rs: tracing.rpc_span, samples: list | None = None) -> tuple:
+    async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, have: Sent, deadline: float, context,
+                      rs: tracing.rpc_span) -> tuple:
         """Resume a request whose decode worker was lost (killed, unreachable, or stopped past its
-        drain time) on another: its prompt and the tokens its client has (with `chars` characters
-        of their text; none yet, if it was lost before its first token) are prefilled again, by a
-        prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
+        drain time) on another: its prompt and the tokens its client has (`have`, with the
+        characters of their text; none yet, if it was lost before its first token) are prefilled
+        again, by a prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
         there and sends only what is new. A request of sampling.n > 1 samples, once any has tokens:
-        `samples` holds (index, its tokens, the characters of their text) of each sample not
-        finished, and the new decode worker prefills each (resume_samples), each sample going on
-        from its own tokens. This is a new leg (RESUME_LUA): a job of an earlier one,
+        the new decode worker prefills each sample not finished (Sent.unfinished, resume_samples),
+        each going on from its own tokens. This is a new leg (RESUME_LUA): a job of an earlier one,
         still queued or prefilling for the lost worker, is superseded. Greedy or seeded, the stream
         is the one it would have been (the engine skips the draws of the tokens carried). Returns
         (the new Decode call, its worker, its placement, its span)."""
         ids, params = a.ids, a.params
+        generated, chars, samples = have.tokens[0], have.chars[0], have.unfinished(params.n)
         if generated:  # its prompt log probabilities went with its first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         tokens = ids + generated

@@ -97,8 +97,8 @@ local job = cjson.decode(ARGV[6])
 -- prompt_tokens: the prompt's (a job's tokens may end with completion tokens its client has: resumed);
 -- queued_tokens: all it counts in the queue, returned once (a local one's by REAP_LUA)
 local prompt = job['token_ids'] and #job['token_ids'] - (job['resumed'] or 0) or n
-redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', prompt, 'queued_tokens', n, 't_admitted', job['t_admitted'],
-           'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
+redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', prompt, 'queued_tokens', n,
+           't_admitted', job['t_admitted'], 'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
            'router', ARGV[8])
 if ARGV[10] and ARGV[10] ~= '' then
   redis.call('HSET', KEYS[3], 'fingerprint', ARGV[10])
