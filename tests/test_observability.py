@@ -318,6 +318,11 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
                             "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout == ref.text, again.stderr
     assert "replayed: the recorded result of this finished request_id" in again.stderr
+    resuming = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--top-k", "1", "--resumes", "1"],
+                              capture_output=True, text=True, timeout=120)  # (nothing lost: the same stream)
+    assert resuming.returncode == 0 and resuming.stdout == ref.text, resuming.stderr
+    samples = subprocess.run([*exe, "Hi", "-n", "2", "--resumes", "1"], capture_output=True, text=True, timeout=120)
+    assert samples.returncode == 2 and "--resumes" in samples.stderr, samples.stderr
     lp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
                         capture_output=True, text=True, timeout=120)
     rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$',

@@ -202,12 +202,15 @@ def _generate(args) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(address) as c:
+    if args.resumes and args.n is not None and args.n > 1:
+        print("splitserve: error: --resumes: a request of -n > 1 samples is not resumed", file=sys.stderr)
+        return 2
+    with Client(address, balance=args.resumes > 0) as c:
         if args.n is not None and args.n > 1:
             return _print_samples(c, prompt, args.timeout, kw)
         try:
             logprobs = []
-            for chunk in c.generate_stream(prompt, timeout=args.timeout, **kw):
+            for chunk in c.generate_stream(prompt, timeout=args.timeout, resumes=args.resumes, **kw):
                 if args.prompt_logprobs is not None and chunk.prompt_logprobs:
                     _print_logprobs("the prompt's tokens after the first", chunk.prompt_logprobs)
                 print(chunk.text, end="", flush=True)
@@ -319,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
+    p.add_argument("--resumes", type=int, default=0, metavar="N",
+                   help="go on after the router is lost mid-stream, at most N times: the request is sent again with "
+                        "the tokens received (resume_from), to another router when --address names several "
+                        "(ipv4:HOST:PORT,HOST:PORT), calls then balanced over them")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None)
