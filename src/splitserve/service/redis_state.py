@@ -98,8 +98,8 @@ local job = cjson.decode(ARGV[6])
 -- queued_tokens: all it counts in the queue, returned once (a local one's by REAP_LUA)
 local prompt = job['token_ids'] and #job['token_ids'] - (job['resumed'] or 0) or n
 redis.call('HSET', KEYS[3], 'state', 'queued', 'prompt_tokens', prompt, 'queued_tokens', n,
-           't_admitted', job['t_admitted'], 'decode_worker', job['decode_worker'], 't_received', job['t_received'], 'priority', job['priority'],
-           'router', ARGV[8])
+           't_admitted', job['t_admitted'], 'decode_worker', job['decode_worker'],
+           't_received', job['t_received'], 'priority', job['priority'], 'router', ARGV[8])
 if ARGV[10] and ARGV[10] ~= '' then
   redis.call('HSET', KEYS[3], 'fingerprint', ARGV[10])
 end
@@ -140,8 +140,8 @@ return {1, q + 1, t + n, lt, directed}
 # its number, Job.leg): a job of an earlier leg, still queued or prefilling for the lost worker,
 # is superseded (PICKUP_LUA skips it, returning its own counts; UPDATE_LUA ignores its failure).
 # The new job's counts come back at its pickup, under its leg's marker. KEYS: admission hash, the
-# stream for its priority, the request hash. ARGV: tokens to prefill, the bounds (requests, tokens), the request TTL, the job, 1 to queue
-# it (0: its decode worker prefills it). Returns {1 | 0 (the queue is full) | -2 (it has ended),
+# stream for its priority, the request hash. ARGV: tokens to prefill, the bounds (requests,
+# tokens), the request TTL, the job, 1 to queue it (0: its decode worker prefills it). Returns {1 | 0 (the queue is full) | -2 (it has ended),
 # requests queued, tokens queued}.
 RESUME_LUA = _IS_FINAL + """
 local got = redis.call('HMGET', KEYS[3], 'state', 'aborted')
