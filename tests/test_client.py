@@ -191,19 +191,25 @@ def test_calls_are_spread_round_robin_over_every_address_of_the_target():
 
 class _CutOff(generation_pb2_grpc.GenerationServicer):
     """A router that is lost after each call's first tokens (UNAVAILABLE), and whose first re-send
-    finds the earlier attempt still held (ALREADY_EXISTS); it records what each call carried."""
+    finds the earlier attempt still held (ALREADY_EXISTS); with lost_resend, the next re-send fails
+    UNAVAILABLE before any message (sent to the lost router). It records what each call carried."""
 
     WORDS = ["a", "b", "c", "d", "e", "f", "g"]
 
     def __init__(self):
         self.carried: list[tuple[list[int], int]] = []
         self.refused_once = False
+        self.lost_resend = False
 
     def GenerateStream(self, request, context):
         have = list(request.resume_from.token_ids)
         if request.prompt == "lost at once":
             self.carried.append((have, request.resume_from.text_chars))
             context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping")
+        if have and (self.lost_resend or request.prompt == "no router left"):
+            self.lost_resend = False
+            self.carried.append((have, -1))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         if have and not self.refused_once:
             self.refused_once = True
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists")
@@ -220,7 +226,8 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
     """generate_stream(resumes=N), sync and asyncio: each cut (UNAVAILABLE after tokens) sends the
     request again with the tokens and text length the client has (resume_from), and the caller
     sees one unbroken stream; a re-send refused ALREADY_EXISTS (the earlier attempt still held) is
-    tried again. Past N resumes, without them, or before any token, the cut is the caller's."""
+    tried again, and so is one that fails UNAVAILABLE before any message, not counted as a resume.
+    Past N resumes, without them, or before any token, the cut is the caller's."""
     monkeypatch.setattr("splitserve.client.RESEND_WAIT_S", 0.05)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     router = _CutOff()
@@ -233,6 +240,16 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
             assert [t for ch in chunks for t in ch.token_ids] == whole and "".join(ch.text for ch in chunks) == "abcdefg"
             assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
+            router.carried, router.lost_resend = [], True  # two resumes, one of whose re-sends is lost too
+            chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
+            assert [t for ch in chunks for t in ch.token_ids] == whole
+            assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
+            monkeypatch.setattr("splitserve.client.RESEND_FOR_S", 0.5)
+            router.carried = []
+            with pytest.raises(grpc.RpcError) as e:  # every re-send lost: tried again until RESEND_FOR_S
+                list(c.generate_stream("no router left", max_tokens=7, resumes=1, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and e.value.details() == "Socket closed"
+            assert 4 <= len(router.carried) <= 12 and router.carried[1:] == [(whole[:3], -1)] * (len(router.carried) - 1)
             router.carried, router.refused_once = [], True
             with pytest.raises(grpc.RpcError) as e:  # one resume allowed, two needed
                 list(c.generate_stream("hi", max_tokens=7, resumes=1, timeout=30))
@@ -248,11 +265,11 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
                 c.generate_stream("hi", n=2, resumes=1)
 
         async def run():
-            router.carried, router.refused_once = [], False
+            router.carried, router.refused_once, router.lost_resend = [], False, True
             async with AsyncClient(f"127.0.0.1:{port}") as ac:
                 return [t async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30)
                         for t in ch.token_ids]
         assert asyncio.run(run()) == whole
-        assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
+        assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
     finally:
         server.stop(0)

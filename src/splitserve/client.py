@@ -28,7 +28,10 @@ the request again with the tokens it has (``resume_from``), at most N times, and
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
 have been). With a ``request_id``, the re-send is a new attempt of it, which supersedes the
 earlier one still running for the lost router. A re-send refused ALREADY_EXISTS (it raced
-another) is tried again every 0.5 s for up to a minute, within the call's timeout. ``n`` 1 only.
+another) is tried again every 0.5 s for up to a minute, within the call's timeout; so is a re-send that
+failed UNAVAILABLE before any message (round robin sent it to the lost router before the channel
+saw it go, or no router could take it), first 50 ms later, then at most 0.5 s apart, and it does
+not count as a resume. ``n`` 1 only.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
@@ -199,7 +202,9 @@ def build_request(
 
 
 RESEND_WAIT_S = 0.5  # a resumed stream's re-send refused ALREADY_EXISTS: tried again this often ...
-RESEND_FOR_S = 60.0  # ... for at most this long
+RESEND_FOR_S = 60.0  # ... for at most this long (since the cut)
+RESEND_RETRY_S = 0.05  # a re-send that did not reach a router (UNAVAILABLE, nothing came): the first wait, doubled up
+# to RESEND_WAIT_S (the channel may not have seen the lost router go: round robin picked it again)
 
 
 class _Resumer:
@@ -216,6 +221,7 @@ class _Resumer:
         self.tokens: list[int] = []
         self.chars = 0
         self.resent_at = 0.0  # monotonic time of the latest resume (0: none, or a message came since)
+        self.retry_wait = RESEND_RETRY_S  # before the next re-send of that resume that met no router
 
     def request(self) -> pb.GenerateRequest:
         req = build_request(self.prompt, **self.kw)
@@ -231,6 +237,7 @@ class _Resumer:
         self.tokens += resp.token_ids
         self.chars += len(resp.text)
         self.resent_at = 0.0
+        self.retry_wait = RESEND_RETRY_S
 
     def wait_before_resend(self, e: grpc.RpcError) -> float | None:
         """The seconds to wait before sending the request again after its call failed with e; None:
@@ -238,6 +245,13 @@ class _Resumer:
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             return None
+        if e.code() == grpc.StatusCode.UNAVAILABLE and self.tokens and self.resent_at:
+            # the re-send itself failed before any message: it went to the lost router (the channel
+            # had not yet seen it go), or none could take it. Sent again, not counted as a resume.
+            if now - self.resent_at >= RESEND_FOR_S:
+                return None
+            wait, self.retry_wait = self.retry_wait, min(2 * self.retry_wait, RESEND_WAIT_S)
+            return wait
         if e.code() == grpc.StatusCode.UNAVAILABLE and self.tokens and self.left > 0:
             self.left -= 1
             self.resent_at = now
