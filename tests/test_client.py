@@ -222,12 +222,13 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
 
 
-def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monkeypatch):
+def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monkeypatch, capsys):
     """generate_stream(resumes=N), sync and asyncio: each cut (UNAVAILABLE after tokens) sends the
     request again with the tokens and text length the client has (resume_from), and the caller
     sees one unbroken stream; a re-send refused ALREADY_EXISTS (the earlier attempt still held) is
     tried again, and so is one that fails UNAVAILABLE before any message, not counted as a resume.
-    Past N resumes, without them, or before any token, the cut is the caller's."""
+    Past N resumes, without them, or before any token, the cut is the caller's. So for
+    `splitserve generate --resumes N`, which prints the unbroken text."""
     monkeypatch.setattr("splitserve.client.RESEND_WAIT_S", 0.05)
     server = grpc.server(futures.ThreadPoolExecutor(4))
     router = _CutOff()
@@ -271,5 +272,17 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
                         for t in ch.token_ids]
         assert asyncio.run(run()) == whole
         assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
+
+        from splitserve import cli
+        capsys.readouterr()
+        router.carried, router.lost_resend = [], True
+        generate = ["generate", "hi", "--address", f"127.0.0.1:{port}", "--max-tokens", "7", "--timeout", "30"]
+        assert cli.main([*generate, "--resumes", "2"]) == 0
+        out = capsys.readouterr()
+        assert out.out.startswith("abcdefg") and "[length, 0 tokens" in out.err, out
+        assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
+        assert cli.main([*generate, "--resumes", "1"]) == 1  # one resume allowed, two needed
+        out = capsys.readouterr()
+        assert out.out.startswith("abcdef") and "UNAVAILABLE: router stopping" in out.err, out
     finally:
         server.stop(0)
