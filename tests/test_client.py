@@ -202,6 +202,9 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
         self.lost_resend = False
 
     def GenerateStream(self, request, context):
+        if request.sampling.n == 2:  # sample 1: two tokens, then its end; sample 0 as below
+            yield from self._samples(request, context)
+            return
         have = list(request.resume_from.token_ids)
         if request.prompt == "lost at once":
             self.carried.append((have, request.resume_from.text_chars))
@@ -218,7 +221,21 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
             last = i == len(self.WORDS) - 1
             yield generation_pb2.GenerateResponse(token_ids=[100 + i], text=self.WORDS[i],
                                                   finish_reason="length" if last else "")
-        if len(have) + 3 < len(self.WORDS):
+        if len(have) + 3 < len(self.WORDS) or request.prompt == "cut after its end":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
+
+    def _samples(self, request, context):
+        have = {s.index: (list(s.token_ids), s.text_chars, s.finished) for s in request.resume_from.samples}
+        self.carried.append(sorted(have.items()))
+        done1 = have.get(1, ([], 0, False))
+        for j in range(len(done1[0]), 2) if not done1[2] else ():
+            yield generation_pb2.GenerateResponse(index=1, token_ids=[200 + j], text="xy"[j],
+                                                  finish_reason="stop" if j == 1 else "")
+        h0 = have.get(0, ([], 0, False))[0]
+        for i in range(len(h0), min(len(h0) + 3, len(self.WORDS))):
+            yield generation_pb2.GenerateResponse(index=0, token_ids=[100 + i], text=self.WORDS[i],
+                                                  finish_reason="length" if i == len(self.WORDS) - 1 else "")
+        if len(h0) + 3 < len(self.WORDS):
             context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
 
 
@@ -227,7 +244,8 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
     request again with the tokens and text length the client has (resume_from), and the caller
     sees one unbroken stream; a re-send refused ALREADY_EXISTS (the earlier attempt still held) is
     tried again, and so is one that fails UNAVAILABLE before any message, not counted as a resume.
-    Past N resumes, without them, or before any token, the cut is the caller's. So for
+    n > 1: each sample's own tokens go, and which finished. Past N resumes, without them, or before
+    any token, the cut is the caller's. So for
     `splitserve generate --resumes N`, which prints the unbroken text."""
     monkeypatch.setattr("splitserve.client.RESEND_WAIT_S", 0.05)
     server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -245,6 +263,9 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
             assert [t for ch in chunks for t in ch.token_ids] == whole
             assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
+            router.carried = []  # cut after its last message: nothing is lost, nothing sent again
+            chunks = list(c.generate_stream("cut after its end", max_tokens=7, resumes=2, timeout=30))
+            assert [t for ch in chunks for t in ch.token_ids] == whole and len(router.carried) == 3
             monkeypatch.setattr("splitserve.client.RESEND_FOR_S", 0.5)
             router.carried = []
             with pytest.raises(grpc.RpcError) as e:  # every re-send lost: tried again until RESEND_FOR_S
@@ -262,8 +283,13 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             with pytest.raises(grpc.RpcError) as e:  # nothing came: nothing to go on from (a retry's case)
                 list(c.generate_stream("lost at once", max_tokens=7, resumes=2, timeout=30))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and router.carried == [([], 0)]
-            with pytest.raises(ValueError, match="n > 1"):
-                c.generate_stream("hi", n=2, resumes=1)
+            # n > 1: each sample's tokens go, and which finished (sample 1, not run again)
+            router.carried = []
+            chunks = list(c.generate_stream("hi", n=2, max_tokens=7, resumes=2, timeout=30))
+            assert [t for ch in chunks if ch.index == 0 for t in ch.token_ids] == whole
+            assert [t for ch in chunks if ch.index == 1 for t in ch.token_ids] == [200, 201]
+            assert router.carried == [[], [(0, (whole[:3], 3, False)), (1, ([200, 201], 2, True))],
+                                      [(0, (whole[:6], 6, False)), (1, ([200, 201], 2, True))]]
 
         async def run():
             router.carried, router.refused_once, router.lost_resend = [], False, True

@@ -321,8 +321,11 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     resuming = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--top-k", "1", "--resumes", "1"],
                               capture_output=True, text=True, timeout=120)  # (nothing lost: the same stream)
     assert resuming.returncode == 0 and resuming.stdout == ref.text, resuming.stderr
-    samples = subprocess.run([*exe, "Hi", "-n", "2", "--resumes", "1"], capture_output=True, text=True, timeout=120)
-    assert samples.returncode == 2 and "--resumes" in samples.stderr, samples.stderr
+    seeded = [*exe, "Hi", "-n", "2", "--seed", "7", "--max-tokens", "6"]
+    samples = [subprocess.run([*seeded, *more], capture_output=True, text=True, timeout=120)
+               for more in ([], ["--resumes", "1"])]  # unary; streamed, as resumes needs (nothing lost)
+    assert [p.returncode for p in samples] == [0, 0] and samples[0].stdout == samples[1].stdout, samples
+    assert [re.findall(r"^\[sample (\d+): ", p.stderr, re.M) for p in samples] == [["0", "1"]] * 2, samples
     lp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
                         capture_output=True, text=True, timeout=120)
     rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$',

@@ -127,6 +127,14 @@ def reference_prompt_logprobs(smol_loaded):
     return ids, tokens, prompt
 
 
+def _continuation(*samples):
+    """resume_from for n > 1: (index, tokens, finished) of each sample, one character a token."""
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    return pb.Continuation(samples=[pb.SampleContinuation(index=i, token_ids=t, text_chars=len(t), finished=f)
+                                    for i, t, f in samples])
+
+
 def _same_logprobs(got, tokens: list[int], want) -> None:
     """The service's TokenLogprob messages against the in-process engine's."""
     assert [lp.token_id for lp in got] == tokens and len(got) == len(want)
@@ -210,9 +218,26 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
                 _same_logprobs(scored.prompt_logprobs, pids[1:], pwant)
                 # n samples: the decode worker prefills, then makes the others from the first's KV
                 three = c.generate(token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True)
+                alone = [c.generate(token_ids=p0, max_tokens=6, temperature=1.0, seed=4 + i, ignore_eos=True)
+                         for i in range(3)]
                 for i, choice in enumerate(three.choices):
-                    alone = c.generate(token_ids=p0, max_tokens=6, temperature=1.0, seed=4 + i, ignore_eos=True)
-                    assert list(choice.token_ids) == list(alone.token_ids), i
+                    assert list(choice.token_ids) == list(alone[i].token_ids), i
+                # Sent again to go on (resume_from.samples): sample 0 after 2 tokens, sample 1
+                # finished, sample 2 not started. 0 and 2 go on, each its own; 1 is not run again.
+                from splitserve_proto.v1 import generation_pb2 as pb
+                chars0 = len(c.detokenize(alone[0].token_ids[:2]).text)
+                cont = pb.Continuation(samples=[
+                    pb.SampleContinuation(index=0, token_ids=alone[0].token_ids[:2], text_chars=chars0),
+                    pb.SampleContinuation(index=1, token_ids=alone[1].token_ids, text_chars=len(alone[1].text),
+                                          finished=True)])
+                rest = c.generate(token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True,
+                                  resume_from=cont)
+                assert [ch.index for ch in rest.choices] == [0, 2]
+                assert list(rest.choices[0].token_ids) == list(alone[0].token_ids[2:])
+                assert rest.choices[0].text == alone[0].text[chars0:] and rest.choices[1].text == alone[2].text
+                assert list(rest.choices[1].token_ids) == list(alone[2].token_ids)
+                assert [ch.usage.completion_tokens for ch in rest.choices] == [6, 6]
+                assert c.get_request(rest.request_id).completion_tokens == 18  # (sample 1's 6 with them)
             else:
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate(token_ids=pids, timeout=300, **PROMPT_LP_KW)
@@ -513,7 +538,18 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
           .StructuredOutput()}, "sampling.structured_output: set, but with none"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
-        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)}, "resume_from: needs sampling.n 1"),
+        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)}, "resume_from.token_ids: sampling.n is 2: send each sample's"),
+        ({"prompt": "hi", "resume_from": _continuation((0, [5], False))}, "resume_from.samples: are for sampling.n > 1"),
+        ({"prompt": "hi", "n": 2, "resume_from": _continuation((2, [5], False))},
+         "resume_from.samples[0].index: 2 is not below sampling.n (2)"),
+        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], False), (0, [6], False))},
+         "resume_from.samples[1].index: sample 0 is listed twice"),
+        ({"prompt": "hi", "n": 2, "max_tokens": 3, "resume_from": _continuation((1, [5, 6, 7], False))},
+         "resume_from.samples[0].token_ids: 3 tokens"),
+        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [49152], False))},
+         "resume_from.samples[1].token_ids: token id 49152"),
+        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [6], True))},
+         "resume_from.samples: all 2 samples finished"),
         ({"prompt": "hi", "max_tokens": 3, "resume_from": ([5, 6, 7], 3)}, "resume_from.token_ids: 3 tokens"),
         ({"prompt": "hi", "resume_from": ([5, 49152], 3)}, "resume_from.token_ids: token id 49152"),
     ],
@@ -2121,7 +2157,8 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     the tokens it has (resume_from) to the other router, which goes on from there. The stream ends
     OK with the tokens, text and log probabilities of an unbroken run. Killed, the earlier attempt
     is still running for the dead router (until another reaps it, 10 heartbeats on): the re-send
-    supersedes it (marked failed), rather than waiting. Without resumes, the stream fails
+    supersedes it (marked failed), rather than waiting. So too a stream of two seeded samples, each
+    sent again with its own tokens (resume_from.samples). Without resumes, the stream fails
     UNAVAILABLE."""
     s = _start(routers=2, drain_s=0.5)
     down = []
@@ -2131,25 +2168,27 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     try:
         with Client(s.router_address) as c:
             want = c.generate(prompt, timeout=120, **sp)
+            want_samples = c.generate(prompt, timeout=120, n=2, **sp).choices
         names = {f"router-{s.stack_id}": "router", f"router-1-{s.stack_id}": "router-1"}
 
-        def through(tag: str, disrupt, resumes: int) -> tuple[list, str, str, list]:
-            got = [[], "", None, []]  # tokens, text, outcome, log probabilities
+        def through(tag: str, disrupt, resumes: int, n: int = 1) -> tuple[dict, dict, str, dict]:
+            got = [{}, {}, None, {}]  # by sample: tokens, text, (outcome), log probabilities
 
             def run():
                 try:
                     with Client(target, balance=True) as cc:
-                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, **sp):
-                            got[0] += chunk.token_ids
-                            got[1] += chunk.text
-                            got[3] += [(lp.token_id, lp.logprob) for lp in chunk.logprobs]
+                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, n=n, **sp):
+                            got[0].setdefault(chunk.index, []).extend(chunk.token_ids)
+                            got[1][chunk.index] = got[1].get(chunk.index, "") + chunk.text
+                            got[3].setdefault(chunk.index, []).extend((lp.token_id, lp.logprob) for lp in chunk.logprobs)
                     got[2] = "OK"
                 except grpc.RpcError as e:
                     got[2] = f"{e.code().name}: {e.details()}"
             t = threading.Thread(target=run)
             t.start()
-            wait_for(lambda: 10 <= len(got[0]), timeout=120, interval=0.02, what="the stream part-way")
-            assert len(got[0]) <= 60
+            wait_for(lambda: len(got[0]) == n and all(10 <= len(v) for v in got[0].values()), timeout=120,
+                     interval=0.02, what="the stream part-way")
+            assert all(len(v) <= 60 for v in got[0].values()), {i: len(v) for i, v in got[0].items()}
             holder = names[stack_redis_hget(s, tag, "router")]
             down.append(holder)
             disrupt(s.proc(holder))
@@ -2165,23 +2204,26 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
         def kill(p):
             p.popen.kill()
             p.popen.wait()
-        for tag, disrupt in (("t", terminate), ("k", kill)):
-            got = through(tag, disrupt, resumes=1)
+        for tag, disrupt, wants in (("t", terminate, [want]), ("k", kill, [want]), ("s", kill, want_samples)):
+            got = through(tag, disrupt, resumes=1, n=len(wants))
             assert got[2] == "OK", (tag, got[2])
-            assert got[0] == list(want.token_ids) and got[1] == want.text, tag
-            assert [t for t, _ in got[3]] == [lp.token_id for lp in want.logprobs], tag
-            # (the KV of the tokens sent was computed by a prefill: equal within float error)
-            assert [x for _, x in got[3]] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3), tag
-        first = s.redis().hgetall(s.keys.req("k"))
-        assert first[b"state"] == b"failed" and first[b"superseded"] == b"1" and first[b"current"] == b"k#2", first
+            for i, w in enumerate(wants):
+                assert got[0][i] == list(w.token_ids) and got[1][i] == w.text, (tag, i)
+                assert [t for t, _ in got[3][i]] == [lp.token_id for lp in w.logprobs], (tag, i)
+                # (the KV of the tokens sent was computed by a prefill: equal within float error)
+                assert [x for _, x in got[3][i]] == pytest.approx([lp.logprob for lp in w.logprobs], abs=2e-3), (tag, i)
+        assert want_samples[0].token_ids != want_samples[1].token_ids
+        for tag in ("k", "s"):
+            first = s.redis().hgetall(s.keys.req(tag))
+            assert first[b"state"] == b"failed" and first[b"superseded"] == b"1" and first[b"current"] == f"{tag}#2".encode()
         got = through("u", terminate, resumes=0)
-        assert got[2].startswith("UNAVAILABLE") and got[0] == list(want.token_ids)[:len(got[0])], got[2]
+        assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[:len(got[0][0])], got[2]
 
         def said_what_they_carried():  # each re-sent call's request span
             if not os.path.exists(s.settings.trace_file):
                 return False
             return {sp.attrs["splitserve.request_id"].split("#")[0] for sp in traceview.load_spans(s.settings.trace_file)
-                    if sp.attrs.get("splitserve.resume_from.tokens", 0) >= 10} == {"t", "k"}
+                    if sp.attrs.get("splitserve.resume_from.tokens", 0) >= 10} == {"t", "k", "s"}
         wait_for(said_what_they_carried, timeout=20, what="the re-sent calls' spans naming the tokens they carried")
     finally:
         for name in down:

@@ -159,18 +159,28 @@ def _structured_output(args) -> dict | None:
     return {"choice": args.choice} if args.choice else None
 
 
-def _print_samples(client, prompt, timeout, kw) -> int:
-    """n > 1: each sample's text, after a line naming it (on stderr), once all have finished."""
+def _print_samples(client, prompt, timeout, resumes, kw) -> int:
+    """n > 1: each sample's text, after a line naming it (on stderr), once all have finished.
+    resumes: streamed, going on after its router is lost (generate_stream's resumes)."""
     import grpc
 
     try:
-        resp = client.generate(prompt, timeout=timeout, **kw)
+        if resumes:
+            texts, ends = {}, {}
+            for chunk in client.generate_stream(prompt, timeout=timeout, resumes=resumes, **kw):
+                texts[chunk.index] = texts.get(chunk.index, "") + chunk.text
+                if chunk.finish_reason:
+                    ends[chunk.index] = (chunk.finish_reason, chunk.usage.completion_tokens)
+            choices = [(i, *ends[i], texts.get(i, "")) for i in sorted(ends)]
+        else:
+            choices = [(c.index, c.finish_reason, c.usage.completion_tokens, c.text)
+                       for c in client.generate(prompt, timeout=timeout, **kw).choices]
     except grpc.RpcError as e:
         print(f"splitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    for choice in resp.choices:
-        print(f"[sample {choice.index}: {choice.finish_reason}, {choice.usage.completion_tokens} tokens]", file=sys.stderr)
-        print(choice.text, flush=True)
+    for index, finish_reason, tokens, text in choices:
+        print(f"[sample {index}: {finish_reason}, {tokens} tokens]", file=sys.stderr)
+        print(text, flush=True)
     return 0
 
 
@@ -202,12 +212,9 @@ def _generate(args) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    if args.resumes and args.n is not None and args.n > 1:
-        print("splitserve: error: --resumes: a request of -n > 1 samples is not resumed", file=sys.stderr)
-        return 2
     with Client(address, balance=args.resumes > 0) as c:
         if args.n is not None and args.n > 1:
-            return _print_samples(c, prompt, args.timeout, kw)
+            return _print_samples(c, prompt, args.timeout, args.resumes, kw)
         try:
             logprobs = []
             for chunk in c.generate_stream(prompt, timeout=args.timeout, resumes=args.resumes, **kw):

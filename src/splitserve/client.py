@@ -26,12 +26,13 @@ UNAVAILABLE), so balance over several routers only.
 came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
 the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
-have been). With a ``request_id``, the re-send is a new attempt of it, which supersedes the
+have been). With ``n`` > 1, each sample's tokens go (``resume_from.samples``), and those not
+finished go on, each its own. With a ``request_id``, the re-send is a new attempt of it, which supersedes the
 earlier one still running for the lost router. A re-send refused ALREADY_EXISTS (it raced
 another) is tried again every 0.5 s for up to a minute, within the call's timeout; so is a re-send that
 failed UNAVAILABLE before any message (round robin sent it to the lost router before the channel
 saw it go, or no router could take it), first 50 ms later, then at most 0.5 s apart, and it does
-not count as a resume. ``n`` 1 only.
+not count as a resume.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a
@@ -167,10 +168,11 @@ def build_request(
     structured_output: dict | pb.StructuredOutput | None = None,
     priority: int = 0,
     cache_salt: str = "",
-    resume_from: tuple[list[int], int] | None = None,
+    resume_from: tuple[list[int], int] | pb.Continuation | None = None,
 ) -> pb.GenerateRequest:
-    """resume_from: (the completion's tokens the client has, the characters of their text): a
-    stream cut off, sent again to go on where it stopped (GenerateRequest.resume_from)."""
+    """resume_from: (the completion's tokens the client has, the characters of their text), or a
+    Continuation (n > 1: its samples): a stream cut off, sent again to go on where it stopped
+    (GenerateRequest.resume_from)."""
     req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
     if prompt is not None:
         req.prompt = prompt
@@ -195,7 +197,9 @@ def build_request(
     sp.min_tokens = min_tokens
     sp.ignore_eos = ignore_eos
     sp.include_stop_str_in_output = include_stop_str_in_output
-    if resume_from is not None:
+    if isinstance(resume_from, pb.Continuation):
+        req.resume_from.CopyFrom(resume_from)
+    elif resume_from is not None:
         req.resume_from.token_ids.extend(resume_from[0])
         req.resume_from.text_chars = resume_from[1]
     return req
@@ -214,28 +218,41 @@ class _Resumer:
     def __init__(self, prompt: str | None, timeout: float | None, resumes: int, kw: dict):
         if resumes < 0:
             raise ValueError(f"resumes must be >= 0, got {resumes}")
-        if resumes and (kw.get("n") or 1) > 1:
-            raise ValueError("resumes: a stream of n > 1 samples is not resumed")
-        self.prompt, self.kw, self.left = prompt, kw, resumes
+        self.prompt, self.kw, self.left, self.resumes = prompt, kw, resumes, resumes
+        self.n = kw.get("n") or 1
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.tokens: list[int] = []
-        self.chars = 0
+        self.tokens: dict[int, list[int]] = {}  # by sample (index)
+        self.chars: dict[int, int] = {}
+        self.finished: set[int] = set()
         self.resent_at = 0.0  # monotonic time of the latest resume (0: none, or a message came since)
         self.retry_wait = RESEND_RETRY_S  # before the next re-send of that resume that met no router
 
     def request(self) -> pb.GenerateRequest:
         req = build_request(self.prompt, **self.kw)
-        if self.tokens:
-            req.resume_from.token_ids.extend(self.tokens)
-            req.resume_from.text_chars = self.chars
+        if self.n == 1 and self.has_tokens():
+            req.resume_from.token_ids.extend(self.tokens[0])
+            req.resume_from.text_chars = self.chars[0]
+        elif self.has_tokens():
+            req.resume_from.samples.extend(
+                pb.SampleContinuation(index=i, token_ids=t, text_chars=self.chars[i], finished=i in self.finished)
+                for i, t in sorted(self.tokens.items()))
         return req
+
+    def has_tokens(self) -> bool:
+        return any(self.tokens.values())
+
+    def complete(self) -> bool:
+        """Every sample's last message came (a cut after it loses nothing)."""
+        return self.resumes > 0 and len(self.finished) == self.n
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     def got(self, resp: pb.GenerateResponse) -> None:
-        self.tokens += resp.token_ids
-        self.chars += len(resp.text)
+        self.tokens.setdefault(resp.index, []).extend(resp.token_ids)
+        self.chars[resp.index] = self.chars.get(resp.index, 0) + len(resp.text)
+        if resp.finish_reason:
+            self.finished.add(resp.index)
         self.resent_at = 0.0
         self.retry_wait = RESEND_RETRY_S
 
@@ -245,14 +262,14 @@ class _Resumer:
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             return None
-        if e.code() == grpc.StatusCode.UNAVAILABLE and self.tokens and self.resent_at:
+        if e.code() == grpc.StatusCode.UNAVAILABLE and self.has_tokens() and self.resent_at:
             # the re-send itself failed before any message: it went to the lost router (the channel
             # had not yet seen it go), or none could take it. Sent again, not counted as a resume.
             if now - self.resent_at >= RESEND_FOR_S:
                 return None
             wait, self.retry_wait = self.retry_wait, min(2 * self.retry_wait, RESEND_WAIT_S)
             return wait
-        if e.code() == grpc.StatusCode.UNAVAILABLE and self.tokens and self.left > 0:
+        if e.code() == grpc.StatusCode.UNAVAILABLE and self.has_tokens() and self.left > 0:
             self.left -= 1
             self.resent_at = now
             return 0.0
@@ -285,6 +302,8 @@ class Client:
                     yield resp
                 return
             except grpc.RpcError as e:
+                if r.complete():
+                    return
                 wait = r.wait_before_resend(e)
                 if wait is None:
                     raise
@@ -337,6 +356,8 @@ class AsyncClient:
                     yield resp
                 return
             except grpc.RpcError as e:
+                if r.complete():
+                    return
                 wait = r.wait_before_resend(e)
                 if wait is None:
                     raise

@@ -155,6 +155,10 @@ class Sent:
         self.chars: dict[int, int] = {0: chars}
         self.finished: set[int] = set()
 
+    def count(self) -> int:
+        """The completion tokens sent, of every sample."""
+        return sum(len(t) for t in self.tokens.values())
+
     def add(self, ev: w_pb.DecodeEvent) -> None:
         self.tokens.setdefault(ev.index, []).extend(ev.token_ids)
         self.chars[ev.index] = self.chars.get(ev.index, 0) + len(ev.text)
@@ -581,7 +585,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     # -- the request path ---------------------------------------------------------------
 
-    async def _validate(self, request: gen_pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+    async def _validate(self, request: gen_pb.GenerateRequest) -> tuple[str, list[int], SamplingParams, Sent]:
         convert.check_request_id(request.request_id)
         convert.check_cache_salt(request.cache_salt)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
@@ -595,18 +599,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if keep is not None:
             ids = ids[-keep:]
         check_context(len(ids), params, self.front.context, request.WhichOneof("input"))
-        if request.HasField("resume_from"):
-            carried = request.resume_from.token_ids
-            if params.n > 1:
-                raise InvalidRequestError("resume_from", f"needs sampling.n 1, got {params.n}")
-            if len(carried) >= params.max_tokens:
-                raise InvalidRequestError("resume_from.token_ids", f"{len(carried)} tokens: sampling.max_tokens "
-                                                                   f"({params.max_tokens}) leaves none to generate")
-            if (bad := next((t for t in carried if not 0 <= t < self.front.vocab), None)) is not None:
-                raise InvalidRequestError("resume_from.token_ids", f"token id {bad} is outside the vocabulary "
-                                                                   f"[0, {self.front.vocab})")
-            if carried and params.prompt_logprobs is not None:  # they came with its first token
-                params = dataclasses.replace(params, prompt_logprobs=None)
+        have = self._continuation(request, params)
+        if have.count() and params.prompt_logprobs is not None:  # they came with its first token
+            params = dataclasses.replace(params, prompt_logprobs=None)
         if any(t < 0 or t >= self.front.vocab for t in params.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", f"token ids must be in [0, {self.front.vocab})")
         if any(t >= self.front.vocab for t, _ in params.logit_bias):
@@ -616,7 +611,49 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if self.front.grammars is None:
                 raise InvalidRequestError(fmt.field, "needs a model with a tokenizer")
             await asyncio.to_thread(self.front.grammars.check, fmt)  # ~1 ms to compile, more for a large schema
-        return request.request_id or uuid.uuid4().hex, ids, params
+        return request.request_id or uuid.uuid4().hex, ids, params, have
+
+    def _continuation(self, request: gen_pb.GenerateRequest, params: SamplingParams) -> Sent:
+        """What the client of a stream sent again to go on has (resume_from), checked: the
+        completion's tokens and the characters of their text, by sample (none without it)."""
+        c = request.resume_from
+        if params.n == 1:
+            if c.samples:
+                raise InvalidRequestError("resume_from.samples", "are for sampling.n > 1; with n 1, send "
+                                                                 "resume_from.token_ids and text_chars")
+            self._check_carried("resume_from.token_ids", c.token_ids, params)
+            return Sent(c.token_ids, c.text_chars)
+        if c.token_ids:
+            raise InvalidRequestError("resume_from.token_ids", f"sampling.n is {params.n}: send each sample's in "
+                                                               "resume_from.samples")
+        have = Sent([], 0)
+        listed = set()
+        for k, sample in enumerate(c.samples):
+            field = f"resume_from.samples[{k}]"
+            if sample.index >= params.n:
+                raise InvalidRequestError(f"{field}.index", f"{sample.index} is not below sampling.n ({params.n})")
+            if sample.index in listed:
+                raise InvalidRequestError(f"{field}.index", f"sample {sample.index} is listed twice")
+            listed.add(sample.index)
+            if not sample.finished:
+                self._check_carried(f"{field}.token_ids", sample.token_ids, params)
+            elif len(sample.token_ids) > params.max_tokens:
+                raise InvalidRequestError(f"{field}.token_ids", f"{len(sample.token_ids)} tokens: more than "
+                                                                f"sampling.max_tokens ({params.max_tokens})")
+            have.tokens[sample.index], have.chars[sample.index] = list(sample.token_ids), sample.text_chars
+            if sample.finished:
+                have.finished.add(sample.index)
+        if len(have.finished) == params.n:
+            raise InvalidRequestError("resume_from.samples", f"all {params.n} samples finished: nothing is left "
+                                                             "to generate")
+        return have
+
+    def _check_carried(self, field: str, tokens, params: SamplingParams) -> None:
+        if len(tokens) >= params.max_tokens:
+            raise InvalidRequestError(field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) "
+                                             "leaves none to generate")
+        if (bad := next((t for t in tokens if not 0 <= t < self.front.vocab), None)) is not None:
+            raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {self.front.vocab})")
 
     async def _attempt(self, rid: str, fp: str, supersede: bool = False) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
@@ -727,14 +764,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         m = self.metrics
         adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
-            rid, ids, params = await self._validate(request)
-            # resume_from: the completion's tokens its client has already (a stream sent again to go
-            # on), prefilled after the prompt; the queue counts them with it
-            carried, carried_chars = list(request.resume_from.token_ids), request.resume_from.text_chars
-            work = len(ids) + len(carried)
+            # have: what its client has already (resume_from: a stream sent again to go on), prefilled
+            # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
+            # Sent.unfinished); the queue counts them with it
+            rid, ids, params, have = await self._validate(request)
+            carried, carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
+            samples = have.unfinished(params.n)
+            resumed = have.count()
+            work = len(ids) + (sum(len(t) for _, t, _ in samples) if samples else len(carried))
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), bool(carried))
+                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), bool(resumed))
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -756,7 +796,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                       hashes if self.affinity else None)
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
-            local = self._prefill_locally(work, expect_cached)
+            local = bool(samples) or self._prefill_locally(work, expect_cached)
             directed = [] if local else self._prefill_worker_for(hashes, request.priority)
             adm.set_attributes({"splitserve.prefill.local": local,
                                 "splitserve.prefix.expected_cached_tokens": expect_cached})
@@ -774,6 +814,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
             dreq.cache_salt = request.cache_salt
             dreq.resumed_tokens, dreq.resumed_chars = len(carried), carried_chars
+            if samples:
+                dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in samples)
         try:
             peer = self.peers.get(worker.address)
             peer.run = peer.run or worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
@@ -785,13 +827,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         failure = ""  # the decode worker's message, when its stream ends with an error
         queued = False
         active = None
-        sent = 0  # completion tokens streamed so far (of all samples)
-        sent_by: dict[int, int] = {}  # sampling.n > 1: a sample's index -> its completion tokens so far
+        sent_by = {i: len(t) for i, t in have.tokens.items()}  # a sample's index -> its completion tokens so far
+        sent = sum(sent_by.values())  # completion tokens streamed so far (of all samples)
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        have = Sent(carried, carried_chars)  # what its client has (resume_from: from the start)
         # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
         result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
-                                      and params.n == 1 and not carried) else None
+                                      and params.n == 1 and not resumed) else None
         marked = False  # the end recorded (_mark) already
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
@@ -818,7 +859,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         args=[work, self.s.max_queue_requests, self.s.max_queue_tokens, frac,
                               self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
                               *(*attempt_args, "", "")[:2], self.s.prefill_affinity_jobs if directed else "",
-                              1 if carried and attempt_keys else 0],
+                              1 if resumed and attempt_keys else 0],
                     )
                     ok, q, t, lt = (int(x) for x in got[:4])
                     if len(got) > 4 and int(got[4]):
@@ -852,7 +893,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if params.structured_output is not None:
                     m.structured.labels(params.structured_output.kind).inc()
                 active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
-                                                   request.cache_salt, local, queued, t_admitted, carried=len(carried))
+                                                   request.cache_salt, local, queued, t_admitted, carried=resumed)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
@@ -1130,8 +1171,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.structured_output"] = params.structured_output.kind
         if request.priority:
             attrs["splitserve.priority"] = request.priority
-        if request.resume_from.token_ids:  # a stream sent again to go on: the tokens its client had
-            attrs["splitserve.resume_from.tokens"] = len(request.resume_from.token_ids)
+        if request.resume_from.token_ids or request.resume_from.samples:  # sent again to go on: the tokens its client had
+            attrs["splitserve.resume_from.tokens"] = (len(request.resume_from.token_ids)
+                                                      + sum(len(s.token_ids) for s in request.resume_from.samples))
         return attrs
 
     def _record(self, worker: WorkerInfo, hashes: list[int], index: PrefixIndex | None = None) -> None:
