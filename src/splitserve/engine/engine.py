@@ -45,6 +45,12 @@ from splitserve.engine.structured import MASK_WINDOW, Grammars
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
 SAMPLE_SEP = "/"  # a request's sample i > 0 runs here as <request id>/<i> (params.n > 1)
 
+
+def sample_key(request_id: str, index: int) -> str:
+    """The id a request's sample runs under here: the request's own for sample 0."""
+    return f"{request_id}{SAMPLE_SEP}{index}" if index else request_id
+
+
 log = logging.getLogger(__name__)
 
 
@@ -242,7 +248,7 @@ class LLMEngine:
         kids = []
         try:
             for i, tokens, chars in sorted(samples, key=lambda s: s[0]):
-                key = f"{request_id}{SAMPLE_SEP}{i}" if i else request_id
+                key = sample_key(request_id, i)
                 self._add(key, list(prompt_token_ids) + list(tokens), _sample_params(params, i), False, priority,
                           cache_salt, len(tokens), chars, field="resumed_samples")
                 seq = self.seqs[key]
@@ -251,8 +257,7 @@ class LLMEngine:
                     kids.append(key)
         except BaseException:
             for i, _, _ in samples:  # none of it stays: the request is refused whole
-                key = f"{request_id}{SAMPLE_SEP}{i}" if i else request_id
-                if (seq := self.seqs.get(key)) is not None:
+                if (seq := self.seqs.get(sample_key(request_id, i))) is not None:
                     self._finish(seq, FINISH_CANCELLED)
             raise
         if kids:
@@ -578,7 +583,7 @@ class LLMEngine:
         shared = first.block_table[: (first.prompt_len - 1) // bs]
         kids = []
         for i in range(1, p.n):
-            child = self._new_seq(f"{first.request_id}{SAMPLE_SEP}{i}", first.token_ids[: first.prompt_len],
+            child = self._new_seq(sample_key(first.request_id, i), first.token_ids[: first.prompt_len],
                                   first.prompt_len, _sample_params(p, i), cache_salt=first.cache_salt)
             child.index, child.parent, child.priority = i, first.request_id, first.priority
             pool.take(shared)
