@@ -538,8 +538,10 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
           .StructuredOutput()}, "sampling.structured_output: set, but with none"),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
-        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)}, "resume_from.token_ids: sampling.n is 2: send each sample's"),
-        ({"prompt": "hi", "resume_from": _continuation((0, [5], False))}, "resume_from.samples: are for sampling.n > 1"),
+        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)},
+         "resume_from.token_ids: sampling.n is 2: send each sample's"),
+        ({"prompt": "hi", "resume_from": _continuation((0, [5], False))},
+         "resume_from.samples: are for sampling.n > 1"),
         ({"prompt": "hi", "n": 2, "resume_from": _continuation((2, [5], False))},
          "resume_from.samples[0].index: 2 is not below sampling.n (2)"),
         ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], False), (0, [6], False))},
@@ -2177,10 +2179,12 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             def run():
                 try:
                     with Client(target, balance=True) as cc:
-                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, n=n, **sp):
-                            got[0].setdefault(chunk.index, []).extend(chunk.token_ids)
-                            got[1][chunk.index] = got[1].get(chunk.index, "") + chunk.text
-                            got[3].setdefault(chunk.index, []).extend((lp.token_id, lp.logprob) for lp in chunk.logprobs)
+                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, n=n,
+                                                        **sp):
+                            i = chunk.index
+                            got[0].setdefault(i, []).extend(chunk.token_ids)
+                            got[1][i] = got[1].get(i, "") + chunk.text
+                            got[3].setdefault(i, []).extend((lp.token_id, lp.logprob) for lp in chunk.logprobs)
                     got[2] = "OK"
                 except grpc.RpcError as e:
                     got[2] = f"{e.code().name}: {e.details()}"
@@ -2215,7 +2219,8 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
         assert want_samples[0].token_ids != want_samples[1].token_ids
         for tag in ("k", "s"):
             first = s.redis().hgetall(s.keys.req(tag))
-            assert first[b"state"] == b"failed" and first[b"superseded"] == b"1" and first[b"current"] == f"{tag}#2".encode()
+            assert first[b"state"] == b"failed" and first[b"superseded"] == b"1", first
+            assert first[b"current"] == f"{tag}#2".encode(), first
         got = through("u", terminate, resumes=0)
         assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[:len(got[0][0])], got[2]
 

@@ -27,12 +27,12 @@ came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answer
 the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
 have been). With ``n`` > 1, each sample's tokens go (``resume_from.samples``), and those not
-finished go on, each its own. With a ``request_id``, the re-send is a new attempt of it, which supersedes the
-earlier one still running for the lost router. A re-send refused ALREADY_EXISTS (it raced
-another) is tried again every 0.5 s for up to a minute, within the call's timeout; so is a re-send that
-failed UNAVAILABLE before any message (round robin sent it to the lost router before the channel
-saw it go, or no router could take it), first 50 ms later, then at most 0.5 s apart, and it does
-not count as a resume.
+finished go on, each its own. With a ``request_id``, the re-send is a new attempt of it, which
+supersedes the earlier one still running for the lost router. A re-send refused ALREADY_EXISTS
+(it raced another) is tried again every 0.5 s for up to a minute, within the call's timeout; so
+is a re-send that failed UNAVAILABLE before any message (round robin sent it to the lost router
+before the channel saw it go, or no router could take it), first 50 ms later, then at most
+0.5 s apart, and it does not count as a resume.
 
 ``keepalive_s`` (default 30; 0 turns it off) pings the router while a call is open and the
 connection has been quiet that long. A router that stops answering (its host gone, a

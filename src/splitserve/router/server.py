@@ -1171,7 +1171,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.structured_output"] = params.structured_output.kind
         if request.priority:
             attrs["splitserve.priority"] = request.priority
-        if request.resume_from.token_ids or request.resume_from.samples:  # sent again to go on: the tokens its client had
+        if request.resume_from.token_ids or request.resume_from.samples:  # sent again to go on: the tokens it had
             attrs["splitserve.resume_from.tokens"] = (len(request.resume_from.token_ids)
                                                       + sum(len(s.token_ids) for s in request.resume_from.samples))
         return attrs
