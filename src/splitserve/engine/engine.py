@@ -35,7 +35,7 @@ from splitserve.engine.outputs import (
     placeholder_logprobs,
 )
 from splitserve.engine.padded import PaddedBatcher
-from splitserve.engine.params import check_context
+from splitserve.engine.params import check_context, check_vocab
 from splitserve.engine.sampling import (SampleRow, SamplingParams, Seen, new_generator, sample_with_logprobs,
                                        token_logprobs)
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
@@ -160,9 +160,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.model.shape.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        check_vocab("token_ids", prompt_token_ids, vocab)
         check_context(len(prompt_token_ids), params, self.max_model_len)
         total = len(prompt_token_ids) + params.max_tokens
         if prefill_only and not self.fits(len(prompt_token_ids) + 1):
@@ -281,9 +279,7 @@ class LLMEngine:
         self.validate(prompt_token_ids[:prompt_len], params, prefill_only)
         matcher = None
         if resumed:
-            vocab = self.model.shape.vocab_size
-            if (bad := next((t for t in prompt_token_ids[prompt_len:] if not 0 <= t < vocab), None)) is not None:
-                raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+            check_vocab(field, prompt_token_ids[prompt_len:], self.model.shape.vocab_size)
             if prefill_only and not self.fits(len(prompt_token_ids) + 1):
                 raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens can never fit in this prefill "
                                                     f"engine's KV cache ({self.kv_capacity_tokens} tokens)")

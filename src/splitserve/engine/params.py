@@ -123,6 +123,12 @@ def check_stop_counts(stop: int, stop_token_ids: int) -> None:
                                   f"at most {MAX_STOP_TOKEN_IDS} token ids, got {stop_token_ids}")
 
 
+def check_vocab(field: str, token_ids, vocab: int) -> None:
+    """Raise InvalidRequestError naming `field` if a token id is outside the vocabulary."""
+    if (bad := next((t for t in token_ids if not 0 <= t < vocab), None)) is not None:
+        raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 def check_context(prompt_len: int, params: SamplingParams, context: int, input_field: str = "prompt") -> None:
     """Raise InvalidRequestError if prompt + max_tokens exceed the context: naming the input when it
     alone leaves no room for even one token, else sampling.max_tokens."""

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import load_frontend
-from splitserve.engine.params import SamplingParams, check_context
+from splitserve.engine.params import SamplingParams, check_context, check_vocab
 from splitserve.engine.structured import Grammars
 from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
@@ -159,6 +159,12 @@ class Sent:
         """The completion tokens sent, of every sample."""
         return sum(len(t) for t in self.tokens.values())
 
+    def carried(self, n: int) -> int:
+        """The completion tokens a resume prefills again after the prompt: sample 0's, or those of
+        each sample not finished (n > 1, unfinished)."""
+        samples = self.unfinished(n)
+        return sum(len(t) for _, t, _ in samples) if samples else len(self.tokens[0])
+
     def add(self, ev: w_pb.DecodeEvent) -> None:
         self.tokens.setdefault(ev.index, []).extend(ev.token_ids)
         self.chars[ev.index] = self.chars.get(ev.index, 0) + len(ev.text)
@@ -239,9 +245,7 @@ class Frontend:
     def prompt_ids(self, req: gen_pb.GenerateRequest) -> list[int]:
         kind, value = convert.input_of(req)
         if kind == "token_ids":
-            bad = next((t for t in value if not 0 <= t < self.vocab), None)
-            if bad is not None:
-                raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab})")
+            check_vocab("token_ids", value, self.vocab)
             return value
         if self.tokenizer is None:
             raise InvalidRequestError(kind, "this model has no tokenizer; send token_ids")
@@ -652,8 +656,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if len(tokens) >= params.max_tokens:
             raise InvalidRequestError(field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) "
                                              "leaves none to generate")
-        if (bad := next((t for t in tokens if not 0 <= t < self.front.vocab), None)) is not None:
-            raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary [0, {self.front.vocab})")
+        check_vocab(field, tokens, self.front.vocab)
 
     async def _attempt(self, rid: str, fp: str, supersede: bool = False) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
@@ -771,11 +774,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             carried, carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
             samples = have.unfinished(params.n)
             resumed = have.count()
-            work = len(ids) + (sum(len(t) for _, t, _ in samples) if samples else len(carried))
+            work = len(ids) + have.carried(params.n)
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
                 rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), bool(resumed))
-            rs.span.set_attributes(self._genai_attributes(request, rid, ids, params))
+            rs.span.set_attributes(self._genai_attributes(request, rid, ids, params, resumed))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
             if self._queue_may_be_full(work):  # fast path: no decode stream opened for a refusal
@@ -1066,7 +1069,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if generated:  # its prompt log probabilities went with its first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         tokens = ids + generated
-        carried = sum(len(t) for _, t, _ in samples) if samples else len(generated)
+        carried = have.carried(params.n)
         try:
             worker, placed, _ = self.pick(len(ids) + params.n * params.max_tokens, exclude=lost.worker_id)
         except ServiceError as e:
@@ -1141,7 +1144,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             adm.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{code.name}: {e}"[:300]))
         adm.end()
 
-    def _genai_attributes(self, request, rid: str, ids: list[int], params: SamplingParams) -> dict:
+    def _genai_attributes(self, request, rid: str, ids: list[int], params: SamplingParams, resumed: int) -> dict:
         kind = request.WhichOneof("input")
         attrs = {
             "splitserve.request_id": rid,
@@ -1171,9 +1174,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.structured_output"] = params.structured_output.kind
         if request.priority:
             attrs["splitserve.priority"] = request.priority
-        if request.resume_from.token_ids or request.resume_from.samples:  # sent again to go on: the tokens it had
-            attrs["splitserve.resume_from.tokens"] = (len(request.resume_from.token_ids)
-                                                      + sum(len(s.token_ids) for s in request.resume_from.samples))
+        if resumed:  # a stream sent again to go on (resume_from): the tokens its client had
+            attrs["splitserve.resume_from.tokens"] = resumed
         return attrs
 
     def _record(self, worker: WorkerInfo, hashes: list[int], index: PrefixIndex | None = None) -> None:
@@ -1421,9 +1423,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if tok is None:
             raise InvalidRequestError("token_ids", "this model has no tokenizer")
         ids = list(request.token_ids)
-        bad = next((t for t in ids if not 0 <= t < self.front.vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {self.front.vocab})")
+        check_vocab("token_ids", ids, self.front.vocab)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         if len(ids) > INLINE_TOKENIZE_CHARS:
             return gen_pb.DetokenizeResponse(text=await asyncio.to_thread(tok.decode, ids, skip))

@@ -141,8 +141,8 @@ return {1, q + 1, t + n, lt, directed}
 # is superseded (PICKUP_LUA skips it, returning its own counts; UPDATE_LUA ignores its failure).
 # The new job's counts come back at its pickup, under its leg's marker. KEYS: admission hash, the
 # stream for its priority, the request hash. ARGV: tokens to prefill, the bounds (requests,
-# tokens), the request TTL, the job, 1 to queue it (0: its decode worker prefills it). Returns {1 | 0 (the queue is full) | -2 (it has ended),
-# requests queued, tokens queued}.
+# tokens), the request TTL, the job, 1 to queue it (0: its decode worker prefills it). Returns
+# {1 | 0 (the queue is full) | -2 (it has ended), requests queued, tokens queued}.
 RESUME_LUA = _IS_FINAL + """
 local got = redis.call('HMGET', KEYS[3], 'state', 'aborted')
 if not got[1] or is_final(got[1]) or got[2] then
