@@ -2828,6 +2828,42 @@ def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_with
     assert scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"] == steps  # no run
     assert client.get_request("kept").attempts == 1
     assert replays() - before == 4
+
+
+def test_a_finished_request_sent_again_to_go_on_gets_only_the_rest_of_its_recorded_result(stack, client):
+    """A stream whose router was lost after the end was recorded, before its last message reached
+    the client (resumes): the re-send, with the tokens the client has (resume_from), is replayed
+    only what it does not have, so the stream goes on unbroken. A resumed attempt keeps what it
+    sent after the tokens it went on from: replayed to a re-send that has at least those, refused
+    ALREADY_EXISTS to one without them (the router never had them whole). Tokens other than the
+    recorded ones are refused too."""
+    prompt, kw = "Name three rivers.", dict(max_tokens=6, ignore_eos=True, logprobs=2)
+    whole = list(client.generate_stream(prompt, request_id="kept-cut", **kw))
+    ids = [t for c in whole for t in c.token_ids]
+    text = "".join(c.text for c in whole)
+    lps = [lp.logprob for c in whole for lp in c.logprobs]
+    assert len(ids) == 6 and len(whole) >= 3
+    had = [t for c in whole[:2] for t in c.token_ids]
+    chars = sum(len(c.text) for c in whole[:2])
+    rest = list(client.generate_stream(prompt, request_id="kept-cut", resume_from=(had, chars), **kw))
+    assert len(rest) == 1 and rest[0].replayed and rest[0].finish_reason == "length"
+    assert list(rest[0].token_ids) == ids[len(had):] and rest[0].text == text[chars:]
+    assert [lp.logprob for lp in rest[0].logprobs] == lps[len(had):]
+    assert rest[0].usage.completion_tokens == 6
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, request_id="kept-cut", resume_from=([ids[0] - 1 if ids[0] else 1, ids[1]], chars), **kw)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other tokens than resume_from" in e.value.details()
+
+    # A resumed attempt (it went on from 2 tokens) finishes, and is sent again to go on from 4.
+    went_on = client.generate(prompt, request_id="kept-resumed", resume_from=(ids[:2], len(text)), **kw)
+    assert not went_on.replayed and list(went_on.token_ids) == ids[2:]
+    again = client.generate(prompt, request_id="kept-resumed", resume_from=(ids[:4], len(text) + 3), **kw)
+    assert again.replayed and list(again.token_ids) == ids[4:] and again.text == went_on.text[3:]
+    assert [lp.logprob for lp in again.logprobs] == [lp.logprob for lp in went_on.logprobs][2:]
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, request_id="kept-resumed", **kw)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "going on from 2 tokens" in e.value.details()
+    assert client.get_request("kept-resumed").attempts == 1
     for changed in ({"max_tokens": 11, "ignore_eos": True}, {"max_tokens": 12, "ignore_eos": True, "priority": 1},
                     {"max_tokens": 12}):
         with pytest.raises(grpc.RpcError) as e:
@@ -3103,6 +3139,7 @@ def test_n_samples_are_the_in_process_engines(stack, client, smol_loaded):
     assert [list(c.token_ids) for c in one.choices] == [want[0], want[1], want[2]]
     assert [c.index for c in one.choices] == [0, 1, 2] and list(one.token_ids) == want[0]
     assert all(c.text == smol_loaded.tokenizer.decode(want[c.index]) for c in one.choices)
+
     # the first token ends sample 0 where it is sampled: its KV goes all the same, for the others
     short = client.generate(token_ids=ids, n=4, timeout=120, **{**kw, "max_tokens": 1})
     assert [len(c.token_ids) for c in short.choices] == [1, 1, 1, 1]

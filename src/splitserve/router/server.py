@@ -70,6 +70,25 @@ ATTEMPT_SEP = "#"
 INLINE_TOKENIZE_CHARS = 4096
 
 
+@dataclass
+class Result:
+    """What an attempt sends, kept for a replay (_mark, _recorded): its tokens, texts and log
+    probabilities, after the `start` tokens (`start_chars` characters of text) its client had
+    already (resume_from)."""
+    start: int = 0
+    start_chars: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    texts: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
+
+    def add(self, ev) -> None:
+        self.tokens.extend(ev.token_ids)
+        self.texts.append(ev.text)
+        self.logprobs.extend(ev.logprobs)
+        self.prompt_logprobs.extend(ev.prompt_logprobs)
+
+
 class Recorded(Exception):
     """A request_id whose latest attempt finished: its recorded result answers the call."""
 
@@ -658,7 +677,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                              "leaves none to generate")
         check_vocab(field, tokens, self.front.vocab)
 
-    async def _attempt(self, rid: str, fp: str, supersede: bool = False) -> tuple[str, list, list]:
+    async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list]:
         """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
         and args (fp: its fingerprint). A new id runs under itself. The id of a request that
         finished answers with its recorded result (raises Recorded). One whose latest attempt ended
@@ -667,9 +686,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         (request_id#n), so nothing left of the earlier one (a job still queued, a late handoff) can
         touch it. Any other that exists is refused ALREADY_EXISTS (a request never runs twice, nor
         again after an Abort, nor under the id of a different request), and one that an Abort came
-        before is refused CANCELLED. supersede: its client sent it again to go on (resume_from),
-        having lost its stream with its router: a latest attempt still running is superseded by
-        the new one (ADMIT_LUA), not waited for (a dead router's would run on until reaped)."""
+        before is refused CANCELLED. have: what its client has, sent again to go on (resume_from)
+        after it lost its stream with its router: then a latest attempt still running is superseded
+        by the new one (ADMIT_LUA), not waited for (a dead router's would run on until reaped), and
+        the replay of one that finished is only what the client does not have."""
+        supersede = have.count() > 0
         first = self.keys.req(rid)
         state, early, aborted, attempts, current, fp_first = await self.redis.hmget(
             first, "state", "early", "aborted", "attempts", "current", "fingerprint")
@@ -684,7 +705,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if latest != rid:
             state, aborted = await self.redis.hmget(self.keys.req(latest), "state", "aborted")
         if state == b"finished":
-            if (recorded := await self._recorded(rid, latest)) is not None:
+            if (recorded := await self._recorded(rid, latest, have)) is not None:
                 raise Recorded(recorded)
             raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept (only "
                                 f"one sample, n = 1, of at most replay_max_tokens = {self.s.replay_max_tokens} is); "
@@ -698,20 +719,36 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         n = int(attempts or 1)
         return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
 
-    async def _recorded(self, rid: str, attempt: str) -> gen_pb.GenerateResponse | None:
-        """The result a finished attempt left in its hash (_mark), as its replay; None if it left none."""
-        tokens, text, reason, n_prompt, n_out, n_cached, logprobs = await self.redis.hmget(
+    async def _recorded(self, rid: str, attempt: str, have: Sent) -> gen_pb.GenerateResponse | None:
+        """The result a finished attempt left in its hash (_mark), as its replay: after the tokens its
+        client has (have, resume_from: the last message did not reach it); None if it left none."""
+        tokens, text, reason, n_prompt, n_out, n_cached, logprobs, start, start_chars = await self.redis.hmget(
             self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
-            "completion_tokens", "cached_tokens", "result_logprobs")
+            "completion_tokens", "cached_tokens", "result_logprobs", "result_start", "result_start_chars")
         if tokens is None:
             return None
+        tokens = [int(t) for t in tokens.split(b",") if t]
+        text = (text or b"").decode()
+        start, start_chars = int(start or 0), int(start_chars or 0)
+        carried, chars = have.tokens[0], have.chars[0]
+        if len(carried) < start:
+            raise AlreadyExists(f"request_id {rid!r} already exists and finished, going on from {start} tokens its "
+                                "client had (resume_from): only what came after them was kept, for a re-send whose "
+                                "resume_from holds at least those")
+        skip, skip_chars = len(carried) - start, chars - start_chars
+        if carried[start:] != tokens[:skip] or not 0 <= skip_chars <= len(text):
+            raise AlreadyExists(f"request_id {rid!r} already exists and finished with other tokens than "
+                                "resume_from.token_ids (or fewer characters than resume_from.text_chars)")
         resp = gen_pb.GenerateResponse(
-            request_id=rid, token_ids=[int(t) for t in tokens.split(b",") if t], text=(text or b"").decode(),
+            request_id=rid, token_ids=tokens[skip:], text=text[skip_chars:],
             finish_reason=(reason or b"").decode(), replayed=True,
             usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0),
                                cached_tokens=int(n_cached or 0)))
         if logprobs:
-            resp.MergeFrom(logprobs_from_text(logprobs))
+            kept = logprobs_from_text(logprobs)
+            resp.logprobs.extend(kept.logprobs[skip:])
+            if not carried:  # they came with the first token
+                resp.prompt_logprobs.extend(kept.prompt_logprobs)
         return resp
 
     async def _latest(self, rid: str) -> str:
@@ -777,7 +814,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             work = len(ids) + have.carried(params.n)
             public_id, attempt_keys, attempt_args = rid, [], []
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), bool(resumed))
+                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), have)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params, resumed))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -833,9 +870,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent_by = {i: len(t) for i, t in have.tokens.items()}  # a sample's index -> its completion tokens so far
         sent = sum(sent_by.values())  # completion tokens streamed so far (of all samples)
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        # tokens, texts, log probabilities, prompt log probabilities: kept for a replay (_attempt)
-        result = ([], [], [], []) if (request.request_id and params.max_tokens <= self.s.replay_max_tokens
-                                      and params.n == 1 and not resumed) else None
+        # kept for a replay (_attempt): a resumed attempt's after the tokens its client had
+        result = (Result(len(carried), carried_chars) if request.request_id and params.n == 1
+                  and params.max_tokens <= self.s.replay_max_tokens else None)
         marked = False  # the end recorded (_mark) already
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
@@ -965,10 +1002,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             sent = sum(sent_by.values())
                         cached = ev.cached_tokens or cached
                         if result is not None:
-                            result[0].extend(ev.token_ids)
-                            result[1].append(ev.text)
-                            result[2].extend(ev.logprobs)
-                            result[3].extend(ev.prompt_logprobs)
+                            result.add(ev)
                             if ev.finish_reason and ev.finish_reason != "cancelled":
                                 # Recorded before the client has the last message, so that a re-send
                                 # following it finds the request finished (its replay), not running.
@@ -1204,9 +1238,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                            cached_tokens=final.cached_tokens)
         if result is not None:
             # As text: the hash is read whole and decoded (GetRequest).
-            mapping.update(result_tokens=",".join(map(str, result[0])), result_text="".join(result[1]))
-            if result[2] or result[3]:
-                mapping["result_logprobs"] = logprobs_to_text(result[2], result[3])
+            mapping.update(result_tokens=",".join(map(str, result.tokens)), result_text="".join(result.texts))
+            if result.start:
+                mapping.update(result_start=result.start, result_start_chars=result.start_chars)
+            if result.logprobs or result.prompt_logprobs:
+                mapping["result_logprobs"] = logprobs_to_text(result.logprobs, result.prompt_logprobs)
         if error:
             mapping["error"] = error
         try:
