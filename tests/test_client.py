@@ -245,7 +245,8 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
     sees one unbroken stream; a re-send refused ALREADY_EXISTS (the earlier attempt still held) is
     tried again, and so is one that fails UNAVAILABLE before any message, not counted as a resume.
     n > 1: each sample's own tokens go, and which finished. Past N resumes, without them, or before
-    any token, the cut is the caller's. So for
+    any token, the cut is the caller's. generate(resumes=N) streams so, and returns Generate's one
+    response (with n > 1, every sample in choices). So for
     `splitserve generate --resumes N`, which prints the unbroken text."""
     monkeypatch.setattr("splitserve.client.RESEND_WAIT_S", 0.05)
     server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -259,6 +260,10 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
             assert [t for ch in chunks for t in ch.token_ids] == whole and "".join(ch.text for ch in chunks) == "abcdefg"
             assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
+            router.carried = []  # generate(resumes=N): streamed, and collected into Generate's one response
+            one = c.generate("hi", max_tokens=7, resumes=2, timeout=30)
+            assert (list(one.token_ids), one.text, one.finish_reason) == (whole, "abcdefg", "length")
+            assert not one.choices and router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
             router.carried, router.lost_resend = [], True  # two resumes, one of whose re-sends is lost too
             chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
             assert [t for ch in chunks for t in ch.token_ids] == whole
@@ -291,14 +296,21 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             assert [t for ch in chunks if ch.index == 1 for t in ch.token_ids] == [200, 201]
             assert router.carried == [[], [(0, (whole[:3], 3, False)), (1, ([200, 201], 2, True))],
                                       [(0, (whole[:6], 6, False)), (1, ([200, 201], 2, True))]]
+            one = c.generate("hi", n=2, max_tokens=7, resumes=2, timeout=30)
+            assert [(list(ch.token_ids), ch.text, ch.finish_reason, ch.index) for ch in one.choices] == [
+                (whole, "abcdefg", "length", 0), ([200, 201], "xy", "stop", 1)]
+            assert list(one.token_ids) == whole and one.text == "abcdefg"
 
         async def run():
             router.carried, router.refused_once, router.lost_resend = [], False, True
             async with AsyncClient(f"127.0.0.1:{port}") as ac:
-                return [t async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30)
-                        for t in ch.token_ids]
-        assert asyncio.run(run()) == whole
-        assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6)]
+                streamed = [t async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2,
+                                                                   timeout=30) for t in ch.token_ids]
+                return streamed, await ac.generate("hi", max_tokens=7, resumes=2, timeout=30)
+        streamed, one = asyncio.run(run())
+        assert streamed == whole and (list(one.token_ids), one.text) == (whole, "abcdefg")
+        assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6),
+                                  ([], 0), (whole[:3], 3), (whole[:6], 6)]
 
         from splitserve import cli
         capsys.readouterr()

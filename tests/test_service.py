@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from service_helpers import departed_streams, keys_without_ttl, kv_idle, scrape, wait_for, workers
-from splitserve.client import Client
+from splitserve.client import Client, collect
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
@@ -3140,6 +3140,13 @@ def test_n_samples_are_the_in_process_engines(stack, client, smol_loaded):
     assert [c.index for c in one.choices] == [0, 1, 2] and list(one.token_ids) == want[0]
     assert all(c.text == smol_loaded.tokenizer.decode(want[c.index]) for c in one.choices)
 
+    def bare(r):  # but for what differs from call to call
+        r = type(r).FromString(r.SerializeToString())
+        for x in (r, *r.choices):
+            x.request_id, x.usage.cached_tokens = "", 0
+            x.ClearField("timings")
+        return r
+    assert bare(collect(chunks, 3)) == bare(one)  # the client's: the stream's messages as Generate's response
     # the first token ends sample 0 where it is sampled: its KV goes all the same, for the others
     short = client.generate(token_ids=ids, n=4, timeout=120, **{**kw, "max_tokens": 1})
     assert [len(c.token_ids) for c in short.choices] == [1, 1, 1, 1]

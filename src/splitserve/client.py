@@ -22,7 +22,8 @@ a time, and connects again at its next call after the router restarts; balanced,
 that restarts takes calls again only at the next try, up to 2 s later (calls meanwhile fail
 UNAVAILABLE), so balance over several routers only.
 
-``generate_stream(..., resumes=N)`` goes on with a stream whose router was lost after tokens
+``generate_stream(..., resumes=N)`` (and ``generate(..., resumes=N)``, which then streams and
+returns what ``collect`` makes of the messages) goes on with a stream whose router was lost after tokens
 came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
 the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
@@ -45,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 
@@ -205,6 +206,35 @@ def build_request(
     return req
 
 
+def collect(chunks: Iterable[pb.GenerateResponse], n: int = 1) -> pb.GenerateResponse:
+    """A stream's messages as Generate's one response: each sample's tokens, text and log
+    probabilities joined, with the finish_reason, usage and timings of its last message; with n
+    > 1 samples, sample 0's in the fields and every sample, in order, in choices."""
+    samples: dict[int, pb.GenerateResponse] = {}
+    texts: dict[int, list[str]] = {}
+    for ch in chunks:
+        if ch.index not in samples:
+            samples[ch.index] = pb.GenerateResponse(request_id=ch.request_id, index=ch.index, replayed=ch.replayed)
+            texts[ch.index] = []
+        s = samples[ch.index]
+        s.token_ids.extend(ch.token_ids)
+        s.logprobs.extend(ch.logprobs)
+        s.prompt_logprobs.extend(ch.prompt_logprobs)
+        texts[ch.index].append(ch.text)
+        if ch.finish_reason:
+            s.finish_reason = ch.finish_reason
+            s.usage.CopyFrom(ch.usage)
+            s.timings.CopyFrom(ch.timings)
+    for i, s in samples.items():
+        s.text = "".join(texts[i])
+    resp = pb.GenerateResponse()
+    if 0 in samples:
+        resp.CopyFrom(samples[0])
+    if len(samples) > 1 or n > 1:
+        resp.choices.extend(samples[i] for i in sorted(samples))
+    return resp
+
+
 RESEND_WAIT_S = 0.5  # a resumed stream's re-send refused ALREADY_EXISTS: tried again this often ...
 RESEND_FOR_S = 60.0  # ... for at most this long (since the cut)
 RESEND_RETRY_S = 0.05  # a re-send that did not reach a router (UNAVAILABLE, nothing came): the first wait, doubled up
@@ -283,7 +313,12 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
+                 **kw) -> pb.GenerateResponse:
+        """resumes: streamed, going on after the router was lost at most this many times (see the
+        module's doc), and collected into Generate's one response (collect)."""
+        if resumes:
+            return collect(self._resumed_stream(_Resumer(prompt, timeout, resumes, kw)), kw.get("n") or 1)
         return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
     def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
@@ -340,7 +375,12 @@ class AsyncClient:
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
+                       **kw) -> pb.GenerateResponse:
+        """resumes: as Client.generate's."""
+        if resumes:
+            return collect([ch async for ch in self.generate_stream(prompt, timeout=timeout, resumes=resumes, **kw)],
+                           kw.get("n") or 1)
         return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
     async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
