@@ -213,6 +213,10 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
             self.lost_resend = False
             self.carried.append((have, -1))
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+        if have and request.prompt == "finished meanwhile":
+            self.carried.append((have, request.resume_from.text_chars))
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists and "
+                                                          "finished, and its result was not kept")
         if have and not self.refused_once:
             self.refused_once = True
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists")
@@ -285,6 +289,10 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             with pytest.raises(grpc.RpcError) as e:
                 list(c.generate_stream("hi", max_tokens=7, timeout=30))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            router.carried = []
+            with pytest.raises(grpc.RpcError) as e:  # it finished meanwhile, its result not kept: not tried again
+                list(c.generate_stream("finished meanwhile", request_id="f", max_tokens=7, resumes=2, timeout=30))
+            assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and router.carried == [([], 0), (whole[:3], 3)]
             router.carried = []
             with pytest.raises(grpc.RpcError) as e:  # nothing came: nothing to go on from (a retry's case)
                 list(c.generate_stream("lost at once", max_tokens=7, resumes=2, timeout=30))

@@ -29,8 +29,10 @@ the request again with the tokens it has (``resume_from``), at most N times, and
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
 have been). With ``n`` > 1, each sample's tokens go (``resume_from.samples``), and those not
 finished go on, each its own. With a ``request_id``, the re-send is a new attempt of it, which
-supersedes the earlier one still running for the lost router. A re-send refused ALREADY_EXISTS
-(it raced another) is tried again every 0.5 s for up to a minute, within the call's timeout; so
+supersedes the earlier one still running for the lost router; if that one finished, the re-send gets
+what the client does not have of its kept result (a replay). A re-send refused ALREADY_EXISTS
+(it raced another) is tried again every 0.5 s for up to a minute, within the call's timeout (not
+one refused because the request finished: its result was not kept, n > 1 or too long); so
 is a re-send that failed UNAVAILABLE before any message (round robin sent it to the lost router
 before the channel saw it go, or no router could take it), first 50 ms later, then at most
 0.5 s apart, and it does not count as a resume.
@@ -303,8 +305,11 @@ class _Resumer:
             self.left -= 1
             self.resent_at = now
             return 0.0
-        if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.resent_at and now - self.resent_at < RESEND_FOR_S:
-            return RESEND_WAIT_S  # it raced another attempt (or met a router that does not supersede)
+        if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.resent_at and now - self.resent_at < RESEND_FOR_S \
+                and "finished" not in (e.details() or ""):
+            # it raced another attempt (or met a router that does not supersede); one that finished
+            # (and whose result was not kept, or does not go on from these tokens) stays so
+            return RESEND_WAIT_S
         return None
 
 
