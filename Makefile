@@ -133,12 +133,14 @@ image-test: install proto image
 bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume
 
 # A decode worker lost mid-stream: its streams resume on the other (DECODE_RESUMES); killed, then drained past DRAIN_S;
-# then a router: its clients (resumes=1) send their streams to the other with the tokens they have (resume_from)
+# then a router: its clients (resumes=1) send their streams to the other with the tokens they have (resume_from);
+# then a router again, each stream two seeded samples (each sample's tokens go: resume_from.samples)
 bench-resume: install
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --out bench-results/resume.json
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --sigterm --out bench-results/resume-sigterm.json
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --out bench-results/resume-router.json
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --sigterm --out bench-results/resume-router-sigterm.json
+	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --n 2 --out bench-results/resume-router-n2.json
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

@@ -8,17 +8,20 @@ their prompt and the tokens sent for a prefill again. The worker is then restart
 round. With `--lose router`: two routers and one decode worker, and clients balancing over both
 routers with `generate_stream(resumes=1)`; the router holding most streams is lost, and each of its
 clients sends its request again with the tokens it has (`resume_from`) to the other router (after
-a kill, once the earlier attempt is reaped: the dead router's lease, 10 heartbeats).
+a kill, once the earlier attempt is reaped: the dead router's lease, 10 heartbeats). With `--n` > 1,
+each stream is that many seeded samples (temperature 0.8, seed 1000 + its number), each of which
+has sent `--at` tokens when the process is lost; each goes on from its own tokens.
 
 Reported, over every round:
-- the streams that ended OK, and those whose tokens equal an unbroken run's (greedy, sent first);
+- the streams that ended OK, and those whose tokens equal an unbroken run's (greedy or seeded, sent first);
 - for each resumed stream, the stall its client saw: the longest gap between two of its messages
-  (the loss, then a prefill of prompt + tokens sent and the new worker's first step);
+  (of one sample: the loss, then a prefill of prompt + tokens sent and the new worker's first step);
 - for comparison, the median gap between messages of all streams, and the longest gap of the
   streams on the other worker (they share it with the resumed ones from then on).
 
     python -m splitserve.bench.resume_bench --rounds 3 --out bench-results/resume.json
     python -m splitserve.bench.resume_bench --rounds 3 --lose router --sigterm --out bench-results/resume-router.json
+    python -m splitserve.bench.resume_bench --rounds 3 --lose router --n 2 --out bench-results/resume-router-n2.json
 """
 
 from __future__ import annotations
@@ -38,23 +41,50 @@ from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
 
-def _stream(address: str, prompt: str, rid: str, max_tokens: int, out: dict, resumes: int = 0) -> None:
-    """Run one greedy stream; out gets its tokens, the arrival time of each message, and its outcome.
-    resumes: the client goes on after its router is lost (over every address of a balanced target)."""
-    out.update(tokens=[], times=[], outcome=None)
+def _sampling(i: int, n: int) -> dict:
+    """Stream i's sampling: greedy, or n seeded samples."""
+    return dict(ignore_eos=True, temperature=0.0) if n == 1 else dict(ignore_eos=True, temperature=0.8, n=n,
+                                                                       seed=1000 + i)
+
+
+def _stream(address: str, prompt: str, rid: str, max_tokens: int, sampling: dict, out: dict, resumes: int = 0) -> None:
+    """Run one stream; out gets each sample's tokens and the arrival time of each of its messages,
+    and the stream's outcome. resumes: the client goes on after its router is lost (over every
+    address of a balanced target)."""
+    out.update(tokens={}, times={}, sizes={}, outcome=None)
     try:
         with Client(address, balance=bool(resumes)) as c:
-            for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=max_tokens, ignore_eos=True,
-                                           temperature=0.0, timeout=600, resumes=resumes):
-                out["times"].append(time.perf_counter())
-                out["tokens"] += chunk.token_ids
+            for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=max_tokens, timeout=600,
+                                           resumes=resumes, **sampling):
+                out["times"].setdefault(chunk.index, []).append(time.perf_counter())
+                out["tokens"].setdefault(chunk.index, []).extend(chunk.token_ids)
+                out["sizes"].setdefault(chunk.index, []).append(len(chunk.token_ids))
         out["outcome"] = "OK"
     except grpc.RpcError as e:
         out["outcome"] = f"{e.code().name}: {e.details()}"
 
 
-def _gaps(times: list[float]) -> list[float]:
-    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
+def _gaps(times: dict[int, list[float]]) -> list[float]:
+    """The gaps between messages of one sample, of every sample."""
+    return [(b - a) * 1000 for ts in times.values() for a, b in zip(ts, ts[1:])]
+
+
+def _unequal(i: int, out: dict, want: dict, lost: bool) -> dict:
+    """Where stream i's samples first differ from the unbroken run's, and how many tokens each had
+    before its longest gap (a lost stream's stall: the tokens it went on from)."""
+    first, before = {}, {}
+    for k, w in want.items():
+        got = out["tokens"].get(k, [])
+        first[k] = next((j for j, (a, b) in enumerate(zip(got, w)) if a != b), min(len(got), len(w)))
+        ts, sizes = out["times"].get(k, []), out["sizes"].get(k, [])
+        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        before[k] = sum(sizes[:gaps.index(max(gaps)) + 1]) if gaps else 0
+    return {"stream": i, "lost": lost, "first_differing_token": first, "tokens_before_longest_gap": before}
+
+
+def _reached(out: dict, n: int, at: int) -> bool:
+    tokens = out.get("tokens", {})
+    return len(tokens) == n and all(len(t) >= at for t in tokens.values())
 
 
 def run(args) -> dict:
@@ -69,17 +99,20 @@ def run(args) -> dict:
             Client(stack.router_address) as c:
         target = "ipv4:" + ",".join(stack.router_addresses) if routers else stack.router_address
         names = {f"router-{stack.stack_id}": "router", f"router-1-{stack.stack_id}": "router-1"}
-        want = [list(c.generate(p, max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0,
-                                timeout=600).token_ids) for p in prompts]
+        want = []  # by stream: each sample's tokens in an unbroken run
+        for i, p in enumerate(prompts):
+            one = c.generate(p, max_tokens=args.max_tokens, timeout=600, **_sampling(i, args.n))
+            want.append({ch.index: list(ch.token_ids) for ch in one.choices or [one]})
         for r in range(args.rounds):
             time.sleep(2 * settings.heartbeat_s)  # placement by load reads the registry: fresh entries
             outs = [dict() for _ in prompts]
-            threads = [threading.Thread(target=_stream, args=(target, p, f"r{r}-{i}", args.max_tokens, outs[i],
-                                                              int(routers))) for i, p in enumerate(prompts)]
+            threads = [threading.Thread(target=_stream, args=(target, p, f"r{r}-{i}", args.max_tokens,
+                                                              _sampling(i, args.n), outs[i], int(routers)))
+                       for i, p in enumerate(prompts)]
             for t in threads:
                 t.start()
             deadline = time.time() + 600
-            while not all(len(o.get("tokens", ())) >= args.at for o in outs):
+            while not all(_reached(o, args.n, args.at) for o in outs):
                 if time.time() > deadline or any(o.get("outcome") for o in outs):
                     raise RuntimeError(f"round {r}: the streams did not reach {args.at} tokens")
                 time.sleep(0.01)
@@ -109,6 +142,7 @@ def run(args) -> dict:
                 "resumed": resumed,
                 "ok": sum(o["outcome"] == "OK" for o in outs),
                 "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
+                "unequal": [_unequal(i, o, w, i in lost) for i, (o, w) in enumerate(zip(outs, want)) if o["tokens"] != w],
                 "outcomes": [o["outcome"] for o in outs],
                 "stall_ms": [max(_gaps(outs[i]["times"])) for i in lost],
                 "other_max_gap_ms": [max(_gaps(outs[i]["times"])) for i in range(len(prompts)) if i not in lost],
@@ -119,7 +153,8 @@ def run(args) -> dict:
     others = [s for rd in rounds for s in rd["other_max_gap_ms"]]
     gaps = [g for rd in rounds for g in rd.pop("gaps_ms")]
     return {
-        "settings": {"streams": len(prompts), "max_tokens": args.max_tokens, "at": args.at, "rounds": args.rounds,
+        "settings": {"streams": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "at": args.at,
+                     "rounds": args.rounds,
                      "lose": args.lose, "signal": "SIGTERM" if args.sigterm else "SIGKILL", "drain_s": args.drain_s},
         "rounds": rounds,
         "streams": len(prompts) * args.rounds,
@@ -140,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--n", type=int, default=1, help="samples a stream (sampling.n; above 1, seeded)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--at", type=int, default=32, help="tokens every stream has sent when the worker is lost")
     ap.add_argument("--rounds", type=int, default=3)
