@@ -23,14 +23,14 @@ that restarts takes calls again only at the next try, up to 2 s later (calls mea
 UNAVAILABLE), so balance over several routers only.
 
 ``generate_stream(..., resumes=N)`` (and ``generate(..., resumes=N)``, which then streams and
-returns what ``collect`` makes of the messages) goes on with a stream whose router was lost after tokens
-came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
+returns what ``collect`` makes of the messages) goes on with a stream whose router was lost after
+tokens came (UNAVAILABLE: it was stopped past its drain time, killed, or stopped answering): it sends
 the request again with the tokens it has (``resume_from``), at most N times, and the stream goes
 on unbroken, the router sending only what is new (greedy or seeded, what an unbroken stream would
 have been). With ``n`` > 1, each sample's tokens go (``resume_from.samples``), and those not
 finished go on, each its own. With a ``request_id``, the re-send is a new attempt of it, which
-supersedes the earlier one still running for the lost router; if that one finished, the re-send gets
-what the client does not have of its kept result (a replay). A re-send refused ALREADY_EXISTS
+supersedes the earlier one still running for the lost router; if that one finished, the re-send
+gets what the client does not have of its kept result (a replay). A re-send refused ALREADY_EXISTS
 (it raced another) is tried again every 0.5 s for up to a minute, within the call's timeout (not
 one refused because the request finished: its result was not kept, n > 1 or too long); so
 is a re-send that failed UNAVAILABLE before any message (round robin sent it to the lost router

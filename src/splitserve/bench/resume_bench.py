@@ -142,7 +142,8 @@ def run(args) -> dict:
                 "resumed": resumed,
                 "ok": sum(o["outcome"] == "OK" for o in outs),
                 "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
-                "unequal": [_unequal(i, o, w, i in lost) for i, (o, w) in enumerate(zip(outs, want)) if o["tokens"] != w],
+                "unequal": [_unequal(i, o, w, i in lost) for i, (o, w) in enumerate(zip(outs, want))
+                            if o["tokens"] != w],
                 "outcomes": [o["outcome"] for o in outs],
                 "stall_ms": [max(_gaps(outs[i]["times"])) for i in lost],
                 "other_max_gap_ms": [max(_gaps(outs[i]["times"])) for i in range(len(prompts)) if i not in lost],
