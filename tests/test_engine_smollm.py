@@ -242,3 +242,53 @@ def test_the_gguf_weights_are_kept_as_their_blocks_for_small_steps(engine):
     assert model.small_gemm is not None
     assert {p.fmt for layer in model.layers for p in layer.packed.values()} == {"q4_1"}
     assert model.lm_head_packed.fmt == "q8_0"
+
+
+def _seeded(eng, prompt, *, before=(), join_at=-1, join=()) -> tuple[list[int], list[float], int]:
+    """A seeded request's tokens, log probabilities and cached prompt tokens, with requests queued
+    before it (before) or joining it at a step (join_at, join)."""
+    for i, p in enumerate(before):
+        eng.add_request(f"before{i}", p, SamplingParams(max_tokens=4))
+    eng.add_request("seeded", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True,
+                                                     logprobs=0))
+    tokens, logprobs, cached, step = [], [], 0, 0
+    while eng.has_unfinished():
+        if step == join_at:
+            for i, p in enumerate(join):
+                eng.add_request(f"join{i}", p, SamplingParams(max_tokens=4))
+        for out in eng.step():
+            if out.request_id == "seeded":
+                tokens += out.new_token_ids
+                logprobs += [lp.logprob for lp in out.new_logprobs or ()]
+                cached = max(cached, out.num_cached_tokens)
+        step += 1
+    return tokens, logprobs, cached
+
+
+def test_batch_invariant_gives_a_request_the_same_logits_whatever_shares_its_steps(smol_loaded, prompts):
+    """batch_invariant: a seeded request's tokens and log probabilities are the same bit for bit
+    alone; with its prompt cut into other chunks beside another prompt (a 256-token budget); with
+    prompts joining while it decodes; and starting from a cached prefix. (Without it, the last
+    three differed within float error when measured: MKL rounds a row with the rows beside it, and
+    a fresh prompt's attention is torch's, a later chunk's the paged kernel's.) Only for
+    continuous batching on the CPU."""
+    def engine(budget: int = 2048) -> LLMEngine:
+        return LLMEngine(EngineConfig(kv_cache_bytes=128 << 20, max_num_batched_tokens=budget, batch_invariant=True),
+                         loaded=smol_loaded)
+    prompt = min((p for p in prompts if len(p) > 256), key=len)
+    other = prompts[0]
+    eng = engine()
+    alone = _seeded(eng, prompt)[:2]
+    assert len(alone[0]) == len(alone[1]) == 24
+    eng.reset_prefix_cache()
+    assert _seeded(eng, prompt, join_at=6, join=[other, prompt[:140]])[:2] == alone
+    *got, cached = _seeded(eng, prompt)  # its prompt's blocks cached now
+    assert cached >= len(prompt) - 16 and got == list(alone)
+    assert _seeded(engine(256), prompt, before=[other])[:2] == alone
+    with pytest.raises(ValueError, match="batch_invariant needs continuous batching"):
+        EngineConfig(batch_invariant=True, policy="static")
+    from splitserve.service.settings import Settings
+    with pytest.raises(ValueError, match="SPLITSERVE_BATCH_INVARIANT: batch_invariant needs policy continuous"):
+        Settings.from_env({"SPLITSERVE_BATCH_INVARIANT": "true", "SPLITSERVE_POLICY": "dynamic",
+                           "SPLITSERVE_MODE": "colocated"})
+    assert Settings.from_env({"SPLITSERVE_BATCH_INVARIANT": "1"}).engine_config("prefill").batch_invariant

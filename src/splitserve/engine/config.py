@@ -57,6 +57,10 @@ class EngineConfig:
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
     small_gemm: bool = True  # matmuls of <= 128 rows through the weight-streaming C kernel (AVX2)
+    # A request's logits the same bit for bit whatever shares its steps and however its prompt is cut
+    # into chunks: every matmul through the small-GEMM kernel (128 rows at a time), every attention
+    # row through the paged kernel. Continuous batching on the CPU, with both C kernels; slower prefills.
+    batch_invariant: bool = False
     device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     fused_kernels: bool = True  # CUDA: Triton kernels for rotary + KV write, decode attention, SiLU (fused.py)
@@ -78,6 +82,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("native", "torch"):
             raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
+        if self.batch_invariant and (self.policy != "continuous" or self.attention_backend != "native"
+                                     or not self.small_gemm or self.device != "cpu"):
+            raise ValueError("batch_invariant needs continuous batching on the cpu device, with the native "
+                             f"attention backend and small_gemm (policy {self.policy!r}, device {self.device!r}, "
+                             f"attention_backend {self.attention_backend!r}, small_gemm {self.small_gemm})")
         check_device(self.device)
         if not 0 < self.max_mask_ms < float("inf"):
             raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")

@@ -123,7 +123,12 @@ class LLMEngine:
         if config.small_gemm and on_cpu:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
-                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick)
+                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed)
+        if config.batch_invariant:
+            if self.model.attn_kernel is None or self.model.small_gemm is None:
+                raise RuntimeError("batch_invariant needs the CPU kernels (paged attention and small GEMM: AVX2 and "
+                                   "a C compiler), which could not be built here")
+            self.model.invariant = True
         self.model.to(self.device)
         if tick:
             self.model.on_layer = tick
@@ -459,7 +464,7 @@ class LLMEngine:
             q_start = len(ids)
             ids.extend(seq.token_ids[start:end])
             positions.append(torch.arange(start, end))
-            if start == 0:
+            if start == 0 and not self.config.batch_invariant:  # (invariant: through the kernel, as any chunk)
                 slot_mapping.append(self.cache.slots(seq.block_table, 0, end))
                 seqs.append(AttnSeq(q_start, n, end, -1, None))
             else:

@@ -13,6 +13,7 @@ Every failure is a ``ModelLoadError`` whose message is one line naming the probl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -43,6 +44,9 @@ class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None  # None for weight-only folders
+    # The small-GEMM kernel's packed weights, by (layer, name), made by the first engine built on
+    # these weights and shared by the later ones (packing them takes ~10 s here: LlamaModel.use_small_gemm)
+    packed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def default_model_path() -> str:

@@ -93,6 +93,7 @@ class LlamaModel:
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
         self.fused = None  # fused.FusedOps (CUDA: Triton), set by the engine when available
         self.small_gemm = None  # native.SmallGemm, set by use_small_gemm()
+        self.invariant = False  # every matmul through small_gemm, MAX_M rows at a time (EngineConfig.batch_invariant)
         self.on_layer = None  # called before every layer (the engine's CoreShare.tick)
         self.lm_head_packed = None  # native.Packed
         self.device = torch.device("cpu")
@@ -112,22 +113,32 @@ class LlamaModel:
         ]
         self.device = device
 
-    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None) -> None:
+    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None, cache: dict | None = None) -> None:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
-        kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick)."""
-        for layer in self.layers:
+        kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
+        (LoadedModel.packed) keeps the packed weights for the next model built on the same ones."""
+        cache = {} if cache is None else cache
+        for i, layer in enumerate(self.layers):
             if between is not None:
                 between()
-            layer.packed = {name: small_gemm.pack(getattr(layer, name)) for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
-        self.lm_head_packed = small_gemm.pack(self.lm_head)
+            layer.packed = {name: cache[i, name] if (i, name) in cache else small_gemm.pack(getattr(layer, name))
+                            for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+            cache.update(((i, name), p) for name, p in layer.packed.items())
+        if "lm_head" not in cache:
+            cache["lm_head"] = small_gemm.pack(self.lm_head)
+        self.lm_head_packed = cache["lm_head"]
         self.small_gemm = small_gemm
 
     def mm(self, x: torch.Tensor, layer: Layer | None, name: str) -> torch.Tensor:
         """x @ W for one of a layer's weights (layer None: the lm_head)."""
         w = self.lm_head if layer is None else getattr(layer, name)
-        if self.small_gemm is not None and 0 < x.shape[0] <= self.small_gemm.MAX_M:
+        m = self.small_gemm.MAX_M if self.small_gemm is not None else 0
+        if 0 < x.shape[0] <= m:
             packed = self.lm_head_packed if layer is None else layer.packed[name]
             return self.small_gemm(x, packed, w.shape[1])
+        if self.invariant and x.shape[0] > m:  # each row's result its own, as in a short step
+            packed = self.lm_head_packed if layer is None else layer.packed[name]
+            return torch.cat([self.small_gemm(x[i:i + m], packed, w.shape[1]) for i in range(0, x.shape[0], m)])
         return torch.mm(x, w)
 
     def _layer(self, sd: dict, i: int) -> Layer:

@@ -32,6 +32,7 @@ class Settings:
     device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
     cuda_graphs: bool = True  # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     fused_kernels: bool = True  # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU (fused.py); false = torch's ops
+    batch_invariant: bool = False  # a request's logits the same bit for bit whatever else its steps hold and however its prompt is chunked (CPU, continuous; slower prefills: EngineConfig.batch_invariant)
     prefix_caching: bool = True  # continuous engines keep the KV of computed prompt blocks: a prompt that starts with a cached prefix (whole blocks) computes only the rest; false = off
     heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
     drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
@@ -87,6 +88,9 @@ class Settings:
         if needs_colocated(self.policy) and self.mode != "colocated":
             raise ValueError(f"policy {self.policy} batches prefill with decode in one engine: it needs mode colocated "
                              f"(KV handed over by prefill workers joins a continuous batch only)")
+        if self.batch_invariant and (self.policy != "continuous" or self.device != "cpu"):
+            raise ValueError(f"batch_invariant needs policy continuous on the cpu device (policy {self.policy!r}, "
+                             f"device {self.device!r})")
         if not 0 < self.admit_fraction <= 1:
             raise ValueError(f"admit_fraction must be in (0, 1], got {self.admit_fraction}")
         for name in ("max_queue_requests", "max_queue_tokens", "prefill_batch", "prefill_token_budget",
@@ -158,7 +162,8 @@ class Settings:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
         compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
                        fused_kernels=self.fused_kernels, core_share=self.core_share_board,
-                       prefix_caching=self.prefix_caching, max_mask_ms=self.max_mask_ms)
+                       prefix_caching=self.prefix_caching, max_mask_ms=self.max_mask_ms,
+                       batch_invariant=self.batch_invariant)
         if role == "prefill":
             return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
                                 max_num_batched_tokens=self.prefill_token_budget,
