@@ -77,7 +77,7 @@ def _unequal(i: int, out: dict, want: dict, lost: bool) -> dict:
         got = out["tokens"].get(k, [])
         first[k] = next((j for j, (a, b) in enumerate(zip(got, w)) if a != b), min(len(got), len(w)))
         ts, sizes = out["times"].get(k, []), out["sizes"].get(k, [])
-        gaps = [b - a for a, b in zip(ts, ts[1:])]
+        gaps = _gaps({k: ts})
         before[k] = sum(sizes[:gaps.index(max(gaps)) + 1]) if gaps else 0
     return {"stream": i, "lost": lost, "first_differing_token": first, "tokens_before_longest_gap": before}
 
