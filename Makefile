@@ -38,6 +38,7 @@ bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --penalties-cost --out bench-results/engine-penalties.json
 	$(PY) -m splitserve.bench.engine_bench --structured-cost --out bench-results/engine-structured.json
 	$(PY) -m splitserve.bench.engine_bench --samples-cost 4 --out bench-results/engine-samples.json
+	$(PY) -m splitserve.bench.engine_bench --invariant-cost --rounds 5 --out bench-results/engine-invariant.json
 
 bench-handoff: install proto
 	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json

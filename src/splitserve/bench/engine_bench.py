@@ -130,6 +130,8 @@ COSTS = {
     "logprobs": ("output_tok_per_s", None),
     "prompt logprobs": ("prompt_tok_per_s", 1),  # one output token each: the prefill's rate
     "penalties": ("output_tok_per_s", None),
+    "batch invariance": ("output_tok_per_s", None),  # (an engine of EngineConfig.batch_invariant, not sampling)
+    "batch-invariant prefill": ("prompt_tok_per_s", 1),
 }
 
 
@@ -145,17 +147,20 @@ def alternated(rounds: int, sides: dict, show) -> dict[str, list]:
     return runs
 
 
-def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, rounds: int) -> dict:
+def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, rounds: int,
+         engine_with: LLMEngine | None = None) -> dict:
     """The same requests without and with `sampling` (SamplingParams fields: COSTS[what] says
-    which rate is compared), alternated so that neither side gets the machine's quieter minutes;
-    the rate of each run, and per-round ratios. The engine has no prefix cache, so every run
-    computes its prompts."""
+    which rate is compared), or through `engine` and through `engine_with` (another config),
+    alternated so that neither side gets the machine's quieter minutes; the rate of each run, and
+    per-round ratios. The engines have no prefix cache, so every run computes its prompts."""
     rate, max_tokens = COSTS[what]
 
     def run(on: bool) -> float:
-        return run_workload(engine, items, max_tokens, **(sampling if on else {}))[rate]
+        return run_workload(engine_with if on and engine_with else engine, items, max_tokens,
+                            **(sampling if on else {}))[rate]
 
-    run_workload(engine, items[:4])  # warm-up
+    for eng in {id(e): e for e in (engine, engine_with or engine)}.values():
+        run_workload(eng, items[:4])  # warm-up
     runs = alternated(rounds, {"without": lambda: run(False), "with": lambda: run(True)},
                       lambda side, got: f"{side:>7} {what}: {got:6.1f} {rate.replace('_per_', '/')}")
     ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
@@ -285,6 +290,10 @@ def main(argv=None) -> int:
                          "requests of each")
     ap.add_argument("--structured-cost", action="store_true",
                     help="only measure the sampler's time for 32 rows held to structured output formats")
+    ap.add_argument("--invariant-cost", action="store_true",
+                    help="only measure the cost of batch_invariant (SPLITSERVE_BATCH_INVARIANT): the first 32 mixed "
+                         "requests through an engine with and one without, output tok/s, then their prompts alone "
+                         "(one output token each), prompt tok/s")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
                     help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
@@ -312,10 +321,15 @@ def main(argv=None) -> int:
     costs = [(what, sampling) for what, sampling, on in (
         ("logprobs", {"logprobs": args.logprobs_cost}, args.logprobs_cost is not None),
         ("prompt logprobs", {"prompt_logprobs": args.prompt_logprobs_cost}, args.prompt_logprobs_cost is not None),
-        ("penalties", PENALTIES, args.penalties_cost)) if on]
+        ("penalties", PENALTIES, args.penalties_cost),
+        ("batch invariance", {}, args.invariant_cost),
+        ("batch-invariant prefill", {}, args.invariant_cost)) if on]
+    uncached = LLMEngine(base.replace(prefix_caching=False), loaded=loaded) if costs else None
+    invariant = (LLMEngine(base.replace(prefix_caching=False, batch_invariant=True), loaded=loaded)
+                 if args.invariant_cost else None)
     for what, sampling in costs:
-        got = results[what.replace(" ", "_") + "_cost"] = cost(
-            LLMEngine(base.replace(prefix_caching=False), loaded=loaded), mixed[:n_mixed], what, sampling, args.rounds)
+        got = results[what.replace(" ", "_").replace("-", "_") + "_cost"] = cost(
+            uncached, mixed[:n_mixed], what, sampling, args.rounds, engine_with=invariant if "invariant" in what else None)
         print(f"with / without {what}, per round: {', '.join(f'{r:.3f}' for r in got['ratios'])}; "
               f"median {got['median_ratio']:.3f}", flush=True)
     if args.structured_cost:
