@@ -3151,11 +3151,62 @@ def test_n_samples_are_the_in_process_engines(stack, client, smol_loaded):
     short = client.generate(token_ids=ids, n=4, timeout=120, **{**kw, "max_tokens": 1})
     assert [len(c.token_ids) for c in short.choices] == [1, 1, 1, 1]
     assert [c.token_ids[0] for c in short.choices] == [want[0][0], want[1][0], want[2][0], short.choices[3].token_ids[0]]
-    # a kept request_id's result is not kept for n > 1: sent again, refused
-    client.generate(token_ids=ids, n=2, request_id="n-kept", max_tokens=4)
+    wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
+
+
+def test_a_finished_request_of_n_samples_is_replayed_sample_by_sample(stack, client):
+    """n > 1 keeps every sample's result (n x max_tokens within replay_max_tokens). Sent again:
+    Generate gets every sample in choices, GenerateStream a message a sample, each replayed with
+    its tokens, text, log probabilities, finish and usage. Sent again to go on (resume_from
+    .samples): only what the client does not have of each sample, nothing of one it has finished.
+    A resumed attempt keeps what came after: refused to a re-send without what it went on from."""
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    prompt, kw = "Name three rivers.", dict(n=2, max_tokens=6, ignore_eos=True, temperature=1.0, seed=3, logprobs=1)
+    chunks = list(client.generate_stream(prompt, request_id="n-kept", **kw))
+    first = collect(chunks, 2)
+    a, b = first.choices
+    assert not first.replayed and [len(c.token_ids) for c in first.choices] == [6, 6] and a.token_ids != b.token_ids
+
+    def same(got, want):
+        assert [(c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in got] == \
+            [(c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in want]
+        assert [[lp.logprob for lp in c.logprobs] for c in got] == [[lp.logprob for lp in c.logprobs] for c in want]
+
+    again = client.generate(prompt, request_id="n-kept", **kw)
+    assert again.replayed and all(c.replayed for c in again.choices) and list(again.token_ids) == list(a.token_ids)
+    same(again.choices, first.choices)
+    streamed = list(client.generate_stream(prompt, request_id="n-kept", **kw))
+    assert len(streamed) == 2 and all(c.replayed for c in streamed)
+    same(streamed, first.choices)
+
+    # the client has sample 0 whole and sample 1's first message: replayed the rest of sample 1
+    b_first = next(c for c in chunks if c.index == 1)
+    assert 0 < len(b_first.token_ids) < 6
+    cont = pb.Continuation(samples=[
+        pb.SampleContinuation(index=0, token_ids=a.token_ids, text_chars=len(a.text), finished=True),
+        pb.SampleContinuation(index=1, token_ids=b_first.token_ids, text_chars=len(b_first.text))])
+    rest = list(client.generate_stream(prompt, request_id="n-kept", resume_from=cont, **kw))
+    assert len(rest) == 1 and rest[0].replayed and rest[0].index == 1 and rest[0].finish_reason == "length"
+    assert list(b_first.token_ids) + list(rest[0].token_ids) == list(b.token_ids)
+    assert b_first.text + rest[0].text == b.text
+    assert [lp.logprob for lp in rest[0].logprobs] == [lp.logprob for lp in b.logprobs][len(b_first.token_ids):]
+    cont.samples[1].token_ids[0] += 1
     with pytest.raises(grpc.RpcError) as e:
-        client.generate(token_ids=ids, n=2, request_id="n-kept", max_tokens=4)
-    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "not kept" in e.value.details()
+        client.generate(prompt, request_id="n-kept", resume_from=cont, **kw)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "other tokens than resume_from" in e.value.details()
+
+    # a resumed attempt: sample 0 had finished, sample 1 went on from its first message
+    cont.samples[1].token_ids[0] -= 1
+    went_on = list(client.generate_stream(prompt, request_id="n-resumed", resume_from=cont, **kw))
+    assert {c.index for c in went_on} == {1} and not any(c.replayed for c in went_on)
+    replay = list(client.generate_stream(prompt, request_id="n-resumed", resume_from=cont, **kw))
+    assert len(replay) == 1 and replay[0].replayed
+    same(replay, [collect(went_on, 2).choices[0]])
+    for other in (None, _continuation((0, list(a.token_ids[:5]), False), (1, list(b_first.token_ids), False))):
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(prompt, request_id="n-resumed", resume_from=other, **kw)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "sample 0 had finished before" in e.value.details()
     wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
 
 

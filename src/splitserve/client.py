@@ -32,7 +32,7 @@ finished go on, each its own. With a ``request_id``, the re-send is a new attemp
 supersedes the earlier one still running for the lost router; if that one finished, the re-send
 gets what the client does not have of its kept result (a replay). A re-send refused ALREADY_EXISTS
 (it raced another) is tried again every 0.5 s for up to a minute, within the call's timeout (not
-one refused because the request finished: its result was not kept, n > 1 or too long); so
+one refused because the request finished: its result was not kept, too long); so
 is a re-send that failed UNAVAILABLE before any message (round robin sent it to the lost router
 before the channel saw it go, or no router could take it), first 50 ms later, then at most
 0.5 s apart, and it does not count as a resume.

@@ -72,29 +72,54 @@ INLINE_TOKENIZE_CHARS = 4096
 
 @dataclass
 class Result:
-    """What an attempt sends, kept for a replay (_mark, _recorded): its tokens, texts and log
-    probabilities, after the `start` tokens (`start_chars` characters of text) its client had
-    already (resume_from)."""
+    """What an attempt sends of one sample, kept for a replay (_mark, _recorded): its tokens, texts
+    and log probabilities, after the `start` tokens (`start_chars` characters of text) its client
+    had already (resume_from); `before`: the sample had finished before this attempt (its client
+    has it all, the router none of it)."""
     start: int = 0
     start_chars: int = 0
+    before: bool = False
     tokens: list = dataclasses.field(default_factory=list)
     texts: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     prompt_logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+    completion_tokens: int = 0
 
     def add(self, ev) -> None:
         self.tokens.extend(ev.token_ids)
         self.texts.append(ev.text)
         self.logprobs.extend(ev.logprobs)
         self.prompt_logprobs.extend(ev.prompt_logprobs)
+        if ev.finish_reason:
+            self.finish_reason, self.completion_tokens = ev.finish_reason, ev.completion_tokens
+
+    def message(self, index: int) -> gen_pb.GenerateResponse:
+        """As it is kept for a request of n > 1 samples: one of the choices of result_samples."""
+        return gen_pb.GenerateResponse(index=index, token_ids=self.tokens, text="".join(self.texts),
+                                       logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                                       finish_reason=self.finish_reason,
+                                       usage=gen_pb.Usage(completion_tokens=self.completion_tokens))
 
 
 class Recorded(Exception):
-    """A request_id whose latest attempt finished: its recorded result answers the call."""
+    """A request_id whose latest attempt finished: its recorded result answers the call, one
+    message a sample (those its client does not have all of)."""
 
-    def __init__(self, response: gen_pb.GenerateResponse):
-        super().__init__(response.request_id)
-        self.response = response
+    def __init__(self, responses: list[gen_pb.GenerateResponse]):
+        super().__init__(responses[0].request_id if responses else "")
+        self.responses = responses
+
+
+def joined(samples: dict[int, gen_pb.GenerateResponse], n: int) -> gen_pb.GenerateResponse:
+    """Generate's one response from each sample's (by index): sample 0's in the fields, and with
+    n > 1 every sample, in order, in choices."""
+    resp = gen_pb.GenerateResponse()
+    if 0 in samples:
+        resp.CopyFrom(samples[0])
+    if len(samples) > 1 or n > 1:
+        resp.choices.extend(samples[i] for i in sorted(samples))
+    return resp
 
 
 def fingerprint(request: gen_pb.GenerateRequest) -> str:
@@ -119,16 +144,15 @@ def name_tokens(tokenizer, *lists) -> None:
                 t.token = text(t.token_id)
 
 
-def logprobs_to_text(logprobs, prompt_logprobs=()) -> str:
-    """A finished request's log probabilities (and its prompt's) as they are kept for its replay:
-    a GenerateResponse holding only them, in base64 (312 bytes a token with the 20 most likely,
-    measured), since the request hash is read whole and decoded as text (GetRequest)."""
-    msg = gen_pb.GenerateResponse(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+def message_to_text(msg: gen_pb.GenerateResponse) -> str:
+    """A GenerateResponse as a finished request's result is kept for its replay (a sample's log
+    probabilities: result_logprobs; every sample of n > 1: result_samples): in base64 (312 bytes a
+    token with the 20 most likely, measured), since the request hash is read whole and decoded as
+    text (GetRequest)."""
     return base64.b64encode(msg.SerializeToString()).decode()
 
 
-def logprobs_from_text(raw: bytes) -> gen_pb.GenerateResponse:
-    """logprobs_to_text's message (its logprobs and prompt_logprobs; nothing else is set)."""
+def message_from_text(raw: bytes) -> gen_pb.GenerateResponse:
     return gen_pb.GenerateResponse.FromString(base64.b64decode(raw))
 
 
@@ -708,8 +732,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if (recorded := await self._recorded(rid, latest, have)) is not None:
                 raise Recorded(recorded)
             raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept (only "
-                                f"one sample, n = 1, of at most replay_max_tokens = {self.s.replay_max_tokens} is); "
-                                "see GetRequest")
+                                f"one of at most replay_max_tokens = {self.s.replay_max_tokens} tokens, n x "
+                                "max_tokens, is); see GetRequest")
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
         if state is not None and state.decode() not in MAY_RUN_AGAIN \
@@ -719,36 +743,58 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         n = int(attempts or 1)
         return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
 
-    async def _recorded(self, rid: str, attempt: str, have: Sent) -> gen_pb.GenerateResponse | None:
-        """The result a finished attempt left in its hash (_mark), as its replay: after the tokens its
-        client has (have, resume_from: the last message did not reach it); None if it left none."""
-        tokens, text, reason, n_prompt, n_out, n_cached, logprobs, start, start_chars = await self.redis.hmget(
-            self.keys.req(attempt), "result_tokens", "result_text", "finish_reason", "prompt_tokens",
-            "completion_tokens", "cached_tokens", "result_logprobs", "result_start", "result_start_chars")
-        if tokens is None:
+    async def _recorded(self, rid: str, attempt: str, have: Sent) -> list[gen_pb.GenerateResponse] | None:
+        """The result a finished attempt left in its hash (_mark), as its replay: a message for each
+        sample, after the tokens its client has of it (have, resume_from: the last message did not
+        reach it), none for a sample it has whole (finished); None if the attempt left none."""
+        tokens, text, reason, n_prompt, n_out, n_cached, logprobs, start, start_chars, samples, starts = \
+            await self.redis.hmget(self.keys.req(attempt), "result_tokens", "result_text", "finish_reason",
+                                   "prompt_tokens", "completion_tokens", "cached_tokens", "result_logprobs",
+                                   "result_start", "result_start_chars", "result_samples", "result_starts")
+        if samples is not None:  # n > 1: each sample's, and where it started (_mark)
+            kept = message_from_text(samples).choices
+            begun = [tuple(int(x) for x in s.split(":")) for s in starts.decode().split(",")]
+        elif tokens is None:
             return None
-        tokens = [int(t) for t in tokens.split(b",") if t]
-        text = (text or b"").decode()
-        start, start_chars = int(start or 0), int(start_chars or 0)
-        carried, chars = have.tokens[0], have.chars[0]
+        else:
+            kept = [gen_pb.GenerateResponse(token_ids=[int(t) for t in tokens.split(b",") if t],
+                                            text=(text or b"").decode(), finish_reason=(reason or b"").decode(),
+                                            usage=gen_pb.Usage(completion_tokens=int(n_out or 0)))]
+            if logprobs:
+                kept[0].MergeFrom(message_from_text(logprobs))  # (only log probabilities)
+            begun = [(int(start or 0), int(start_chars or 0), 0)]
+        out = []
+        for sample, (first, first_chars, before) in zip(kept, begun):
+            i = sample.index
+            if before and i not in have.finished:
+                raise AlreadyExists(f"request_id {rid!r} already exists and finished; sample {i} had finished before "
+                                    "its last attempt, which went on from resume_from: only what came after was kept, "
+                                    "for a re-send whose resume_from.samples holds that sample finished")
+            if i in have.finished:
+                continue
+            resp = self._replay_of(rid, sample, first, first_chars, have.tokens.get(i, []), have.chars.get(i, 0))
+            resp.usage.prompt_tokens, resp.usage.cached_tokens = int(n_prompt or 0), int(n_cached or 0)
+            out.append(resp)
+        return out
+
+    @staticmethod
+    def _replay_of(rid: str, kept: gen_pb.GenerateResponse, start: int, start_chars: int, carried: list[int],
+                   chars: int) -> gen_pb.GenerateResponse:
+        """A sample's kept result (its tokens after the `start` its attempt went on from) as the
+        replay to a client that has `carried` tokens (`chars` characters) of it: what comes after."""
         if len(carried) < start:
             raise AlreadyExists(f"request_id {rid!r} already exists and finished, going on from {start} tokens its "
                                 "client had (resume_from): only what came after them was kept, for a re-send whose "
                                 "resume_from holds at least those")
         skip, skip_chars = len(carried) - start, chars - start_chars
-        if carried[start:] != tokens[:skip] or not 0 <= skip_chars <= len(text):
+        if carried[start:] != list(kept.token_ids[:skip]) or not 0 <= skip_chars <= len(kept.text):
             raise AlreadyExists(f"request_id {rid!r} already exists and finished with other tokens than "
-                                "resume_from.token_ids (or fewer characters than resume_from.text_chars)")
-        resp = gen_pb.GenerateResponse(
-            request_id=rid, token_ids=tokens[skip:], text=text[skip_chars:],
-            finish_reason=(reason or b"").decode(), replayed=True,
-            usage=gen_pb.Usage(prompt_tokens=int(n_prompt or 0), completion_tokens=int(n_out or 0),
-                               cached_tokens=int(n_cached or 0)))
-        if logprobs:
-            kept = logprobs_from_text(logprobs)
-            resp.logprobs.extend(kept.logprobs[skip:])
-            if not carried:  # they came with the first token
-                resp.prompt_logprobs.extend(kept.prompt_logprobs)
+                                "resume_from's (or fewer characters than its text_chars)")
+        resp = gen_pb.GenerateResponse(request_id=rid, index=kept.index, token_ids=kept.token_ids[skip:],
+                                       text=kept.text[skip_chars:], finish_reason=kept.finish_reason, replayed=True,
+                                       usage=kept.usage, logprobs=kept.logprobs[skip:])
+        if not carried:  # they came with the first token
+            resp.prompt_logprobs.extend(kept.prompt_logprobs)
         return resp
 
     async def _latest(self, rid: str) -> str:
@@ -870,9 +916,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent_by = {i: len(t) for i, t in have.tokens.items()}  # a sample's index -> its completion tokens so far
         sent = sum(sent_by.values())  # completion tokens streamed so far (of all samples)
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        # kept for a replay (_attempt): a resumed attempt's after the tokens its client had
-        result = (Result(len(carried), carried_chars) if request.request_id and params.n == 1
-                  and params.max_tokens <= self.s.replay_max_tokens else None)
+        # kept for a replay (_attempt), each sample's: a resumed attempt's after the tokens its client had
+        results = ({i: Result(len(have.tokens.get(i, ())), have.chars.get(i, 0), i in have.finished)
+                    for i in range(params.n)}
+                   if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens else None)
         marked = False  # the end recorded (_mark) already
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
@@ -1001,21 +1048,23 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             sent_by[ev.index] = ev.completion_tokens
                             sent = sum(sent_by.values())
                         cached = ev.cached_tokens or cached
-                        if result is not None:
-                            result.add(ev)
-                            if ev.finish_reason and ev.finish_reason != "cancelled":
-                                # Recorded before the client has the last message, so that a re-send
-                                # following it finds the request finished (its replay), not running.
-                                with tracing.tracer().start_span("finish", context=rs.ctx):
-                                    await self._mark(rid, "finished", ev, result=result)
-                                marked = True
-                        have.add(ev)
-                        yield rid, public_id, len(ids), ev
-                        if ev.finish_reason and not ev.more:
+                        last = ev.finish_reason and not ev.more
+                        if last:
                             final = ev
                             if params.n > 1:  # recorded with every sample's tokens
                                 final = w_pb.DecodeEvent(finish_reason=ev.finish_reason, completion_tokens=sent,
                                                          cached_tokens=ev.cached_tokens)
+                        if results is not None:
+                            results[ev.index].add(ev)
+                            if last and ev.finish_reason != "cancelled":
+                                # Recorded before the client has the last message, so that a re-send
+                                # following it finds the request finished (its replay), not running.
+                                with tracing.tracer().start_span("finish", context=rs.ctx):
+                                    await self._mark(rid, "finished", final, results=results)
+                                marked = True
+                        have.add(ev)
+                        yield rid, public_id, len(ids), ev
+                        if last:
                             if self.affinity and have.tokens[0]:  # the KV of all but the last token is cached there
                                 self._record(worker, self.prefixes.chain(ids + have.tokens[0][:-1], request.cache_salt,
                                                                          hashes))
@@ -1228,21 +1277,29 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         else:
             name_tokens(self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
 
-    async def _mark(self, rid: str, state: str, final=None, error: str = "", result=None) -> None:
-        """Record how a request ended (with its last decode event, if any, and the tokens and texts
-        it sent, for a replay); the hash then expires sooner."""
+    async def _mark(self, rid: str, state: str, final=None, error: str = "",
+                    results: dict[int, Result] | None = None) -> None:
+        """Record how a request ended (with its last decode event, if any, and what it sent of each
+        sample, for a replay); the hash then expires sooner."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
             mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason,
                            cached_tokens=final.cached_tokens)
-        if result is not None:
+        if results is not None and len(results) > 1:  # every sample's, as text (below)
+            mapping["result_samples"] = message_to_text(gen_pb.GenerateResponse(
+                choices=[r.message(i) for i, r in sorted(results.items())]))
+            mapping["result_starts"] = ",".join(f"{r.start}:{r.start_chars}:{int(r.before)}"
+                                                for _, r in sorted(results.items()))
+        elif results is not None:
             # As text: the hash is read whole and decoded (GetRequest).
+            result = results[0]
             mapping.update(result_tokens=",".join(map(str, result.tokens)), result_text="".join(result.texts))
             if result.start:
                 mapping.update(result_start=result.start, result_start_chars=result.start_chars)
             if result.logprobs or result.prompt_logprobs:
-                mapping["result_logprobs"] = logprobs_to_text(result.logprobs, result.prompt_logprobs)
+                mapping["result_logprobs"] = message_to_text(gen_pb.GenerateResponse(
+                    logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs))
         if error:
             mapping["error"] = error
         try:
@@ -1300,13 +1357,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         longest = max(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else 0
         self.metrics.observe_finished(t, resp.finish_reason, out, longest if n > 1 else None)
 
-    def _replayed(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, t0: float) -> gen_pb.GenerateResponse:
-        """A finished request's recorded result, sent again: on the span and in the metrics as such."""
-        resp.timings.e2e_ms = (time.perf_counter() - t0) * 1000
-        rs.span.set_attributes({"splitserve.replayed": True, "gen_ai.response.finish_reasons": [resp.finish_reason],
-                                "gen_ai.usage.output_tokens": resp.usage.completion_tokens})
+    def _replayed(self, rs: tracing.rpc_span, responses: list[gen_pb.GenerateResponse],
+                  t0: float) -> list[gen_pb.GenerateResponse]:
+        """A finished request's recorded result, sent again (a message a sample): on the span and in
+        the metrics as such."""
+        for resp in responses:
+            resp.timings.e2e_ms = (time.perf_counter() - t0) * 1000
+        rs.span.set_attributes({"splitserve.replayed": True,
+                                "gen_ai.response.finish_reasons": [r.finish_reason for r in responses],
+                                "gen_ai.usage.output_tokens": sum(r.usage.completion_tokens for r in responses)})
         self.metrics.replayed.inc()
-        return resp
+        return responses
 
     def _record_error(self, e: BaseException) -> None:
         code = code_of(e)
@@ -1339,7 +1400,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
                         yield resp
                 except Recorded as r:
-                    yield self._replayed(rs, r.response, t0)
+                    for resp in self._replayed(rs, r.responses, t0):
+                        yield resp
         except BaseException as e:
             self._record_error(e)
             raise
@@ -1369,7 +1431,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ended.append(ev)
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
                 except Recorded as r:
-                    return self._replayed(rs, r.response, t0)
+                    return joined({resp.index: resp for resp in self._replayed(rs, r.responses, t0)},
+                                  request.sampling.n)
         except BaseException as e:
             self._record_error(e)
             raise
@@ -1377,12 +1440,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self.metrics.in_flight.dec()
         for resp, text in samples.values():
             resp.text = "".join(text)
-        resp = gen_pb.GenerateResponse()
-        if 0 in samples:
-            resp.CopyFrom(samples[0][0])
-        if len(samples) > 1 or request.sampling.n > 1:
-            resp.choices.extend(samples[i][0] for i in sorted(samples))
-        return resp
+        return joined({i: resp for i, (resp, _) in samples.items()}, request.sampling.n)
 
     async def Abort(self, request, context):
         convert.check_request_id(request.request_id, required=True)

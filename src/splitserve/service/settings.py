@@ -59,7 +59,7 @@ class Settings:
     default_max_tokens: int = 16
     request_ttl_s: int = 3600  # request hash expiry while active
     finished_ttl_s: int = 600  # request hash expiry after completion
-    replay_max_tokens: int = 4096  # a finished request with a client-chosen request_id keeps its result in its hash, for a re-send, when its max_tokens is at most this; 0 = keep none
+    replay_max_tokens: int = 4096  # a finished request with a client-chosen request_id keeps its result (each sample's) in its hash, for a re-send, when its n x max_tokens is at most this; 0 = keep none
     # Prefill worker
     prefill_batch: int = 32  # most jobs a prefill worker holds at once; its token budget usually binds first
     prefill_token_budget: int = 2048  # tokens per prefill forward (chunking); jobs join between forwards
