@@ -135,6 +135,39 @@ def test_weights_that_are_not_exactly_blocks_stay_fp32(fmt):
     assert sg.pack(_block_weight(fmt, 576, 960)[:560]).blocks is None  # K not a multiple of 32
 
 
+def test_packed_blocks_kept_on_disk_are_read_back_as_fitted_and_a_wrong_entry_is_fitted_again(tmp_path, caplog):
+    """pack_cache: the blocks a process fitted, written and read back by another, pack the same
+    weights to the same Packed; an entry whose blocks do not fit a weight's shape, or that cannot
+    be read, is not used (the blocks are fitted again)."""
+    from splitserve.engine import pack_cache
+
+    sg = _small_gemm()
+    weights = {(0, "w_qkv"): _block_weight("q4_1", 576, 960), (0, "w_o"): _block_weight("q8_0", 64, 32, seed=1),
+               "lm_head": torch.randn(64, 40)}
+    fitted = {key: sg.pack(w) for key, w in weights.items()}
+    assert [p.fmt for p in fitted.values()] == ["q4_1", "q8_0", ""]
+    dest = pack_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
+    assert pack_cache.read(dest) is None  # no entry yet
+    pack_cache.write(dest, fitted)
+    # an image bakes it as root and runs as another user
+    assert os.stat(dest).st_mode & 0o777 == 0o755 and os.stat(os.path.join(dest, pack_cache.FILE)).st_mode & 0o004
+    known = pack_cache.read(dest)
+    assert set(known) == set(weights) and known["lm_head"] == (None, "")
+    for key, w in weights.items():
+        again = sg.pack(w, known[key])
+        assert again.fmt == fitted[key].fmt and torch.equal(again.tiles, fitted[key].tiles)
+        assert (again.blocks is None) == (fitted[key].blocks is None)
+        if again.blocks is not None:
+            assert torch.equal(again.blocks, fitted[key].blocks)
+    # another weight's blocks (the wrong shape): fitted again, and said so
+    wrong = sg.pack(_block_weight("q4_1", 1536, 576), known[0, "w_qkv"])
+    assert torch.equal(wrong.blocks, sg.pack(_block_weight("q4_1", 1536, 576)).blocks)
+    assert "fitted again" in caplog.text
+    with open(os.path.join(dest, pack_cache.FILE), "r+b") as f:  # a torn file
+        f.truncate(100)
+    assert pack_cache.read(dest) is None
+
+
 def test_engine_routes_only_small_batches_to_small_gemm(tiny_engine_factory):
     from splitserve.engine.sampling import SamplingParams
 

@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 import torch
 
-from splitserve.engine import kv_transfer, native
+from splitserve.engine import kv_transfer, native, pack_cache
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -123,7 +123,13 @@ class LLMEngine:
         if config.small_gemm and on_cpu:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
-                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed)
+                # the first engine on these weights in this process: their blocks from the disk cache
+                first = bool(loaded.pack_entry) and not loaded.packed
+                known = pack_cache.read(loaded.pack_entry) if first else None
+                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed,
+                                          known=known)
+                if first and known is None:  # fitted here: kept for later processes
+                    pack_cache.write(loaded.pack_entry, loaded.packed)
         if config.batch_invariant:
             if self.model.attn_kernel is None or self.model.small_gemm is None:
                 raise RuntimeError("batch_invariant needs the CPU kernels (paged attention and small GEMM: AVX2 and "

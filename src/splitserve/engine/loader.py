@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve.engine import pack_cache
 from splitserve.engine.cache_dir import write_entry
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
@@ -45,8 +46,12 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None  # None for weight-only folders
     # The small-GEMM kernel's packed weights, by (layer, name), made by the first engine built on
-    # these weights and shared by the later ones (packing them takes ~10 s here: LlamaModel.use_small_gemm)
+    # these weights and shared by the later ones (fitting their integer blocks took 2-15 s here:
+    # LlamaModel.use_small_gemm)
     packed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Where their integer blocks are kept on disk for later processes (pack_cache; a converted GGUF
+    # model's only: its weights are made of the blocks), or "" for none
+    pack_entry: str = ""
 
 
 def default_model_path() -> str:
@@ -163,7 +168,9 @@ def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
         arch = _gguf_architecture(path)
         check_architecture(arch, path)
         _convert_gguf(path, folder)
-    return _load_hf_folder(folder, cache_dir)
+    loaded = _load_hf_folder(folder, cache_dir)
+    loaded.pack_entry = pack_cache.entry(cache_dir, folder)
+    return loaded
 
 
 def _convert_gguf(path: str, folder: str) -> None:

@@ -113,19 +113,23 @@ class LlamaModel:
         ]
         self.device = device
 
-    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None, cache: dict | None = None) -> None:
+    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None, cache: dict | None = None,
+                       known: dict | None = None) -> None:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
         kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
-        (LoadedModel.packed) keeps the packed weights for the next model built on the same ones."""
+        (LoadedModel.packed) keeps the packed weights for the next model built on the same ones; ``known``:
+        their integer blocks as an earlier process fitted them (pack_cache.read), by the same keys."""
         cache = {} if cache is None else cache
+        known = known or {}
         for i, layer in enumerate(self.layers):
             if between is not None:
                 between()
-            layer.packed = {name: cache[i, name] if (i, name) in cache else small_gemm.pack(getattr(layer, name))
+            layer.packed = {name: cache[i, name] if (i, name) in cache
+                            else small_gemm.pack(getattr(layer, name), known.get((i, name)))
                             for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
             cache.update(((i, name), p) for name, p in layer.packed.items())
         if "lm_head" not in cache:
-            cache["lm_head"] = small_gemm.pack(self.lm_head)
+            cache["lm_head"] = small_gemm.pack(self.lm_head, known.get("lm_head"))
         self.lm_head_packed = cache["lm_head"]
         self.small_gemm = small_gemm
 
