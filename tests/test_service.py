@@ -263,6 +263,42 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
         _finish(s)  # KV back to zero, and the queue's counts too: colocated, the router returns them
 
 
+def _timed_stream(address: str, prompt: str, kw: dict, times: list):
+    """A stream's messages collected, and the time each came at (appended to times)."""
+    chunks = []
+    with Client(address) as c:
+        for ch in c.generate_stream(prompt, timeout=120, **kw):
+            chunks.append(ch)
+            times.append(time.monotonic())
+    return collect(chunks)
+
+
+def test_batch_invariant_gives_a_seeded_request_the_same_log_probabilities_while_prompts_join_its_steps(
+        mixed_workload):
+    """SPLITSERVE_BATCH_INVARIANT, colocated: a seeded request's tokens and log probabilities are
+    those of its run alone, bit for bit, while three long prompts are prefilled in the steps that
+    decode it (steps of more than 128 rows: without the option their matmuls run on MKL, which
+    rounds a row differently with the rows beside it)."""
+    s = _start(mode="colocated", prefill=0, batch_invariant=True)
+    prompt, kw = "Write a short poem about the sea.", dict(max_tokens=48, temperature=0.8, seed=11, ignore_eos=True,
+                                                            logprobs=1)
+    others = [it["prompt_token_ids"][:400] for it in mixed_workload[:3]]
+    try:
+        alone = _timed_stream(s.router_address, prompt, kw, [])
+        times: list[float] = []
+        with cf.ThreadPoolExecutor(4) as pool, Client(s.router_address) as c:
+            fut = pool.submit(_timed_stream, s.router_address, prompt, kw, times)
+            wait_for(lambda: len(times) >= 4, what="the seeded request decoding")
+            joined = [pool.submit(c.generate, token_ids=ids, max_tokens=2, timeout=120) for ids in others]
+            ends = [(j.result(), time.monotonic())[1] for j in joined]
+            beside = fut.result()
+        assert len(others[0]) == 400 and max(ends) < times[-1]  # the prompts were prefilled while it decoded
+        assert list(beside.token_ids) == list(alone.token_ids) and beside.text == alone.text
+        assert [lp.logprob for lp in beside.logprobs] == [lp.logprob for lp in alone.logprobs]
+    finally:
+        _finish(s)
+
+
 def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_decode_worker(reference_prompts,
                                                                                              reference_outputs):
     """Disaggregated, with local prefill on: prompts of at most local_prefill_max_tokens, and every
