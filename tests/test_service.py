@@ -273,26 +273,38 @@ def _timed_stream(address: str, prompt: str, kw: dict, times: list):
     return collect(chunks)
 
 
-def test_batch_invariant_gives_a_seeded_request_the_same_log_probabilities_while_prompts_join_its_steps(
-        mixed_workload):
-    """SPLITSERVE_BATCH_INVARIANT, colocated: a seeded request's tokens and log probabilities are
-    those of its run alone, bit for bit, while three long prompts are prefilled in the steps that
-    decode it (steps of more than 128 rows: without the option their matmuls run on MKL, which
-    rounds a row differently with the rows beside it)."""
-    s = _start(mode="colocated", prefill=0, batch_invariant=True)
-    prompt, kw = "Write a short poem about the sea.", dict(max_tokens=48, temperature=0.8, seed=11, ignore_eos=True,
-                                                            logprobs=1)
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_batch_invariant_gives_a_seeded_request_the_same_log_probabilities_whatever_shares_its_steps(
+        mode, mixed_workload):
+    """SPLITSERVE_BATCH_INVARIANT: a seeded request's tokens and log probabilities are those of its
+    run alone, bit for bit, colocated while three long prompts are prefilled in the steps that
+    decode it, disaggregated when it is sent with three long prompts, which the prefill worker
+    computes in the forward that computes it and samples its first token. Those are steps of more
+    than 128 rows: without the option their matmuls run on MKL, which rounds a row differently
+    with the rows beside it (both cases then failed here: a log probability 4e-6 to 7e-6 off)."""
+    s = _start(batch_invariant=True, **({"mode": "colocated", "prefill": 0} if mode == "colocated" else {}))
+    kw = dict(temperature=0.8, seed=11, ignore_eos=True, logprobs=1)
     others = [it["prompt_token_ids"][:400] for it in mixed_workload[:3]]
     try:
-        alone = _timed_stream(s.router_address, prompt, kw, [])
-        times: list[float] = []
         with cf.ThreadPoolExecutor(4) as pool, Client(s.router_address) as c:
-            fut = pool.submit(_timed_stream, s.router_address, prompt, kw, times)
-            wait_for(lambda: len(times) >= 4, what="the seeded request decoding")
-            joined = [pool.submit(c.generate, token_ids=ids, max_tokens=2, timeout=120) for ids in others]
-            ends = [(j.result(), time.monotonic())[1] for j in joined]
-            beside = fut.result()
-        assert len(others[0]) == 400 and max(ends) < times[-1]  # the prompts were prefilled while it decoded
+            if mode == "colocated":
+                prompt, kw["max_tokens"] = "Write a short poem about the sea.", 48
+                alone = _timed_stream(s.router_address, prompt, kw, [])
+                times: list[float] = []
+                fut = pool.submit(_timed_stream, s.router_address, prompt, kw, times)
+                wait_for(lambda: len(times) >= 4, what="the seeded request decoding")
+                joined = [pool.submit(c.generate, token_ids=ids, max_tokens=2, timeout=120) for ids in others]
+                ends = [(j.result(), time.monotonic())[1] for j in joined]
+                beside = fut.result()
+                assert max(ends) < times[-1]  # the prompts were prefilled while it decoded
+            else:
+                ids, kw["max_tokens"] = mixed_workload[5]["prompt_token_ids"][:200], 16
+                alone = c.generate(token_ids=ids, timeout=120, **kw)
+                joined = [pool.submit(c.generate, token_ids=o, max_tokens=2, timeout=120) for o in others]
+                beside = pool.submit(c.generate, token_ids=ids, timeout=120, **kw).result()
+                assert all(j.result().finish_reason == "length" for j in joined)
+                assert c.get_request(beside.request_id).prefill_worker  # prefilled by the prefill worker
+        assert len(others[0]) == 400 and len(alone.token_ids) == kw["max_tokens"]
         assert list(beside.token_ids) == list(alone.token_ids) and beside.text == alone.text
         assert [lp.logprob for lp in beside.logprobs] == [lp.logprob for lp in alone.logprobs]
     finally:
