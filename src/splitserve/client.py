@@ -229,6 +229,12 @@ def collect(chunks: Iterable[pb.GenerateResponse], n: int = 1) -> pb.GenerateRes
             s.timings.CopyFrom(ch.timings)
     for i, s in samples.items():
         s.text = "".join(texts[i])
+    return joined(samples, n)
+
+
+def joined(samples: dict[int, pb.GenerateResponse], n: int) -> pb.GenerateResponse:
+    """Generate's one response from each sample's (by index): sample 0's in the fields, and with
+    n > 1 every sample, in order, in choices (the router's Generate makes it so too)."""
     resp = pb.GenerateResponse()
     if 0 in samples:
         resp.CopyFrom(samples[0])

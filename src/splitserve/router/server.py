@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as aioredis
 
+from splitserve.client import joined
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import load_frontend
@@ -109,17 +110,6 @@ class Recorded(Exception):
     def __init__(self, responses: list[gen_pb.GenerateResponse]):
         super().__init__(responses[0].request_id if responses else "")
         self.responses = responses
-
-
-def joined(samples: dict[int, gen_pb.GenerateResponse], n: int) -> gen_pb.GenerateResponse:
-    """Generate's one response from each sample's (by index): sample 0's in the fields, and with
-    n > 1 every sample, in order, in choices."""
-    resp = gen_pb.GenerateResponse()
-    if 0 in samples:
-        resp.CopyFrom(samples[0])
-    if len(samples) > 1 or n > 1:
-        resp.choices.extend(samples[i] for i in sorted(samples))
-    return resp
 
 
 def fingerprint(request: gen_pb.GenerateRequest) -> str:
