@@ -159,7 +159,7 @@ def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, ro
         return run_workload(engine_with if on and engine_with else engine, items, max_tokens,
                             **(sampling if on else {}))[rate]
 
-    for eng in {id(e): e for e in (engine, engine_with or engine)}.values():
+    for eng in (engine,) if engine_with is None else (engine, engine_with):
         run_workload(eng, items[:4])  # warm-up
     runs = alternated(rounds, {"without": lambda: run(False), "with": lambda: run(True)},
                       lambda side, got: f"{side:>7} {what}: {got:6.1f} {rate.replace('_per_', '/')}")
