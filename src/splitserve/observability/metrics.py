@@ -10,10 +10,23 @@ Prometheus' unit suffixes. The process's role is a target label of the scrape
 from __future__ import annotations
 
 import logging
+import socket
+import socketserver
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 log = logging.getLogger(__name__)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - a scrape a second is not worth a log line
+        pass
+
+
+class _HTTPServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
@@ -40,7 +53,13 @@ class Metrics:
         """Serve /metrics; port 0 picks a free one, a negative port turns the endpoint off (returns 0)."""
         if port < 0:
             return 0
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        # prometheus_client's start_http_server, but polled every 50 ms, not 500: close(), at every
+        # process's stop, waits for the serving thread to see it
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsHTTPServer", (_HTTPServer,), {"address_family": family})
+        self._server = make_server(host, port, make_wsgi_app(self.registry), server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics",
+                         daemon=True).start()
         return self._server.server_port
 
     def close(self) -> None:
