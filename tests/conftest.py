@@ -38,6 +38,20 @@ def stack_run_dirs(tmp_path_factory):
         os.environ["TMPDIR"] = before_env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def stack_forkserver(stack_run_dirs):
+    """The stacks' processes are forked from one that has imported torch (splitserve.forkserver):
+    each start and restart of a worker skips seconds of imports. Started at the first stack's."""
+    from splitserve.forkserver import ForkServer
+    from splitserve.stack import use_forkserver
+
+    server = ForkServer()
+    use_forkserver(server)
+    yield server
+    use_forkserver(None)
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama (2 layers, GQA 4:2) saved as a safetensors folder."""

@@ -1,0 +1,84 @@
+"""The fork server that starts the tests' stack processes (splitserve.forkserver): its children
+are processes of their own, driven as subprocess.Popen's are."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from service_helpers import wait_for
+
+from splitserve.forkserver import ForkServer
+
+PROBE = """
+import os, sys, time
+print("PID", os.getpid(), "ENV", sorted(os.environ), "ARGV", sys.argv[1:], "TORCH", "torch" in sys.modules)
+mode = os.environ["PROBE"]
+if mode == "exit":
+    sys.exit(3)
+if mode == "raise":
+    raise RuntimeError("the probe failed")
+if mode == "sleep":
+    print("SLEEPING", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probe")
+    (d / "forked_probe.py").write_text(PROBE)
+    s = ForkServer(env={**os.environ, "PYTHONPATH": str(d)})  # where the server imports the probe from
+    yield s
+    s.close()
+
+
+def _log(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_a_child_runs_its_module_with_exactly_its_environment_after_the_preloaded_imports(server, tmp_path):
+    log = tmp_path / "exit.log"
+    p = server.spawn("forked_probe", {"PROBE": "exit", "OTHER": "1"}, str(log))
+    assert p.wait(30) == 3 and p.poll() == 3 and p.returncode == 3
+    assert f"PID {p.pid} ENV ['OTHER', 'PROBE'] ARGV [] TORCH True" in _log(log)
+    assert p.pid not in (os.getpid(), server._proc.pid)
+
+
+def test_an_exception_is_exit_status_1_with_its_traceback_in_the_log(server, tmp_path):
+    log = tmp_path / "raise.log"
+    p = server.spawn("forked_probe", {"PROBE": "raise"}, str(log))
+    assert p.wait(30) == 1
+    assert "RuntimeError: the probe failed" in _log(log) and "Traceback" in _log(log)
+
+
+def test_signals_reach_the_child_and_its_status_names_them_as_popens_does(server, tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        log = tmp_path / f"sleep-{sig}.log"
+        p = server.spawn("forked_probe", {"PROBE": "sleep"}, str(log))
+        wait_for(lambda: log.exists() and "SLEEPING" in _log(log), timeout=30, what="the child running")
+        assert p.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(0.1)
+        p.send_signal(sig) if sig == signal.SIGTERM else p.kill()
+        assert p.wait(30) == -sig
+        p.kill()  # once it has exited: nothing sent, no error
+
+
+def test_a_module_that_cannot_be_found_fails_like_python_dash_m(server, tmp_path):
+    log = tmp_path / "missing.log"
+    p = server.spawn("no_such_module_here", {}, str(log))
+    assert p.wait(30) == 1 and "No module named no_such_module_here" in _log(log)
+
+
+def test_the_server_exits_once_closed_and_a_new_one_starts_at_its_first_spawn(tmp_path):
+    s = ForkServer()
+    assert s._proc is None  # nothing started yet
+    p = s.spawn("json.tool", {}, str(tmp_path / "json.log"))  # reads /dev/null: "Expecting value"
+    assert p.wait(30) == 1 and "Expecting value" in _log(tmp_path / "json.log")
+    proc = s._proc
+    s.close()
+    assert proc.wait(10) == 0 and s._proc is None
+    assert sys.executable in p.args
