@@ -1114,7 +1114,8 @@ def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_work
 
 
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
-    stack = _start(routers=2)
+    # forwards of 512 tokens: the prompts below take two and three, their KV within the arena
+    stack = _start(routers=2, prefill_token_budget=512)
     try:
         with Client(stack.router_address) as c:
             assert len(c.generate("hi", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
@@ -1171,7 +1172,7 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # puts its hash back at its next heartbeat, within the router's grace of two heartbeats
             # for a missing hash (before, the router ended it UNAVAILABLE like a lost queued job).
             midway = {}
-            t = _outcome(c.generate_stream(token_ids=list(range(100, 2000)), max_tokens=3, ignore_eos=True,
+            t = _outcome(c.generate_stream(token_ids=list(range(100, 1100)), max_tokens=3, ignore_eos=True,
                                            request_id="midway", timeout=120), midway)
             wait_for(lambda: _state(c, "midway") == "prefilling", interval=0.02, what="its prefill started")
             stack.redis_proc.kill()
@@ -1183,13 +1184,13 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # and its router took it back (its set of requests held, for reaping, went with the old Redis)
             assert stack.redis().hget(stack.keys.req("midway"), "router") == f"router-{stack.stack_id}".encode()
 
-            # A Redis that hangs does not stall the prompts a prefill worker holds: a 3000-token prompt
-            # (two forwards) whose first forward runs when Redis stops gets its tokens while Redis is
+            # A Redis that hangs does not stall the prompts a prefill worker holds: a 1200-token prompt
+            # (three forwards) whose first forward runs when Redis stops gets its tokens while Redis is
             # still stopped (before, the worker's next pull waited on Redis), and its stream entry is
             # acked once Redis answers again.
             away = {}
             # (ids of its own: midway's are in the prefix cache, and would make it one forward)
-            t = _outcome(c.generate_stream(token_ids=list(range(2100, 5100)), max_tokens=3, ignore_eos=True,
+            t = _outcome(c.generate_stream(token_ids=list(range(2100, 3300)), max_tokens=3, ignore_eos=True,
                                            request_id="away", timeout=120), away)
             wait_for(lambda: _state(c, "away") == "prefilling", interval=0.02, what="its prefill started")
             os.kill(stack.redis_proc.pid, signal.SIGSTOP)
