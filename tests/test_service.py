@@ -2505,7 +2505,8 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         t_term = time.time()
         router.popen.send_signal(signal.SIGTERM)
         assert router.popen.wait(120) == 0
-        time.sleep(1.0)
+        # (a call is recorded once it ends: those in flight at the SIGTERM may end just before the exit)
+        wait_for(lambda: any(t0 > t_term for t0, *_ in calls), timeout=60, what="a call sent after the SIGTERM")
         stop.set()
         for t in loaders:
             t.join(240)
