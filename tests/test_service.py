@@ -2218,8 +2218,8 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     target = "ipv4:" + ",".join(a.removeprefix("ipv4:") for a in s.router_addresses)
     try:
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(2) as pool:
-            one, two = pool.map(lambda n: c.generate(prompt, timeout=120, n=n, **sp), (1, 2))
-            want, want_samples = one, two.choices
+            want, two = pool.map(lambda n: c.generate(prompt, timeout=120, n=n, **sp), (1, 2))
+            want_samples = two.choices
         names = {f"router-{s.stack_id}": "router", f"router-1-{s.stack_id}": "router-1"}
 
         def through(tag: str, disrupt, resumes: int, n: int = 1) -> tuple[dict, dict, str, dict]:

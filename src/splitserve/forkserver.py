@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -65,13 +66,9 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
-
         self.send_signal(signal.SIGKILL)
 
 
@@ -141,7 +138,6 @@ def _child(module: str, env: dict[str, str], log_path: str) -> None:
     """In the forked child: never returns."""
     import logging
     import runpy
-    import signal
     import traceback
 
     code = 1
@@ -160,9 +156,10 @@ def _child(module: str, env: dict[str, str], log_path: str) -> None:
         sys.argv = [module]
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
+    except SystemExit as e:  # as the interpreter takes it: None is 0, a message is printed and 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit status 1
         traceback.print_exc()
@@ -178,7 +175,6 @@ def _child(module: str, env: dict[str, str], log_path: str) -> None:
 
 def _serve() -> None:
     import importlib
-    import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches its children; it ends with its stdin
     for name in PRELOAD:
