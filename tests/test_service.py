@@ -20,7 +20,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.observability import traceview
 from splitserve.router.server import NAME_TOKENS_INLINE
-from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts
+from splitserve.service.redis_state import CALL_TIMEOUT_S, LOCAL_FIELD, QUEUE_FIELDS, queue_counts
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
@@ -1186,16 +1186,27 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
 
             # A Redis that hangs does not stall the prompts a prefill worker holds: a 1200-token prompt
             # (three forwards) whose first forward runs when Redis stops gets its tokens while Redis is
-            # still stopped (before, the worker's next pull waited on Redis), and its stream entry is
-            # acked once Redis answers again.
+            # still stopped, within one call timeout (CALL_TIMEOUT_S) of the time it takes with Redis:
+            # the first call to time out marks Redis away, and neither the prefill worker (its pulls,
+            # cancellation checks, ack) nor the router (the request's end, recorded before its last
+            # message) waits on it again. Before, four calls did: its tokens came 20 s later than that.
+            # Its stream entry is acked once Redis answers again, and not claimed and prefilled again.
+            # (ids of their own: midway's are in the prefix cache, and would make it one forward)
+            t0 = time.monotonic()
+            assert len(c.generate(token_ids=list(range(3400, 4600)), max_tokens=3, ignore_eos=True,
+                                  timeout=60).token_ids) == 3
+            with_redis = time.monotonic() - t0
+            prefill_metrics = stack.proc("prefill-0").metrics_address
+            prefilled = scrape(prefill_metrics)['splitserve_prefill_jobs_total{outcome=prefilled}']
             away = {}
-            # (ids of its own: midway's are in the prefix cache, and would make it one forward)
             t = _outcome(c.generate_stream(token_ids=list(range(2100, 3300)), max_tokens=3, ignore_eos=True,
                                            request_id="away", timeout=120), away)
             wait_for(lambda: _state(c, "away") == "prefilling", interval=0.02, what="its prefill started")
             os.kill(stack.redis_proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
             try:
-                wait_for(lambda: away["tokens"] == 3, timeout=60, interval=0.1, what="its tokens with Redis stopped")
+                wait_for(lambda: away["tokens"] == 3, timeout=60, interval=0.05, what="its tokens with Redis stopped")
+                assert time.monotonic() - t0 < with_redis + 2 * CALL_TIMEOUT_S, (time.monotonic() - t0, with_redis)
                 # A new request meanwhile is UNAVAILABLE naming Redis once the call times out (it waited
                 # for its deadline before).
                 t0 = time.monotonic()
@@ -1210,7 +1221,11 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             r = stack.redis()
             wait_for(lambda: r.xlen(stack.keys.stream) == 0 and r.xpending(stack.keys.stream, "prefill")["pending"] == 0,
                      timeout=20, what="its entry acked and deleted once Redis answered")
+            wait_for(lambda: _state(c, "away") == "finished", timeout=10, what="its end recorded once Redis answered")
             assert c.get_request("midway").state == "finished"
+            got = scrape(prefill_metrics)
+            assert got['splitserve_prefill_jobs_total{outcome=prefilled}'] == prefilled + 1
+            assert got.get('splitserve_prefill_jobs_total{outcome=claimed}', 0.0) == 0.0
     finally:
         _finish(stack)
 

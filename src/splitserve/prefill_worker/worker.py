@@ -38,7 +38,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
-from splitserve.service.errors import code_of
+from splitserve.service.errors import REDIS_UNREACHABLE, code_of
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
@@ -202,6 +202,10 @@ class PrefillWorker:
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.deferred: list[tuple] = []  # admit()'s arguments for jobs waiting on an earlier leg's (_held)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
+        # Set when a Redis call got no answer (timed out, refused), cleared when one does (the
+        # heartbeat's, every heartbeat): meanwhile the jobs in hand are prefilled and handed over
+        # without a call that would wait CALL_TIMEOUT_S first (a pull, the cancellation check, the acks).
+        self.redis_away = threading.Event()
         # Request ids whose KV stayed in the engine for their handoff (on_output); the loop releases
         # them, on the engine's thread, once the handoff is over.
         self.to_release: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -269,6 +273,10 @@ class PrefillWorker:
                     raise
                 held += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
                                     for entry_id, fields in claimed if fields], first=False)
+            # Our own job, re-delivered, is in hand already, or done with and to be acked (its ack
+            # waits for Redis, and a claim can come first: it would be prefilled and handed over again).
+            with self.lock:
+                held = [e for e in held if e[2].request_id not in self.inflight and (e[0], e[1]) not in self.unacked]
             if held:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
@@ -278,6 +286,7 @@ class PrefillWorker:
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
             streams = self._streams(orphans=False)  # (one removed meanwhile would fail the read)
             got = self._read({stream: ">" for stream in streams}, 1, 200, alone := set())
+            self.redis_away.clear()  # it answered
             held = sorted(got, key=lambda e: streams.index(e[0]))
             if not held:
                 return []
@@ -289,8 +298,6 @@ class PrefillWorker:
                 stream, entry_id, job, first = held[0]
                 return [(stream, entry_id, job, first, self.pickups.submit(run_scripts, self.redis,
                                                                            [self._pickup_call(job, first)]))]
-        # Our own job, re-delivered by a claim, is in hand already.
-        held = [e for e in held if e[3] or e[2].request_id not in self.inflight]
         jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(held)
         tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in held)
         calls = [self._pickup_call(job, first) for _, _, job, first in held]
@@ -688,9 +695,12 @@ class PrefillWorker:
             self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
-            try:
+            try:  # (not waited for while Redis is away: the request goes on without this timestamp)
+                if self.redis_away.is_set():
+                    raise redis.ConnectionError("Redis did not answer this worker's last call")
                 self._update(job, {"t_prefill_end": fl.t_end})
-            except redis.RedisError as e:  # Redis away: the request goes on without this timestamp
+            except redis.RedisError as e:
+                self._unanswered(e)
                 log.warning("could not record the end of %s's prefill: %s", job.request_id, e)
 
     def _update(self, job: Job, mapping: dict) -> None:
@@ -785,11 +795,23 @@ class PrefillWorker:
         """Done with a stream entry: acked and deleted. While Redis is away, it is kept to ack at the
         next heartbeat that reaches Redis (it stays this worker's meanwhile: no one claims it)."""
         try:
+            if self.redis_away.is_set():
+                raise redis.ConnectionError("Redis did not answer this worker's last call")
             self._ack_all([(stream, entry_id)])
         except redis.RedisError as e:
+            self._unanswered(e)
             log.warning("could not ack %s %s (acked later): %s", stream, entry_id, e)
             with self.lock:
                 self.unacked.add((stream, entry_id))
+
+    def _unanswered(self, e: redis.RedisError) -> bool:
+        """Note a failed call: one Redis did not answer marks it away (redis_away). Returns whether
+        it was not marked away before (the first failure of an outage, to log)."""
+        if not isinstance(e, REDIS_UNREACHABLE):  # an error Redis answered with
+            return True
+        first = not self.redis_away.is_set()
+        self.redis_away.set()
+        return first
 
     def _ack_later(self) -> None:
         with self.lock:
@@ -862,7 +884,11 @@ class PrefillWorker:
                 self._restore_lost()
                 self._ack_later()
                 self._keep_claims()
+                if self.redis_away.is_set():
+                    log.info("Redis answers again")
+                    self.redis_away.clear()
             except redis.RedisError as e:
+                self._unanswered(e)
                 log.warning("heartbeat failed: %s", e)
 
     def _keep_claims(self, idle_ms: int = 0, only: list[InFlight] | None = None) -> None:
@@ -903,7 +929,6 @@ class PrefillWorker:
         ensure_group(self.redis, self.keys)
         self._own_stream()
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
-        pull_failing = False
         drain_end = 0.0
         while True:
             self._release_kept()
@@ -918,11 +943,13 @@ class PrefillWorker:
             else:
                 if self.deferred:
                     self.admit_deferred()
-                pull_failing = self._top_up(pull_failing)
-                if pull_failing and not self.engine.has_unfinished():
+                # The jobs in hand need no Redis to be prefilled and handed over: while it is away,
+                # no pull waits on it before their next forward (the heartbeat finds it back).
+                if not (self.redis_away.is_set() and self.engine.has_unfinished()):
+                    self._top_up()
+                if self.redis_away.is_set() and not self.engine.has_unfinished():
                     time.sleep(0.5)
                     continue
-                # The jobs in hand need no Redis to be prefilled and handed over: go on with them.
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
                 t0 = time.time()
                 with self.watch.step():
@@ -933,9 +960,10 @@ class PrefillWorker:
                     self.on_output(out)
                 self._observe_step(t0, links)
                 try:
-                    if not pull_failing:  # Redis away: it would fail too
+                    if not self.redis_away.is_set():  # it would wait on Redis too
                         self._drop_cancelled()
                 except redis.RedisError as e:
+                    self._unanswered(e)
                     log.warning("checking held jobs for cancellation failed: %s", e)
         self._give_back()
         self._leave()
@@ -947,9 +975,8 @@ class PrefillWorker:
         self.pickups.shutdown(wait=True)
         self.stopped.set()
 
-    def _top_up(self, failing: bool) -> bool:
-        """Pull jobs and admit them (pull); True while Redis does not answer (`failing`: it did not
-        the last time, so it is not logged again)."""
+    def _top_up(self) -> None:
+        """Pull jobs and admit them (pull); a pull Redis does not answer marks it away."""
         try:
             for stream, entry_id, job, first, outcome in self.pull():
                 try:
@@ -959,17 +986,16 @@ class PrefillWorker:
                         cf.wait([outcome])
                     # its pickup has returned the admission counts already (tokens None: not again)
                     self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
-            return False
         except redis.RedisError as e:
-            if not failing:
-                log.warning("pulling jobs failed (again each step until Redis answers): %s", e)
+            if self._unanswered(e):
+                log.warning("pulling jobs failed (tried again while idle, and once the heartbeat gets an answer): %s",
+                            e)
             if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
                 try:  # Redis came back empty (restarted without persistence): make the groups again
                     ensure_group(self.redis, self.keys)
                     self._own_stream()
                 except redis.RedisError:
                     pass
-            return True
 
     def _give_back(self) -> None:
         """After the drain: the jobs not prefilled in it are given up to the other workers, whose next

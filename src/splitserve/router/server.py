@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import hashlib
 import logging
 import sys
@@ -305,6 +306,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
         self.renewing_since: float | None = None  # monotonic time since which renewals came every half heartbeat
         self.last_renewal = 0.0
+        # Whether this router's last lease renewal (every half heartbeat) got no answer from Redis:
+        # meanwhile a request's end is recorded in the background, not before its last message
+        # (it would wait CALL_TIMEOUT_S), and so are the queue counts a first token returns.
+        self.redis_away = False
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.prefill_workers: int | None = None  # prefill workers registered (None: not read yet)
@@ -476,9 +481,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 p.zadd(self.keys.routers, {self.id: self.clock[0] + self.lease_s})
                 p.expire(self.keys.router_requests(self.id), self.s.request_ttl_s)
                 await p.execute()
-        except BaseException:
+        except BaseException as e:
             self.renewing_since = None
+            self.redis_away = self.redis_away or isinstance(e, REDIS_UNREACHABLE)
             raise
+        self.redis_away = False
         t = time.monotonic()
         if self.renewing_since is None or t - self.last_renewal > 2 * self.s.heartbeat_s:
             self.renewing_since = t  # renewals stalled (Redis did not answer?): so may the others' have
@@ -608,8 +615,38 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             a.call.cancel()
 
     async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
-        """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once)."""
-        await self.dequeue_script(keys=[self.keys.admission, self.keys.req(rid)], args=[prompt_tokens])
+        """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once). While
+        Redis is away, in the background, until it answers (the request goes on meanwhile)."""
+        call = functools.partial(self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)],
+                                 args=[prompt_tokens])
+        if self.redis_away:
+            self.background.start(self._until_answered(call, f"{rid}'s queue counts"))
+            return
+        try:
+            await call()
+        except REDIS_UNREACHABLE as e:
+            self.redis_away = True
+            log.warning("could not return %s's queue counts (again once Redis answers): %s", rid, e)
+            self.background.start(self._until_answered(call, f"{rid}'s queue counts"))
+
+    async def _until_answered(self, call, what: str) -> None:
+        """Run call (a Redis write) until Redis answers it: every heartbeat, for up to request_ttl_s
+        (past it, what it would write has expired anyway)."""
+        t_end = time.monotonic() + self.s.request_ttl_s
+        while True:
+            await asyncio.sleep(self.s.heartbeat_s)
+            try:
+                await call()
+                log.info("recorded %s once Redis answered", what)
+                return
+            except REDIS_UNREACHABLE as e:
+                if time.monotonic() >= t_end:
+                    log.warning("gave up recording %s: Redis did not answer for %d s (%s)", what,
+                                self.s.request_ttl_s, e)
+                    return
+            except Exception:  # noqa: BLE001
+                log.exception("could not record %s", what)
+                return
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub
@@ -1105,12 +1142,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     why = failure or (active.lost if active is not None else "")
                     if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
                         why = str(sys.exc_info()[1])  # its decode worker went away, or it could not resume
-                    mark = self._mark(rid, state, error=why)
                     # Redis not answering: recording it would keep the client waiting as long again.
-                    if isinstance(sys.exc_info()[1], REDIS_UNREACHABLE):
-                        self.background.start(mark)
-                    else:
-                        await mark
+                    await self._mark(rid, state, error=why, away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE))
         except BaseException as e:
             failed_with = e
             raise
@@ -1268,9 +1301,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             name_tokens(self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
 
     async def _mark(self, rid: str, state: str, final=None, error: str = "",
-                    results: dict[int, Result] | None = None) -> None:
+                    results: dict[int, Result] | None = None, away: bool = False) -> None:
         """Record how a request ended (with its last decode event, if any, and what it sent of each
-        sample, for a replay); the hash then expires sooner."""
+        sample, for a replay); the hash then expires sooner. While Redis is away (`away`: the
+        request failed for it), in the background until it answers: the caller does not wait."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
         if final is not None:
@@ -1292,12 +1326,23 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs))
         if error:
             mapping["error"] = error
-        try:
+
+        async def record():
             async with self.redis.pipeline(transaction=False) as p:
                 p.hset(key, mapping=mapping)
                 p.expire(key, self.s.finished_ttl_s)
                 p.srem(self.keys.router_requests(self.id), rid)
                 await p.execute()
+
+        if away or self.redis_away:
+            self.background.start(self._until_answered(record, f"the end of {rid}"))
+            return
+        try:
+            await record()
+        except REDIS_UNREACHABLE as e:
+            self.redis_away = True
+            log.warning("could not record the end of %s (again once Redis answers): %s", rid, e)
+            self.background.start(self._until_answered(record, f"the end of {rid}"))
         except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
             log.exception("could not record the end of %s", rid)
 
