@@ -1,9 +1,11 @@
 """Model loading: one clear error line for every way it can go wrong."""
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,6 +86,32 @@ def test_gguf_cache_is_keyed_by_content_not_path(tmp_path):
     assert _cache_folder(str(a), cache) != _cache_folder(str(b), cache)
 
 
+def test_a_gguf_files_digest_is_kept_by_its_identity_once_it_has_settled(tmp_path):
+    """Hashing the default GGUF file took each process 0.2 s at its start: its digest is kept, by
+    the file's device, inode, size and mtime, once the file has not been written for a while."""
+    from splitserve.engine import loader
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(os.urandom(1 << 20))
+    cache = str(tmp_path / "cache")
+    fresh = loader._cache_folder(str(path), cache)
+    assert not (tmp_path / "cache" / "digests").exists()  # just written: not kept
+    old = time.time() - 2 * loader.DIGEST_SETTLED_S
+    os.utime(path, (old, old))
+    assert loader._cache_folder(str(path), cache) == fresh
+    (memo,) = (tmp_path / "cache" / "digests").iterdir()
+    assert memo.read_text() == hashlib.file_digest(open(path, "rb"), "blake2b").hexdigest()
+    memo.write_text("0" * 128)  # the kept digest is the one used ...
+    assert loader._cache_folder(str(path), cache) != fresh
+    data = bytearray(path.read_bytes())  # ... until the file is written again
+    data[7] ^= 1
+    path.write_bytes(bytes(data))
+    changed = os.path.basename(loader._cache_folder(str(path), cache))
+    assert changed != os.path.basename(fresh)
+    # hashed afresh: as a cache that never kept a digest of it names it
+    assert changed == os.path.basename(loader._cache_folder(str(path), str(tmp_path / "other")))
+
+
 def test_check_model_fills_the_cache_dir_the_workers_read(tmp_path, tiny_model_dir):
     """`splitserve check-model` bakes an image's cache: under SPLITSERVE_CACHE_DIR, as the workers
     read it (Settings), not under HOME."""
@@ -124,3 +152,40 @@ def test_corrupt_tokenizer(tmp_path, smol_folder):
     (folder / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=f"cannot load tokenizer in {folder}"):
         load_tokenizer(str(folder))
+
+
+def test_the_weights_laid_out_are_kept_mapped_from_disk_and_made_again_when_they_do_not_fit(tmp_path, smol_loaded):
+    """Making the engine's layout (q, k, v and gate, up fused, each [in, out]) from the converted
+    folder cost each worker ~1 s of CPU at its start: the first process keeps it (layout_cache)
+    and the later ones map it from the file, with the same weights. One that does not fit the
+    model (another layout, a torn entry) is made again."""
+    import dataclasses
+
+    import torch
+
+    from splitserve.engine import layout_cache
+    from splitserve.engine.model import LlamaModel
+
+    loaded = dataclasses.replace(smol_loaded, laid_out={}, packed={})
+    made = LlamaModel(loaded)
+    assert made.made_layout
+    dest = layout_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
+    assert layout_cache.read(dest) is None  # no entry yet
+    layout_cache.write(dest, made.laid_out())
+    path = os.path.join(dest, layout_cache.FILE)
+    assert os.stat(dest).st_mode & 0o777 == 0o755 and os.stat(path).st_mode & 0o004
+    laid = layout_cache.read(dest)
+    assert set(laid) == set(made.laid_out()) and len(laid) == 1 + 4 * made.shape.num_layers
+    taken = LlamaModel(loaded, laid)
+    assert not taken.made_layout
+    for name, want in made.laid_out().items():
+        assert torch.equal(taken.laid_out()[name], want), name
+    with open("/proc/self/maps") as f:  # mapped from the file, not read into memory
+        assert path in f.read()
+    assert taken.fingerprint == made.fingerprint
+    laid["3.w_down"] = laid["3.w_down"].t().contiguous()  # [out, in]: not this model's layout
+    again = LlamaModel(loaded, laid)
+    assert again.made_layout and torch.equal(again.layers[3].w_down, made.layers[3].w_down)
+    with open(path, "r+b") as f:  # a torn file
+        f.truncate(1000)
+    assert layout_cache.read(dest) is None

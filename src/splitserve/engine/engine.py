@@ -14,7 +14,7 @@ from collections import Counter, deque
 
 import torch
 
-from splitserve.engine import kv_transfer, native, pack_cache
+from splitserve.engine import kv_transfer, layout_cache, native, pack_cache
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -115,7 +115,15 @@ class LLMEngine:
         loaded = loaded or load_model(config.model)
         if tick:
             tick()
-        self.model = LlamaModel(loaded)
+        # the weights in the model's layout: the first engine's on them in this process, or from the disk cache
+        laid = loaded.laid_out or (layout_cache.read(loaded.layout_entry) if loaded.layout_entry and on_cpu else None)
+        self.model = LlamaModel(loaded, laid)
+        if on_cpu and not loaded.laid_out:  # (on a GPU, the host's copy would be kept for nothing)
+            loaded.laid_out = self.model.laid_out()
+            if loaded.layout_entry and self.model.made_layout and laid is None:  # made here: kept for later processes
+                layout_cache.write(loaded.layout_entry, loaded.laid_out)
+            elif laid is not None and self.model.made_layout:
+                log.warning("weights laid out at %s did not fit the model: made again", loaded.layout_entry)
         if config.attention_backend == "native" and on_cpu:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:

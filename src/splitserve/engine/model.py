@@ -68,8 +68,14 @@ class Layer:
     packed: dict | None = None  # the same weights packed for SmallGemm (native.Packed)
 
 
+LAID_OUT = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a layer's weights made [in, out] (LlamaModel.laid_out)
+
+
 class LlamaModel:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, laid_out: dict | None = None):
+        """``laid_out``: the weights in this model's layout already, by laid_out()'s names (from an
+        earlier model on the same weights, or layout_cache); one whose shape is not the one this
+        model makes is made again (self.made_layout says whether any was)."""
         cfg = loaded.config
         head_dim = cfg.head_dim
         self.shape = ModelShape.of(cfg)
@@ -78,10 +84,12 @@ class LlamaModel:
         sd = loaded.state_dict
         try:
             self.embed = sd["model.embed_tokens.weight"].float().contiguous()  # [V, H]
-            lm = sd.get("lm_head.weight", self.embed)
-            self.lm_head = lm.float().t().contiguous()  # [H, V]
+            self.made_layout = False
+            self._laid = laid_out or {}
+            self.lm_head = self._weight("lm_head", sd.get("lm_head.weight", self.embed))  # [H, V]
             self.norm = sd["model.norm.weight"].float()
             self.layers = [self._layer(sd, i) for i in range(self.shape.num_layers)]
+            del self._laid
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]}") from None
         cos, sin = cfg.rope_tables()
@@ -145,21 +153,37 @@ class LlamaModel:
             return torch.cat([self.small_gemm(x[i:i + m], packed, w.shape[1]) for i in range(0, x.shape[0], m)])
         return torch.mm(x, w)
 
+    def laid_out(self) -> dict[str, torch.Tensor]:
+        """The weights this model made from the [out, in] tensors it was loaded with, by name: what
+        a later model on the same weights takes as laid_out."""
+        return {"lm_head": self.lm_head, **{f"{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
+                                            for name in LAID_OUT}}
+
+    def _weight(self, name: str, *parts: torch.Tensor) -> torch.Tensor:
+        """The [in, out] weight of the [out, in] parts, concatenated: laid out already, or made."""
+        got = self._laid.get(name)
+        if (got is not None and got.dtype == torch.float32 and got.is_contiguous()
+                and tuple(got.shape) == (parts[0].shape[1], sum(x.shape[0] for x in parts))):
+            return got
+        self.made_layout = True
+        parts = [x.float() for x in parts]
+        return (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).t().contiguous()
+
     def _layer(self, sd: dict, i: int) -> Layer:
         p = f"model.layers.{i}."
-        w = lambda name: sd[p + name].float()  # noqa: E731
-        q, k, v = w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")
+        w = lambda name: sd[p + name]  # noqa: E731
         bias = None
         if p + "self_attn.q_proj.bias" in sd:
-            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]).float()
         return Layer(
-            ln1=w("input_layernorm.weight"),
-            w_qkv=torch.cat([q, k, v], dim=0).t().contiguous(),
+            ln1=w("input_layernorm.weight").float(),
+            w_qkv=self._weight(f"{i}.w_qkv", w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                               w("self_attn.v_proj.weight")),
             b_qkv=bias,
-            w_o=w("self_attn.o_proj.weight").t().contiguous(),
-            ln2=w("post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], dim=0).t().contiguous(),
-            w_down=w("mlp.down_proj.weight").t().contiguous(),
+            w_o=self._weight(f"{i}.w_o", w("self_attn.o_proj.weight")),
+            ln2=w("post_attention_layernorm.weight").float(),
+            w_gate_up=self._weight(f"{i}.w_gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
+            w_down=self._weight(f"{i}.w_down", w("mlp.down_proj.weight")),
         )
 
     # -- pieces shared by the ragged and the padded forward ---------------------------------
