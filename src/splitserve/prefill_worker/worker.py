@@ -929,6 +929,7 @@ class PrefillWorker:
         ensure_group(self.redis, self.keys)
         self._own_stream()
         threading.Thread(target=self.heartbeat_loop, name="heartbeat", daemon=True).start()
+        pull_failing = False
         drain_end = 0.0
         while True:
             self._release_kept()
@@ -946,8 +947,8 @@ class PrefillWorker:
                 # The jobs in hand need no Redis to be prefilled and handed over: while it is away,
                 # no pull waits on it before their next forward (the heartbeat finds it back).
                 if not (self.redis_away.is_set() and self.engine.has_unfinished()):
-                    self._top_up()
-                if self.redis_away.is_set() and not self.engine.has_unfinished():
+                    pull_failing = self._top_up(pull_failing)
+                if pull_failing and not self.engine.has_unfinished():
                     time.sleep(0.5)
                     continue
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
@@ -975,8 +976,9 @@ class PrefillWorker:
         self.pickups.shutdown(wait=True)
         self.stopped.set()
 
-    def _top_up(self) -> None:
-        """Pull jobs and admit them (pull); a pull Redis does not answer marks it away."""
+    def _top_up(self, failing: bool) -> bool:
+        """Pull jobs and admit them (pull); True if the pull failed (`failing`: it did the last time,
+        so it is not logged again). One Redis did not answer marks it away."""
         try:
             for stream, entry_id, job, first, outcome in self.pull():
                 try:
@@ -986,16 +988,17 @@ class PrefillWorker:
                         cf.wait([outcome])
                     # its pickup has returned the admission counts already (tokens None: not again)
                     self._drop(stream, entry_id, repr(e), None, job.request_id, job.decode_address)
+            return False
         except redis.RedisError as e:
-            if self._unanswered(e):
-                log.warning("pulling jobs failed (tried again while idle, and once the heartbeat gets an answer): %s",
-                            e)
+            if self._unanswered(e) and not failing:
+                log.warning("pulling jobs failed (again while idle, and once the heartbeat gets an answer): %s", e)
             if isinstance(e, redis.ResponseError) and "NOGROUP" in str(e):
                 try:  # Redis came back empty (restarted without persistence): make the groups again
                     ensure_group(self.redis, self.keys)
                     self._own_stream()
                 except redis.RedisError:
                     pass
+            return True
 
     def _give_back(self) -> None:
         """After the drain: the jobs not prefilled in it are given up to the other workers, whose next
