@@ -1208,12 +1208,20 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                 wait_for(lambda: away["tokens"] == 3, timeout=60, interval=0.05, what="its tokens with Redis stopped")
                 assert time.monotonic() - t0 < with_redis + 2 * CALL_TIMEOUT_S, (time.monotonic() - t0, with_redis)
                 # A new request meanwhile is UNAVAILABLE naming Redis once the call times out (it waited
-                # for its deadline before).
+                # for its deadline before), and at once when the router's lease renewal has timed out
+                # already (by the time the first call's has); so are GetRequest and Abort.
                 t0 = time.monotonic()
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("hi", max_tokens=3, timeout=30)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details(), e.value
                 assert time.monotonic() - t0 < 10  # one call timeout (5 s), not two
+                for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("away"),
+                             lambda: c.abort("any")):
+                    t0 = time.monotonic()
+                    with pytest.raises(grpc.RpcError) as e:
+                        call()
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "did not answer" in e.value.details()
+                    assert time.monotonic() - t0 < 2, e.value.details()
             finally:
                 os.kill(stack.redis_proc.pid, signal.SIGCONT)
             t.join(60)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from splitserve.client import joined
 from splitserve.engine.config import ModelSpec
@@ -41,9 +42,9 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancell
                                       Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD, MAY_RUN_AGAIN,
-                                           QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, Job, Keys, WorkerInfo, connect,
-                                           priority_class, queue_counts, sampling_to_dict)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD,
+                                           MAY_RUN_AGAIN, QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, Job, Keys,
+                                           WorkerInfo, connect, priority_class, queue_counts, sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -308,7 +309,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.last_renewal = 0.0
         # Whether this router's last lease renewal (every half heartbeat) got no answer from Redis:
         # meanwhile a request's end is recorded in the background, not before its last message
-        # (it would wait CALL_TIMEOUT_S), and so are the queue counts a first token returns.
+        # (it would wait CALL_TIMEOUT_S), and so are the queue counts a first token returns; new
+        # requests, GetRequest and Abort are refused at once (_check_redis).
         self.redis_away = False
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
@@ -614,6 +616,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             log.warning("request %s: %s", rid, a.lost)
             a.call.cancel()
 
+    def _check_redis(self) -> None:
+        """While this router's last lease renewal got no answer, a call that needs Redis is refused at
+        once, UNAVAILABLE naming Redis: it would wait CALL_TIMEOUT_S for its own timeout, to the same
+        end. (Renewals go on every half heartbeat: the first one answered ends this.)"""
+        if self.redis_away:
+            raise redis.exceptions.ConnectionError(
+                f"it did not answer this router's last call within {CALL_TIMEOUT_S:g} s (asked again every "
+                f"{self.s.heartbeat_s / 2:g} s)")
+
     async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
         """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once). While
         Redis is away, in the background, until it answers (the request goes on meanwhile)."""
@@ -881,6 +892,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
             # Sent.unfinished); the queue counts them with it
             rid, ids, params, have = await self._validate(request)
+            self._check_redis()
             carried, carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
             samples = have.unfinished(params.n)
             resumed = have.count()
@@ -1479,6 +1491,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request, context):
         convert.check_request_id(request.request_id, required=True)
+        self._check_redis()
         rid = await self._latest(request.request_id)
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
@@ -1514,6 +1527,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def GetRequest(self, request, context):
         rid = request.request_id
         convert.check_request_id(rid, required=True)
+        self._check_redis()
         m = await self.redis.hgetall(self.keys.req(rid))
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
