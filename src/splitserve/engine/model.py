@@ -174,7 +174,8 @@ class LlamaModel:
         w = lambda name: sd[p + name]  # noqa: E731
         bias = None
         if p + "self_attn.q_proj.bias" in sd:
-            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]).float()
+            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
+                              w("self_attn.v_proj.bias")]).float()
         return Layer(
             ln1=w("input_layernorm.weight").float(),
             w_qkv=self._weight(f"{i}.w_qkv", w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),

@@ -42,9 +42,10 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancell
                                       Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES, LOCAL_FIELD,
-                                           MAY_RUN_AGAIN, QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, Job, Keys,
-                                           WorkerInfo, connect, priority_class, queue_counts, sampling_to_dict)
+from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
+                                           LOCAL_FIELD, MAY_RUN_AGAIN, QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA,
+                                           Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
+                                           sampling_to_dict)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -628,17 +629,21 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
         """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once). While
         Redis is away, in the background, until it answers (the request goes on meanwhile)."""
-        call = functools.partial(self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)],
-                                 args=[prompt_tokens])
-        if self.redis_away:
-            self.background.start(self._until_answered(call, f"{rid}'s queue counts"))
-            return
-        try:
-            await call()
-        except REDIS_UNREACHABLE as e:
-            self.redis_away = True
-            log.warning("could not return %s's queue counts (again once Redis answers): %s", rid, e)
-            self.background.start(self._until_answered(call, f"{rid}'s queue counts"))
+        await self._write(functools.partial(self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)],
+                                            args=[prompt_tokens]), f"{rid}'s queue counts")
+
+    async def _write(self, call, what: str, away: bool = False) -> None:
+        """A Redis write (call) that the request's path does not wait for while Redis is away (`away`,
+        or this router's last renewal got no answer): then, or when this call gets none, it is done
+        in the background once Redis answers (_until_answered)."""
+        if not (away or self.redis_away):
+            try:
+                await call()
+                return
+            except REDIS_UNREACHABLE as e:
+                self.redis_away = True
+                log.warning("could not record %s (again once Redis answers): %s", what, e)
+        self.background.start(self._until_answered(call, what))
 
     async def _until_answered(self, call, what: str) -> None:
         """Run call (a Redis write) until Redis answers it: every heartbeat, for up to request_ttl_s
@@ -1346,15 +1351,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 p.srem(self.keys.router_requests(self.id), rid)
                 await p.execute()
 
-        if away or self.redis_away:
-            self.background.start(self._until_answered(record, f"the end of {rid}"))
-            return
         try:
-            await record()
-        except REDIS_UNREACHABLE as e:
-            self.redis_away = True
-            log.warning("could not record the end of %s (again once Redis answers): %s", rid, e)
-            self.background.start(self._until_answered(record, f"the end of {rid}"))
+            await self._write(record, f"the end of {rid}", away)
         except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
             log.exception("could not record the end of %s", rid)
 
