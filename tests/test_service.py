@@ -1186,10 +1186,11 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
 
             # A Redis that hangs does not stall the prompts a prefill worker holds: a 1200-token prompt
             # (three forwards) whose first forward runs when Redis stops gets its tokens while Redis is
-            # still stopped, within one call timeout (CALL_TIMEOUT_S) of the time it takes with Redis:
-            # the first call to time out marks Redis away, and neither the prefill worker (its pulls,
-            # cancellation checks, ack) nor the router (the request's end, recorded before its last
-            # message) waits on it again. Before, four calls did: its tokens came 20 s later than that.
+            # still stopped, having waited one call timeout (CALL_TIMEOUT_S; bounded at two, for noise)
+            # past the time it takes with Redis: the first call to time out marks Redis away, and
+            # neither the prefill worker (its pulls, cancellation checks, ack) nor the router (the
+            # request's end, recorded before its last message) waits on it again. Before, four calls
+            # did: its tokens came 20 s later than that.
             # Its stream entry is acked once Redis answers again, and not claimed and prefilled again.
             # (ids of their own: midway's are in the prefix cache, and would make it one forward)
             t0 = time.monotonic()

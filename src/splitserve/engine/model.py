@@ -85,11 +85,10 @@ class LlamaModel:
         try:
             self.embed = sd["model.embed_tokens.weight"].float().contiguous()  # [V, H]
             self.made_layout = False
-            self._laid = laid_out or {}
-            self.lm_head = self._weight("lm_head", sd.get("lm_head.weight", self.embed))  # [H, V]
+            laid = laid_out or {}
+            self.lm_head = self._weight(laid, "lm_head", sd.get("lm_head.weight", self.embed))  # [H, V]
             self.norm = sd["model.norm.weight"].float()
-            self.layers = [self._layer(sd, i) for i in range(self.shape.num_layers)]
-            del self._laid
+            self.layers = [self._layer(sd, i, laid) for i in range(self.shape.num_layers)]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]}") from None
         cos, sin = cfg.rope_tables()
@@ -159,9 +158,9 @@ class LlamaModel:
         return {"lm_head": self.lm_head, **{f"{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
                                             for name in LAID_OUT}}
 
-    def _weight(self, name: str, *parts: torch.Tensor) -> torch.Tensor:
-        """The [in, out] weight of the [out, in] parts, concatenated: laid out already, or made."""
-        got = self._laid.get(name)
+    def _weight(self, laid: dict, name: str, *parts: torch.Tensor) -> torch.Tensor:
+        """The [in, out] weight of the [out, in] parts, concatenated: laid out already (in laid), or made."""
+        got = laid.get(name)
         if (got is not None and got.dtype == torch.float32 and got.is_contiguous()
                 and tuple(got.shape) == (parts[0].shape[1], sum(x.shape[0] for x in parts))):
             return got
@@ -169,7 +168,7 @@ class LlamaModel:
         parts = [x.float() for x in parts]
         return (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).t().contiguous()
 
-    def _layer(self, sd: dict, i: int) -> Layer:
+    def _layer(self, sd: dict, i: int, laid: dict) -> Layer:
         p = f"model.layers.{i}."
         w = lambda name: sd[p + name]  # noqa: E731
         bias = None
@@ -178,13 +177,13 @@ class LlamaModel:
                               w("self_attn.v_proj.bias")]).float()
         return Layer(
             ln1=w("input_layernorm.weight").float(),
-            w_qkv=self._weight(f"{i}.w_qkv", w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+            w_qkv=self._weight(laid, f"{i}.w_qkv", w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                                w("self_attn.v_proj.weight")),
             b_qkv=bias,
-            w_o=self._weight(f"{i}.w_o", w("self_attn.o_proj.weight")),
+            w_o=self._weight(laid, f"{i}.w_o", w("self_attn.o_proj.weight")),
             ln2=w("post_attention_layernorm.weight").float(),
-            w_gate_up=self._weight(f"{i}.w_gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
-            w_down=self._weight(f"{i}.w_down", w("mlp.down_proj.weight")),
+            w_gate_up=self._weight(laid, f"{i}.w_gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
+            w_down=self._weight(laid, f"{i}.w_down", w("mlp.down_proj.weight")),
         )
 
     # -- pieces shared by the ragged and the padded forward ---------------------------------

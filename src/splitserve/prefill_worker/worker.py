@@ -696,8 +696,7 @@ class PrefillWorker:
             with self.lock:
                 self.inflight.pop(job.request_id, None)
             try:  # (not waited for while Redis is away: the request goes on without this timestamp)
-                if self.redis_away.is_set():
-                    raise redis.ConnectionError("Redis did not answer this worker's last call")
+                self._unless_away()
                 self._update(job, {"t_prefill_end": fl.t_end})
             except redis.RedisError as e:
                 self._unanswered(e)
@@ -795,14 +794,19 @@ class PrefillWorker:
         """Done with a stream entry: acked and deleted. While Redis is away, it is kept to ack at the
         next heartbeat that reaches Redis (it stays this worker's meanwhile: no one claims it)."""
         try:
-            if self.redis_away.is_set():
-                raise redis.ConnectionError("Redis did not answer this worker's last call")
+            self._unless_away()
             self._ack_all([(stream, entry_id)])
         except redis.RedisError as e:
             self._unanswered(e)
             log.warning("could not ack %s %s (acked later): %s", stream, entry_id, e)
             with self.lock:
                 self.unacked.add((stream, entry_id))
+
+    def _unless_away(self) -> None:
+        """For a call not worth waiting CALL_TIMEOUT_S for: while Redis is marked away, it fails at
+        once, as it would then."""
+        if self.redis_away.is_set():
+            raise redis.ConnectionError("Redis did not answer this worker's last call")
 
     def _unanswered(self, e: redis.RedisError) -> bool:
         """Note a failed call: one Redis did not answer marks it away (redis_away). Returns whether
