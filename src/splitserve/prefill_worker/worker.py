@@ -262,6 +262,12 @@ class PrefillWorker:
             self._look_at_directed()
         if now - self._last_claim > self.s.claim_idle_ms / 4000:
             self._last_claim = now
+            # Our own jobs, re-delivered, are in hand already or done with and to be acked (the ack
+            # waits for Redis, and a claim can come first: they would be prefilled and handed over
+            # again). Which they are is read before the claim and after it: the heartbeat may ack
+            # one (and forget it) in between, and a handoff may finish one (and keep it to ack).
+            with self.lock:
+                mine, done = set(self.inflight), set(self.unacked)
             for stream in [*self.keys.streams, *self.claimable]:
                 try:
                     _, claimed, *_ = self.redis.xautoclaim(
@@ -273,10 +279,10 @@ class PrefillWorker:
                     raise
                 held += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
                                     for entry_id, fields in claimed if fields], first=False)
-            # Our own job, re-delivered, is in hand already, or done with and to be acked (its ack
-            # waits for Redis, and a claim can come first: it would be prefilled and handed over again).
             with self.lock:
-                held = [e for e in held if e[2].request_id not in self.inflight and (e[0], e[1]) not in self.unacked]
+                mine.update(self.inflight)
+                done.update(self.unacked)
+            held = [e for e in held if e[2].request_id not in mine and (e[0], e[1]) not in done]
             if held:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
