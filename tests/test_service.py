@@ -2510,6 +2510,14 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
             t.start()
         time.sleep(2.0)
         victim = s.proc("decode-0")
+        # A FirstTokens stream open to it, as a prefill worker keeps one: its stop ends the stream OK
+        # (before, the stream held its gRPC server's stop for the whole grace, then was cut:
+        # UNAVAILABLE "Cancelling all calls")
+        import queue
+
+        from splitserve_proto.v1 import worker_pb2_grpc
+        held_open, nothing = grpc.insecure_channel(victim.address), queue.SimpleQueue()
+        first_tokens = worker_pb2_grpc.DecodeWorkerStub(held_open).FirstTokens.future(iter(nothing.get, None))
         t_term = time.time()
         victim.popen.send_signal(signal.SIGTERM)
         time.sleep(4 * s.settings.heartbeat_s)
@@ -2517,6 +2525,9 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         for t in loaders + threads:
             t.join(240)
         assert victim.popen.wait(120) == 0
+        nothing.put(None)  # (its sending thread waits for a message)
+        assert first_tokens.code() == grpc.StatusCode.OK, first_tokens.details()
+        held_open.close()
         assert sorted(long) == list(range(4)) and all(len(r.token_ids) == 150 for r in long.values())
         assert [x for x in short if x[2:] != ("OK", 2)] == []
         with Client(s.router_address) as c:

@@ -124,7 +124,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> when, before its stream
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self.background = Background()
-        self.token_streams: set[asyncio.Task] = set()  # FirstTokens handlers: they last as long as their peer
+        self.token_streams: set[asyncio.Task] = set()  # FirstTokens readings: they last as long as their peer
         self.adopt_waiting: set[tuple[int, int]] = set()  # (priority, arrival) of handoffs waiting for blocks
         self._arrivals = itertools.count()
         self.draining = False
@@ -381,13 +381,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def FirstTokens(self, request_iterator, context):
         """FirstToken's messages over a stream a prefill worker keeps open. One that is bad or whose
-        request has no stream here is dropped (and counted): its KV's handoff carries the token."""
-        task = asyncio.current_task()
-        self.token_streams.add(task)
+        request has no stream here is dropped (and counted): its KV's handoff carries the token.
+        This worker stopping ends the stream, OK, at once (its reading, in token_streams, is
+        cancelled): open, it would hold the gRPC server's stop for its whole grace."""
+        reading = asyncio.ensure_future(self._first_tokens(request_iterator))
+        self.token_streams.add(reading)
         try:
-            await self._first_tokens(request_iterator)
+            await reading
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the call itself was cancelled (its peer went away)
+                raise
         finally:
-            self.token_streams.discard(task)
+            self.token_streams.discard(reading)
         return w_pb.FirstTokenResponse()
 
     async def _first_tokens(self, request_iterator) -> None:
@@ -782,7 +787,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # Those still open fail UNAVAILABLE saying why (a client may retry), not with gRPC's "Cancelling all calls".
     servicer.cut_off(f"decode worker {name} stopped before this request finished (its drain of "
                      f"{settings.drain_s:g} s ran out); retry")
-    for task in servicer.token_streams:  # prefill workers keep these open: not worth the grace period
+    for task in servicer.token_streams:  # prefill workers keep these open: they end now (FirstTokens)
         task.cancel()
     await server.stop(grace=1.0)
     runner.stop()
