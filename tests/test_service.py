@@ -1870,7 +1870,7 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
     """A rolling update stops a prefill worker with SIGTERM: it pulls no more, prefills and hands over
     the jobs it holds, acks them and exits 0. Those its DRAIN_S leaves (0 here) are given up at once,
     not CLAIM_IDLE_MS (60 s here) after it went: the next worker to look claims them."""
-    s = _start(prefill=2, claim_idle_ms=60000, drain_s=60.0)
+    s = _start(prefill=2, claim_idle_ms=60000, drain_s=60.0, prefill_token_budget=1024)
     stopped = []
     try:
         r = s.redis()
@@ -1897,9 +1897,9 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             return held if len(held) >= 3 else None
 
         def send(tag, first):
-            """Eight 600-token prompts (new ones: no prefill worker holds them, prefill affinity sends
+            """Eight 300-token prompts (new ones: no prefill worker holds them, prefill affinity sends
             them nowhere), queued while both workers are stopped; then prefill-0 goes on, prefill-1
-            still stopped: prefill-0 takes them about four at a time (its token budget, 2048), so it
+            still stopped: prefill-0 takes them about four at a time (its token budget, 1024), so it
             holds jobs not yet prefilled for a few forwards (had they trickled in, each could be
             done before the next came). Returns the threads, the results and the entries held."""
             victim = s.proc("prefill-0").popen.pid
@@ -1910,12 +1910,12 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
 
             def run(i):
                 with Client(s.router_address) as c:
-                    results[i] = c.generate(token_ids=list(range(first + 10 * i, first + 600 + 10 * i)), max_tokens=4,
+                    results[i] = c.generate(token_ids=list(range(first + 10 * i, first + 300 + 10 * i)), max_tokens=4,
                                             ignore_eos=True, request_id=f"{tag}{i}", timeout=240)
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
-            wait_for(lambda: _queue_counts(s) == [8, 8 * 600], timeout=60, what="the eight jobs queued")
+            wait_for(lambda: _queue_counts(s) == [8, 8 * 300], timeout=60, what="the eight jobs queued")
             os.kill(victim, signal.SIGCONT)
             stopped.remove(victim)
             return threads, results, wait_for(held_requests, timeout=60, what="jobs held by prefill-0")
@@ -2123,7 +2123,7 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken(mode):
-    """Streams of 160 tokens (greedy, sampled with a seed, and one of three seeded samples) over two
+    """Streams of 100 tokens (greedy, sampled with a seed, and one of three seeded samples) over two
     decode workers. The worker holding the three samples is killed while each stream is part-way;
     later the one holding them then is sent SIGTERM with a drain time far shorter than its streams.
     Every stream still ends OK, and its tokens, text and log probabilities are those of an unbroken
@@ -2139,7 +2139,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
     down = []  # the workers killed or stopped, started again at the end
     # greedy, and (odd streams) sampled with a seed: its generator goes on where it was; the last
     # stream is of three samples (sample j seeded seed + j)
-    sps = [dict(max_tokens=160, ignore_eos=True, stop=["@@@@@@@@"], logprobs=0,
+    sps = [dict(max_tokens=100, ignore_eos=True, stop=["@@@@@@@@"], logprobs=0,
                 **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i})) for i in range(6)]
     sps[5]["n"] = 3
     try:
@@ -2177,7 +2177,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                 def part_way_on_both():
                     seen["tokens"] = {i: [len(g[0]) for g in got[i].values()] for i in range(6)}
                     seen["outcomes"] = dict(outcome)
-                    if not all(5 <= len(g[0]) <= 80 for i in range(6) for g in got[i].values()):
+                    if not all(5 <= len(g[0]) <= 50 for i in range(6) for g in got[i].values()):
                         return False
                     seen["on"] = {i: c.get_request(f"{tag}{i}").decode_worker for i in range(6)}
                     return {w.rsplit("-", 1)[0] for w in seen["on"].values()} == {"decode-0", "decode-1"}
@@ -2242,7 +2242,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
 
 
 def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a_resuming_client():
-    """A seeded 200-token stream through one of two routers, by a client balancing over both with
+    """A seeded 120-token stream through one of two routers, by a client balancing over both with
     resumes=1. Its router is sent SIGTERM with a drain time far shorter than the stream (later,
     restarted, the one holding the next stream is killed): the client sends the request again with
     the tokens it has (resume_from) to the other router, which goes on from there. The stream ends
@@ -2253,7 +2253,7 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     UNAVAILABLE."""
     s = _start(routers=2, drain_s=0.5, batch_invariant=True)  # (see the decode-worker test above)
     down = []
-    sp = dict(max_tokens=200, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
+    sp = dict(max_tokens=120, ignore_eos=True, temperature=0.8, seed=7, logprobs=0, stop=["@@@@@@@@"])
     prompt = "Tell me a story about a lighthouse keeper."
     target = "ipv4:" + ",".join(a.removeprefix("ipv4:") for a in s.router_addresses)
     try:
@@ -2281,7 +2281,7 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             t.start()
             wait_for(lambda: len(got[0]) == n and all(10 <= len(v) for v in got[0].values()), timeout=120,
                      interval=0.02, what="the stream part-way")
-            assert all(len(v) <= 60 for v in got[0].values()), {i: len(v) for i, v in got[0].items()}
+            assert all(len(v) <= 40 for v in got[0].values()), {i: len(v) for i, v in got[0].items()}
             holder = names[stack_redis_hget(s, tag, "router")]
             down.append(holder)
             disrupt(s.proc(holder))
