@@ -79,7 +79,7 @@ def client(stack):
 def reference_prompts(mixed_workload):
     # 32 prompts of mixed lengths (cut so the suite stays quick), each with its own output length
     items = mixed_workload[:32]
-    return [(it["prompt_token_ids"][: 40 + 7 * i], 4 + i % 9) for i, it in enumerate(items)]
+    return [(it["prompt_token_ids"][: 20 + 5 * i], 4 + i % 9) for i, it in enumerate(items)]
 
 
 @pytest.fixture(scope="module")
