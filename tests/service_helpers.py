@@ -12,12 +12,9 @@ from splitserve.service.redis_state import Keys
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
     end = time.time() + timeout
-    t00 = time.time()
     while time.time() < end:
         value = pred()
         if value:
-            if time.time() - t00 > 0.5:
-                open("/tmp/waits.log", "a").write(f"{time.time() - t00:6.2f} {what}\n")
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
