@@ -135,15 +135,27 @@ def test_weights_that_are_not_exactly_blocks_stay_fp32(fmt):
     assert sg.pack(_block_weight(fmt, 576, 960)[:560]).blocks is None  # K not a multiple of 32
 
 
-def test_packed_blocks_kept_on_disk_are_read_back_as_fitted_and_a_wrong_entry_is_fitted_again(tmp_path, caplog):
-    """pack_cache: the blocks a process fitted, written and read back by another, pack the same
-    weights to the same Packed; an entry whose blocks do not fit a weight's shape, or that cannot
-    be read, is not used (the blocks are fitted again)."""
+def _mapped_from(t, path: str) -> bool:
+    """Whether tensor t's data lies in a mapping of the file at path (/proc/self/maps)."""
+    addr, real = t.data_ptr(), os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return len(rest) >= 5 and rest[-1] == real
+    return False
+
+
+def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry_is_packed_again(tmp_path, caplog):
+    """pack_cache: the tiles and blocks a process packed, written and read back by another, are
+    the same Packed, mapped from the entry's file (not copied); an entry whose weights do not fit
+    a weight's shape, or that cannot be read, is not used (the weight is packed again)."""
     from splitserve.engine import pack_cache
 
     sg = _small_gemm()
     weights = {(0, "w_qkv"): _block_weight("q4_1", 576, 960), (0, "w_o"): _block_weight("q8_0", 64, 32, seed=1),
-               "lm_head": torch.randn(64, 40)}
+               "lm_head": torch.randn(64, 44)}  # (44 columns: tiles padded to 48)
     fitted = {key: sg.pack(w) for key, w in weights.items()}
     assert [p.fmt for p in fitted.values()] == ["q4_1", "q8_0", ""]
     dest = pack_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
@@ -152,17 +164,20 @@ def test_packed_blocks_kept_on_disk_are_read_back_as_fitted_and_a_wrong_entry_is
     # an image bakes it as root and runs as another user
     assert os.stat(dest).st_mode & 0o777 == 0o755 and os.stat(os.path.join(dest, pack_cache.FILE)).st_mode & 0o004
     known = pack_cache.read(dest)
-    assert set(known) == set(weights) and known["lm_head"] == (None, "")
+    assert set(known) == set(weights) and known["lm_head"].blocks is None and known["lm_head"].fmt == ""
     for key, w in weights.items():
         again = sg.pack(w, known[key])
         assert again.fmt == fitted[key].fmt and torch.equal(again.tiles, fitted[key].tiles)
+        assert _mapped_from(again.tiles, os.path.join(dest, pack_cache.FILE))
+        assert not _mapped_from(fitted[key].tiles, os.path.join(dest, pack_cache.FILE))  # (the check can fail)
         assert (again.blocks is None) == (fitted[key].blocks is None)
         if again.blocks is not None:
             assert torch.equal(again.blocks, fitted[key].blocks)
-    # another weight's blocks (the wrong shape): fitted again, and said so
+    # another weight's (the wrong shape): packed again, and said so
     wrong = sg.pack(_block_weight("q4_1", 1536, 576), known[0, "w_qkv"])
-    assert torch.equal(wrong.blocks, sg.pack(_block_weight("q4_1", 1536, 576)).blocks)
-    assert "fitted again" in caplog.text
+    want = sg.pack(_block_weight("q4_1", 1536, 576))
+    assert torch.equal(wrong.blocks, want.blocks) and torch.equal(wrong.tiles, want.tiles)
+    assert "packed again" in caplog.text
     with open(os.path.join(dest, pack_cache.FILE), "r+b") as f:  # a torn file
         f.truncate(100)
     assert pack_cache.read(dest) is None

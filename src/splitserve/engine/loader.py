@@ -51,8 +51,8 @@ class LoadedModel:
     # these weights and shared by the later ones (fitting their integer blocks took 2-15 s here:
     # LlamaModel.use_small_gemm)
     packed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # Where their integer blocks are kept on disk for later processes (pack_cache; a converted GGUF
-    # model's only: its weights are made of the blocks), or "" for none
+    # Where they (tiles and integer blocks) are kept on disk for later processes (pack_cache; a
+    # converted GGUF model's only: its weights are made of the blocks), or "" for none
     pack_entry: str = ""
     # The weights in the engine's layout (LlamaModel.laid_out), made by the first engine built on
     # these weights on the CPU and taken by the later ones

@@ -125,7 +125,7 @@ class LlamaModel:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
         kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
         (LoadedModel.packed) keeps the packed weights for the next model built on the same ones; ``known``:
-        their integer blocks as an earlier process fitted them (pack_cache.read), by the same keys."""
+        them as an earlier process packed them (pack_cache.read), by the same keys."""
         cache = {} if cache is None else cache
         known = known or {}
         for i, layer in enumerate(self.layers):

@@ -93,26 +93,24 @@ class SmallGemm:
         self.num_threads = num_threads
 
     @classmethod
-    def pack(cls, w_kn, known: tuple | None = None) -> "Packed":
+    def pack(cls, w_kn, known: Packed | None = None) -> "Packed":
         """[K, N] -> its fp32 tiles [N/8, K, 8] (N padded to a multiple of 8 with zero
         columns), and its integer blocks when W is exactly made of them (``pack_blocks``).
-        known: (blocks or None, format) fitted for W before (pack_cache), taken as they are when
-        their shape is W's."""
+        known: W packed before (pack_cache), taken as it is when its shapes are W's."""
         import torch
 
         K, N = w_kn.shape
+        if known is not None:
+            tiles, blocks, fmt = known
+            if tuple(tiles.shape) == (-(-N // 8), K, 8) and tiles.dtype == torch.float32 and (
+                    blocks is None or (tuple(blocks.shape[:2]) == (N // 8, K // cls.QK) and fmt in ("q4_1", "q8_0")
+                                       and blocks.dtype == torch.uint8)):
+                return Packed(tiles, blocks, fmt)
+            log.warning("packed weights of shape %s (%s) do not fit a [%d, %d] weight: packed again",
+                        tuple(tiles.shape), fmt or "no blocks", K, N)
         pad = (-N) % 8
         w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
         tiles = w.view(K, -1, 8).permute(1, 0, 2).contiguous()
-        if known is not None:
-            blocks, fmt = known
-            if blocks is None:
-                return Packed(tiles)
-            if tuple(blocks.shape[:2]) == (N // 8, K // cls.QK) and fmt in ("q4_1", "q8_0") \
-                    and blocks.dtype == torch.uint8:
-                return Packed(tiles, blocks, fmt)
-            log.warning("packed blocks of shape %s (%s) do not fit a [%d, %d] weight: fitted again",
-                        tuple(blocks.shape), fmt, K, N)
         for fmt in ("q4_1", "q8_0"):
             blocks = cls.pack_blocks(w_kn, fmt)
             if blocks is not None:
