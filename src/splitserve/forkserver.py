@@ -9,10 +9,11 @@ exit status. `ForkedProcess` gives the calls of `subprocess.Popen` that a `Stack
 tests) make: ``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``,
 ``returncode``.
 
-The server imports no gRPC and starts no thread before it forks: a fork copies the calling
-thread only, and gRPC's core must not be running in a process that forks. The children import
-gRPC, Redis and OpenTelemetry themselves, and set their thread counts (torch's pool is not
-started until its first op, which the server never runs). What is read at import time (a
+The server starts no thread and creates no gRPC object before it forks: a fork copies the
+calling thread only, and gRPC's core must not be running in a process that forks. It imports
+gRPC's Python modules, which gRPC's fork notes allow ("use after fork": no gRPC object made
+before the fork); the children make their servers and channels, connect to Redis and set their
+thread counts (torch's pool is not started until its first op, which the server never runs). What is read at import time (a
 ``PYTHONPATH`` of another tree, for one) cannot change in a child: `Stack` starts those
 processes with ``subprocess`` instead. A child's command line (``ps``, ``/proc/PID/cmdline``) is the
 server's, ``python -m splitserve.forkserver``; its log and its `Stack` name it. Once its module
@@ -35,9 +36,11 @@ import time
 
 # What the workers import that costs the most (torch and the engine: seconds), what the routers
 # do (transformers' chat templates: 0.8 s, at their start) and what else every process imports
-# that needs no thread or socket at import.
+# that needs no thread or socket at import: gRPC's Python modules too (~0.3 s of CPU a process),
+# which create no gRPC object (channel, server) and start nothing of gRPC's core when imported.
 PRELOAD = ("torch", "splitserve.engine.engine", "transformers.utils.chat_template_utils", "redis.asyncio",
-           "prometheus_client", "opentelemetry.sdk.trace")
+           "prometheus_client", "opentelemetry.sdk.trace", "grpc.aio", "grpc_health.v1.health",
+           "grpc_reflection.v1alpha.reflection")
 
 
 class ForkedProcess:
