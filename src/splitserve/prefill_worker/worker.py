@@ -862,7 +862,9 @@ class PrefillWorker:
     def heartbeat_loop(self) -> None:
         lease = 3 * self.s.heartbeat_s
         left = False
-        while not self.stopped.wait(self.s.heartbeat_s):
+        wait = 0.0  # the first beat at once: in the registry as soon as it pulls, not a heartbeat later
+        while not self.stopped.wait(wait):
+            wait = self.s.heartbeat_s
             with self.lock:
                 calling = {fl.job.decode_address for fl in self.inflight.values()}
             pruned = self.peers.prune(calling)  # decode workers not called for a while (gone, moved)
