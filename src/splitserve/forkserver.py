@@ -15,10 +15,11 @@ gRPC's Python modules, which gRPC's fork notes allow ("use after fork": no gRPC 
 before the fork); the children make their servers and channels, connect to Redis and set their
 thread counts (torch's pool is not started until its first op, which the server never runs).
 What is read at import time (a ``PYTHONPATH`` of another tree, for one) cannot change in a
-child: `Stack` starts those processes with ``subprocess`` instead. A child's command line (``ps``, ``/proc/PID/cmdline``) is the
-server's, ``python -m splitserve.forkserver``; its log and its `Stack` name it. Once its module
-returns (or raises), a child flushes its logs and output and ends with ``os._exit``: no interpreter
-teardown, which took a stopped worker about 0.6 s (each role's stop closes what it holds itself).
+child: `Stack` starts those processes with ``subprocess`` instead. A child's command line
+(``ps``, ``/proc/PID/cmdline``) is the server's, ``python -m splitserve.forkserver``; its log
+and its `Stack` name it. Once its module returns (or raises), a child flushes its logs and
+output and ends with ``os._exit``: no interpreter teardown, which took a stopped worker about
+0.6 s (each role's stop closes what it holds itself).
 
 The tests start their stacks this way (tests/conftest.py); ``splitserve up`` and the images start
 each process as ``python -m``.
