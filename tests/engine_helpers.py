@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import NamedTuple
 
@@ -10,6 +11,18 @@ def random_prompts(n, lo=4, hi=120, seed=0) -> list[list[int]]:
     """n prompts of lo..hi-1 token ids in [3, 512) (the tiny model's vocabulary), seeded."""
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def mapped_from(t, path: str) -> bool:
+    """Whether tensor t's data lies in a mapping of the file at path (/proc/self/maps)."""
+    addr, real = t.data_ptr(), os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return len(rest) >= 5 and rest[-1] == real
+    return False
 
 
 class Drained(NamedTuple):

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from engine_helpers import mapped_from
 
 from splitserve.engine import native
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
@@ -135,18 +136,6 @@ def test_weights_that_are_not_exactly_blocks_stay_fp32(fmt):
     assert sg.pack(_block_weight(fmt, 576, 960)[:560]).blocks is None  # K not a multiple of 32
 
 
-def _mapped_from(t, path: str) -> bool:
-    """Whether tensor t's data lies in a mapping of the file at path (/proc/self/maps)."""
-    addr, real = t.data_ptr(), os.path.realpath(path)
-    with open("/proc/self/maps") as f:
-        for line in f:
-            span, *rest = line.split()
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= addr < hi:
-                return len(rest) >= 5 and rest[-1] == real
-    return False
-
-
 def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry_is_packed_again(tmp_path, caplog):
     """pack_cache: the tiles and blocks a process packed, written and read back by another, are
     the same Packed, mapped from the entry's file (not copied); an entry whose weights do not fit
@@ -168,8 +157,8 @@ def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry
     for key, w in weights.items():
         again = sg.pack(w, known[key])
         assert again.fmt == fitted[key].fmt and torch.equal(again.tiles, fitted[key].tiles)
-        assert _mapped_from(again.tiles, os.path.join(dest, pack_cache.FILE))
-        assert not _mapped_from(fitted[key].tiles, os.path.join(dest, pack_cache.FILE))  # (the check can fail)
+        assert mapped_from(again.tiles, os.path.join(dest, pack_cache.FILE))
+        assert not mapped_from(fitted[key].tiles, os.path.join(dest, pack_cache.FILE))  # (the check can fail)
         assert (again.blocks is None) == (fitted[key].blocks is None)
         if again.blocks is not None:
             assert torch.equal(again.blocks, fitted[key].blocks)
