@@ -190,3 +190,134 @@ def test_the_weights_laid_out_are_kept_mapped_from_disk_and_made_again_when_they
     with open(path, "r+b") as f:  # a torn file
         f.truncate(1000)
     assert layout_cache.read(dest) is None
+
+
+def _bytes_tokens():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "a n"]
+    return byte_chars + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>"], merges
+
+
+def _write_gguf(path, arch: str, name: str, tied: bool):
+    """A small GGUF file of arch's layout, its weights random and stored as F32, F16, Q8_0 and Q4_1
+    (the default file's kinds and one more), with a byte-level BPE vocabulary."""
+    import gguf
+    import numpy as np
+
+    hidden, heads, kv_heads, ffn, layers = 64, 4, 2, 96, 2
+    tokens, merges = _bytes_tokens()
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_context_length(256)
+    w.add_block_count(layers)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    if arch != "qwen2":
+        w.add_rope_dimension_count(hidden // heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
+
+    def put(name, shape, kind):
+        a = rng.standard_normal(shape, dtype=np.float32)
+        if kind in ("Q8_0", "Q4_1"):
+            q = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
+        else:
+            w.add_tensor(name, a.astype(np.float16 if kind == "F16" else np.float32))
+
+    put("token_embd.weight", (len(tokens), hidden), "Q8_0")
+    if not tied:
+        put("output.weight", (len(tokens), hidden), "F16")
+    put("output_norm.weight", (hidden,), "F32")
+    head = hidden // heads
+    for i in range(layers):
+        put(f"blk.{i}.attn_norm.weight", (hidden,), "F32")
+        put(f"blk.{i}.ffn_norm.weight", (hidden,), "F32")
+        for part, rows in (("attn_q", hidden), ("attn_k", kv_heads * head), ("attn_v", kv_heads * head)):
+            put(f"blk.{i}.{part}.weight", (rows, hidden), "Q4_1")
+            if arch == "qwen2":
+                put(f"blk.{i}.{part}.bias", (rows,), "F32")
+        put(f"blk.{i}.attn_output.weight", (hidden, hidden), "Q4_1")
+        put(f"blk.{i}.ffn_gate.weight", (ffn, hidden), "Q4_1")
+        put(f"blk.{i}.ffn_up.weight", (ffn, hidden), "Q4_1")
+        put(f"blk.{i}.ffn_down.weight", (hidden, ffn), "Q8_0")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
+def test_a_gguf_file_is_converted_to_what_transformers_makes_of_it(tmp_path, arch, tied):
+    """gguf_convert reads GGUF files itself (transformers took 22 of a conversion's 30 s): its
+    weights, config and tokenizer are transformers' own, tensor for tensor, on a file of each
+    GGUF architecture the engine serves (a Mistral model's file is llama's): llama's q and k
+    permuted back, qwen2's biases, a tied or an untied output."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from splitserve.engine.loader import resolve_folder
+
+    path = tmp_path / "src" / "m.gguf"
+    path.parent.mkdir()
+    _write_gguf(path, arch, "tiny", tied)
+    folder = resolve_folder(ModelSpec(path=str(path), cache_dir=str(tmp_path / "cache")))
+
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    want = {k: v for k, v in ref.state_dict().items() if not (tied and k == "lm_head.weight")}
+    got = load_file(os.path.join(folder, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    unequal = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    assert unequal == []
+    assert any("q_proj.bias" in k for k in got) == (arch == "qwen2")
+
+    ref_config = json.loads(json.dumps(ref.config.to_dict()))  # as config.json has it
+    ref_config.pop("quantization_config")
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    assert config == ref_config
+    assert config["model_type"] == arch
+    assert config["tie_word_embeddings"] is tied
+
+    ref_tok = tmp_path / "ref_tok"
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(ref_tok))
+    for f in sorted(os.listdir(ref_tok)):
+        assert (ref_tok / f).read_bytes() == open(os.path.join(folder, f), "rb").read(), f
+
+
+def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(tmp_path):
+    from splitserve.engine.loader import resolve_folder
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "llama", "tiny", tied=True)
+    data = path.read_bytes()
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelLoadError, match=f"corrupt or unreadable GGUF file {short}: tensor blk.1.ffn_down.weight "
+                                             "runs past the end of the file"):
+        resolve_folder(ModelSpec(path=str(short), cache_dir=str(tmp_path / "cache")))
+    header = tmp_path / "header.gguf"
+    header.write_bytes(data[:300])
+    with pytest.raises(ModelLoadError, match=f"corrupt or unreadable GGUF file {header}: "):
+        resolve_folder(ModelSpec(path=str(header), cache_dir=str(tmp_path / "cache")))
+
+    other = tmp_path / "gpt2.gguf"
+    _write_gguf(other, "gpt2", "tiny", tied=True)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2' in .*gpt2.gguf"):
+        resolve_folder(ModelSpec(path=str(other), cache_dir=str(tmp_path / "cache")))
+    assert not os.path.exists(tmp_path / "cache" / "models") or os.listdir(tmp_path / "cache" / "models") == []

