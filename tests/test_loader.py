@@ -321,3 +321,37 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2' in .*gpt2.gguf"):
         resolve_folder(ModelSpec(path=str(other), cache_dir=str(tmp_path / "cache")))
     assert not os.path.exists(tmp_path / "cache" / "models") or os.listdir(tmp_path / "cache" / "models") == []
+
+
+@pytest.mark.parametrize("kind", ["packed", "layout"])
+def test_entries_an_earlier_format_left_are_removed_once_the_current_one_is_written_or_read(tmp_path, kind):
+    """A release that changes PACK_FORMAT or LAYOUT_FORMAT left its predecessor's entries (107 MB
+    for SmolLM2's packed weights at format 1) in the cache for good: they go once the current
+    format's entry is written or read. Other models' entries, and those of a later format (a newer
+    release sharing the cache), stay."""
+    import torch
+
+    from splitserve.engine import layout_cache, pack_cache
+    from splitserve.engine.native import Packed
+
+    if kind == "packed":
+        cache, fmt, content = pack_cache, pack_cache.PACK_FORMAT, {"lm_head": Packed(torch.randn(4, 8), None, "")}
+    else:
+        cache, fmt, content = layout_cache, layout_cache.LAYOUT_FORMAT, {"embed": torch.randn(4, 8)}
+    dest = cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
+    parent, stem = os.path.dirname(dest), "SmolLM2-abc"
+    assert os.path.basename(dest) == f"{stem}-{fmt}"
+    older, kept = f"{stem}-{fmt - 1}", [f"{stem}-{fmt + 1}", f"SmolLM2-abd-{fmt - 1}", f"{stem}-x"]
+
+    def leave(names):
+        for name in names:
+            os.makedirs(os.path.join(parent, name), exist_ok=True)
+            with open(os.path.join(parent, name, "weights"), "wb") as f:
+                f.write(b"x" * 64)
+
+    leave([older] + kept)
+    cache.write(dest, content)
+    assert sorted(os.listdir(parent)) == sorted([os.path.basename(dest)] + kept)
+    leave([older])  # an older release, sharing the cache, wrote its entry again
+    assert cache.read(dest) is not None
+    assert sorted(os.listdir(parent)) == sorted([os.path.basename(dest)] + kept)

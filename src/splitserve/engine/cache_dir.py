@@ -28,3 +28,23 @@ def write_entry(dest: str, prefix: str, fill: Callable[[str], None]) -> None:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_older_formats(dest: str, fmt: int) -> None:
+    """Remove the entries an earlier format of dest's kind left beside it ("{stem}-{n}", n < fmt),
+    once dest is read or written: a release that changes a format would otherwise leave its
+    predecessor's entry (SmolLM2's packed weights at format 1: 107 MB) on disk for good. A process
+    still reading a removed entry keeps its mapping; an older release sharing the cache writes its
+    entry again (and packs or lays out once more at its starts while the newer one removes it)."""
+    parent, name = os.path.split(dest)
+    stem, _, n = name.rpartition("-")
+    if n != str(fmt):
+        return
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        return
+    for other in siblings:
+        s, _, k = other.rpartition("-")
+        if s == stem and k.isdigit() and int(k) < fmt:
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from splitserve.engine.cache_dir import write_entry
+from splitserve.engine.cache_dir import remove_older_formats, write_entry
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,12 @@ def read(dest: str) -> dict | None:
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        tensors = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         log.warning("the weights laid out at %s were not read (%s): made again", path, e)
         return None
+    remove_older_formats(dest, LAYOUT_FORMAT)
+    return tensors
 
 
 def write(dest: str, tensors: dict) -> None:
@@ -52,3 +54,5 @@ def write(dest: str, tensors: dict) -> None:
         write_entry(dest, ".layout-", lambda tmp: save_file(tensors, os.path.join(tmp, FILE)))
     except OSError as e:  # a read-only cache: every start makes them again
         log.warning("the weights laid out were not cached at %s (%s)", dest, e)
+        return
+    remove_older_formats(dest, LAYOUT_FORMAT)

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 
-from splitserve.engine.cache_dir import write_entry
+from splitserve.engine.cache_dir import remove_older_formats, write_entry
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,13 @@ def read(dest: str) -> dict | None:
     try:
         with safe_open(path, "pt") as f:
             formats = json.loads(f.metadata()["formats"])
-            return {_key(name): Packed(f.get_tensor(f"{name}.tiles"), f.get_tensor(f"{name}.blocks") if fmt else None,
-                                       fmt) for name, fmt in formats.items()}
+            known = {_key(name): Packed(f.get_tensor(f"{name}.tiles"), f.get_tensor(f"{name}.blocks") if fmt else None,
+                                        fmt) for name, fmt in formats.items()}
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         log.warning("packed weights at %s not read (%s): packed again", path, e)
         return None
+    remove_older_formats(dest, PACK_FORMAT)
+    return known
 
 
 def write(dest: str, packed: dict) -> None:
@@ -70,3 +72,5 @@ def write(dest: str, packed: dict) -> None:
                                                             metadata={"formats": json.dumps(formats)}))
     except OSError as e:  # a read-only cache: every start fits them again
         log.warning("packed weights not cached at %s (%s)", dest, e)
+        return
+    remove_older_formats(dest, PACK_FORMAT)
