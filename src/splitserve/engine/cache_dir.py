@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 def write_entry(dest: str, prefix: str, fill: Callable[[str], None]) -> None:
@@ -48,3 +51,20 @@ def remove_older_formats(dest: str, fmt: int) -> None:
         s, _, k = other.rpartition("-")
         if s == stem and k.isdigit() and int(k) < fmt:
             shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+
+
+def write_tensors(dest: str, file: str, fmt: int, tensors: dict, metadata: dict | None = None) -> None:
+    """An entry of one safetensors file (layout_cache's, pack_cache's), unless another process wrote
+    dest meanwhile; then the entries earlier formats left beside it are removed. A cache that
+    cannot be written is said so in the log (every start makes the tensors again)."""
+    from safetensors.torch import save_file
+
+    if os.path.isdir(dest):
+        return
+    try:
+        write_entry(dest, f".{os.path.basename(os.path.dirname(dest))}-",
+                    lambda tmp: save_file(tensors, os.path.join(tmp, file), metadata=metadata))
+    except OSError as e:  # a read-only cache
+        log.warning("%s not cached (%s): made again at each start", dest, e)
+        return
+    remove_older_formats(dest, fmt)

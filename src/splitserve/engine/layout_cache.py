@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from splitserve.engine.cache_dir import remove_older_formats, write_entry
+from splitserve.engine.cache_dir import remove_older_formats, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,4 @@ def read(dest: str) -> dict | None:
 
 def write(dest: str, tensors: dict) -> None:
     """LlamaModel.laid_out's weights, as an entry read() reads."""
-    from safetensors.torch import save_file
-
-    if os.path.isdir(dest):  # another process's, written meanwhile
-        return
-    try:
-        write_entry(dest, ".layout-", lambda tmp: save_file(tensors, os.path.join(tmp, FILE)))
-    except OSError as e:  # a read-only cache: every start makes them again
-        log.warning("the weights laid out were not cached at %s (%s)", dest, e)
-        return
-    remove_older_formats(dest, LAYOUT_FORMAT)
+    write_tensors(dest, FILE, LAYOUT_FORMAT, tensors)

@@ -15,7 +15,7 @@ import json
 import logging
 import os
 
-from splitserve.engine.cache_dir import remove_older_formats, write_entry
+from splitserve.engine.cache_dir import remove_older_formats, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +60,7 @@ def read(dest: str) -> dict | None:
 
 def write(dest: str, packed: dict) -> None:
     """LoadedModel.packed (native.Packed by key), as an entry read() reads."""
-    from safetensors.torch import save_file
-
-    if os.path.isdir(dest):  # another process's, written meanwhile
-        return
     formats = {_name(k): p.fmt if p.blocks is not None else "" for k, p in packed.items()}
     tensors = {f"{_name(k)}.tiles": p.tiles for k, p in packed.items()}
     tensors.update((f"{_name(k)}.blocks", p.blocks) for k, p in packed.items() if p.blocks is not None)
-    try:
-        write_entry(dest, ".packed-", lambda tmp: save_file(tensors, os.path.join(tmp, FILE),
-                                                            metadata={"formats": json.dumps(formats)}))
-    except OSError as e:  # a read-only cache: every start fits them again
-        log.warning("packed weights not cached at %s (%s)", dest, e)
-        return
-    remove_older_formats(dest, PACK_FORMAT)
+    write_tensors(dest, FILE, PACK_FORMAT, tensors, {"formats": json.dumps(formats)})
