@@ -200,9 +200,10 @@ def _bytes_tokens():
     return byte_chars + [m.replace(" ", "") for m in merges] + ["<|endoftext|>", "<|im_start|>"], merges
 
 
-def _write_gguf(path, arch: str, name: str, tied: bool):
+def _write_gguf(path, arch: str, name: str, tied: bool, kinds: dict | None = None):
     """A small GGUF file of arch's layout, its weights random and stored as F32, F16, Q8_0 and Q4_1
-    (the default file's kinds and one more), with a byte-level BPE vocabulary."""
+    (the default file's kinds and one more; kinds: another, by tensor name), with a byte-level BPE
+    vocabulary."""
     import gguf
     import numpy as np
 
@@ -233,7 +234,10 @@ def _write_gguf(path, arch: str, name: str, tied: bool):
 
     def put(name, shape, kind):
         a = rng.standard_normal(shape, dtype=np.float32)
-        if kind in ("Q8_0", "Q4_1"):
+        kind = (kinds or {}).get(name, kind)
+        if kind == "F64":
+            w.add_tensor(name, a.astype(np.float64))
+        elif kind in ("Q8_0", "Q4_1"):
             q = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
         else:
@@ -315,6 +319,12 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
     header.write_bytes(data[:300])
     with pytest.raises(ModelLoadError, match=f"corrupt or unreadable GGUF file {header}: "):
         resolve_folder(ModelSpec(path=str(header), cache_dir=str(tmp_path / "cache")))
+
+    f64 = tmp_path / "f64.gguf"
+    _write_gguf(f64, "llama", "tiny", tied=True, kinds={"blk.1.attn_norm.weight": "F64"})
+    with pytest.raises(ModelLoadError, match=f"GGUF file {f64}: tensor blk.1.attn_norm.weight \\(F64\\) cannot be "
+                                             "de-quantized"):
+        resolve_folder(ModelSpec(path=str(f64), cache_dir=str(tmp_path / "cache")))
 
     other = tmp_path / "gpt2.gguf"
     _write_gguf(other, "gpt2", "tiny", tied=True)

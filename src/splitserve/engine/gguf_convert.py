@@ -77,7 +77,7 @@ class GGUFFile:
             raise ModelLoadError(f"corrupt or unreadable GGUF file {path}: {e}") from None
         try:
             self._parse()
-        except (struct.error, UnicodeDecodeError, ValueError, KeyError, IndexError) as e:
+        except (struct.error, UnicodeDecodeError, ValueError, KeyError, IndexError, OverflowError, RecursionError) as e:
             raise ModelLoadError(f"corrupt or unreadable GGUF file {path}: {e}") from None
 
     def _parse(self) -> None:
@@ -163,8 +163,11 @@ class GGUFFile:
         raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16).reshape(t.shape)
-        rows = raw.reshape(*t.shape[:-1], -1)
-        return dequantize(rows, kind).reshape(t.shape)
+        try:
+            return dequantize(raw.reshape(*t.shape[:-1], -1), kind).reshape(t.shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ModelLoadError(f"GGUF file {self.path}: tensor {name} ({kind.name}) cannot be de-quantized: "
+                                 f"{e}") from None
 
     def close(self) -> None:
         try:
