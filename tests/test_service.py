@@ -2032,7 +2032,7 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
     """Six streams over two decode workers; `disrupt(proc)` on `victim` once both decode some. The
     victim's streams must end UNAVAILABLE naming it, and within a minute (their deadline is two);
     the other worker's must complete."""
-    outcomes = {}
+    outcomes, tokens = {}, 80
     # The router places the six by the load in its last registry read, which can be a heartbeat
     # and a refresh older than what kv_idle() saw: a worker still shown busy gets none of them.
     time.sleep(2 * s.settings.heartbeat_s)
@@ -2041,7 +2041,7 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
         n = 0
         try:
             with Client(s.router_address) as cc:
-                for chunk in cc.generate_stream(f"Story number {i}:", max_tokens=80, ignore_eos=True,
+                for chunk in cc.generate_stream(f"Story number {i}:", max_tokens=tokens, ignore_eos=True,
                                                 request_id=f"{tag}{i}", timeout=120):
                     n += len(chunk.token_ids)
             outcomes[i] = ("OK", n, "")
@@ -2072,7 +2072,7 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
             assert code == "UNAVAILABLE" and f"decode worker {victim}-{s.stack_id}" in details, details
             assert c.get_request(f"{tag}{i}").state == "failed"
         else:
-            assert (code, n) == ("OK", 80)
+            assert (code, n) == ("OK", tokens)
 
 
 def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_the_rest_is_served():
