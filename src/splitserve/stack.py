@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import resolve_folder
+from splitserve.engine.model_config import read_config
 from splitserve.forkserver import ForkedProcess, ForkServer
 from splitserve.observability.tracing import exporter_kind
 from splitserve.service.arena import SHM_DIR
@@ -104,8 +105,10 @@ class Stack:
         return self
 
     def _start(self, timeout: float) -> None:
-        # Convert the model once here, so the workers don't all do it at once.
-        resolve_folder(ModelSpec(path=self.settings.model or None, cache_dir=self.settings.cache_dir))
+        # Convert the model and resolve its config once here, so the processes don't all do it at once
+        # (the config's first resolution imports transformers: ~7 s of CPU in each of them).
+        folder = resolve_folder(ModelSpec(path=self.settings.model or None, cache_dir=self.settings.cache_dir))
+        read_config(folder, self.settings.cache_dir)
         if not self.settings.redis_url:
             self.settings = self.settings.replace(redis_url=self.start_redis())
         deadline = time.time() + timeout
