@@ -210,16 +210,16 @@ def _convert_gguf(path: str, folder: str) -> None:
     try:
         check_architecture(gguf.architecture, path)
         log.info("converting %s to safetensors (first start only)", path)
-        from transformers import AutoConfig, AutoTokenizer, TokenizersBackend
+        import transformers
 
         src_dir, gguf_file = os.path.dirname(path), os.path.basename(path)
         model_type = gguf.architecture  # a llama file of a Mistral model too: its layout is llama's
+        # AutoTokenizer reads the file's config (with gguf-py's reader: 9 s of SmolLM2's 15 here) only
+        # to pick the tokenizer's class, which is known for these (test_loader checks both)
+        tokenizer_class = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}.get(model_type, "AutoTokenizer")
         try:
-            hf_config = AutoConfig.for_model(model_type, **gguf_convert.config_fields(gguf))
-            # AutoTokenizer reads the file's config (with gguf-py's reader: 9 s of SmolLM2's 15 here)
-            # only to pick the class, which for llama is TokenizersBackend (test_loader checks it)
-            tokenizer = (TokenizersBackend if model_type == "llama" else AutoTokenizer).from_pretrained(
-                src_dir, gguf_file=gguf_file)
+            hf_config = transformers.AutoConfig.for_model(model_type, **gguf_convert.config_fields(gguf))
+            tokenizer = getattr(transformers, tokenizer_class).from_pretrained(src_dir, gguf_file=gguf_file)
         except Exception as e:
             raise ModelLoadError(f"cannot convert GGUF file {path}: {e}") from None
         state = gguf_convert.state_dict(gguf, hf_config)
