@@ -101,6 +101,8 @@ class GGUFFile:
             self._pos += 12
             infos.append((name, dims, ggml_type, offset))
         align = int(self.fields.get("general.alignment", 32))
+        if align <= 0:
+            raise ValueError(f"general.alignment is {align}")
         start = -(-self._pos // align) * align
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 

