@@ -27,8 +27,6 @@ from splitserve.engine.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
 # transformers' GGUF_CONFIG_MAPPING for llama, mistral and qwen2: "{arch}.{key}" -> config field
@@ -141,7 +139,7 @@ class GGUFFile:
                 return [self._string() for _ in range(n)]
             if item == _ARRAY:
                 return [self._value(self._u32()) for _ in range(n)]
-            arr = np.frombuffer(self._buf, _NUMPY[item], n, self._pos)
+            arr = np.frombuffer(self._buf, np.dtype(_SCALAR[item]), n, self._pos)
             self._pos += arr.nbytes
             return arr.tolist()
         (v,) = struct.unpack_from(_SCALAR[kind], self._buf, self._pos)
@@ -156,7 +154,8 @@ class GGUFFile:
         return arch
 
     def array(self, name: str) -> np.ndarray:
-        """The tensor as float32, de-quantized by gguf-py (as transformers does)."""
+        """The tensor as float32, de-quantized by gguf-py (as transformers does): an array of its own,
+        not of the file's map."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -164,7 +163,8 @@ class GGUFFile:
         kind = GGMLQuantizationType(t.ggml_type)
         raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16).reshape(t.shape)
+            return raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16).reshape(t.shape).astype(
+                np.float32)
         try:
             return dequantize(raw.reshape(*t.shape[:-1], -1), kind).reshape(t.shape)
         except (NotImplementedError, ValueError) as e:
@@ -231,7 +231,7 @@ def state_dict(gguf: GGUFFile, config) -> dict:
             w = _reverse_permute(w, config.num_attention_heads)
         elif permute and ".attn_k." in name:
             w = _reverse_permute(w, config.num_key_value_heads)
-        out[target] = torch.from_numpy(np.array(w, dtype=np.float32))
+        out[target] = torch.from_numpy(np.ascontiguousarray(w))  # (already a copy: array()'s, or the permute's)
     if config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     missing = sorted(set(_expected(config)) - set(out))
