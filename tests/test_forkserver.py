@@ -1,6 +1,7 @@
 """The fork server that starts the tests' stack processes (splitserve.forkserver): its children
 are processes of their own, driven as subprocess.Popen's are."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,14 +23,34 @@ if mode == "raise":
 if mode == "sleep":
     print("SLEEPING", flush=True)
     time.sleep(60)
+if mode == "term":
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: (print("GOT SIGTERM", flush=True), os._exit(0)))
+    print("SLEEPING", flush=True)
+    time.sleep(60)
+"""
+
+# A process that starts a fork server, has it fork a probe, and waits to be killed.
+OWNER = """
+import sys, time
+from splitserve.forkserver import ForkServer
+s = ForkServer()
+p = s.spawn("forked_probe", {"PROBE": "term"}, sys.argv[1])
+print(p.pid, s._proc.pid, flush=True)
+time.sleep(120)
 """
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def probe_env(tmp_path_factory):
     d = tmp_path_factory.mktemp("probe")
     (d / "forked_probe.py").write_text(PROBE)
-    s = ForkServer(env={**os.environ, "PYTHONPATH": str(d)})  # where the server imports the probe from
+    return {**os.environ, "PYTHONPATH": str(d)}  # where a server imports the probe from
+
+
+@pytest.fixture(scope="module")
+def server(probe_env):
+    s = ForkServer(env=probe_env)
     yield s
     s.close()
 
@@ -82,3 +103,24 @@ def test_the_server_exits_once_closed_and_a_new_one_starts_at_its_first_spawn(tm
     s.close()
     assert proc.wait(10) == 0 and s._proc is None
     assert sys.executable in p.args
+
+
+def test_a_child_is_sent_sigterm_when_the_process_that_started_its_server_is_killed(probe_env, tmp_path):
+    """The server ends when its stdin closes (its starter gone, however it went) and each of its
+    children is then sent SIGTERM (splitserve.lifeline): a killed test run leaves no stack behind."""
+    log = tmp_path / "term.log"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(log)], env=probe_env, stdout=subprocess.PIPE, text=True)
+    child = server = 0
+    try:
+        child, server = map(int, owner.stdout.readline().split())
+        wait_for(lambda: log.exists() and "SLEEPING" in _log(log), timeout=60, what="the child running")
+        owner.kill()
+        owner.wait(10)
+        wait_for(lambda: "GOT SIGTERM" in _log(log), timeout=30, what="SIGTERM at the child")
+    finally:
+        owner.kill()
+        owner.wait(10)
+        for pid in (child, server):
+            with contextlib.suppress(ProcessLookupError):
+                if pid:
+                    os.kill(pid, signal.SIGKILL)

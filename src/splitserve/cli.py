@@ -63,8 +63,9 @@ def _up(args) -> int:
     n_prefill = 0 if settings.mode == "colocated" else args.prefill
     stack = Stack(settings, prefill=n_prefill, decode=args.decode, routers=args.routers)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): left so
+            signal.signal(sig, lambda *_: stop.set())
     print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
           f"{n_prefill} prefill worker(s), {args.routers} router(s) ...", flush=True)
     try:

@@ -19,7 +19,9 @@ child: `Stack` starts those processes with ``subprocess`` instead. A child's com
 (``ps``, ``/proc/PID/cmdline``) is the server's, ``python -m splitserve.forkserver``; its log
 and its `Stack` name it. Once its module returns (or raises), a child flushes its logs and
 output and ends with ``os._exit``: no interpreter teardown, which took a stopped worker about
-0.6 s (each role's stop closes what it holds itself).
+0.6 s (each role's stop closes what it holds itself). Each child gets SIGTERM when the server
+ends (splitserve.lifeline), and the server ends when its stdin closes: with `ForkServer.close`,
+or when the process that started it ends, however it ends.
 
 The tests start their stacks this way (tests/conftest.py); ``splitserve up`` and the images start
 each process as ``python -m``.
@@ -34,6 +36,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from splitserve.lifeline import die_with_parent
 
 # What the workers import that costs the most (torch and the engine: seconds), what the routers
 # do (transformers' chat templates: 0.8 s, at their start) and what else every process imports
@@ -125,7 +129,8 @@ class ForkServer:
         return self._ask({"op": "status", "pid": pid})["code"]
 
     def close(self) -> None:
-        """Stop the server. Its children are not its to stop: each belongs to its stack."""
+        """Stop the server. Its children still running are sent SIGTERM as it exits (each drains and
+        stops as when its stack stops it): close it once its stacks are stopped."""
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is None:
@@ -139,8 +144,8 @@ class ForkServer:
         proc.stdout.close()
 
 
-def _child(module: str, env: dict[str, str], log_path: str) -> None:
-    """In the forked child: never returns."""
+def _child(server: int, module: str, env: dict[str, str], log_path: str) -> None:
+    """In the forked child of ``server`` (its pid): never returns."""
     import logging
     import runpy
     import traceback
@@ -156,6 +161,7 @@ def _child(module: str, env: dict[str, str], log_path: str) -> None:
         os.dup2(out, 2)
         os.close(out)
         os.close(null)
+        die_with_parent(server)  # its errors to the log, not to the server's replies
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [module]
@@ -198,6 +204,7 @@ def _serve() -> None:
             children.discard(pid)
             codes[pid] = os.waitstatus_to_exitcode(status)
 
+    me = os.getpid()
     reply = sys.stdout
     reply.write("ready\n")
     reply.flush()
@@ -207,7 +214,7 @@ def _serve() -> None:
             if msg["op"] == "spawn":
                 pid = os.fork()
                 if pid == 0:
-                    _child(msg["module"], msg["env"], msg["log"])
+                    _child(me, msg["module"], msg["env"], msg["log"])
                 children.add(pid)
                 answer = {"pid": pid}
             else:

@@ -3,7 +3,9 @@ prefill workers and the router, each a real process on a free port.
 
 Used by ``splitserve up``, the tests and the benchmarks. ``stop()`` drains in order
 (router, then prefill, then decode), kills stragglers, stops the embedded Redis and
-removes every shared-memory segment under this stack's prefix.
+removes every shared-memory segment under this stack's prefix. Its processes get SIGTERM
+when the process that started them ends without stopping them (killed, say): they drain and
+remove their segments as at a ``stop()`` (splitserve.lifeline).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import resolve_folder
 from splitserve.engine.model_config import read_config
 from splitserve.forkserver import ForkedProcess, ForkServer
+from splitserve.lifeline import tied
 from splitserve.observability.tracing import exporter_kind
 from splitserve.service.arena import SHM_DIR
 from splitserve.service.redis_state import Keys, connect
@@ -130,9 +133,9 @@ class Stack:
         again after it died, it starts an empty one there, as a restarted Redis pod would be."""
         sock = os.path.join(self.run_dir, "redis.sock")
         with open(os.path.join(self.run_dir, "redis.log"), "ab") as out:  # the child keeps its own copy
-            self.redis_proc = subprocess.Popen(
+            self.redis_proc = subprocess.Popen(tied(
                 [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
-                 "--save", "", "--appendonly", "no", "--dir", self.run_dir],
+                 "--save", "", "--appendonly", "no", "--dir", self.run_dir]),
                 stdout=out, stderr=subprocess.STDOUT,
             )
         import redis
@@ -174,7 +177,7 @@ class Stack:
             popen = _forkserver.spawn(module, env, log_path)
         else:
             with open(log_path, "wb") as out:  # the child keeps its own copy
-                popen = subprocess.Popen([sys.executable, "-m", module], env=env, stdout=out,
+                popen = subprocess.Popen(tied([sys.executable, "-m", module]), env=env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
