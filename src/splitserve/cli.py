@@ -35,13 +35,24 @@ def _state_file(name: str = "stack.json") -> str:
 
 
 def _read_state(name: str = "stack.json") -> dict | None:
+    """What ``splitserve up`` wrote of its stack: the running one's (stack.json, None once the ``up``
+    that wrote it is gone, even if killed before it could remove it), or the last one's."""
     import json
 
     path = _state_file(name)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        state = json.load(f)
+    pid = state.get("pid")
+    if name == "stack.json" and isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:  # another user's process: it is there
+            pass
+    return state
 
 
 def _up(args) -> int:
@@ -64,7 +75,7 @@ def _up(args) -> int:
     stack = Stack(settings, prefill=n_prefill, decode=args.decode, routers=args.routers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): left so
+        if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup: left ignored
             signal.signal(sig, lambda *_: stop.set())
     print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
           f"{n_prefill} prefill worker(s), {args.routers} router(s) ...", flush=True)
@@ -186,19 +197,14 @@ def _print_samples(client, prompt, timeout, resumes, kw) -> int:
 
 
 def _generate(args) -> int:
-    import json
-
     import grpc
 
     from splitserve.client import Client
 
-    address = args.address
+    address = args.address or (_read_state() or {}).get("router")
     if not address:
-        if not os.path.isfile(_state_file()):
-            print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)
-            return 2
-        with open(_state_file()) as f:
-            address = json.load(f)["router"]
+        print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)
+        return 2
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
               truncate_prompt_tokens=args.truncate_prompt_tokens,
