@@ -365,3 +365,74 @@ def test_entries_an_earlier_format_left_are_removed_once_the_current_one_is_writ
     leave([older])  # an older release, sharing the cache, wrote its entry again
     assert cache.read(dest) is not None
     assert sorted(os.listdir(parent)) == sorted([os.path.basename(dest)] + kept)
+
+
+def test_processes_about_to_make_the_same_cache_entry_take_turns(tmp_path):
+    """cache_dir.turn: the second holder waits (told first, so its engine leaves the cores to the
+    first) until the first lets go; where no lock can be made (a read-only cache), no one waits."""
+    import threading
+
+    from splitserve.engine import cache_dir
+
+    events = []
+    first_in, release = threading.Event(), threading.Event()
+
+    def first():
+        with cache_dir.turn(str(tmp_path / "packed")):
+            events.append("first in")
+            first_in.set()
+            release.wait(10)
+            events.append("first out")
+
+    t = threading.Thread(target=first)
+    t.start()
+    first_in.wait(10)
+    threading.Timer(0.3, release.set).start()
+    with cache_dir.turn(str(tmp_path / "packed"), waiting=lambda: events.append("second waits")):
+        events.append("second in")
+    t.join()
+    assert events == ["first in", "second waits", "first out", "second in"]
+    with cache_dir.turn(str(tmp_path / "packed"), waiting=lambda: events.append("waited")):  # free: no wait
+        events.append("third in")
+    assert events[-1] == "third in"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with cache_dir.turn(str(blocker / "packed"), waiting=lambda: events.append("waited")):  # cannot be made
+        events.append("unlocked in")
+    assert events[-1] == "unlocked in"
+
+
+TWO_AT_ONCE = """
+import logging, os, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+from splitserve.engine.config import EngineConfig, ModelSpec
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling import SamplingParams
+gguf, cache, me, other = sys.argv[1:5]
+open(me, "w").close()
+while not os.path.exists(other):  # both imported: they start at once
+    time.sleep(0.001)
+eng = LLMEngine(EngineConfig(model=ModelSpec(path=gguf, cache_dir=cache), kv_cache_bytes=4 << 20, num_threads=1))
+print("TOKENS", eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0])
+"""
+
+
+def test_two_processes_starting_at_once_on_a_new_gguf_file_make_each_cache_entry_once(tmp_path):
+    """A stack's workers start together. On a first start each converted the file, laid out the
+    weights, compiled both kernels and packed the weights, and all but one process's entries were
+    dropped: now one makes each entry while the other waits and reads it, and both serve the same."""
+    path = tmp_path / "src" / "m.gguf"
+    path.parent.mkdir()
+    _write_gguf(path, "llama", "tiny", tied=False)
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_AT_ONCE, str(path), str(cache), str(tmp_path / f"go{i}"),
+                               str(tmp_path / f"go{1 - i}")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    both = "".join(outs)
+    for made in ("converting ", "compiled the paged_attention kernel", "compiled the small_gemm kernel",
+                 "weights laid out for the model, kept at", "small-GEMM weights packed in"):
+        assert both.count(made) == 1, (made, outs)
+    tokens = [next(line for line in out.splitlines() if line.startswith("TOKENS")) for out in outs]
+    assert tokens[0] == tokens[1], outs

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,45 @@ def write_entry(dest: str, prefix: str, fill: Callable[[str], None]) -> None:
             pass
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def turn(folder: str, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold the lock of one kind of entry (``folder``: ``packed``, ``layout``, ``kernels``), so that
+    processes about to make the same entry at once (a stack's workers at their first start) take
+    turns: each looks again, once it holds the lock, whether the entry is there, and the one that
+    made it first is mapped by the others instead of made again. ``waiting`` is called before
+    blocking (an engine then leaves its cores to the one making the entry). The lock is an empty
+    file, ``.locks/<kind>`` beside the kind's folder, locked with ``flock`` (which the kernel
+    releases when its process dies); it is taken only where it can be: a read-only cache takes no
+    turns."""
+    fd = None
+    try:
+        locks = os.path.join(os.path.dirname(folder), ".locks")
+        os.makedirs(locks, exist_ok=True)
+        fd = os.open(os.path.join(locks, os.path.basename(folder)), os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if fd is not None:
+            os.close(fd)
+            fd = None
+        log.info("%s: no lock (%s); processes starting together may each make its entries", folder, e)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def making(entry: str, waiting: Callable[[], None] | None = None):
+    """`turn` for entry's kind while the entry is not there (the body then reads it again, and makes and
+    writes it if it is still missing); nothing to wait for once it is."""
+    return contextlib.nullcontext() if os.path.exists(entry) else turn(os.path.dirname(entry), waiting)
 
 
 def remove_older_formats(dest: str, fmt: int) -> None:

@@ -7,6 +7,7 @@ their KV for export after the first token) and as a decode worker (``import_kv``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -14,7 +15,7 @@ from collections import Counter, deque
 
 import torch
 
-from splitserve.engine import kv_transfer, layout_cache, native, pack_cache
+from splitserve.engine import cache_dir, kv_transfer, layout_cache, native, pack_cache
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -115,15 +116,19 @@ class LLMEngine:
         loaded = loaded or load_model(config.model)
         if tick:
             tick()
+        waiting = self.core_share.idle if self.core_share is not None else None  # another process makes an entry
         # the weights in the model's layout: the first engine's on them in this process, or from the disk cache
-        laid = loaded.laid_out or (layout_cache.read(loaded.layout_entry) if loaded.layout_entry and on_cpu else None)
-        self.model = LlamaModel(loaded, laid)
-        if on_cpu and not loaded.laid_out:  # (on a GPU, the host's copy would be kept for nothing)
-            loaded.laid_out = self.model.laid_out()
-            if loaded.layout_entry and self.model.made_layout and laid is None:  # made here: kept for later processes
-                layout_cache.write(loaded.layout_entry, loaded.laid_out)
-            elif laid is not None and self.model.made_layout:
-                log.warning("weights laid out at %s did not fit the model: made again", loaded.layout_entry)
+        cached = bool(loaded.layout_entry) and on_cpu and not loaded.laid_out
+        with cache_dir.making(loaded.layout_entry, waiting) if cached else contextlib.nullcontext():
+            laid = loaded.laid_out or (layout_cache.read(loaded.layout_entry) if cached else None)
+            self.model = LlamaModel(loaded, laid)
+            if on_cpu and not loaded.laid_out:  # (on a GPU, the host's copy would be kept for nothing)
+                loaded.laid_out = self.model.laid_out()
+                if cached and self.model.made_layout and laid is None:  # made here: kept for later processes
+                    layout_cache.write(loaded.layout_entry, loaded.laid_out)
+                    log.info("weights laid out for the model, kept at %s", loaded.layout_entry)
+                elif laid is not None and self.model.made_layout:
+                    log.warning("weights laid out at %s did not fit the model: made again", loaded.layout_entry)
         if config.attention_backend == "native" and on_cpu:
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
@@ -133,11 +138,15 @@ class LLMEngine:
             if lib is not None:
                 # the first engine on these weights in this process: their blocks from the disk cache
                 first = bool(loaded.pack_entry) and not loaded.packed
-                known = pack_cache.read(loaded.pack_entry) if first else None
-                self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed,
-                                          known=known)
-                if first and known is None:  # fitted here: kept for later processes
-                    pack_cache.write(loaded.pack_entry, loaded.packed)
+                with cache_dir.making(loaded.pack_entry, waiting) if first else contextlib.nullcontext():
+                    known = pack_cache.read(loaded.pack_entry) if first else None
+                    t = time.perf_counter()
+                    self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick,
+                                              cache=loaded.packed, known=known)
+                    if first and known is None:  # fitted here: kept for later processes
+                        pack_cache.write(loaded.pack_entry, loaded.packed)
+                        log.info("small-GEMM weights packed in %.1f s, kept at %s", time.perf_counter() - t,
+                                 loaded.pack_entry)
         if config.batch_invariant:
             if self.model.attn_kernel is None or self.model.small_gemm is None:
                 raise RuntimeError("batch_invariant needs the CPU kernels (paged attention and small GEMM: AVX2 and "

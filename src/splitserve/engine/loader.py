@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.engine import layout_cache, pack_cache
-from splitserve.engine.cache_dir import write_entry
+from splitserve.engine.cache_dir import making, write_entry
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.model_config import ModelConfig, check_architecture, read_config
@@ -186,8 +186,9 @@ def _content_digest(path: str, cache_dir: str) -> str:
 def _converted(path: str, cache_dir: str) -> str:
     """The cached folder a GGUF file is converted to, converted first if it is not there."""
     folder = _cache_folder(path, cache_dir)
-    if not os.path.isfile(os.path.join(folder, "splitserve.json")):
-        _convert_gguf(path, folder)
+    with making(folder):  # processes starting together: one converts, the others wait and read its folder
+        if not os.path.isfile(os.path.join(folder, "splitserve.json")):
+            _convert_gguf(path, folder)
     return folder
 
 

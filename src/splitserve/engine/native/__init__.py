@@ -14,7 +14,10 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import Any, NamedTuple
+
+from splitserve.engine.cache_dir import making
 
 log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -214,6 +217,33 @@ def _fit_blocks(wb, fmt: str):
     return ((best_d, m) if m is not None else (best_d,)), ok, best_q.to(dtype)
 
 
+def _compile(name: str, src: str, flags: list[str], so: str) -> bool:
+    """Build ``so``, a kernel no process built earlier (one baked into an image needs no compiler);
+    False (said in the log) when it cannot be."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found and no %s built for these flags: falling back to pure torch", name)
+        return False
+    out_dir = os.path.dirname(so)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    except OSError as e:  # e.g. a read-only image whose baked kernels were built for other flags
+        log.warning("cannot build %s in %s (%s): falling back to pure torch", name, out_dir, e)
+        return False
+    os.close(fd)
+    t = time.perf_counter()
+    proc = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        log.warning("compiling %s failed, using pure torch: %s", name, proc.stderr.strip()[:500])
+        return False
+    os.chmod(tmp, 0o755)  # mkstemp made it 0600: others (an image's user) must load it too
+    os.replace(tmp, so)
+    log.info("compiled the %s kernel in %.1f s: %s", name, time.perf_counter() - t, so)
+    return True
+
+
 def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
     src = os.path.join(_HERE, f"{name}.c")
     flags = _flags()
@@ -221,25 +251,9 @@ def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
         key = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir, "kernels")
     so = os.path.join(out_dir, f"{name}-{key}.so")
-    if not os.path.isfile(so):  # a kernel built earlier (baked into an image) needs no compiler
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            log.warning("no C compiler found and no %s built for these flags: falling back to pure torch", name)
+    with making(so):  # processes starting together: one compiles, the others load what it built
+        if not os.path.isfile(so) and not _compile(name, src, flags, so):
             return None
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        except OSError as e:  # e.g. a read-only image whose baked kernels were built for other flags
-            log.warning("cannot build %s in %s (%s): falling back to pure torch", name, out_dir, e)
-            return None
-        os.close(fd)
-        proc = subprocess.run([cc, *flags, src, "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            log.warning("compiling %s failed, using pure torch: %s", name, proc.stderr.strip()[:500])
-            return None
-        os.chmod(tmp, 0o755)  # mkstemp made it 0600: others (an image's user) must load it too
-        os.replace(tmp, so)
     try:
         return ctypes.CDLL(so)
     except OSError as e:  # e.g. baked by another user and not readable by this one
