@@ -131,8 +131,8 @@ def test_splitserve_up_killed_or_hung_up_on_leaves_no_process_and_no_segment(tin
         for name in ("router", "prefill-0", "decode-0"):  # drained and stopped, not killed
             assert " stopped" in read(os.path.join(run_dir, f"{name}.log")).splitlines()[-1], name
         # The state file a killed `up` could not remove names no running stack (before: its dead router's address).
-        gen = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "hello"], env=env, capture_output=True,
-                             text=True, timeout=60)
+        gen = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "hello"], env=env,
+                             capture_output=True, text=True, timeout=60)
         assert gen.returncode == 2 and "no running stack" in gen.stderr, gen.stderr
         assert os.path.isfile(tmp_path / "cache" / "stack.json") == (how == "SIGKILL")
     finally:
