@@ -12,9 +12,9 @@ may end long before the stack, is not tied); a `ForkServer` ties its children to
 single-threaded and ends when the process that started it does (its stdin closes).
 
 Run as a script (``python -I -S lifeline.py PARENT_PID PROGRAM ARGS...``: no site, and not its
-folder on ``sys.path``), this file ties itself to
-its parent and then becomes ``PROGRAM`` (``execv``, which keeps the tie): how `Stack` ties a
-process it starts with `subprocess`, Redis included. Linux only; elsewhere nothing is tied.
+folder on ``sys.path``), this file ties itself to its parent and then becomes ``PROGRAM``
+(``execv``, which keeps the tie): how `Stack` ties a process it starts with `subprocess`, Redis
+included. Linux only; elsewhere nothing is tied.
 """
 
 from __future__ import annotations
