@@ -109,26 +109,10 @@ def mixed_workload() -> list[dict]:
 @pytest.fixture(scope="module")
 def redis_socket(tmp_path_factory):
     """A real redis-server of the module's own (no persistence): its unix socket's path."""
-    import subprocess
+    from service_helpers import start_redis
 
-    import redis
-    from service_helpers import wait_for
-    from splitserve.stack import redis_server_binary
-
-    d = tmp_path_factory.mktemp("redis")
-    sock = str(d / "redis.sock")
-    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
-                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    proc, sock = start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        client = redis.Redis(unix_socket_path=sock)
-
-        def up():
-            try:
-                return client.ping()
-            except (redis.ConnectionError, FileNotFoundError):
-                return False
-        wait_for(up, timeout=10, what="redis-server up")
-        client.close()
         yield sock
     finally:
         proc.terminate()

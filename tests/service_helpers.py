@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 import urllib.request
 
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.service.redis_state import Keys
@@ -79,3 +81,27 @@ def keys_without_ttl(stack) -> list[str]:
         if r.ttl(key) < 0:
             bad.append(k)
     return bad
+
+
+def start_redis(d) -> tuple:
+    """A real redis-server (no persistence) on a unix socket in folder d, answering: (process, socket path)."""
+    from splitserve.stack import redis_server_binary
+
+    sock = str(d / "redis.sock")
+    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
+                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(unix_socket_path=sock)
+
+        def up():
+            try:
+                return client.ping()
+            except (redis.ConnectionError, FileNotFoundError):
+                return False
+        wait_for(up, timeout=10, what="redis-server up")
+        client.close()
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    return proc, sock

@@ -564,3 +564,45 @@ def test_a_job_goes_to_its_prefill_workers_own_stream_only_while_that_worker_is_
     r.xtrim(mine, maxlen=0)
     assert forget(keys=[mine, entry, keys.directed], args=["p1"]) == 0
     assert not r.exists(mine) and r.smembers(keys.directed) == set()
+
+
+def test_a_write_redis_did_not_take_is_made_once_it_answers_and_given_up_past_its_time(tmp_path):
+    """The routers' and decode workers' bookkeeping while Redis is away (until_answered): a write
+    that fails is made again every every_s until Redis takes it, for up to for_s."""
+    import asyncio
+    import functools
+
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from service_helpers import start_redis
+    from splitserve.service.process import until_answered
+
+    proc, sock = start_redis(tmp_path)
+    proc.terminate()  # Redis down (its socket is removed: connections fail at once)
+    proc.wait(10)
+
+    async def go():
+        # (no retries within a call: redis-py's own would take ~3.7 s to fail each)
+        ar = aioredis.Redis(unix_socket_path=sock, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+        try:
+            def write(key):
+                return functools.partial(ar.hset, key, mapping={"t_kv_done": "1.5"})
+            short = asyncio.create_task(until_answered(write("t:gave-up"), "a write", 0.1, 0.5, at_once=True))
+            long = asyncio.create_task(until_answered(write("t:later"), "a write", 0.1, 60, at_once=True))
+            await asyncio.sleep(1.5)
+            assert short.done() and not long.done()
+            back, _ = start_redis(tmp_path)  # (blocks the loop until it answers: the writes wait meanwhile)
+            try:
+                await asyncio.wait_for(long, 10)
+                got = redis.Redis(unix_socket_path=sock, decode_responses=True)
+                return got.hgetall("t:later"), got.exists("t:gave-up")
+            finally:
+                back.terminate()
+                back.wait(10)
+        finally:
+            await ar.aclose()
+
+    later, gave_up = asyncio.run(go())
+    assert later == {"t_kv_done": "1.5"} and gave_up == 0

@@ -1244,6 +1244,14 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # after Redis is; a call that comes first is UNAVAILABLE as above, to retry)
             wait_for(lambda: _state_unless_refused(c, "away") == "finished", timeout=10,
                      what="its end recorded once Redis answered")
+            # and what its workers recorded meanwhile (before, its prefill's end and its KV's adoption
+            # were left out of its timestamps for good)
+            wait_for(lambda: {"prefill_end", "kv_done"} <= set(c.get_request("away").timestamps), timeout=10,
+                     what="its prefill's end and its KV's adoption recorded once Redis answered")
+            info = c.get_request("away")
+            ts = info.timestamps
+            assert ts["prefill_start"] <= ts["prefill_end"] <= ts["kv_done"] <= ts["finished"], dict(ts)
+            assert info.kv_transport == "shm" and info.kv_bytes > 0, info
             assert c.get_request("midway").state == "finished"
             got = scrape(prefill_metrics)
             assert got['splitserve_prefill_jobs_total{outcome=prefilled}'] == prefilled + 1

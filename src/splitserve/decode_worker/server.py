@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -40,7 +41,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Invalid, NotFound,
                                       Unavailable, code_of, status_code)
-from splitserve.service.process import Background
+from splitserve.service.process import Background, until_answered
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
@@ -673,10 +674,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             for out in held:
                 self._on_output(slot, out)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
-        self.background.start(self.update_script(keys=[self.keys.req(seq.request_id)], args=update_args({
+        # While Redis does not answer, written once it does (GetRequest's timestamps, transport, bytes).
+        adopted = functools.partial(self.update_script, keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        })))
+        }))
+        self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
+                                             self.s.request_ttl_s, at_once=True))
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
 
     @staticmethod

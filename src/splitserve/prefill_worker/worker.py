@@ -202,6 +202,7 @@ class PrefillWorker:
         self.inflight: dict[str, InFlight] = {}  # request id -> job (pulled, not yet acked)
         self.deferred: list[tuple] = []  # admit()'s arguments for jobs waiting on an earlier leg's (_held)
         self.unacked: set[tuple[str, str]] = set()  # (stream, entry id) done with while Redis was away
+        self.unrecorded: list[tuple[Job, dict]] = []  # progress (_update) that Redis did not take meanwhile
         # Set when a Redis call got no answer (timed out, refused), cleared when one does (the
         # heartbeat's, every heartbeat): meanwhile the jobs in hand are prefilled and handed over
         # without a call that would wait CALL_TIMEOUT_S first (a pull, the cancellation check, the acks).
@@ -701,11 +702,16 @@ class PrefillWorker:
             self._ack(fl.stream, fl.entry_id)
             with self.lock:
                 self.inflight.pop(job.request_id, None)
-            try:  # (not waited for while Redis is away: the request goes on without this timestamp)
+            try:  # (not waited for while Redis is away: recorded at the heartbeat that finds it back)
                 self._unless_away()
                 self._update(job, {"t_prefill_end": fl.t_end})
+            except REDIS_UNREACHABLE as e:
+                if self._unanswered(e):
+                    log.warning("could not record the end of %s's prefill (again once Redis answers): %s",
+                                job.request_id, e)
+                with self.lock:
+                    self.unrecorded.append((job, {"t_prefill_end": fl.t_end}))
             except redis.RedisError as e:
-                self._unanswered(e)
                 log.warning("could not record the end of %s's prefill: %s", job.request_id, e)
 
     def _update(self, job: Job, mapping: dict) -> None:
@@ -831,6 +837,21 @@ class PrefillWorker:
             with self.lock:
                 self.unacked.difference_update(todo)
 
+    def _record_later(self) -> None:
+        """What _update could not record while Redis was away, now that it answers (UPDATE_LUA: only
+        on a hash that still exists)."""
+        with self.lock:
+            todo, self.unrecorded = self.unrecorded, []
+        for i, (job, mapping) in enumerate(todo):
+            try:
+                self._update(job, mapping)
+            except REDIS_UNREACHABLE:
+                with self.lock:
+                    self.unrecorded[:0] = todo[i:]
+                raise
+            except redis.RedisError as e:
+                log.warning("could not record %s's progress: %s", job.request_id, e)
+
     def _ack_all(self, entries: list[tuple[str, str]]) -> None:
         with self.redis.pipeline() as p:
             for stream, entry_id in entries:
@@ -884,6 +905,7 @@ class PrefillWorker:
                         left = True
                     self._ack_later()
                     self._keep_claims()
+                    self._record_later()
                     continue
                 e = self.engine
                 self._own_stream()  # before the registry entry: routers send jobs there only when both are there
@@ -896,6 +918,7 @@ class PrefillWorker:
                 self._restore_lost()
                 self._ack_later()
                 self._keep_claims()
+                self._record_later()
                 if self.redis_away.is_set():
                     log.info("Redis answers again")
                     self.redis_away.clear()

@@ -41,7 +41,7 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
                                       Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
-from splitserve.service.process import Background
+from splitserve.service.process import Background, until_answered
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
                                            LOCAL_FIELD, MAY_RUN_AGAIN, QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA,
                                            Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
@@ -635,7 +635,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def _write(self, call, what: str, away: bool = False) -> None:
         """A Redis write (call) that the request's path does not wait for while Redis is away (`away`,
         or this router's last renewal got no answer): then, or when this call gets none, it is done
-        in the background once Redis answers (_until_answered)."""
+        in the background once Redis answers (until_answered)."""
         if not (away or self.redis_away):
             try:
                 await call()
@@ -643,26 +643,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             except REDIS_UNREACHABLE as e:
                 self.redis_away = True
                 log.warning("could not record %s (again once Redis answers): %s", what, e)
-        self.background.start(self._until_answered(call, what))
-
-    async def _until_answered(self, call, what: str) -> None:
-        """Run call (a Redis write) until Redis answers it: every heartbeat, for up to request_ttl_s
-        (past it, what it would write has expired anyway)."""
-        t_end = time.monotonic() + self.s.request_ttl_s
-        while True:
-            await asyncio.sleep(self.s.heartbeat_s)
-            try:
-                await call()
-                log.info("recorded %s once Redis answered", what)
-                return
-            except REDIS_UNREACHABLE as e:
-                if time.monotonic() >= t_end:
-                    log.warning("gave up recording %s: Redis did not answer for %d s (%s)", what,
-                                self.s.request_ttl_s, e)
-                    return
-            except Exception:  # noqa: BLE001
-                log.exception("could not record %s", what)
-                return
+        self.background.start(until_answered(call, what, self.s.heartbeat_s, self.s.request_ttl_s))
 
     def stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
         return self.peers.get(address).stub

@@ -10,7 +10,10 @@ import sys
 
 from splitserve.engine.errors import EngineError
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
+from splitserve.service.errors import REDIS_UNREACHABLE
 from splitserve.service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class Background:
@@ -24,6 +27,31 @@ class Background:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+
+async def until_answered(call, what: str, every_s: float, for_s: float, at_once: bool = False) -> None:
+    """Run call (a Redis write that no request waits for) until Redis answers it: first at once
+    (at_once), then every every_s, for up to for_s (past it, what it writes has expired anyway)."""
+    t_end = asyncio.get_running_loop().time() + for_s
+    first = at_once
+    while True:
+        if not first:
+            await asyncio.sleep(every_s)
+        try:
+            await call()
+            if not first:
+                log.info("recorded %s once Redis answered", what)
+            return
+        except REDIS_UNREACHABLE as e:
+            if first:
+                log.warning("could not record %s (again once Redis answers): %s", what, e)
+            elif asyncio.get_running_loop().time() >= t_end:
+                log.warning("gave up recording %s: Redis did not answer for %d s (%s)", what, for_s, e)
+                return
+        except Exception:  # noqa: BLE001
+            log.exception("could not record %s", what)
+            return
+        first = False
 
 
 def parse_settings(role: str, argv: list[str] | None) -> Settings:
