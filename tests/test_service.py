@@ -2249,6 +2249,9 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         _finish(s)
 
 
+PREFILLED, CACHE_HITS = "splitserve_engine_prefill_tokens_total", "splitserve_prefix_cache_hit_tokens_total"
+
+
 def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a_resuming_client():
     """A seeded 120-token stream through one of two routers, by a client balancing over both with
     resumes=1. Its router is sent SIGTERM with a drain time far shorter than the stream (later,
@@ -2257,7 +2260,8 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
     OK with the tokens, text and log probabilities of an unbroken run. Killed, the earlier attempt
     is still running for the dead router (until another reaps it, 10 heartbeats on): the re-send
     supersedes it (marked failed), rather than waiting. So too a stream of two seeded samples, each
-    sent again with its own tokens (resume_from.samples). Without resumes, the stream fails
+    sent again with its own tokens (resume_from.samples). Each re-send goes on at the decode worker
+    that was running it, from the KV its prefix cache kept. Without resumes, the stream fails
     UNAVAILABLE."""
     s = _start(routers=2, drain_s=0.5, batch_invariant=True)  # (see the decode-worker test above)
     down = []
@@ -2305,8 +2309,12 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
         def kill(p):
             p.popen.kill()
             p.popen.wait()
+        dm, work = s.proc("decode-0").metrics_address, {}
         for tag, disrupt, wants in (("t", terminate, [want]), ("k", kill, [want]), ("s", kill, want_samples)):
+            before = scrape(dm)
             got = through(tag, disrupt, resumes=1, n=len(wants))
+            after = scrape(dm)
+            work[tag] = {k: after.get(k, 0) - before.get(k, 0) for k in (PREFILLED, CACHE_HITS)}
             assert got[2] == "OK", (tag, got[2])
             for i, w in enumerate(wants):
                 assert got[0][i] == list(w.token_ids) and got[1][i] == w.text, (tag, i)
@@ -2318,6 +2326,18 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             first = s.redis().hgetall(s.keys.req(tag))
             assert first[b"state"] == b"failed" and first[b"superseded"] == b"1", first
             assert first[b"current"] == f"{tag}#2".encode(), first
+        # Each went on at the decode worker that was running it, which found the KV of the prompt and
+        # of the tokens sent in its prefix cache and computed only the rest of their last block itself
+        # (before, a stream of one sample was queued for the prefill worker, which computed the tokens
+        # sent again, behind any other re-sends, and handed all of its KV over)
+        bs = s.settings.block_size
+        for tag, n in (("t", 1), ("k", 1), ("s", 2)):
+            again = s.redis().hgetall(s.keys.req(f"{tag}#2"))
+            assert again[b"local"] == b"1" and b"prefill_worker" not in again, (tag, again)
+            assert 0 < work[tag][PREFILLED] <= n * bs and work[tag][CACHE_HITS] >= n * bs, (tag, work[tag])
+            if n == 1:  # the prompt and the tokens its client had, all but their last block's from the cache
+                assert work[tag][PREFILLED] + work[tag][CACHE_HITS] == int(again[b"prompt_tokens"]) + int(
+                    again[b"result_start"]), (tag, work[tag], again)
         got = through("u", terminate, resumes=0)
         assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[:len(got[0][0])], got[2]
 

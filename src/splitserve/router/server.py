@@ -385,12 +385,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 await self.refresh_workers()
 
     def pick(self, need_tokens: int, hashes: list[int] | None = None,
-             exclude: str = "") -> tuple[WorkerInfo, Placement, int]:
+             exclude: str = "", prefer: str = "") -> tuple[WorkerInfo, Placement, int]:
         """The decode worker for a request of need_tokens (prompt + max_tokens) whose prompt has the
         block hashes `hashes` (PrefixIndex.prompt_chain), its placement, and the prompt tokens it
         is expected to find in its prefix cache. The least loaded worker, unless one expected to
-        hold more of the prompt has at most prefix_affinity_slack more requests open. Never the
-        worker `exclude` (one a request was lost on)."""
+        hold more of the prompt has at most prefix_affinity_slack more requests open; the worker
+        `prefer` (the one a stream sent again to go on was running on) whenever it can take it.
+        Never the worker `exclude` (one a request was lost on)."""
         workers = [w for w in self.workers if w.worker_id != exclude]
         if not workers:
             raise Unavailable("no decode worker is registered" + (f" but {exclude}, which was lost" if exclude else "")
@@ -409,8 +410,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         candidates = [w for w in workers if self._reachable(w)] or workers
         loads = {c.worker_id: load(c) for c in candidates}
         w = min(candidates, key=lambda c: loads[c.worker_id])
+        w = next((c for c in candidates if c.worker_id == prefer and not loads[c.worker_id][0]), w)
         cached = 0
-        if hashes and self.affinity:
+        if w.worker_id == prefer:
+            cached = self.prefixes.cached_tokens(w.worker_id, hashes) if hashes and self.affinity else 0
+        elif hashes and self.affinity:
             held = {c.worker_id: self.prefixes.cached_tokens(c.worker_id, hashes) for c in candidates}
             cached = held[w.worker_id]
             short, least = loads[w.worker_id]
@@ -725,9 +729,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                              "leaves none to generate")
         check_vocab(field, tokens, self.front.vocab)
 
-    async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list]:
-        """The id a request with a client-chosen request_id runs under, and ADMIT_LUA's extra keys
-        and args (fp: its fingerprint). A new id runs under itself. The id of a request that
+    async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list, str]:
+        """The id a request with a client-chosen request_id runs under, ADMIT_LUA's extra keys
+        and args (fp: its fingerprint), and, for one sent again to go on (below), the decode worker
+        its latest attempt ran on ("" otherwise). A new id runs under itself. The id of a request that
         finished answers with its recorded result (raises Recorded). One whose latest attempt ended
         unfinished (it failed, or its client went away or its deadline passed) may be sent again
         (a client's retry, gRPC's own included): it runs as a new attempt under its own id
@@ -740,10 +745,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         the replay of one that finished is only what the client does not have."""
         supersede = have.count() > 0
         first = self.keys.req(rid)
-        state, early, aborted, attempts, current, fp_first = await self.redis.hmget(
-            first, "state", "early", "aborted", "attempts", "current", "fingerprint")
+        state, early, aborted, attempts, current, fp_first, was_on = await self.redis.hmget(
+            first, "state", "early", "aborted", "attempts", "current", "fingerprint", "decode_worker")
         if state is None:
-            return rid, [], [0, fp]
+            return rid, [], [0, fp], ""
         if early == b"1":
             raise _aborted_first(rid)
         if fp_first is not None and fp_first.decode() != fp:
@@ -751,7 +756,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 "differ); send this one with a new request_id")
         latest = current.decode() if current else rid
         if latest != rid:
-            state, aborted = await self.redis.hmget(self.keys.req(latest), "state", "aborted")
+            state, aborted, was_on = await self.redis.hmget(self.keys.req(latest), "state", "aborted", "decode_worker")
         if state == b"finished":
             if (recorded := await self._recorded(rid, latest, have)) is not None:
                 raise Recorded(recorded)
@@ -765,7 +770,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
                                 "request may be sent again once it has ended")
         n = int(attempts or 1)
-        return f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp]
+        return (f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp],
+                (was_on or b"").decode() if supersede else "")
 
     async def _recorded(self, rid: str, attempt: str, have: Sent) -> list[gen_pb.GenerateResponse] | None:
         """The result a finished attempt left in its hash (_mark), as its replay: a message for each
@@ -883,9 +889,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             samples = have.unfinished(params.n)
             resumed = have.count()
             work = len(ids) + have.carried(params.n)
-            public_id, attempt_keys, attempt_args = rid, [], []
+            public_id, attempt_keys, attempt_args, was_on = rid, [], [], ""
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args = await self._attempt(rid, fingerprint(request), have)
+                rid, attempt_keys, attempt_args, was_on = await self._attempt(rid, fingerprint(request), have)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params, resumed))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -904,10 +910,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             hashes = (self.prefixes.prompt_chain(ids, request.cache_salt)
                       if self.affinity or self.prefill_affinity else None)
             worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens,
-                                                      hashes if self.affinity else None)
+                                                      hashes if self.affinity else None, prefer=was_on)
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
-            local = bool(samples) or self._prefill_locally(work, expect_cached)
+            # A stream sent again to go on (its router was lost) goes back to the decode worker that
+            # was running it, which holds the KV of its prompt and of the tokens sent in its prefix
+            # cache, and prefills only the rest itself: a prefill worker would compute the tokens
+            # sent again, behind the other re-sends, and hand all of its KV over.
+            going_on = bool(carried) and worker.worker_id == was_on and self.s.prefix_caching
+            local = bool(samples) or going_on or self._prefill_locally(work, expect_cached)
             directed = [] if local else self._prefill_worker_for(hashes, request.priority)
             adm.set_attributes({"splitserve.prefill.local": local,
                                 "splitserve.prefix.expected_cached_tokens": expect_cached})
