@@ -5,9 +5,11 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -113,9 +115,20 @@ def _items(n, seed=0):
 
 
 def test_every_request_is_accounted_for_under_overload(tiny_stack):
-    """An open loop far beyond a 5-request queue: each request ends once, as a success or its status."""
+    """An open loop far beyond a 5-request queue: each request ends once, as a success or its status.
+    The prefill worker is stopped for the burst's first 0.3 s (less than its lease), so nothing leaves
+    the queue meanwhile and the sixth request on is refused however fast the worker would have been
+    (without the stop, one run in the suite had every request admitted)."""
     items = _items(60, seed=1)
-    results, wall = asyncio.run(loadgen.run(tiny_stack.router_address, items, loadgen.RunSpec("rate", 2000.0)))
+    prefill = tiny_stack.proc("prefill-0").popen.pid
+    os.kill(prefill, signal.SIGSTOP)
+    resume = threading.Timer(0.3, os.kill, (prefill, signal.SIGCONT))
+    try:
+        resume.start()
+        results, wall = asyncio.run(loadgen.run(tiny_stack.router_address, items, loadgen.RunSpec("rate", 2000.0)))
+    finally:
+        resume.cancel()
+        os.kill(prefill, signal.SIGCONT)
     assert sorted(r.index for r in results) == list(range(60))
     s = loadgen.summarize(results, wall)
     assert s["sent"] == 60 and s["succeeded"] + sum(s["errors"].values()) == 60
