@@ -503,6 +503,44 @@ def test_a_routers_pick_prefers_the_worker_holding_the_prompts_prefix_within_its
     asyncio.run(go())
 
 
+def test_a_routers_pick_sends_a_stream_going_on_back_to_the_worker_it_ran_on_while_that_one_can_take_it(r):
+    """A stream sent again to go on (its router lost) goes back to the decode worker that was running
+    it (prefer), more loaded or not, and whatever this router recorded of the prompt elsewhere; not
+    when that worker has no room for it, or is no longer registered: then placement is as usual."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from splitserve.router.server import RouterServicer
+    from splitserve.service.settings import Settings
+
+    keys = Keys("g")
+    ar = aioredis.Redis(unix_socket_path=r.connection_pool.connection_kwargs["path"])
+    prompt = list(range(2000, 2100))
+
+    async def go():
+        try:
+            await _write_decode_entry(ar, keys, "d0", 0, 0)
+            await _write_decode_entry(ar, keys, "d1", 12, 0)  # twelve streams open: past any slack
+            router = RouterServicer(Settings(redis_prefix="g", worker_id="a"), None, ar)
+            await router.refresh_workers()
+            router.prefixes.record("d0", router.prefixes.chain(prompt))  # and the prompt recorded at d0
+            hashes = router.prefixes.prompt_chain(prompt)
+            assert router.pick(200, hashes)[0].worker_id == "d0"
+            w, _, cached = router.pick(200, hashes, prefer="d1")
+            assert (w.worker_id, cached) == ("d1", 0)
+            assert router.pick(200, hashes, prefer="d9")[0].worker_id == "d0"  # not registered
+            await _write_decode_entry(ar, keys, "d1", 0, 0, free=100)  # idle, but no room for 200 there
+            again = RouterServicer(Settings(redis_prefix="g", worker_id="b"), None, ar)
+            await again.refresh_workers()
+            assert again.pick(200, hashes, prefer="d1")[0].worker_id == "d0"
+            assert again.pick(50, hashes, prefer="d1")[0].worker_id == "d1"
+        finally:
+            await ar.aclose()
+
+    asyncio.run(go())
+
+
 def test_run_scripts_runs_each_once_in_order_and_reloads_a_lost_script(r):
     incr = r.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
     echo = r.register_script("return 'got ' .. ARGV[1]")
