@@ -374,6 +374,26 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
 
 
+def test_a_trace_whose_root_has_not_reached_the_file_says_it_is_incomplete():
+    """A request still running (or one whose router has not exported yet) has its workers' spans
+    in the file but not the router's: the timeline says so, rather than pass the rest off as whole."""
+    def span(sid, parent, name, start):
+        return traceview.Span(trace_id="t" * 32, span_id=sid, parent_id=parent, name=name, service="s",
+                              kind="internal", start_ns=start, end_ns=start + 10**6,
+                              attrs={"splitserve.request_id": "r1"})
+
+    root = span("a" * 16, "", "splitserve.v1.Generation/GenerateStream", 0)
+    kids = [span("b" * 16, root.span_id, "admission", 10), span("c" * 16, root.span_id, "prefill", 20),
+            span("d" * 16, "c" * 16, "kv transfer", 30)]
+    whole = traceview.render([root, *kids]).splitlines()
+    assert not any(ln.startswith("incomplete") for ln in whole), whole
+    assert whole[2].split()[2] == root.name and whole[3].split()[2] == "admission"
+    part = traceview.render(kids).splitlines()
+    assert part[1].startswith("incomplete: 2 span(s)") and "still running" in part[1], part
+    assert [ln[23:] for ln in part[3:]] == ["admission [s] request=r1", "prefill [s] request=r1",
+                                        "  kv transfer [s]"]  # the rest nested
+
+
 def test_tpot_of_a_request_with_samples_is_its_longest_samples():
     """n samples decode side by side: 30 tokens over 3 samples of 10 in 0.9 s are 0.1 s a token,
     not 0.03; the tokens count all 30."""

@@ -155,8 +155,15 @@ def render(trace: list[Span], batches: dict[str, Span] | None = None) -> str:
     t0 = min(s.start_ns for s in trace)
     rid = next((s.attrs["splitserve.request_id"] for s in trace if "splitserve.request_id" in s.attrs), "?")
     lines = [f"trace {trace[0].trace_id}  request {rid}  ({len(trace)} spans, "
-             f"{(max(s.end_ns for s in trace) - t0) / 1e6:.1f} ms)",
-             f"{'start ms':>10} {'dur ms':>10}  span"]
+             f"{(max(s.end_ns for s in trace) - t0) / 1e6:.1f} ms)"]
+    # A span reaches the file once it has ended (and its process's next export, within half a
+    # second): a request still running, or one that just ended, shows without its router's span.
+    orphans = sum(1 for s in trace if s.parent_id and s.parent_id not in by_id)
+    if orphans:
+        lines.append(f"incomplete: {orphans} span(s) below have their parent missing from the file: it has not "
+                     "ended (the request is still running: the gRPC GetRequest says where it is) or was not written yet "
+                     "(a process writes the spans that ended every 0.5 s by default); run this again")
+    lines.append(f"{'start ms':>10} {'dur ms':>10}  span")
 
     def walk(s: Span, depth: int) -> None:
         extra = [f"{short}={_fmt(s.attrs[key])}" for key, short in SHOWN
