@@ -1376,9 +1376,12 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
             low = c.generate_stream(token_ids=ids[:480], max_tokens=200, ignore_eos=True, timeout=120,
                                     request_id="low", priority=1)
 
+            arrived = []
+
             def drain_low():
                 for r in low:
                     low_tokens.extend(r.token_ids)
+                    arrived.append(time.monotonic())
                 low_done.append(time.time())
 
             low_thread = threading.Thread(target=drain_low)
@@ -1391,9 +1394,28 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
             kv_done = c.get_request("urgent").timestamps["kv_done"]
             assert low_done and kv_done < low_done[0], "the urgent handoff waited for the low request to end"
             # the low one was preempted, recomputed, and produced what it produces alone
-            assert scrape(stack.proc("decode-0").metrics_address)["splitserve_num_preemptions_total"] >= 1
+            preemptions = scrape(stack.proc("decode-0").metrics_address)["splitserve_num_preemptions_total"]
+            assert preemptions >= 1
             assert low_tokens == list(c.generate(token_ids=ids[:480], max_tokens=200, ignore_eos=True,
                                                  timeout=120).token_ids)
+        # Its trace says so: the decode span holds an event at each preemption, their count, and the
+        # longest gap between its tokens (the wait to be recomputed in it); the urgent one's holds none.
+        def decode_spans():
+            if not os.path.exists(stack.settings.trace_file):
+                return None
+            found = {sp.attrs.get("splitserve.request_id"): sp for sp in traceview.load_spans(stack.settings.trace_file)
+                     if sp.name == "decode"}
+            return found if {"low", "urgent"} <= set(found) else None
+
+        spans = wait_for(decode_spans, timeout=20, what="the decode spans")
+        low_span, urgent_span = spans["low"], spans["urgent"]
+        preempted_at = [t for t, name in low_span.events if name == "preempted"]
+        assert len(preempted_at) == low_span.attrs["splitserve.decode.preemptions"] == preemptions, low_span
+        assert low_span.start_ns < preempted_at[0] < low_span.end_ns
+        # the stall its client saw, measured where it began (the client's adds only the relay's jitter)
+        seen_gap_ms = max(b - a for a, b in zip(arrived, arrived[1:])) * 1000
+        assert 0.5 * seen_gap_ms <= low_span.attrs["splitserve.decode.max_token_gap_ms"] <= low_span.duration_ms
+        assert "splitserve.decode.preemptions" not in urgent_span.attrs and not urgent_span.events, urgent_span
     finally:
         _finish(stack)
 

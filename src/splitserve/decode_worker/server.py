@@ -96,6 +96,11 @@ class Slot:
     prefill_worker: str = ""  # the prefill worker that prefilled it ("": this worker)
     trace: tracing.rpc_span | None = None  # the Decode server span
     decode_span: object = None  # KV adopted -> finished
+    # For that span: times its sequences were preempted here (their KV freed, to be recomputed), and
+    # the longest time between two of its outputs (a stall its client saw)
+    preemptions: int = 0
+    last_output: float = 0.0  # monotonic
+    max_gap_s: float = 0.0
 
     @property
     def completion_tokens(self) -> int:
@@ -295,6 +300,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if span is None:
             return
         span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
+        if slot.max_gap_s:
+            span.set_attribute("splitserve.decode.max_token_gap_ms", round(slot.max_gap_s * 1000, 3))
+        if slot.preemptions:
+            span.set_attribute("splitserve.decode.preemptions", slot.preemptions)
         if out is not None:
             span.set_attribute("gen_ai.usage.output_tokens", out.num_output_tokens)
             if out.num_cached_tokens:  # prefilled here: prompt tokens found in this worker's prefix cache
@@ -312,6 +321,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
             return
+        now = time.monotonic()
+        if slot.last_output:
+            slot.max_gap_s = max(slot.max_gap_s, now - slot.last_output)
+        slot.last_output = now
         slot.sample_tokens[out.index] = out.num_output_tokens
         ev = w_pb.DecodeEvent(
             token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
@@ -347,6 +360,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             else:
                 self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
+
+    def preempted(self, request_ids: list[str], at: float) -> None:
+        """Sequences the engine preempted in a step (at: unix time), on their requests' decode spans."""
+        for rid in request_ids:
+            slot = self.slots.get(rid)
+            if slot is not None and slot.decode_span is not None:
+                slot.preemptions += 1
+                slot.decode_span.add_event("preempted", timestamp=tracing.ns(at))
 
     def _ended(self, rid: str) -> None:
         _remember(self.ended, rid, None)
@@ -724,6 +745,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     def on_step():  # engine thread
         metrics.observe_step(engine)
         loop.call_soon_threadsafe(servicer_ref[0].capacity.set)
+        if engine.last_stats.preempted:
+            loop.call_soon_threadsafe(servicer_ref[0].preempted, engine.last_stats.preempted, time.time())
 
     watch = StepWatch(settings.engine_stall_s, f"decode worker {name}")
     runner = EngineRunner(lambda: LLMEngine(settings.engine_config("decode")), loop, on_step=on_step, watch=watch)

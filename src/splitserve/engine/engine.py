@@ -403,6 +403,7 @@ class LLMEngine:
         else:
             sched = self.scheduler.schedule()
             stats = StepStats(policy="continuous", num_preempted=len(sched.preempted),
+                              preempted=[s.parent or s.request_id for s in sched.preempted],
                               num_cached_tokens=sched.num_cached_tokens)
             outputs = self._run(sched, stats) if sched.scheduled else []
             self.last_stats = stats

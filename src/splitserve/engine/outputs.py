@@ -66,6 +66,7 @@ class StepStats:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     num_preempted: int = 0
+    preempted: list[str] = field(default_factory=list)  # their request ids (a sample's: its request's)
     step_time_s: float = 0.0
     forward_time_s: float = 0.0
     sample_time_s: float = 0.0

@@ -15,6 +15,7 @@ SHOWN = (
     ("splitserve.kv.transport", "transport"), ("splitserve.kv.bytes", "bytes"), ("splitserve.kv.gbps", "GB/s"),
     ("splitserve.batch.sequences", "seqs"), ("splitserve.batch.tokens", "tokens"),
     ("splitserve.queue.requests", "queued"), ("splitserve.admitted", "admitted"),
+    ("splitserve.decode.max_token_gap_ms", "max_gap_ms"), ("splitserve.decode.preemptions", "preempted"),
 )
 GRPC_CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
               "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
