@@ -292,6 +292,20 @@ def test_traces_and_status_commands(stack):
     missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "no trace for request 'no-such-request'" in missing.stderr
+    req = subprocess.run([*exe, "request", "cli-1", "--address", stack.router_address], capture_output=True,
+                         text=True, timeout=60)
+    assert req.returncode == 0, req.stderr
+    lines = req.stdout.splitlines()
+    assert lines[:2] == ["request   cli-1", "state     finished: length"], req.stdout
+    assert lines[2] == f"workers   prefill prefill-0-{stack.stack_id}, decode decode-0-{stack.stack_id}", req.stdout
+    assert re.fullmatch(r"tokens    \d+ prompt, 3 completion", lines[3]) and lines[4].endswith("bytes over shm")
+    stamps = [ln.split() for ln in lines[lines.index("timeline  ms after the first") + 1:]]
+    assert stamps[0] == ["0.0", "received"] and stamps[-1][1] == "finished", req.stdout
+    assert [float(t) for t, _ in stamps] == sorted(float(t) for t, _ in stamps)
+    assert {"admitted", "prefill_start", "prefill_end", "kv_done"} <= {name for _, name in stamps}, req.stdout
+    unknown = subprocess.run([*exe, "request", "no-such-request", "--address", stack.router_address],
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
     st = subprocess.run([*exe, "status", "--redis-url", stack.settings.redis_url, "--prefix",
                          stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
     assert st.returncode == 0, st.stderr
@@ -372,6 +386,21 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     assert pick.returncode == 0 and pick.stdout in ("yes", "no") and "[stop, " in pick.stderr, pick.stderr
     bad = subprocess.run([*exe, "Hello", "--regex", "(unclosed"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
+
+
+def test_a_running_request_is_described_with_how_long_it_has_been_in_its_state():
+    from splitserve.cli import describe_request
+    from splitserve_proto.v1 import generation_pb2 as pb
+
+    info = pb.RequestInfo(request_id="r-1", state="decoding", attempts=2, prefill_worker="p0", decode_worker="d0",
+                          prompt_tokens=300, cached_tokens=64, kv_transport="grpc", kv_bytes=4096,
+                          timestamps={"kv_done": 100.5, "received": 100.0, "admitted": 100.01})
+    lines = describe_request(info, now=103.0).splitlines()
+    assert lines == ["request   r-1  (attempt 2: the fields are its latest's)", "state     decoding",
+                     "workers   prefill p0, decode d0",
+                     "tokens    300 prompt (64 cached), 0 completion (counted at its end)",
+                     "kv        4096 bytes over grpc", "timeline  ms after the first", "         0.0  received",
+                     "        10.0  admitted", "       500.0  kv_done", "      3000.0  now: decoding for 2500.0 ms"]
 
 
 def test_a_trace_whose_root_has_not_reached_the_file_says_it_is_incomplete():

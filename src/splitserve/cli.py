@@ -196,14 +196,19 @@ def _print_samples(client, prompt, timeout, resumes, kw) -> int:
     return 0
 
 
+def _router_address(args) -> str:
+    address = args.address or (_read_state() or {}).get("router")
+    if not address:
+        print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)
+    return address
+
+
 def _generate(args) -> int:
     import grpc
 
     from splitserve.client import Client
 
-    address = args.address or (_read_state() or {}).get("router")
-    if not address:
-        print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)
+    if not (address := _router_address(args)):
         return 2
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
@@ -265,6 +270,56 @@ def _traces(args) -> int:
     batches = traceview.linked_batches(spans)
     print("\n\n".join(traceview.render(t, batches) for t in traces))
     return 0
+
+
+def _request(args) -> int:
+    import time
+
+    import grpc
+
+    from splitserve.client import Client
+
+    if not (address := _router_address(args)):
+        return 2
+    with Client(address) as c:
+        try:
+            info = c.get_request(args.request_id, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"splitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(describe_request(info, time.time()))
+    return 0
+
+
+ENDED = ("finished", "cancelled", "failed")
+
+
+def describe_request(info, now: float) -> str:
+    """A request's record (GetRequest's RequestInfo) for a terminal: its state, where it ran, its
+    tokens and its timestamps as a timeline from its arrival; one not ended, with how long it has
+    been in its state (now: unix time)."""
+    state = info.state + (f": {info.finish_reason}" if info.finish_reason else "")
+    lines = [f"request   {info.request_id}" + (f"  (attempt {info.attempts}: the fields are its latest's)"
+                                                 if info.attempts > 1 else ""),
+             f"state     {state}"]
+    where = [f"{role} {w}" for role, w in (("prefill", info.prefill_worker), ("decode", info.decode_worker)) if w]
+    if where:
+        lines.append(f"workers   {', '.join(where)}" + (f"  (resumed {info.resumes}x)" if info.resumes else ""))
+    cached = f" ({info.cached_tokens} cached)" if info.cached_tokens else ""
+    lines.append(f"tokens    {info.prompt_tokens} prompt{cached}, {info.completion_tokens} completion"
+                 + ("" if info.state in ENDED else " (counted at its end)"))
+    if info.kv_transport:
+        lines.append(f"kv        {info.kv_bytes} bytes over {info.kv_transport}")
+    if info.error:
+        lines.append(f"error     {info.error}")
+    stamps = sorted(info.timestamps.items(), key=lambda kv: kv[1])
+    if stamps:
+        t0 = stamps[0][1]
+        lines.append("timeline  ms after the first")
+        lines += [f"{(t - t0) * 1000:12.1f}  {name}" for name, t in stamps]
+        if info.state not in ENDED:
+            lines.append(f"{(now - t0) * 1000:12.1f}  now: {info.state} for {(now - stamps[-1][1]) * 1000:.1f} ms")
+    return "\n".join(lines)
 
 
 def _status(args) -> int:
@@ -388,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last", type=int, default=1, help="how many of the latest requests (default 1)")
     p.add_argument("--file", default="", help="OTLP-JSON span file, read after its rotated FILE.1 (default: the running or last stack's)")
     p.set_defaults(func=_traces)
+
+    p = sub.add_parser("request", help="where a request is or was: its state, workers, tokens and timestamps "
+                                       "(GetRequest)")
+    p.add_argument("request_id")
+    p.add_argument("--address", default=None, help="router address (default: the stack started by splitserve up)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p.set_defaults(func=_request)
 
     p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")
     p.add_argument("--redis-url", default="", help="default: the running stack's, or REDIS_URL")

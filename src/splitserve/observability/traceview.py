@@ -162,8 +162,8 @@ def render(trace: list[Span], batches: dict[str, Span] | None = None) -> str:
     orphans = sum(1 for s in trace if s.parent_id and s.parent_id not in by_id)
     if orphans:
         lines.append(f"incomplete: {orphans} span(s) below have their parent missing from the file: it has not "
-                     "ended (the request is still running: the gRPC GetRequest says where it is) or was not written yet "
-                     "(a process writes the spans that ended every 0.5 s by default); run this again")
+                     "ended (the request is still running: `splitserve request ID` says where it is) or was not "
+                     "written yet (a process writes the spans that ended every 0.5 s by default); run this again")
     lines.append(f"{'start ms':>10} {'dur ms':>10}  span")
 
     def walk(s: Span, depth: int) -> None:
