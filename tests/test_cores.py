@@ -229,13 +229,35 @@ def _cgroup(tmp_path, lines: list[str], files: dict[str, str]):
     return str(root), str(proc)
 
 
-@pytest.mark.parametrize("raw, board", [("", ""), ("off", ""), ("/run/x/cores", "/run/x/cores")])
+@pytest.mark.parametrize("raw, board", [("", ""), ("off", ""), ("False", ""), ("0", ""),
+                                        ("/run/x/cores", "/run/x/cores")])
 def test_the_core_share_setting_names_a_board_or_is_off(raw, board):
     from splitserve.service.settings import Settings
 
     s = Settings.from_env({"SPLITSERVE_CORE_SHARE": raw})
     assert s.core_share_board == board
     assert s.engine_config("prefill").core_share == board == s.engine_config("decode").core_share
+
+
+def test_core_share_on_is_the_stacks_own_board_and_refused_by_a_process_on_its_own(tmp_path, monkeypatch):
+    """"on" is no file name: before, a worker given it made a board called "on" in its working
+    directory. A stack gives its workers its own board; a process started alone says what to set."""
+    from splitserve.service.process import parse_settings
+    from splitserve.service.settings import Settings
+    from splitserve.stack import Stack
+
+    monkeypatch.chdir(tmp_path)
+    for raw in ("on", "TRUE"):
+        stack = Stack(Settings.from_env({"SPLITSERVE_CORE_SHARE": raw}), run_dir=str(tmp_path / raw))
+        assert stack.settings.core_share_board == str(tmp_path / raw / "cores")
+        monkeypatch.setenv("SPLITSERVE_CORE_SHARE", raw)
+        with pytest.raises(ValueError, match=f"SPLITSERVE_CORE_SHARE: '{raw}' names no board file"):
+            parse_settings("prefill_worker", [])
+    monkeypatch.setenv("SPLITSERVE_CORE_SHARE", "off")
+    assert parse_settings("prefill_worker", []).core_share_board == ""
+    off = Stack(Settings.from_env({"SPLITSERVE_CORE_SHARE": "off"}), run_dir=str(tmp_path))
+    assert off.settings.core_share_board == ""
+    assert list(tmp_path.iterdir()) == []  # no board called "on" in the working directory
 
 
 def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1_the_smallest_on_the_path_wins(tmp_path):

@@ -62,7 +62,9 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap.add_argument("--model")
     ap.add_argument("--worker-id", dest="worker_id")
     args = ap.parse_args(argv)
-    return Settings.from_env(**vars(args))
+    settings = Settings.from_env(**vars(args))
+    settings.check_core_share_names_a_board()
+    return settings
 
 
 def run(role: str, main_coro, argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ class Settings:
     trace_file_max_bytes: int = 64 << 20  # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
     max_mask_ms: float = MAX_MASK_MS  # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
-    core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "" or off = off
+    core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "", off, false, no or 0 = off (on: a stack's own, splitserve up)
     # Router
     max_queue_requests: int = 256  # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers together
     max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
@@ -152,8 +152,16 @@ class Settings:
 
     @property
     def core_share_board(self) -> str:
-        """The core-share board file, or "" when sharing is off ("" or off)."""
-        return "" if self.core_share == "off" else self.core_share
+        """The core-share board file, or "" when sharing is off ("", off, false, no or 0)."""
+        return "" if self.core_share.strip().lower() in CORE_SHARE_OFF else self.core_share
+
+    def check_core_share_names_a_board(self) -> None:
+        """A process started on its own: core_share "on" (true, yes, 1) names no board file (under
+        `splitserve up` it means the stack's own), and would be taken for a file of that name in
+        the working directory."""
+        if self.core_share.strip().lower() in CORE_SHARE_ON:
+            raise ValueError(f"{env_name('core_share')}: {self.core_share!r} names no board file: give the path of "
+                             "one that every worker sharing this host's cores can write, or off")
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -171,6 +179,10 @@ class Settings:
         return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size, **compute)
+
+
+CORE_SHARE_OFF = ("", "off", "false", "no", "0")
+CORE_SHARE_ON = ("on", "true", "yes", "1")
 
 
 def needs_colocated(policy: str) -> bool:
