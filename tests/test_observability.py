@@ -414,12 +414,13 @@ def test_a_trace_whose_root_has_not_reached_the_file_says_it_is_incomplete():
     root = span("a" * 16, "", "splitserve.v1.Generation/GenerateStream", 0)
     kids = [span("b" * 16, root.span_id, "admission", 10), span("c" * 16, root.span_id, "prefill", 20),
             span("d" * 16, "c" * 16, "kv transfer", 30)]
+    kids[1].attrs["splitserve.prefix_cache.tokens"] = 32  # of its prompt, found in the prefix cache
     whole = traceview.render([root, *kids]).splitlines()
     assert not any(ln.startswith("incomplete") for ln in whole), whole
     assert whole[2].split()[2] == root.name and whole[3].split()[2] == "admission"
     part = traceview.render(kids).splitlines()
     assert part[1].startswith("incomplete: 2 span(s)") and "still running" in part[1], part
-    assert [ln[23:] for ln in part[3:]] == ["admission [s] request=r1", "prefill [s] request=r1",
+    assert [ln[23:] for ln in part[3:]] == ["admission [s] request=r1", "prefill [s] request=r1 cached=32",
                                         "  kv transfer [s]"]  # the rest nested
 
 

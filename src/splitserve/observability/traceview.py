@@ -14,6 +14,7 @@ SHOWN = (
     ("gen_ai.request.max_tokens", "max_tokens"), ("gen_ai.response.finish_reasons", "finish"),
     ("splitserve.kv.transport", "transport"), ("splitserve.kv.bytes", "bytes"), ("splitserve.kv.gbps", "GB/s"),
     ("splitserve.batch.sequences", "seqs"), ("splitserve.batch.tokens", "tokens"),
+    ("splitserve.prefix_cache.tokens", "cached"),
     ("splitserve.queue.requests", "queued"), ("splitserve.admitted", "admitted"),
     ("splitserve.decode.max_token_gap_ms", "max_gap_ms"), ("splitserve.decode.preemptions", "preempted"),
 )
