@@ -274,7 +274,7 @@ def test_a_cancelled_request_ends_its_trace_cancelled(stack):
 
 def test_traces_and_status_commands(stack):
     with Client(stack.router_address) as c:
-        c.generate("Hello there!", max_tokens=3, request_id="cli-1")
+        reply = c.generate("Hello there!", max_tokens=3, request_id="cli-1")
     # The root span ends after the reply is sent, so it can reach the file after the decode spans.
     trace_of(stack, "cli-1", {"splitserve.v1.Generation/Generate", "admission", "queue wait", "prefill",
                               "kv transfer", "splitserve.v1.DecodeWorker/PutKV", "decode"})
@@ -302,7 +302,10 @@ def test_traces_and_status_commands(stack):
     stamps = [ln.split() for ln in lines[lines.index("timeline  ms after the first") + 1:]]
     assert stamps[0] == ["0.0", "received"] and stamps[-1][1] == "finished", req.stdout
     assert [float(t) for t, _ in stamps] == sorted(float(t) for t, _ in stamps)
-    assert {"admitted", "prefill_start", "prefill_end", "kv_done"} <= {name for _, name in stamps}, req.stdout
+    at = {name: float(t) for t, name in stamps}
+    assert {"admitted", "prefill_start", "prefill_end", "kv_done", "first_token"} <= set(at), req.stdout
+    assert at["prefill_end"] <= at["first_token"] <= at["finished"]
+    assert abs(at["first_token"] - reply.timings.ttft_ms) < 20, (at, reply.timings)  # the TTFT its client was told
     unknown = subprocess.run([*exe, "request", "no-such-request", "--address", stack.router_address],
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr

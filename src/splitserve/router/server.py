@@ -957,6 +957,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     for i in range(params.n)}
                    if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens else None)
         marked = False  # the end recorded (_mark) already
+        first_token = 0.0  # unix time its first token (or its end) came here: recorded with its end (GetRequest)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
             try:
@@ -1073,6 +1074,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                 grpc.StatusCode.INTERNAL)
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
+                            first_token = first_token or time.time()
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
                             await self._dequeue(rid, work)
@@ -1096,7 +1098,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                 # Recorded before the client has the last message, so that a re-send
                                 # following it finds the request finished (its replay), not running.
                                 with tracing.tracer().start_span("finish", context=rs.ctx):
-                                    await self._mark(rid, "finished", final, results=results)
+                                    await self._mark(rid, "finished", final, results=results, first_token=first_token)
                                 marked = True
                         have.add(ev)
                         yield rid, public_id, len(ids), ev
@@ -1123,7 +1125,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 state = "cancelled" if final.finish_reason == "cancelled" else "finished"
                 if not marked:
                     with tracing.tracer().start_span("finish", context=rs.ctx):
-                        await self._mark(rid, state, final)
+                        await self._mark(rid, state, final, first_token=first_token)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
                     state = "failed"
@@ -1131,7 +1133,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
                     yield rid, public_id, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached)
-                    await self._mark(rid, state)
+                    await self._mark(rid, state, first_token=first_token)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
                 if e.code() == grpc.StatusCode.UNAVAILABLE:  # say which worker, not just "Socket closed"
@@ -1152,7 +1154,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
                         why = str(sys.exc_info()[1])  # its decode worker went away, or it could not resume
                     # Redis not answering: recording it would keep the client waiting as long again.
-                    await self._mark(rid, state, error=why, away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE))
+                    await self._mark(rid, state, error=why, away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE),
+                                     first_token=first_token)
         except BaseException as e:
             failed_with = e
             raise
@@ -1310,12 +1313,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             name_tokens(self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
 
     async def _mark(self, rid: str, state: str, final=None, error: str = "",
-                    results: dict[int, Result] | None = None, away: bool = False) -> None:
+                    results: dict[int, Result] | None = None, away: bool = False, first_token: float = 0.0) -> None:
         """Record how a request ended (with its last decode event, if any, and what it sent of each
         sample, for a replay); the hash then expires sooner. While Redis is away (`away`: the
         request failed for it), in the background until it answers: the caller does not wait."""
         key = self.keys.req(rid)
         mapping = {"state": state, "t_finished": time.time()}
+        if first_token:
+            mapping["t_first_token"] = first_token
         if final is not None:
             mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason,
                            cached_tokens=final.cached_tokens)
