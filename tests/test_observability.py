@@ -289,6 +289,8 @@ def test_traces_and_status_commands(stack):
     order = [next(i for i, ln in enumerate(lines) if name in ln) for name in names]
     assert order == sorted(order)
     assert any("~ prefill batch" in ln for ln in lines)
+    ttft = float(re.fullmatch(r"summary: TTFT ([\d.]+) ms \(admission .*, the rest [\d.]+\); 3 tokens, .*", lines[-1])[1])
+    assert abs(ttft - reply.timings.ttft_ms) < 20, (lines[-1], reply.timings)  # the TTFT its client was told
     missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "no trace for request 'no-such-request'" in missing.stderr
@@ -404,6 +406,33 @@ def test_a_running_request_is_described_with_how_long_it_has_been_in_its_state()
                      "tokens    300 prompt (64 cached), 0 completion (counted at its end)",
                      "kv        4096 bytes over grpc", "timeline  ms after the first", "         0.0  received",
                      "        10.0  admitted", "       500.0  kv_done", "      3000.0  now: decoding for 2500.0 ms"]
+
+
+def test_a_traces_summary_splits_its_ttft_into_contiguous_parts_and_rates_its_tokens():
+    ms = 10**6
+
+    def span(name, start, end, parent="r" * 16, **attrs):
+        return traceview.Span(trace_id="t" * 32, span_id=name[:4].ljust(16, "x"), parent_id=parent, name=name,
+                              service="s", kind="internal", start_ns=start * ms, end_ns=end * ms, attrs=attrs)
+
+    root = span("splitserve.v1.Generation/GenerateStream", 0, 1500, parent="", **{"gen_ai.usage.output_tokens": 51})
+    root.span_id, root.events = "r" * 16, [(300 * ms, "first_token")]
+    legs = [span("admission", 0, 5), span("queue wait", 4, 100), span("prefill", 100, 290),
+            span("decode", 295, 1500, **{"splitserve.decode.max_token_gap_ms": 80.5,
+                                         "splitserve.decode.preemptions": 1})]
+    assert traceview.summary([root, *legs]) == (
+        "summary: TTFT 300.0 ms (admission 5.0, queue wait 95.0, prefill 190.0, the rest 10.0); 51 tokens, the last "
+        "1200.0 ms after the first (24.0 ms a token); longest gap 80.5 ms; preempted 1x")
+    assert traceview.render([root, *legs]).splitlines()[-1] == traceview.summary([root, *legs])
+    # colocated (its decode worker prefilled it), two samples of 26 tokens side by side, no preemption
+    root.attrs["gen_ai.request.choice.count"] = 2
+    legs[3].attrs.pop("splitserve.decode.preemptions")
+    assert traceview.summary([root, legs[0], legs[3]]) == (
+        "summary: TTFT 300.0 ms (admission 5.0, to its first token 295.0); 51 tokens over 2 samples, the last "
+        "1200.0 ms after the first (48.0 ms a token); longest gap 80.5 ms")
+    root.events, root.attrs["rpc.grpc.status_code"] = [], 8
+    assert traceview.summary([root, legs[0]]) == "summary: no token sent in 1500.0 ms (RESOURCE_EXHAUSTED)"
+    assert traceview.summary(legs) is None  # its router's span not in the file yet
 
 
 def test_a_trace_whose_root_has_not_reached_the_file_says_it_is_incomplete():

@@ -186,7 +186,49 @@ def render(trace: list[Span], batches: dict[str, Span] | None = None) -> str:
 
     for r in sorted(roots, key=lambda s: s.start_ns):
         walk(r, 0)
+    if (line := summary(trace)) is not None:
+        lines.append(line)
     return "\n".join(lines)
+
+
+# The spans on a request's way to its first token, in order; each one's first (a resumed request
+# has one a leg). Colocated, the decode worker prefills: admission, then "to its first token".
+TTFT_PARTS = ("admission", "queue wait", "prefill")
+GAP = "splitserve.decode.max_token_gap_ms"
+
+
+def summary(trace: list[Span]) -> str | None:
+    """Where a request's time went, in a line: its TTFT by the spans on the way to its first
+    token, and its tokens after it. None without its router's span (not in the file yet)."""
+    root = next((s for s in trace if not s.parent_id and s.name.startswith("splitserve.v1.Generation/")), None)
+    if root is None:
+        return None
+    first = next((t for t, name in root.events if name == "first_token"), None)
+    if first is None:
+        status = status_of(root)
+        return f"summary: no token sent in {root.duration_ms:.1f} ms" + (f" ({status})" if status else "")
+    ttft = (first - root.start_ns) / 1e6
+    parts, since = [], root.start_ns  # each part from the end of the one before (contiguous: they add up)
+    for name in TTFT_PARTS:
+        if found := sorted((s for s in trace if s.name == name), key=lambda s: s.start_ns):
+            parts.append((name, (found[0].end_ns - since) / 1e6))
+            since = found[0].end_ns
+    parts.append(("the rest" if len(parts) == len(TTFT_PARTS) else "to its first token", (first - since) / 1e6))
+    line = f"summary: TTFT {ttft:.1f} ms ({', '.join(f'{name} {ms:.1f}' for name, ms in parts)})"
+    tokens, after = root.attrs.get("gen_ai.usage.output_tokens"), (root.end_ns - first) / 1e6
+    if isinstance(tokens, int) and tokens > 1:
+        samples = root.attrs.get("gen_ai.request.choice.count", 1)
+        each = after / max(1, -(-tokens // samples) - 1)  # a sample's tokens after its first, side by side
+        line += f"; {tokens} tokens" + (f" over {samples} samples" if samples > 1 else "") + \
+            f", the last {after:.1f} ms after the first ({each:.1f} ms a token)"
+    decode = [s for s in trace if s.name == "decode"]
+    gaps = [s.attrs[GAP] for s in decode if GAP in s.attrs]
+    preempted = sum(s.attrs.get("splitserve.decode.preemptions", 0) for s in decode)
+    if gaps:
+        line += f"; longest gap {max(gaps):.1f} ms"
+    if preempted:
+        line += f"; preempted {preempted}x"
+    return line
 
 
 def linked_batches(spans: list[Span]) -> dict[str, list[Span]]:

@@ -1290,6 +1290,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             attrs["splitserve.request.prompt_logprobs"] = params.prompt_logprobs
         if params.structured_output is not None:
             attrs["splitserve.request.structured_output"] = params.structured_output.kind
+        if params.n > 1:
+            attrs["gen_ai.request.choice.count"] = params.n
         if request.priority:
             attrs["splitserve.priority"] = request.priority
         if resumed:  # a stream sent again to go on (resume_from): the tokens its client had
