@@ -196,7 +196,7 @@ def _print_samples(client, prompt, timeout, resumes, kw) -> int:
     return 0
 
 
-def _router_address(args) -> str:
+def _router_address(args) -> str | None:
     address = args.address or (_read_state() or {}).get("router")
     if not address:
         print("splitserve: error: no --address and no running stack (start one with: splitserve up)", file=sys.stderr)

@@ -957,7 +957,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     for i in range(params.n)}
                    if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens else None)
         marked = False  # the end recorded (_mark) already
-        first_token = 0.0  # unix time its first token (or its end) came here: recorded with its end (GetRequest)
+        first_token = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
             try:
@@ -1074,7 +1074,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                                 grpc.StatusCode.INTERNAL)
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
-                            first_token = first_token or time.time()
+                        if ev.token_ids and not first_token:
+                            first_token = time.time()
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
                             await self._dequeue(rid, work)
