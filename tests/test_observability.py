@@ -289,7 +289,8 @@ def test_traces_and_status_commands(stack):
     order = [next(i for i, ln in enumerate(lines) if name in ln) for name in names]
     assert order == sorted(order)
     assert any("~ prefill batch" in ln for ln in lines)
-    ttft = float(re.fullmatch(r"summary: TTFT ([\d.]+) ms \(admission .*, the rest [\d.]+\); 3 tokens, .*", lines[-1])[1])
+    summary = re.fullmatch(r"summary: TTFT ([\d.]+) ms \(admission .*, the rest [\d.]+\); 3 tokens, .*", lines[-1])
+    ttft = float(summary[1])
     assert abs(ttft - reply.timings.ttft_ms) < 20, (lines[-1], reply.timings)  # the TTFT its client was told
     missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
                              capture_output=True, text=True, timeout=60)
