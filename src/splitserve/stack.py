@@ -34,7 +34,7 @@ from splitserve.lifeline import tied
 from splitserve.observability.tracing import exporter_kind
 from splitserve.service.arena import SHM_DIR
 from splitserve.service.redis_state import Keys, connect
-from splitserve.service.settings import CORE_SHARE_ON, Settings
+from splitserve.service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Stack:
         if not base.trace_file and exporter_kind(trace_file="x") == "file":  # no OTLP endpoint, tracing not off
             base = base.replace(trace_file=os.path.join(self.run_dir, "traces.jsonl"))
         # every worker of this stack shares this host's cores (unless off: each uses all)
-        if not base.core_share or base.core_share.strip().lower() in CORE_SHARE_ON:
+        if not base.core_share or base.core_share_flag is True:
             base = base.replace(core_share=os.path.join(self.run_dir, "cores"))
         self.settings = base
         self.n_prefill, self.n_decode, self.n_routers = prefill, decode, max(1, routers)

@@ -151,15 +151,21 @@ class Settings:
         return self.advertise or f"{self.host}:{port}"
 
     @property
+    def core_share_flag(self) -> bool | None:
+        """core_share as a flag word, as a bool setting reads it (on, true, yes, 1 / off, false, no,
+        0); False when empty, None when it names a file."""
+        return _FLAGS.get(self.core_share.strip().lower(), None if self.core_share.strip() else False)
+
+    @property
     def core_share_board(self) -> str:
         """The core-share board file, or "" when sharing is off ("", off, false, no or 0)."""
-        return "" if self.core_share.strip().lower() in CORE_SHARE_OFF else self.core_share
+        return "" if self.core_share_flag is False else self.core_share
 
     def check_core_share_names_a_board(self) -> None:
         """A process started on its own: core_share "on" (true, yes, 1) names no board file (under
         `splitserve up` it means the stack's own), and would be taken for a file of that name in
         the working directory."""
-        if self.core_share.strip().lower() in CORE_SHARE_ON:
+        if self.core_share_flag is True:
             raise ValueError(f"{env_name('core_share')}: {self.core_share!r} names no board file: give the path of "
                              "one that every worker sharing this host's cores can write, or off")
 
@@ -179,10 +185,6 @@ class Settings:
         return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size, **compute)
-
-
-CORE_SHARE_OFF = ("", "off", "false", "no", "0")
-CORE_SHARE_ON = ("on", "true", "yes", "1")
 
 
 def needs_colocated(policy: str) -> bool:
