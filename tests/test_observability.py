@@ -323,6 +323,43 @@ def test_traces_and_status_commands(stack):
     assert stack.proc("decode-0").metrics_address in st.stdout
 
 
+def test_a_running_requests_progress_is_in_get_request_and_its_end_keeps_its_last_count(stack):
+    """While a request streams, GetRequest has its completion tokens so far and its first token's
+    time (its router writes them every half heartbeat), and `splitserve request` shows them; once
+    it ends, the count its end wrote stays."""
+    exe = [sys.executable, "-m", "splitserve.cli", "request", "progress-1", "--address", stack.router_address]
+    with Client(stack.router_address) as c:
+        stream = c.generate_stream("Write a long story about a lighthouse keeper.", max_tokens=1000, ignore_eos=True,
+                                   request_id="progress-1")
+        got, t_first = 0, 0.0
+        for resp in stream:
+            t_first = t_first or time.time()
+            got += len(resp.token_ids)
+            if got >= 20:
+                break
+        # The router has streamed `got` tokens at least; its count is in Redis half a heartbeat later.
+        info = wait_for(lambda: (i := c.get_request("progress-1")).completion_tokens >= got and i,
+                        timeout=10, what="the count so far")
+        assert info.state == "decoding" and got <= info.completion_tokens < 1000, info
+        at = info.timestamps
+        assert at["prefill_end"] <= at["first_token"] <= t_first + 0.005, (at, t_first)  # (one clock: one host)
+        assert t_first - at["first_token"] < 0.1, (at, t_first)  # the router's time, before the client's
+        out = subprocess.run(exe, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        tokens = re.fullmatch(r"tokens    \d+ prompt, (\d+) completion so far \(its router's count, every half "
+                              r"heartbeat\)", lines[3])
+        assert tokens and int(tokens[1]) >= info.completion_tokens, out.stdout
+        assert any(ln.endswith("  first_token") for ln in lines), out.stdout  # (the KV may land after it)
+        assert re.fullmatch(r" +[\d.]+  now: decoding, [\d.]+ ms after (first_token|kv_done)", lines[-1]), out.stdout
+        stream.cancel()
+        ended = wait_for(lambda: (i := c.get_request("progress-1")).state == "cancelled" and i, what="its end")
+        assert got <= ended.completion_tokens < 1000 and ended.timestamps["first_token"] == at["first_token"]
+        time.sleep(4 * stack.settings.heartbeat_s)  # past two of its router's progress writes
+        assert c.get_request("progress-1").completion_tokens == ended.completion_tokens
+    wait_for(lambda: kv_idle(stack), what="KV freed")
+
+
 def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     exe = [sys.executable, "-m", "splitserve.cli", "generate", "--address", stack.router_address]
     out = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
@@ -394,19 +431,21 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
 
 
-def test_a_running_request_is_described_with_how_long_it_has_been_in_its_state():
+def test_a_running_request_is_described_with_its_tokens_so_far_and_the_time_since_its_last_timestamp():
     from splitserve.cli import describe_request
     from splitserve_proto.v1 import generation_pb2 as pb
 
     info = pb.RequestInfo(request_id="r-1", state="decoding", attempts=2, prefill_worker="p0", decode_worker="d0",
-                          prompt_tokens=300, cached_tokens=64, kv_transport="grpc", kv_bytes=4096,
+                          prompt_tokens=300, cached_tokens=64, completion_tokens=17, kv_transport="grpc", kv_bytes=4096,
                           timestamps={"kv_done": 100.5, "received": 100.0, "admitted": 100.01})
     lines = describe_request(info, now=103.0).splitlines()
     assert lines == ["request   r-1  (attempt 2: the fields are its latest's)", "state     decoding",
                      "workers   prefill p0, decode d0",
-                     "tokens    300 prompt (64 cached), 0 completion (counted at its end)",
+                     "tokens    300 prompt (64 cached), 17 completion so far "
+                     "(its router's count, every half heartbeat)",
                      "kv        4096 bytes over grpc", "timeline  ms after the first", "         0.0  received",
-                     "        10.0  admitted", "       500.0  kv_done", "      3000.0  now: decoding for 2500.0 ms"]
+                     "        10.0  admitted", "       500.0  kv_done",
+                     "      3000.0  now: decoding, 2500.0 ms after kv_done"]
 
 
 def test_a_traces_summary_splits_its_ttft_into_contiguous_parts_and_rates_its_tokens():

@@ -120,10 +120,12 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
                         for t in ch.token_ids]
             assert streamed == list(ref.token_ids)
             assert c.get_request("c-unary").state == "finished"
-            # A cancel mid-stream frees the KV, through the same scripts.
-            stream = c.generate_stream("Write a long story.", max_tokens=300, ignore_eos=True, request_id="c-cancel")
+            # A running stream's progress reaches GetRequest (PROGRESS_LUA, on the request hashes of
+            # all the router's streams at once); a cancel mid-stream frees the KV, through the same scripts.
+            stream = c.generate_stream("Write a long story.", max_tokens=1000, ignore_eos=True, request_id="c-cancel")
             for n, _ in enumerate(stream):
                 if n == 3:
+                    wait_for(lambda: c.get_request("c-cancel").completion_tokens >= 4, timeout=10, what="progress")
                     stream.cancel()
                     break
             wait_for(lambda: c.get_request("c-cancel").state == "cancelled", timeout=20, what="cancelled")

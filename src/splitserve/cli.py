@@ -294,7 +294,7 @@ def _request(args) -> int:
 def describe_request(info, now: float) -> str:
     """A request's record (GetRequest's RequestInfo) for a terminal: its state, where it ran, its
     tokens and its timestamps as a timeline from its arrival; one not ended, with how long it has
-    been in its state (now: unix time)."""
+    been since the last of them (now: unix time)."""
     from splitserve.service.redis_state import FINAL_STATES
 
     state = info.state + (f": {info.finish_reason}" if info.finish_reason else "")
@@ -306,7 +306,7 @@ def describe_request(info, now: float) -> str:
         lines.append(f"workers   {', '.join(where)}" + (f"  (resumed {info.resumes}x)" if info.resumes else ""))
     cached = f" ({info.cached_tokens} cached)" if info.cached_tokens else ""
     lines.append(f"tokens    {info.prompt_tokens} prompt{cached}, {info.completion_tokens} completion"
-                 + ("" if info.state in FINAL_STATES else " (counted at its end)"))
+                 + ("" if info.state in FINAL_STATES else " so far (its router's count, every half heartbeat)"))
     if info.kv_transport:
         lines.append(f"kv        {info.kv_bytes} bytes over {info.kv_transport}")
     if info.error:
@@ -317,7 +317,8 @@ def describe_request(info, now: float) -> str:
         lines.append("timeline  ms after the first")
         lines += [f"{(t - t0) * 1000:12.1f}  {name}" for name, t in stamps]
         if info.state not in FINAL_STATES:
-            lines.append(f"{(now - t0) * 1000:12.1f}  now: {info.state} for {(now - stamps[-1][1]) * 1000:.1f} ms")
+            last, t = stamps[-1]
+            lines.append(f"{(now - t0) * 1000:12.1f}  now: {info.state}, {(now - t) * 1000:.1f} ms after {last}")
     return "\n".join(lines)
 
 

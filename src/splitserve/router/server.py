@@ -43,7 +43,8 @@ from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancell
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background, until_answered
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
-                                           LOCAL_FIELD, MAY_RUN_AGAIN, QUEUE_FIELDS, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA,
+                                           LOCAL_FIELD, MAY_RUN_AGAIN, PROGRESS_LUA, QUEUE_FIELDS, REAP_LUA, RESUME_LUA,
+                                           TAKE_BACK_LUA,
                                            Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
                                            sampling_to_dict)
 from splitserve.service.settings import Settings
@@ -179,6 +180,9 @@ class Active:
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
     resumes: int = 0  # times it resumed on another decode worker (_resume): never taken back (take_back)
     carried: int = 0  # completion tokens its latest resume carried (prefilled again with the prompt)
+    sent: int = 0  # completion tokens streamed so far, of all samples
+    first_token: float = 0.0  # unix time its first token came here (0: not yet)
+    recorded: int = 0  # `sent` as record_progress last wrote it
 
 
 class Sent:
@@ -303,6 +307,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.reap_script = r.register_script(REAP_LUA)
         self.take_back_script = r.register_script(TAKE_BACK_LUA)
         self.resume_script = r.register_script(RESUME_LUA)
+        self.progress_script = r.register_script(PROGRESS_LUA)
         self.id = settings.worker_name("router")
         self.lease_s = ROUTER_LEASE_HEARTBEATS * settings.heartbeat_s
         self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
@@ -533,6 +538,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 log.warning("%d requests left by this router's id (%s) marked failed", marked, rt)
             n += int(marked)
         return n
+
+    async def record_progress(self) -> None:
+        """Write, for the requests this router streams whose count moved since, their completion
+        tokens so far and their first token's time (PROGRESS_LUA): GetRequest, on any router, shows a
+        running request's progress at most half a heartbeat late. One call for them all, off their
+        streams' path; their ends write the last count (_mark)."""
+        moved = [(rid, a, a.sent) for rid, a in self.active.items() if a.first_token and a.sent != a.recorded]
+        if not moved:
+            return
+        await self.progress_script(keys=[self.keys.req(rid) for rid, _, _ in moved],
+                                   args=[x for _, a, sent in moved for x in (sent, a.first_token)])
+        for _, a, sent in moved:
+            a.recorded = sent
 
     async def check_waiting(self) -> None:
         """End the streams still waiting for a first token whose request Redis no longer holds (it
@@ -1017,7 +1035,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 if params.structured_output is not None:
                     m.structured.labels(params.structured_output.kind).inc()
                 active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
-                                                   request.cache_salt, local, queued, t_admitted, carried=resumed)
+                                                   request.cache_salt, local, queued, t_admitted, carried=resumed,
+                                                   sent=sent)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
@@ -1075,7 +1094,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
                         if ev.token_ids and not first_token:
-                            first_token = time.time()
+                            first_token = active.first_token = time.time()
                         if active.queued and (ev.token_ids or ev.finish_reason):
                             active.queued = False
                             await self._dequeue(rid, work)
@@ -1085,7 +1104,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             self.first_parts[rid] = ev.timings
                         if ev.completion_tokens:
                             sent_by[ev.index] = ev.completion_tokens
-                            sent = sum(sent_by.values())
+                            sent = active.sent = sum(sent_by.values())
                         cached = ev.cached_tokens or cached
                         last = ev.finish_reason and not ev.more
                         if last:
@@ -1598,6 +1617,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 metrics.decode_workers.set(len(servicer.workers))
                 await servicer.reap()
                 await servicer.check_waiting()
+                await servicer.record_progress()
                 await servicer.close_idle_channels()
             except Exception as e:  # noqa: BLE001
                 log.warning("registry refresh failed: %s", e)
