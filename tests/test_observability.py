@@ -457,18 +457,20 @@ def test_a_traces_summary_splits_its_ttft_into_contiguous_parts_and_rates_its_to
 
     root = span("splitserve.v1.Generation/GenerateStream", 0, 1500, parent="", **{"gen_ai.usage.output_tokens": 51})
     root.span_id, root.events = "r" * 16, [(300 * ms, "first_token")]
-    legs = [span("admission", 0, 5), span("queue wait", 4, 100), span("prefill", 100, 290),
+    # Its admission span ends once the decode worker has accepted the stream, after the job was
+    # queued (the queue wait's start) and picked up: admission is received -> queued.
+    legs = [span("admission", 0, 105), span("queue wait", 4, 100), span("prefill", 100, 290),
             span("decode", 295, 1500, **{"splitserve.decode.max_token_gap_ms": 80.5,
                                          "splitserve.decode.preemptions": 1})]
     assert traceview.summary([root, *legs]) == (
-        "summary: TTFT 300.0 ms (admission 5.0, queue wait 95.0, prefill 190.0, the rest 10.0); 51 tokens, the last "
+        "summary: TTFT 300.0 ms (admission 4.0, queue wait 96.0, prefill 190.0, the rest 10.0); 51 tokens, the last "
         "1200.0 ms after the first (24.0 ms a token); longest gap 80.5 ms; preempted 1x")
     assert traceview.render([root, *legs]).splitlines()[-1] == traceview.summary([root, *legs])
     # colocated (its decode worker prefilled it), two samples of 26 tokens side by side, no preemption
     root.attrs["gen_ai.request.choice.count"] = 2
     legs[3].attrs.pop("splitserve.decode.preemptions")
     assert traceview.summary([root, legs[0], legs[3]]) == (
-        "summary: TTFT 300.0 ms (admission 5.0, to its first token 295.0); 51 tokens over 2 samples, the last "
+        "summary: TTFT 300.0 ms (admission 105.0, to its first token 195.0); 51 tokens over 2 samples, the last "
         "1200.0 ms after the first (48.0 ms a token); longest gap 80.5 ms")
     root.events, root.attrs["rpc.grpc.status_code"] = [], 8
     assert traceview.summary([root, legs[0]]) == "summary: no token sent in 1500.0 ms (RESOURCE_EXHAUSTED)"

@@ -208,11 +208,15 @@ def summary(trace: list[Span]) -> str | None:
         status = status_of(root)
         return f"summary: no token sent in {root.duration_ms:.1f} ms" + (f" ({status})" if status else "")
     ttft = (first - root.start_ns) / 1e6
-    parts, since = [], root.start_ns  # each part from the end of the one before (contiguous: they add up)
-    for name in TTFT_PARTS:
-        if found := sorted((s for s in trace if s.name == name), key=lambda s: s.start_ns):
-            parts.append((name, (found[0].end_ns - since) / 1e6))
-            since = found[0].end_ns
+    # Each part runs from the end of the one before (contiguous: they add up) to the start of the
+    # next: the admission span goes on past the job's queueing (it waits for the decode worker to
+    # accept the stream) while the job waits and is prefilled; the last one, to its own end.
+    found = [min(got, key=lambda s: s.start_ns) for name in TTFT_PARTS if (got := [s for s in trace if s.name == name])]
+    parts, since = [], root.start_ns
+    for span, after in zip(found, [*found[1:], None]):
+        end = max(since, after.start_ns if after is not None else span.end_ns)
+        parts.append((span.name, (end - since) / 1e6))
+        since = end
     parts.append(("the rest" if len(parts) == len(TTFT_PARTS) else "to its first token", (first - since) / 1e6))
     line = f"summary: TTFT {ttft:.1f} ms ({', '.join(f'{name} {ms:.1f}' for name, ms in parts)})"
     tokens, after = root.attrs.get("gen_ai.usage.output_tokens"), (root.end_ns - first) / 1e6
