@@ -539,6 +539,43 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
     assert seeded[0] == seeded[1]
 
 
+def test_a_status_that_can_no_longer_be_sent_ends_the_handler_as_a_cancel_not_a_servicer_error():
+    """A handler that fails as its deadline passes (the upstream call it waited on had the same
+    deadline; seen in a soak with decode workers killed): gRPC can no longer send the status (its
+    private ExecuteBatchError), and logged that as an error of the servicer, with a traceback. The
+    handler now ends as cancelled. Before the deadline, such a failure still propagates."""
+    import asyncio
+
+    from splitserve.service.errors import Unavailable, _guarded
+
+    class Ended:  # the part of a ServicerContext _guarded uses, for an RPC that has ended
+        def __init__(self, remaining):
+            self.remaining = remaining
+
+        def set_trailing_metadata(self, metadata):
+            pass
+
+        async def abort(self, code, message):
+            raise RuntimeError('Failed "execute_batch"')  # as gRPC's ExecuteBatchError
+
+        def time_remaining(self):
+            return self.remaining
+
+        def cancelled(self):
+            return False
+
+        def done(self):
+            return False
+
+    async def fails():
+        raise Unavailable("decode worker went away")
+
+    with pytest.raises(asyncio.CancelledError, match="UNAVAILABLE .* not sent: the RPC had ended"):
+        asyncio.run(_guarded(Ended(0.0), fails))
+    with pytest.raises(RuntimeError, match="execute_batch"):
+        asyncio.run(_guarded(Ended(1.5), fails))
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [

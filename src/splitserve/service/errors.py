@@ -104,7 +104,17 @@ async def _abort(context, exc: BaseException):
     code, message, metadata = status_for(exc)
     if metadata:
         context.set_trailing_metadata(metadata)
-    await context.abort(code, message)
+    try:
+        await context.abort(code, message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # noqa: BLE001 - gRPC's ExecuteBatchError (a private type): no status could be sent
+        # The RPC ended as the handler failed: its deadline passed (the upstream call the handler
+        # waited on had the same deadline) or its client went. Its client has its own status;
+        # gRPC would log this as an error of the servicer, and as a cancel, it says nothing.
+        if context.time_remaining() == 0 or context.cancelled() or context.done():
+            raise asyncio.CancelledError(f"{code.name} ({message}) not sent: the RPC had ended") from None
+        raise
 
 
 async def _guarded(context, make_awaitable):
