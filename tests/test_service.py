@@ -1160,6 +1160,33 @@ def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_work
         _finish(stack)
 
 
+def test_requests_whose_deadline_passes_while_redis_runs_their_admission_return_their_queue_counts():
+    """A request whose deadline passes while Redis runs its admission (a slow Redis, here stopped):
+    the script runs once Redis goes on, admitting it. Before, the router's cancelled task dropped
+    the answer, so the counts of a request its decode worker prefills (colocated here) were never
+    returned: six such requests left six in the queue's counts for good (a soak left twelve after
+    eight stops of 1.5 s), and a full queue refused requests that nothing held."""
+    s = _start(mode="colocated", prefill=0)
+    try:
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda i: c.generate(f"warm {i}", max_tokens=1), range(6)))  # Redis connections, idle
+            os.kill(s.redis_proc.pid, signal.SIGSTOP)
+            try:
+                cut = [pool.submit(c.generate, f"Cut off {i}", max_tokens=1, timeout=0.5) for i in range(6)]
+                for f in cut:
+                    with pytest.raises(grpc.RpcError) as e:
+                        f.result()
+                    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            finally:
+                os.kill(s.redis_proc.pid, signal.SIGCONT)
+            local = lambda: int(s.redis().hget(s.keys.admission, LOCAL_FIELD) or 0)  # noqa: E731
+            wait_for(lambda: _queue_counts(s) == [0, 0] and local() == 0, timeout=10,
+                     what="the cut-off requests' queue counts returned")
+            assert len(c.generate("And then", max_tokens=2, ignore_eos=True).token_ids) == 2
+    finally:
+        _finish(s)
+
+
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
     # forwards of 512 tokens: the prompts below take two and three, their KV within the arena
     stack = _start(routers=2, prefill_token_budget=512)

@@ -41,7 +41,7 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
                                       Unavailable, code_of, status_code)
 from splitserve.service.peers import Peers
-from splitserve.service.process import Background, until_answered
+from splitserve.service.process import Background, settled, until_answered
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
                                            LOCAL_FIELD, MAY_RUN_AGAIN, PROGRESS_LUA, QUEUE_FIELDS, REAP_LUA, RESUME_LUA,
                                            TAKE_BACK_LUA,
@@ -657,10 +657,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     async def _write(self, call, what: str, away: bool = False) -> None:
         """A Redis write (call) that the request's path does not wait for while Redis is away (`away`,
         or this router's last renewal got no answer): then, or when this call gets none, it is done
-        in the background once Redis answers (until_answered)."""
+        in the background once Redis answers (until_answered). A cancel of the request's task does
+        not cut it off (settled)."""
         if not (away or self.redis_away):
             try:
-                await call()
+                await settled(call())
                 return
             except REDIS_UNREACHABLE as e:
                 self.redis_away = True
@@ -993,7 +994,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
-                    got = await self.admit_script(
+                    # Settled: cut off by a cancel while Redis runs it (a slow or stopped Redis), an
+                    # admission would be done there but not here, and its counts never returned.
+                    got = await settled(self.admit_script(
                         keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
                               self.keys.router_requests(self.id), *attempt_keys,
                               *((self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
@@ -1002,7 +1005,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                               self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
                               *(*attempt_args, "", "")[:2], self.s.prefill_affinity_jobs if directed else "",
                               1 if resumed and attempt_keys else 0],
-                    )
+                    ))
                     ok, q, t, lt = (int(x) for x in got[:4])
                     if len(got) > 4 and int(got[4]):
                         self.metrics.prefill_directed.inc()

@@ -29,6 +29,26 @@ class Background:
         task.add_done_callback(self.tasks.discard)
 
 
+async def settled(aw):
+    """aw's result, awaited to its end even if this task is cancelled meanwhile (its client went,
+    its deadline passed): the cancel is then delivered at the task's next await, once the caller
+    has its result. For the Redis calls whose effect the request's cleanup must know of: a script
+    that admitted a request, cut off unanswered, left counts nothing would return."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
+    if cancelled:
+        asyncio.current_task().cancel()
+    return result
+
+
 async def until_answered(call, what: str, every_s: float, for_s: float, at_once: bool = False) -> None:
     """Run call (a Redis write that no request waits for) until Redis answers it: first at once
     (at_once), then every every_s, for up to for_s (past it, what it writes has expired anyway)."""
