@@ -644,3 +644,45 @@ def test_a_write_redis_did_not_take_is_made_once_it_answers_and_given_up_past_it
 
     later, gave_up = asyncio.run(go())
     assert later == {"t_kv_done": "1.5"} and gave_up == 0
+
+
+def test_a_settled_call_runs_to_its_answer_and_its_task_is_cancelled_after():
+    """settled: a request's task cancelled (its client went) while a Redis call whose effect its
+    cleanup must know of is under way gets the call's answer, and the cancel at its next await;
+    a call that fails still raises."""
+    import asyncio
+
+    from splitserve.service.process import settled
+
+    async def go():
+        answer, seen = asyncio.Event(), []
+
+        async def call():
+            await answer.wait()
+            return "admitted"
+
+        async def request():
+            seen.append(await settled(call()))
+            await asyncio.sleep(10)  # the cancel comes here
+            seen.append("not cancelled")
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done() and seen == []  # waiting for the call, not cut off
+        answer.set()
+        try:
+            await task
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+
+        async def fails():
+            raise ValueError("no")
+        try:
+            await settled(fails())
+        except ValueError:
+            seen.append("raised")
+        return seen
+
+    assert asyncio.run(go()) == ["admitted", "cancelled", "raised"]
