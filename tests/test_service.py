@@ -2215,6 +2215,55 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
+def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_killed_resumes_on_the_other():
+    """A decode worker killed while a prefill worker hands it a request's KV (stopped first, so the
+    handoff waits on it): the handoff breaks as the router's stream does, and the prefill worker
+    records the request failed (UNAVAILABLE), often before the router, seeing the same loss, resumes
+    it (DECODE_RESUMES). Before, that record ended the request (a soak with decode workers killed:
+    2 of ~500 requests); now it names the lost worker ('lost_to') and the request resumes."""
+    s = _start(decode=2)
+    down = None
+    try:
+        prompt = "Count with me: " + "one two three four five six seven eight " * 70
+        with Client(s.router_address) as c:
+            n = c.tokenize(prompt).count
+            prefill = s.proc("prefill-0").metrics_address
+            before = scrape(prefill).get("splitserve_engine_prefill_tokens_total", 0)
+            got = {}
+
+            def run():
+                try:
+                    got["r"] = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="lost-handoff", timeout=120)
+                except grpc.RpcError as e:
+                    got["r"] = e
+            t = threading.Thread(target=run)
+            t.start()
+            def prefilling():
+                try:
+                    return (i := c.get_request("lost-handoff")).state == "prefilling" and i
+                except grpc.RpcError:  # not admitted yet
+                    return None
+            info = wait_for(prefilling, what="its prefill")
+            down = next(p for p in s.procs if info.decode_worker == f"{p.name}-{s.stack_id}")
+            os.kill(down.popen.pid, signal.SIGSTOP)
+            wait_for(lambda: scrape(prefill).get("splitserve_engine_prefill_tokens_total", 0) >= before + n,
+                     timeout=60, what="its prefill done")
+            time.sleep(0.5)  # its first token and handoff wait on the stopped worker
+            down.popen.kill()
+            t.join(120)
+            r = got["r"]
+            assert not isinstance(r, grpc.RpcError), f"{r.code().name}: {r.details()}"
+            assert len(r.token_ids) == 8 and r.finish_reason == "length"
+            info = c.get_request("lost-handoff")
+            assert (info.state, info.resumes, info.error) == ("finished", 1, ""), info
+        with open(s.proc("prefill-0").log_path) as f:  # the handoff did break
+            assert "handoff of lost-handoff" in f.read()
+    finally:
+        if down is not None:
+            s.restart(down.name)
+        _finish(s)
+
+
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken(mode):
     """Streams of 100 tokens (greedy, sampled with a seed, and one of three seeded samples) over two

@@ -684,8 +684,11 @@ class PrefillWorker:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
+                # Unreachable: the worker may be lost (killed), which its router sees too and resumes the
+                # request on another, even if this failure is recorded first (RESUME_LUA: 'lost_to').
                 self._give_up(job, code,
-                              f"KV handoff to decode worker {job.decode_worker} failed: {e.code().name}: {e.details()}")
+                              f"KV handoff to decode worker {job.decode_worker} failed: {e.code().name}: {e.details()}",
+                              lost_to=job.decode_worker if e.code() == grpc.StatusCode.UNAVAILABLE else "")
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
             span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
@@ -719,11 +722,12 @@ class PrefillWorker:
         only while the request has not resumed past this job's leg (a job of a lost decode worker)."""
         self.update_script(keys=[self.keys.req(job.request_id)], args=update_args({"_leg": job.leg, **mapping}))
 
-    def _give_up(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+    def _give_up(self, job: Job, code: grpc.StatusCode, message: str, lost_to: str = "") -> None:
         """The request has failed: so its hash says (which its router also reads, should the decode
-        worker not be told), and its decode stream ends with this status."""
+        worker not be told), and its decode stream ends with this status. lost_to: its decode
+        worker, unreachable (its router may resume the request on another)."""
         try:
-            self._update(job, failed(code, message))
+            self._update(job, failed(code, message) | ({"lost_to": lost_to} if lost_to else {}))
         except redis.RedisError as e:
             log.warning("could not record %s's failure: %s", job.request_id, e)
         self._fail(job, code, message)

@@ -1254,7 +1254,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             ok, q, t = (int(x) for x in await self.resume_script(
                 keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
                 args=[len(tokens), self.s.max_queue_requests, self.s.max_queue_tokens, self.s.request_ttl_s,
-                      job.to_json(), 0 if local else 1]))
+                      job.to_json(), 0 if local else 1, lost.worker_id]))
             if ok == -2 and a.aborted:
                 raise asyncio.CancelledError()  # (answered as the Abort's: _events)
             if ok != 1:

@@ -141,12 +141,18 @@ return {1, q + 1, t + n, lt, directed}
 # is superseded (PICKUP_LUA skips it, returning its own counts; UPDATE_LUA ignores its failure).
 # The new job's counts come back at its pickup, under its leg's marker. KEYS: admission hash, the
 # stream for its priority, the request hash. ARGV: tokens to prefill, the bounds (requests,
-# tokens), the request TTL, the job, 1 to queue it (0: its decode worker prefills it). Returns
-# {1 | 0 (the queue is full) | -2 (it has ended), requests queued, tokens queued}.
+# tokens), the request TTL, the job, 1 to queue it (0: its decode worker prefills it), the lost
+# worker's id. Returns {1 | 0 (the queue is full) | -2 (it has ended), requests queued, tokens
+# queued}. A request a prefill worker failed because it could not reach that worker ('lost_to':
+# its handoff broke as the worker was lost, recorded before its router saw the loss) resumes.
 RESUME_LUA = _IS_FINAL + """
-local got = redis.call('HMGET', KEYS[3], 'state', 'aborted')
-if not got[1] or is_final(got[1]) or got[2] then
+local got = redis.call('HMGET', KEYS[3], 'state', 'aborted', 'lost_to')
+local lost_handoff = got[1] == 'failed' and got[3] and got[3] == ARGV[7]
+if not got[1] or (is_final(got[1]) and not lost_handoff) or got[2] then
   return {-2, 0, 0}
+end
+if lost_handoff then
+  redis.call('HDEL', KEYS[3], 'error', 'code', 'lost_to')
 end
 local job = cjson.decode(ARGV[5])
 local n = tonumber(ARGV[1])
@@ -210,7 +216,8 @@ for i = 1, #ARGV, 2 do
 end
 local args = {}
 for i = 1, #ARGV, 2 do
-  if ARGV[i] ~= '_leg' and not (final and (ARGV[i] == 'state' or ARGV[i] == 'error' or ARGV[i] == 'code')) then
+  if ARGV[i] ~= '_leg' and not (final and (ARGV[i] == 'state' or ARGV[i] == 'error' or ARGV[i] == 'code'
+                                            or ARGV[i] == 'lost_to')) then
     args[#args + 1] = ARGV[i]
     args[#args + 1] = ARGV[i + 1]
   end
