@@ -31,7 +31,8 @@ BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_by
 
 
 def _start(**kw):
-    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "routers") if k in kw}
+    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers")
+             if k in kw}
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
     return stack
 
@@ -2215,13 +2216,17 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
-def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_killed_resumes_on_the_other():
-    """A decode worker killed while a prefill worker hands it a request's KV (stopped first, so the
-    handoff waits on it): the handoff breaks as the router's stream does, and the prefill worker
-    records the request failed (UNAVAILABLE), often before the router, seeing the same loss, resumes
-    it (DECODE_RESUMES). Before, that record ended the request (a soak with decode workers killed:
-    2 of ~500 requests); now it names the lost worker ('lost_to') and the request resumes."""
-    s = _start(decode=2)
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_the_other(how):
+    """A decode worker lost while a prefill worker hands it a request's KV (stopped first, so the
+    handoff waits on it; then killed, or left stopped past the keepalive): the handoff breaks as the
+    router's stream does, and the prefill worker records the request failed (UNAVAILABLE), often
+    before the router, seeing the same loss, resumes it (DECODE_RESUMES). Before, that record ended
+    the request (a soak: 2 of ~500 requests with decode workers killed, 5 of ~600 with one stopped
+    for 3 s; the router's check of requests without a first token read it first); now it names the
+    lost worker ('lost_to'), the router waits for its own stream to drop, and the request resumes.
+    Stopped, the router's keepalive is the longer, so the prefill worker's failure comes first."""
+    s = _start(decode=2, keepalive_s=1.0, router_env={"SPLITSERVE_KEEPALIVE_S": "3"} if how == "stopped" else {})
     down = None
     try:
         prompt = "Count with me: " + "one two three four five six seven eight " * 70
@@ -2249,8 +2254,11 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_killed_resumes_o
             wait_for(lambda: scrape(prefill).get("splitserve_engine_prefill_tokens_total", 0) >= before + n,
                      timeout=60, what="its prefill done")
             time.sleep(0.5)  # its first token and handoff wait on the stopped worker
-            down.popen.kill()
+            if how == "killed":
+                down.popen.kill()
             t.join(120)
+            if how == "stopped":
+                os.kill(down.popen.pid, signal.SIGCONT)
             r = got["r"]
             assert not isinstance(r, grpc.RpcError), f"{r.code().name}: {r.details()}"
             assert len(r.token_ids) == 8 and r.finish_reason == "length"
@@ -2259,8 +2267,10 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_killed_resumes_o
         with open(s.proc("prefill-0").log_path) as f:  # the handoff did break
             assert "handoff of lost-handoff" in f.read()
     finally:
-        if down is not None:
+        if down is not None and how == "killed":
             s.restart(down.name)
+        elif down is not None:
+            os.kill(down.popen.pid, signal.SIGCONT)
         _finish(s)
 
 

@@ -178,6 +178,7 @@ class Active:
     lost: str = ""  # why it ends without its decode worker's word (check_waiting), with lost_code
     lost_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
+    lost_seen: float = 0.0  # monotonic time check_waiting first found it failed by a handoff its worker lost
     resumes: int = 0  # times it resumed on another decode worker (_resume): never taken back (take_back)
     carried: int = 0  # completion tokens its latest resume carried (prefilled again with the prompt)
     sent: int = 0  # completion tokens streamed so far, of all samples
@@ -568,12 +569,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             return
         async with self.redis.pipeline(transaction=False) as p:
             for rid, _ in waiting:
-                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router", "state", "error", "code")
+                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router", "state", "error", "code", "lost_to",
+                        "decode_worker")
             rows = await p.execute()
         now = time.monotonic()
         restored = []
         take_back = self._without_prefill_workers()
-        for (rid, a), (admitted, reaped, router, state, error, code) in zip(waiting, rows):
+        for (rid, a), (admitted, reaped, router, state, error, code, lost_to, worker) in zip(waiting, rows):
             if a.first or self.active.get(rid) is not a:
                 continue
             if take_back and state == b"queued" and not (a.resumes or a.carried):
@@ -585,6 +587,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 a.lost = "the queue state store (Redis) no longer holds this request (it restarted empty?); retry"
             elif reaped:
                 a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
+            elif state == b"failed" and lost_to and lost_to == worker and a.resumes < self.s.decode_resumes and (
+                    not a.lost_seen or now - a.lost_seen < 2 * self.s.keepalive_s + self.s.heartbeat_s):
+                # Its prefill worker could not reach its decode worker (stopped, killed): this router's
+                # own stream to it is dropped as well (keepalive), and the request resumes on another
+                # (RESUME_LUA lets it). Failed now, it would not; failed past that, it is cut off from
+                # the prefill workers alone and would wait for its deadline.
+                a.lost_seen = a.lost_seen or now
+                continue
             elif state == b"failed":
                 a.lost = (error or b"a worker failed this request").decode(errors="replace")
                 got = status_code(int(code)) if code and code.isdigit() else None
