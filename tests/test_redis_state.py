@@ -649,7 +649,7 @@ def test_a_write_redis_did_not_take_is_made_once_it_answers_and_given_up_past_it
 def test_a_settled_call_runs_to_its_answer_and_its_task_is_cancelled_after():
     """settled: a request's task cancelled (its client went) while a Redis call whose effect its
     cleanup must know of is under way gets the call's answer, and the cancel at its next await;
-    a call that fails still raises."""
+    a call that fails raises its error, and the cancel comes after all the same."""
     import asyncio
 
     from splitserve.service.process import settled
@@ -678,11 +678,27 @@ def test_a_settled_call_runs_to_its_answer_and_its_task_is_cancelled_after():
             seen.append("cancelled")
 
         async def fails():
-            raise ValueError("no")
+            await answer.wait()
+            raise ValueError("no answer")
+
+        async def request_failing():  # its call fails after the cancel: the error first, then the cancel
+            try:
+                await settled(fails())
+            except ValueError:
+                seen.append("raised")
+            await asyncio.sleep(10)
+            seen.append("not cancelled")
+
+        answer.clear()
+        task = asyncio.create_task(request_failing())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        answer.set()
         try:
-            await settled(fails())
-        except ValueError:
-            seen.append("raised")
+            await task
+        except asyncio.CancelledError:
+            seen.append("cancelled")
         return seen
 
-    assert asyncio.run(go()) == ["admitted", "cancelled", "raised"]
+    assert asyncio.run(go()) == ["admitted", "cancelled", "raised", "cancelled"]

@@ -36,17 +36,18 @@ async def settled(aw):
     that admitted a request, cut off unanswered, left counts nothing would return."""
     task = asyncio.ensure_future(aw)
     cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.cancelled():
-                raise
-            cancelled = True
-    if cancelled:
-        asyncio.current_task().cancel()
-    return result
+    try:
+        while True:
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.cancelled():  # (the call itself was: not this task)
+                    cancelled = False
+                    raise
+                cancelled = True
+    finally:  # its answer or its error is the caller's; the cancel comes after, either way
+        if cancelled:
+            asyncio.current_task().cancel()
 
 
 async def until_answered(call, what: str, every_s: float, for_s: float, at_once: bool = False) -> None:
