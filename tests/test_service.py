@@ -1188,6 +1188,49 @@ def test_requests_whose_deadline_passes_while_redis_runs_their_admission_return_
         _finish(s)
 
 
+def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_register():
+    """The registry empty for a moment (a Redis stall longer than the workers' lease lapses every
+    entry at once, and a worker writes its entry again up to a heartbeat after): a request then
+    waits for a worker to register, up to two heartbeats. Before, it failed UNAVAILABLE "no decode
+    worker is registered" at once (a CI run's request did, right after a stall of Redis)."""
+    s = _start(mode="colocated", prefill=0)
+    try:
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
+            assert len(c.generate("warm", max_tokens=1).token_ids) == 1
+            r = s.redis()
+            worker = s.proc("decode-0").popen.pid
+            os.kill(worker, signal.SIGSTOP)  # its heartbeat cannot write its entry again meanwhile
+            try:
+                for key in r.scan_iter(match=s.keys.worker_pattern("decode")):
+                    r.delete(key)  # as if its lease had lapsed
+                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
+                         what="the router read the empty registry")
+                late = pool.submit(c.generate, "Placed once it is back", max_tokens=2, ignore_eos=True, timeout=30)
+                time.sleep(s.settings.heartbeat_s / 2)
+                assert not late.done()
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            assert len(late.result().token_ids) == 2
+            # None registers within the wait: the request fails so, a wait later, not at its deadline.
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                for key in r.scan_iter(match=s.keys.worker_pattern("decode")):
+                    r.delete(key)
+                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
+                         what="the router read the empty registry")
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate("None comes", max_tokens=2, timeout=30)
+                waited = time.monotonic() - t0
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no decode worker is registered" in e.value.details()
+            assert 2 * s.settings.heartbeat_s <= waited < 10, waited
+    finally:
+        _finish(s)
+
+
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
     # forwards of 512 tokens: the prompts below take two and three, their KV within the arena
     stack = _start(routers=2, prefill_token_budget=512)

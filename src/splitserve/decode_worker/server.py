@@ -777,6 +777,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             if stalled:
                 await asyncio.sleep(settings.heartbeat_s)
                 continue
+            started = time.monotonic()
             info = servicer.info(address)
             if metrics_port:
                 info.metrics = f"{settings.host}:{metrics_port}"
@@ -787,7 +788,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 await servicer.warm_arenas()
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
-            await asyncio.sleep(settings.heartbeat_s)
+            # One write a heartbeat, the round's time included: a round that Redis held (stalled
+            # past the lease, which lapsed meanwhile) is followed by a write at once, not a heartbeat on.
+            await asyncio.sleep(max(0.0, settings.heartbeat_s - (time.monotonic() - started)))
 
     hb = asyncio.create_task(heartbeat())
     log.info("decode worker %s serving on %s (model %s, fingerprint %s)", name, address, engine.model_name,

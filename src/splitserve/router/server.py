@@ -62,6 +62,8 @@ ROUTER_LEASE_HEARTBEATS = 10
 # A waiting request whose hash is gone is ended after this long: a prefill worker that holds it
 # puts the hash back at its next heartbeat (Redis restarted empty), a queued job is lost for good.
 LOST_GRACE_HEARTBEATS = 2
+# A request that finds no decode worker registered waits this long for one to (_await_registration).
+REGISTER_WAIT_HEARTBEATS = 2
 # An Abort for a request id no router has seen yet (it overtook its Generate) is remembered this
 # long: the request, if it comes within it, is refused CANCELLED instead of running.
 EARLY_ABORT_KEEP_S = 60
@@ -389,6 +391,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         async with self.refreshing:
             if self.read_from < t:
                 await self.refresh_workers()
+
+    async def _await_registration(self, deadline: float) -> None:
+        """With no decode worker registered, wait up to REGISTER_WAIT_HEARTBEATS (and the request's
+        deadline, unix time; 0: none) for one to register. A Redis stall longer than a worker's lease
+        lapses every entry at once, and a worker writes its entry again up to a heartbeat after Redis
+        answers: before, every request in that gap failed UNAVAILABLE "no decode worker is
+        registered". None comes within the wait: the request fails so, a wait later."""
+        until = time.monotonic() + REGISTER_WAIT_HEARTBEATS * self.s.heartbeat_s
+        if deadline:
+            until = min(until, time.monotonic() + deadline - time.time())
+        while not self.workers and time.monotonic() < until:
+            await asyncio.sleep(min(self.s.heartbeat_s / 4, max(0.0, until - time.monotonic())))
+            await self.refresh_since(time.monotonic())
 
     def pick(self, need_tokens: int, hashes: list[int] | None = None,
              exclude: str = "", prefer: str = "") -> tuple[WorkerInfo, Placement, int]:
@@ -936,6 +951,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 # None registered, or none connected: a worker that has just (re)started may be
                 # registered by now, and is placed at once (not after the next periodic read).
                 await self.refresh_since(time.monotonic())
+                if not self.workers:
+                    await self._await_registration(deadline)
             hashes = (self.prefixes.prompt_chain(ids, request.cache_salt)
                       if self.affinity or self.prefill_affinity else None)
             worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens,
