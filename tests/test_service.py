@@ -2318,6 +2318,50 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_a_request_placed_on_a_decode_worker_lost_before_it_accepts_the_stream_resumes_on_another(mode):
+    """A decode worker killed, its registry entry not yet lapsed, and a router with no channel to it
+    yet: a request placed there finds nothing at its address. It resumes on the other worker at once,
+    with the tokens it would have had. Before, it failed UNAVAILABLE "decode worker ... went away"
+    (a soak saw 1-3 a run). Disaggregated, its job was queued by then (a new leg supersedes it);
+    colocated, it was not admitted yet."""
+    import socket
+
+    from splitserve.service.redis_state import WorkerInfo, heartbeat
+
+    s = _start(decode=1, **({"mode": mode, "prefill": 0} if mode == "colocated" else {}))
+    prompt = "Name three rivers of Europe, and say which is the longest."
+    try:
+        with Client(s.router_address) as c:
+            want = c.generate(prompt, max_tokens=8, ignore_eos=True, timeout=60)
+            held = c.generate_stream("Hold a stream open.", max_tokens=4000, ignore_eos=True, timeout=300)
+            next(iter(held))  # decode-0 has a stream open: the router's least loaded worker is the ghost
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                address = f"127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here once it is closed
+            entry = workers(s, "decode")[0]
+            heartbeat(s.redis(), s.keys, WorkerInfo(worker_id="ghost", role="decode", address=address,
+                                                    host_id="elsewhere", free_kv_tokens=int(entry["free_kv_tokens"]),
+                                                    kv_capacity_tokens=int(entry["kv_capacity_tokens"])), lease_s=60)
+            try:
+                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 2,
+                         what="the router read the ghost's entry")
+                resumed0 = scrape(s.proc("router").metrics_address).get("splitserve_requests_resumed_total", 0)
+                got = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="placed-on-a-ghost", timeout=60)
+                assert list(got.token_ids) == list(want.token_ids) and got.finish_reason == "length"
+                info = c.get_request("placed-on-a-ghost")
+                assert (info.state, info.resumes, info.error) == ("finished", 1, ""), info
+                assert info.decode_worker == entry["worker_id"], info
+                assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == 1
+            finally:
+                s.redis().delete(s.keys.worker("decode", "ghost"))
+                held.cancel()
+        with open(s.proc("router").log_path) as f:
+            assert "decode worker ghost lost" in f.read()
+    finally:
+        _finish(s)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goes_on_on_another_unbroken(mode):
     """Streams of 100 tokens (greedy, sampled with a seed, and one of three seeded samples) over two
     decode workers. The worker holding the three samples is killed while each stream is part-way;

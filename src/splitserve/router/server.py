@@ -1005,11 +1005,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         marked = False  # the end recorded (_mark) already
         first_token = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
+        # The worker lost as the stream opened (_accepted): the request is admitted all the same, and
+        # resumes on another at once, as if it was lost later (before, it failed UNAVAILABLE).
+        unaccepted = None
         try:
             try:
                 try:
                     if local:  # the worker starts on the prompt at once: admit only what it accepted
-                        await self._accepted(call, worker, placed)
+                        unaccepted = await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
                         request_id=rid, token_ids=ids + carried, sampling=sampling_to_dict(params),
@@ -1052,7 +1055,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         state = ""
                         raise self._refusal(q, t, frac)
                     if not local:  # refused now: the job is marked failed (finally), so no worker runs it
-                        await self._accepted(call, worker, placed)
+                        unaccepted = await self._accepted(call, worker, placed)
                 except BaseException as e:
                     if isinstance(e, asyncio.CancelledError) and state:
                         state = "cancelled"
@@ -1072,7 +1075,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 try:
                     while True:
                         try:
-                            ev = await call.read()
+                            if unaccepted is not None:
+                                ev, unaccepted = unaccepted, None
+                                if isinstance(ev, grpc.aio.AioRpcError):
+                                    raise ev
+                            else:
+                                ev = await call.read()
                             lost = ("decode stream ended without a finish" if ev is grpc.aio.EOF
                                     else ev.error if ev.error and ev.worker_stopping else "")
                         except grpc.aio.AioRpcError as e:
@@ -1214,11 +1222,30 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 dec.__exit__(type(failed_with) if failed_with is not None else None, failed_with, None)
 
     @staticmethod
-    async def _accepted(call, worker: WorkerInfo, placed: Placement) -> None:
-        first = await call.read()
-        if first is grpc.aio.EOF or not first.accepted:
+    async def _accepted(call, worker: WorkerInfo, placed: Placement):
+        """Waits for the decode worker to accept the stream: None once it has. A worker lost as the
+        stream opens (killed, its registry entry not yet lapsed, or draining) gives what came
+        instead, gRPC's UNAVAILABLE error or the stream's end, for the caller to resume the request
+        on another (the read loop of _events) or to raise (_raise_unaccepted)."""
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return e
+        if first is grpc.aio.EOF:
+            return first
+        if not first.accepted:
             raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
         Placements.accepted(placed, first.epoch, first.open_seq)
+        return None
+
+    @staticmethod
+    def _raise_unaccepted(lost, worker: WorkerInfo) -> None:
+        if isinstance(lost, BaseException):
+            raise lost
+        if lost is not None:
+            raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
 
     async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, have: Sent, deadline: float, context,
                       rs: tracing.rpc_span) -> tuple:
@@ -1269,7 +1296,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             peer.run = peer.run or worker.epoch
             call = peer.stub.Decode(dreq, timeout=context.time_remaining(), metadata=tracing.inject(dec.ctx))
             if local:
-                await self._accepted(call, worker, placed)
+                self._raise_unaccepted(await self._accepted(call, worker, placed), worker)
             now = time.time()
             job = Job(
                 request_id=rid, token_ids=tokens, sampling=sampling_to_dict(params), decode_worker=worker.worker_id,
@@ -1289,7 +1316,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                   "on another: " + ("it has ended (see GetRequest)" if ok == -2 else
                                                     f"the queue is full ({q} requests, {t} tokens)"))
             if not local:
-                await self._accepted(call, worker, placed)
+                self._raise_unaccepted(await self._accepted(call, worker, placed), worker)
         except BaseException as e:
             if call is not None:
                 call.cancel()
