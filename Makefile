@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume clean
+.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
 
 install: $(STAMP)
 
@@ -142,6 +142,14 @@ bench-resume: install
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --out bench-results/resume-router.json
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --sigterm --out bench-results/resume-router-sigterm.json
 	$(PY) -m splitserve.bench.resume_bench --rounds 3 --lose router --n 2 --out bench-results/resume-router-n2.json
+
+# A soak (tests/soak.py): 4 minutes of mixed traffic through 2 routers, 2 prefill and 2 decode workers
+# while processes are killed, stopped and restarted; then the tests' leak checks. Exits 1 on a problem.
+# SOAK_ARGS="--mode colocated --seed 4" or "--no-chaos --seconds 60" for others.
+SOAK_ARGS ?=
+
+soak: install proto
+	$(PY) tests/soak.py $(SOAK_ARGS) --out bench-results/soak.json
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info

@@ -1,0 +1,254 @@
+"""Soak: mixed traffic through a real stack (2 routers, 2 prefill and 2 decode workers, the real
+model) for a while, with processes killed, stopped and restarted meanwhile; then every leak check
+of the tests. `make soak` runs it; it exits 1 on any problem it finds, after printing them all.
+
+Each client thread loops over requests that mix, seeded:
+  - streams with `resumes=2` whose tokens are checked: exactly max_tokens per sample, n up to 4;
+  - cancels mid-stream, deadlines of 0.05-1 s, an Abort from another thread;
+  - log probabilities, priorities, prompts of 3-300 words.
+Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefill worker or a
+router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
+decode worker for 3 s, or of Redis for 2 s.
+
+A problem is: a stream with the wrong tokens; INTERNAL or UNKNOWN; an exception in a client; any
+UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
+zero, a key without a TTL, a departed worker's stream left, a shared-memory segment left, an ERROR
+line or a traceback in a process's log. What clients saw under chaos is printed by status and
+message: each is an honest status, but a count to watch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from service_helpers import departed_streams, keys_without_ttl, kv_idle, wait_for, workers  # noqa: E402
+
+from splitserve.client import Client  # noqa: E402
+from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts  # noqa: E402
+from splitserve.service.settings import Settings  # noqa: E402
+from splitserve.stack import Stack  # noqa: E402
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven lighthouse keepers count waves".split()
+CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "stop redis", "kill decode-0",
+         "term prefill-1", "kill router"]
+EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
+
+
+class Tally:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.outcomes = collections.Counter()
+        self.messages = collections.Counter()
+        self.problems: list[str] = []
+
+    def add(self, outcome: str, message: str = "", problem: str = ""):
+        with self.lock:
+            self.outcomes[outcome] += 1
+            if message:
+                self.messages[f"{outcome}: {message[:90]}"] += 1
+            if problem:
+                self.problems.append(problem)
+
+
+def abort(c: Client, rid: str, tally: Tally) -> None:
+    """An Abort from another thread. NOT_FOUND: it came before its request (which is then refused
+    CANCELLED), or after its end."""
+    try:
+        c.abort(rid)
+    except grpc.RpcError as e:
+        code = e.code().name
+        problem = f"Abort of {rid}: {code} {e.details()}" if code in ("INTERNAL", "UNKNOWN") else ""
+        tally.add(f"(an Abort answered {code})", "", problem)
+
+
+def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) -> None:
+    rng = random.Random(seed * 100 + i)
+    c = Client(target, balance=True)
+    k = 0
+    while time.time() < stop_at:
+        k += 1
+        rid = f"soak{i}-{k}"
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 80, 300])))
+        kw = dict(max_tokens=rng.choice([1, 4, 16, 48]), ignore_eos=True, request_id=rid,
+                  priority=rng.choice([-1, 0, 0, 1]))
+        if rng.random() < 0.15:
+            kw.update(n=rng.choice([2, 4]), temperature=1.0, seed=rng.randrange(100))
+        if rng.random() < 0.1:
+            kw.update(logprobs=2)
+        kind = rng.random()
+        try:
+            if kind < 0.15:  # cancelled mid-stream
+                stream = c.generate_stream(prompt, timeout=60, **kw)
+                for j, _ in enumerate(stream):
+                    if j >= 2:
+                        stream.cancel()
+                        break
+                tally.add("cancelled by its client")
+            elif kind < 0.25:  # a tight deadline
+                c.generate(prompt, timeout=rng.choice([0.05, 0.3, 1.0]), **kw)
+                tally.add("OK")
+            elif kind < 0.3:  # aborted from another thread
+                stream = c.generate_stream(prompt, timeout=60, **kw)
+                threading.Timer(rng.random() * 0.5, abort, args=(c, rid, tally)).start()
+                got = list(stream)
+                tally.add("aborted: " + (got[-1].finish_reason if got else "no message"))
+            else:  # streamed whole, resuming, its tokens counted
+                n = kw.get("n", 1)
+                tokens, finish = collections.Counter(), {}
+                for m in c.generate_stream(prompt, timeout=90, resumes=2, **kw):
+                    for ch in (m.choices or [m]):
+                        tokens[ch.index] += len(ch.token_ids)
+                        if ch.finish_reason:
+                            finish[ch.index] = ch.finish_reason
+                if sorted(finish) != list(range(n)) or any(tokens[j] != kw["max_tokens"] for j in range(n)):
+                    tally.add("WRONG", problem=f"{rid}: tokens {dict(tokens)}, finished {finish}; "
+                                               f"want {kw['max_tokens']} x {n}")
+                else:
+                    tally.add("OK")
+        except grpc.RpcError as e:
+            code = e.code().name
+            problem = f"{rid}: {code} {e.details()}" if code in ("INTERNAL", "UNKNOWN") else ""
+            tally.add(code, "" if code in EXPECTED else e.details() or "", problem)
+        except Exception:  # noqa: BLE001
+            tally.add("EXCEPTION", problem=f"{rid}: {traceback.format_exc()[-600:]}")
+
+
+def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float) -> None:
+    j = 0
+    while time.time() < stop_at - 20:
+        time.sleep(every)
+        event = CHAOS[j % len(CHAOS)]
+        j += 1
+        what, name = event.split()
+        if mode == "colocated" and name.startswith("prefill"):
+            continue
+        print(f"{time.time() - t0:6.1f} s  chaos: {event}", flush=True)
+        try:
+            if name == "redis":
+                os.kill(stack.redis_proc.pid, signal.SIGSTOP)
+                time.sleep(2)
+                os.kill(stack.redis_proc.pid, signal.SIGCONT)
+                continue
+            p = stack.proc(name)
+            if what == "stop":
+                os.kill(p.popen.pid, signal.SIGSTOP)
+                time.sleep(3)
+                os.kill(p.popen.pid, signal.SIGCONT)
+                continue
+            p.popen.send_signal(signal.SIGKILL if what == "kill" else signal.SIGTERM)
+            p.popen.wait(timeout=30)
+            time.sleep(1)
+            stack.restart(name)
+        except Exception:  # noqa: BLE001
+            print("chaos step failed:", traceback.format_exc(), flush=True)
+
+
+def leaks(stack: Stack) -> list[str]:
+    found = []
+    try:
+        wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV and arena empty")
+    except AssertionError as e:
+        found.append(str(e))
+        for role in ("decode", "prefill"):
+            for w in workers(stack, role):
+                found.append(f"  {role} " + json.dumps({k: w[k] for k in ("worker_id", "running", "waiting",
+                                                                          "pending", "opened", "closed",
+                                                                          "free_kv_tokens") if k in w}))
+    r = stack.redis()
+    counts = list(queue_counts(r.hmget(stack.keys.admission, *QUEUE_FIELDS)))
+    local = int(r.hget(stack.keys.admission, LOCAL_FIELD) or 0)
+    if counts != [0, 0] or local:
+        found.append(f"the queue's counts are {counts} (requests, tokens), {local} prefilled by decode workers")
+    if no_ttl := keys_without_ttl(stack):
+        found.append(f"keys without a TTL: {no_ttl}")
+    if departed := departed_streams(stack):
+        found.append(f"the streams of departed prefill workers: {departed}")
+    return found
+
+
+def log_problems(run_dir: str) -> list[str]:
+    found = collections.Counter()
+    for path in glob.glob(os.path.join(run_dir, "*.log*")):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if " ERROR " in line or "Traceback" in line:
+                    found[f"{os.path.basename(path)}: {line.strip()[:240]}"] += 1
+    return [f"{n} x {line}" for line, n in found.most_common(20)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=240)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--chaos-every", type=float, default=12.0, help="seconds between chaos events")
+    ap.add_argument("--no-chaos", action="store_true")
+    ap.add_argument("--kv-mb", type=int, default=96, help="each decode worker's KV cache (small: preemptions)")
+    ap.add_argument("--out", help="write the outcomes and problems here, as JSON")
+    a = ap.parse_args(argv)
+
+    settings = Settings.from_env(kv_cache_bytes=a.kv_mb << 20, mode=a.mode, prefill_kv_cache_bytes=128 << 20,
+                                 arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=1500,
+                                 keepalive_s=2.0)
+    stack = Stack(settings, prefill=0 if a.mode == "colocated" else 2, decode=2, routers=2).start()
+    print(f"stack up: routers {stack.router_addresses}, logs in {stack.run_dir}", flush=True)
+    tally = Tally()
+    problems: list[str] = []
+    t0 = time.time()
+    stop_at = t0 + a.seconds
+    target = "ipv4:" + ",".join(stack.router_addresses)
+    try:
+        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally))
+                   for i in range(a.clients)]
+        if not a.no_chaos:
+            threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        problems += tally.problems
+        if a.no_chaos and tally.outcomes["UNAVAILABLE"]:
+            problems.append(f"{tally.outcomes['UNAVAILABLE']} UNAVAILABLE without chaos")
+        time.sleep(3)  # ends and drains in flight
+        problems += leaks(stack)
+    finally:
+        stack.stop()
+    if segments := stack.shm_segments():
+        problems.append(f"shared-memory segments left: {segments}")
+    problems += log_problems(stack.run_dir)
+
+    print(f"\n{sum(tally.outcomes.values())} requests in {a.seconds:g} s ({a.mode}, seed {a.seed}, "
+          f"{'no chaos' if a.no_chaos else f'chaos every {a.chaos_every:g} s'}):")
+    for outcome, n in tally.outcomes.most_common():
+        print(f"  {n:6d}  {outcome}")
+    if tally.messages:
+        print("their messages:")
+        for message, n in tally.messages.most_common():
+            print(f"  {n:6d}  {message}")
+    print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
+    for p in problems:
+        print("  " + p)
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump({"settings": vars(a), "outcomes": dict(tally.outcomes), "messages": dict(tally.messages),
+                       "problems": problems}, f, indent=1)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
