@@ -1193,7 +1193,9 @@ def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_regis
     entry at once, and a worker writes its entry again up to a heartbeat after): a request then
     waits for a worker to register, up to two heartbeats. Before, it failed UNAVAILABLE "no decode
     worker is registered" at once (a CI run's request did, right after a stall of Redis)."""
-    s = _start(mode="colocated", prefill=0)
+    # heartbeats of 1 s: the worker, stopped, must write its entry again within the request's wait
+    # once it goes on, and a loaded machine took longer than the 0.5 s of the other tests' heartbeats
+    s = _start(mode="colocated", prefill=0, heartbeat_s=1.0)
     try:
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
@@ -1206,12 +1208,16 @@ def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_regis
                 wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
                          what="the router read the empty registry")
                 late = pool.submit(c.generate, "Placed once it is back", max_tokens=2, ignore_eos=True, timeout=30)
-                time.sleep(s.settings.heartbeat_s / 2)
+                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_requests_in_flight"] == 1,
+                         interval=0.01, what="the request at the router")
+                time.sleep(s.settings.heartbeat_s / 4)
                 assert not late.done()
             finally:
                 os.kill(worker, signal.SIGCONT)
             assert len(late.result().token_ids) == 2
             # None registers within the wait: the request fails so, a wait later, not at its deadline.
+            wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 1,
+                     what="the router's gauge past the first empty read")
             os.kill(worker, signal.SIGSTOP)
             try:
                 for key in r.scan_iter(match=s.keys.worker_pattern("decode")):
