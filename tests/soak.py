@@ -58,7 +58,7 @@ class Tally:
         with self.lock:
             self.outcomes[outcome] += 1
             if message:
-                self.messages[f"{outcome}: {message[:90]}"] += 1
+                self.messages[f"{outcome}: {message[:240]}"] += 1
             if problem:
                 self.problems.append(problem)
 

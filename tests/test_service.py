@@ -2265,7 +2265,7 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "stopped", "paused"])
 def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_the_other(how):
     """A decode worker lost while a prefill worker hands it a request's KV (stopped first, so the
     handoff waits on it; then killed, or left stopped past the keepalive): the handoff breaks as the
@@ -2274,8 +2274,11 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
     the request (a soak: 2 of ~500 requests with decode workers killed, 5 of ~600 with one stopped
     for 3 s; the router's check of requests without a first token read it first); now it names the
     lost worker ('lost_to'), the router waits for its own stream to drop, and the request resumes.
-    Stopped, the router's keepalive is the longer, so the prefill worker's failure comes first."""
-    s = _start(decode=2, keepalive_s=1.0, router_env={"SPLITSERVE_KEEPALIVE_S": "3"} if how == "stopped" else {})
+    Stopped, the router's keepalive is the longer, so the prefill worker's failure comes first.
+    Paused: the worker goes on once the prefill worker has given up, so the router's stream never
+    drops, and the handoff never comes: past two of its keepalives the router cuts that stream and
+    the request resumes all the same (a soak: 1 of ~900 failed UNAVAILABLE "KV handoff ... failed")."""
+    s = _start(decode=2, keepalive_s=1.0, router_env={"SPLITSERVE_KEEPALIVE_S": "3"} if how != "killed" else {})
     down = None
     try:
         prompt = "Count with me: " + "one two three four five six seven eight " * 70
@@ -2305,6 +2308,10 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
             time.sleep(0.5)  # its first token and handoff wait on the stopped worker
             if how == "killed":
                 down.popen.kill()
+            if how == "paused":
+                wait_for(lambda: s.redis().hget(s.keys.req("lost-handoff"), "lost_to"), timeout=30,
+                         what="the prefill worker gave the handoff up")
+                os.kill(down.popen.pid, signal.SIGCONT)
             t.join(120)
             if how == "stopped":
                 os.kill(down.popen.pid, signal.SIGCONT)
@@ -2315,6 +2322,9 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
             assert (info.state, info.resumes, info.error) == ("finished", 1, ""), info
         with open(s.proc("prefill-0").log_path) as f:  # the handoff did break
             assert "handoff of lost-handoff" in f.read()
+        if how == "paused":
+            with open(s.proc("router").log_path) as f:
+                assert "this router's stream there is up: resuming it on another" in f.read()
     finally:
         if down is not None and how == "killed":
             s.restart(down.name)

@@ -181,6 +181,7 @@ class Active:
     lost_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     missing_since: float = 0.0  # monotonic time check_waiting first found its hash gone (0: it is there)
     lost_seen: float = 0.0  # monotonic time check_waiting first found it failed by a handoff its worker lost
+    moved: str = ""  # why check_waiting cut its stream to resume it on another worker (a handoff there broke)
     resumes: int = 0  # times it resumed on another decode worker (_resume): never taken back (take_back)
     carried: int = 0  # completion tokens its latest resume carried (prefilled again with the prompt)
     sent: int = 0  # completion tokens streamed so far, of all samples
@@ -579,7 +580,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         disaggregation) is held there, not in Redis: not checked.
         While no prefill worker is registered (local_prefill_without_prefill_workers), those still
         queued are taken back for their decode workers to prefill (take_back)."""
-        waiting = [(rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost or a.local)]
+        waiting = [(rid, a) for rid, a in self.active.items()
+                   if not (a.first or a.aborted or a.lost or a.moved or a.local)]
         if not waiting:
             return
         async with self.redis.pipeline(transaction=False) as p:
@@ -602,13 +604,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 a.lost = "the queue state store (Redis) no longer holds this request (it restarted empty?); retry"
             elif reaped:
                 a.lost = f"this router ({self.id}) missed its lease in Redis and its requests were failed; retry"
-            elif state == b"failed" and lost_to and lost_to == worker and a.resumes < self.s.decode_resumes and (
-                    not a.lost_seen or now - a.lost_seen < 2 * self.s.keepalive_s + self.s.heartbeat_s):
+            elif state == b"failed" and lost_to and lost_to == worker and a.resumes < self.s.decode_resumes:
                 # Its prefill worker could not reach its decode worker (stopped, killed): this router's
                 # own stream to it is dropped as well (keepalive), and the request resumes on another
-                # (RESUME_LUA lets it). Failed now, it would not; failed past that, it is cut off from
-                # the prefill workers alone and would wait for its deadline.
+                # (RESUME_LUA lets it). Failed now, it would not. Past that, the stream still up (the
+                # worker went on after the prefill worker gave up, or only the prefill workers are cut
+                # off from it), the handoff will never come: this router cuts the stream itself and
+                # the request resumes all the same (_events). Before, it failed UNAVAILABLE.
                 a.lost_seen = a.lost_seen or now
+                if now - a.lost_seen < 2 * self.s.keepalive_s + self.s.heartbeat_s:
+                    continue
+                a.moved = (error or b"its KV handoff failed").decode(errors="replace")
+                log.warning("request %s: %s; this router's stream there is up: resuming it on another", rid, a.moved)
+                a.call.cancel()
                 continue
             elif state == b"failed":
                 a.lost = (error or b"a worker failed this request").decode(errors="replace")
@@ -1011,7 +1019,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         try:
             try:
                 try:
-                    if local:  # the worker starts on the prompt at once: admit only what it accepted
+                    if local:  # the worker starts on the prompt at once: admit once it accepted (or was lost)
                         unaccepted = await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
@@ -1087,6 +1095,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if e.code() != grpc.StatusCode.UNAVAILABLE:
                                 raise
                             ev, lost = e, f"{e.code().name}: {e.details()}"
+                        except asyncio.CancelledError:  # the call, cut by check_waiting; or this task, cancelled
+                            if not active.moved or active.aborted or asyncio.current_task().cancelling():
+                                raise
+                            ev, lost = None, active.moved
                         if lost and active.resumes < self.s.decode_resumes and not (active.lost or active.aborted):
                             # Its decode worker was lost: it goes on on another (_resume).
                             if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
@@ -1099,11 +1111,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             dec = None
                             call.cancel()
                             old = worker
+                            active.moved, active.lost_seen = "", 0.0
                             call, worker, placed, dec = await self._resume(rid, active, old, lost, have, deadline,
                                                                            context, rs)
                             log.warning("request %s: decode worker %s lost (%s); resumed on %s after %d tokens", rid,
                                         old.worker_id, lost, worker.worker_id, active.carried)
                             continue
+                        if ev is None:  # (moved, and it may not resume after all)
+                            raise UpstreamError(lost, grpc.StatusCode.UNAVAILABLE)
                         if isinstance(ev, grpc.aio.AioRpcError):
                             raise ev
                         if ev is grpc.aio.EOF:
