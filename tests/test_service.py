@@ -2265,6 +2265,39 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
+def test_a_stream_aborted_through_another_router_as_its_decode_worker_is_lost_ends_cancelled():
+    """An Abort through another router marks the request cancelled and asks its decode worker to end
+    the stream; that worker is lost meanwhile (stopped, then killed), so the Cancel never reaches it,
+    and the router holding the stream, seeing the worker lost, finds the request ended when it would
+    resume it. It ends the stream as aborted (finish_reason "cancelled"), as for an Abort through
+    itself. Before, it failed UNAVAILABLE "... could not resume on another: it has ended" (a soak,
+    1 of ~900)."""
+    s = _start(mode="colocated", prefill=0, decode=2, routers=2)
+    down = None
+    try:
+        with Client(s.router_addresses[0]) as c, Client(s.router_addresses[1]) as other:
+            stream = c.generate_stream("Tell me a long story.", max_tokens=2000, ignore_eos=True,
+                                       request_id="aborted-as-lost", timeout=120)
+            chunks = iter(stream)
+            next(chunks)
+            wid = c.get_request("aborted-as-lost").decode_worker
+            down = next(p for p in s.procs if wid == f"{p.name}-{s.stack_id}")
+            os.kill(down.popen.pid, signal.SIGSTOP)
+            with cf.ThreadPoolExecutor(1) as pool:
+                aborted = pool.submit(other.abort, "aborted-as-lost")
+                wait_for(lambda: c.get_request("aborted-as-lost").state == "cancelled", what="the Abort recorded")
+                down.popen.kill()
+                down.popen.wait()
+                assert aborted.result(timeout=30).found
+            rest = list(chunks)
+            assert rest and rest[-1].finish_reason == "cancelled", rest[-1:]
+            assert c.get_request("aborted-as-lost").state == "cancelled"
+    finally:
+        if down is not None:
+            s.restart(down.name)
+        _finish(s)
+
+
 @pytest.mark.parametrize("how", ["killed", "stopped", "paused"])
 def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_the_other(how):
     """A decode worker lost while a prefill worker hands it a request's KV (stopped first, so the

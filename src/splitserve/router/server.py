@@ -1324,6 +1324,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
                 args=[len(tokens), self.s.max_queue_requests, self.s.max_queue_tokens, self.s.request_ttl_s,
                       job.to_json(), 0 if local else 1, lost.worker_id]))
+            if ok == -2 and not a.aborted and await self.redis.hget(self.keys.req(rid), "aborted") == b"1":
+                # An Abort through another router, whose Cancel could not reach the lost worker: it is
+                # answered as this router's own (before, the stream failed UNAVAILABLE "it has ended").
+                a.aborted = True
             if ok == -2 and a.aborted:
                 raise asyncio.CancelledError()  # (answered as the Abort's: _events)
             if ok != 1:
