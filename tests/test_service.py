@@ -2265,6 +2265,46 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
 
 
 
+def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resumes_the_request():
+    """A prefill worker that could not reach a decode worker (stopped for a while) records the request
+    failed (lost_to) and asks that worker to end its stream; once the worker goes on, it gets that
+    Fail and ends the stream. The Fail says the handoff was lost (handoff_lost), the stream's event
+    says so (worker_stopping), and the router resumes the request on the other worker. Before, the
+    stream ended with the failure: UNAVAILABLE "KV handoff ... failed" (a soak: 2 of ~830). Here the
+    prefill worker's record and Fail are made by hand, while the prefill workers are stopped."""
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    from splitserve.service.redis_state import failed
+
+    s = _start(decode=2)
+    try:
+        with Client(s.router_address) as c:
+            want = c.generate("Name a river.", max_tokens=8, ignore_eos=True, timeout=60)
+            got = {}
+            with _prefill_paused(s):
+                t = _outcome(c.generate_stream("Name a river.", max_tokens=8, ignore_eos=True,
+                                               request_id="relayed", timeout=120), got)
+                wait_for(lambda: _state(c, "relayed") == "queued", what="request queued")
+                wid = c.get_request("relayed").decode_worker
+                entry = next(e for e in workers(s, "decode") if e["worker_id"] == wid)
+                message = f"KV handoff to decode worker {wid} failed: UNAVAILABLE: Stream removed (ping timeout)"
+                r = s.redis()
+                r.hset(s.keys.req("relayed"), mapping={**failed(grpc.StatusCode.UNAVAILABLE, message), "lost_to": wid})
+                with grpc.insecure_channel(entry["address"]) as ch:
+                    assert worker_pb2_grpc.DecodeWorkerStub(ch).Fail(
+                        w.FailRequest(request_id="relayed", code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                      message=message, handoff_lost=True), timeout=10).ended
+                wait_for(lambda: c.get_request("relayed").resumes == 1, what="the request resumed")
+            t.join(60)
+            assert got["code"] == "OK" and got["tokens"] == 8, got
+            info = c.get_request("relayed")
+            assert (info.state, info.resumes, info.error) == ("finished", 1, ""), info
+            assert info.decode_worker != wid and got["ids"] == list(want.token_ids)
+    finally:
+        _finish(s)
+
+
 def test_a_stream_aborted_through_another_router_as_its_decode_worker_is_lost_ends_cancelled():
     """An Abort through another router marks the request cancelled and asks its decode worker to end
     the stream; that worker is lost meanwhile (stopped, then killed), so the Cancel never reaches it,

@@ -488,14 +488,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if code is None or code == grpc.StatusCode.OK:
             raise Invalid(f"code: {request.code} is not a gRPC error status (1..16)")
         slot = await self._stream(request.request_id)
-        return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name))
+        return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name,
+                                                            request.handoff_lost))
 
-    def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str) -> bool:
-        """End a stream still waiting for its KV with an error; False if it has ended or its KV is here."""
+    def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str, handoff_lost: bool = False) -> bool:
+        """End a stream still waiting for its KV with an error; False if it has ended or its KV is here.
+        handoff_lost: the producer could not reach this worker, so the router may resume the request
+        elsewhere (worker_stopping). Before, a worker stopped for a while that got this once it went on
+        ended the stream with the failure, and the request did not resume."""
         if slot.done or slot.imported:
             return False
         slot.done = True
-        slot.events.put_nowait(w_pb.DecodeEvent(error=message, error_code=code.value[0]))
+        slot.events.put_nowait(w_pb.DecodeEvent(error=message, error_code=code.value[0], worker_stopping=handoff_lost))
         return True
 
     # -- PutKV --------------------------------------------------------------------------

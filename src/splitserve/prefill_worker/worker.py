@@ -730,13 +730,14 @@ class PrefillWorker:
             self._update(job, failed(code, message) | ({"lost_to": lost_to} if lost_to else {}))
         except redis.RedisError as e:
             log.warning("could not record %s's failure: %s", job.request_id, e)
-        self._fail(job, code, message)
+        self._fail(job, code, message, handoff_lost=bool(lost_to))
 
-    def _fail(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, job: Job, code: grpc.StatusCode, message: str, handoff_lost: bool = False) -> None:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""
-        self._fail_stream(job.request_id, job.decode_address, code, message)
+        self._fail_stream(job.request_id, job.decode_address, code, message, handoff_lost)
 
-    def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str) -> None:
+    def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str,
+                     handoff_lost: bool = False) -> None:
         """An address this worker has not dialled (one read from a malformed entry) gets a channel of
         its own, closed afterwards, so unreadable entries cannot grow the cached stubs."""
         channel = None
@@ -746,7 +747,8 @@ class PrefillWorker:
             else:
                 channel = grpc.insecure_channel(address, options=options(self.s.keepalive_s))
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message), timeout=5)
+            stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message,
+                                       handoff_lost=handoff_lost), timeout=5)
         except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
             log.info("could not end %s's decode stream with %s: %s", request_id, code.name, e)
         finally:
