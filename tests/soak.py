@@ -10,7 +10,8 @@ Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefi
 router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
 decode worker for 3 s, or of Redis for 2 s.
 
-A problem is: a stream with the wrong tokens; INTERNAL or UNKNOWN; an exception in a client; any
+A problem is: a stream with the wrong tokens; INTERNAL, UNKNOWN or INVALID_ARGUMENT (it sends no
+bad request: one is the client library's own re-send); an exception in a client; any
 UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
 zero, a key without a TTL, a departed worker's stream left, a shared-memory segment left, an ERROR
 line or a traceback in a process's log. What clients saw under chaos is printed by status and
@@ -45,6 +46,8 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven lighthouse keeper
 CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "stop redis", "kill decode-0",
          "term prefill-1", "kill router"]
 EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
+# The soak sends no bad request: INVALID_ARGUMENT is one the client library made (a resume's re-send)
+PROBLEMS = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT"}
 
 
 class Tally:
@@ -120,7 +123,7 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) ->
                     tally.add("OK")
         except grpc.RpcError as e:
             code = e.code().name
-            problem = f"{rid}: {code} {e.details()}" if code in ("INTERNAL", "UNKNOWN") else ""
+            problem = f"{rid}: {code} {e.details()}" if code in PROBLEMS else ""
             tally.add(code, "" if code in EXPECTED else e.details() or "", problem)
         except Exception:  # noqa: BLE001
             tally.add("EXCEPTION", problem=f"{rid}: {traceback.format_exc()[-600:]}")
