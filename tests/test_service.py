@@ -2382,8 +2382,14 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
             if how == "killed":
                 down.popen.kill()
             if how == "paused":
+                # Gone on only once the prefill worker's Fail to it has failed too: a Fail it gets after
+                # (handoff_lost) would resume the request itself, and this case is of the router's cut.
+                def fail_given_up():
+                    with open(s.proc("prefill-0").log_path) as f:
+                        return "could not end lost-handoff's decode stream" in f.read()
                 wait_for(lambda: s.redis().hget(s.keys.req("lost-handoff"), "lost_to"), timeout=30,
                          what="the prefill worker gave the handoff up")
+                wait_for(fail_given_up, timeout=30, what="the prefill worker's Fail to the stopped worker failed")
                 os.kill(down.popen.pid, signal.SIGCONT)
             t.join(120)
             if how == "stopped":
