@@ -2164,6 +2164,10 @@ def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_a
             # reads it on waking, a job queued alone, started beside its pickup, which finds it ended.
             assert sum(m.get(key % "own", 0) for m in started.values()) in (3 * 3, 3 * 3 + 1), started
             assert started[other].get(key % "departed") == 1 and started[holder].get(key % "departed", 0) == 0
+            # The router's view of the registry (every half heartbeat) has the worker back too: until
+            # then it knows one prefill worker only and directs no job (a fresh-clone CI run's turn went
+            # to the common stream, and the worker back first took it)
+            time.sleep(s.settings.heartbeat_s)
             send(0, "chat0-after")  # the other worker holds the chat now
             assert turns[0][-1][0] == other and turns[0][-1][1] > 0, turns[0]
     finally:
