@@ -98,6 +98,32 @@ def test_samples_across_a_kv_handoff(tiny_engine_factory, max_tokens):
         assert got[i] == (alone(decode, prompt, kw, 11 + i), "length"), i
 
 
+@pytest.mark.parametrize("ends", ["length", "eos", "stop"])
+def test_a_resumed_sample_its_tokens_already_end_ends_at_once(tiny_engine_factory, ends):
+    """A client can hold a sample's last token without the message of its end: the first token of
+    sample 0, sent ahead of its KV, is followed by it. Resumed so, the sample ends at once (its last
+    output, returned, carries no token) and is not run on; the others go on as they were."""
+    eng = tiny_engine_factory()
+    prompt = random_prompts(1, seed=88, lo=30, hi=31)[0]
+    kw = dict(max_tokens=4, temperature=1.0, ignore_eos=True)
+    alone1 = alone(eng, prompt, kw, 8)
+    last = {"length": alone(eng, prompt, kw, 7), "eos": [11, 2], "stop": [11, 40]}[ends]
+    carried = last if ends == "length" else last[:2]
+    sp = SamplingParams(n=2, seed=7, **{**kw, "ignore_eos": ends != "eos"},
+                        stop_token_ids=[40] if ends == "stop" else [])
+    outs = eng.resume_samples("r", prompt, sp, [(0, carried, len(carried)), (1, alone1[:1], 1)])
+    assert [(o.index, o.new_token_ids, o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == \
+        [(0, [], True, ends, len(carried))]
+    assert set(eng.seqs) == {"r/1"} and eng.children == {"r": ["r/1"]}
+    got = collect(eng)
+    assert got == {1: (alone1[1:], "length")}
+    assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+    # every sample ended so: nothing runs
+    outs = eng.resume_samples("s", prompt, sp, [(0, carried, 2), (1, alone1[:3] + carried[-1:], 4)])
+    assert [(o.index, o.finish_reason) for o in outs] == [(0, ends), (1, ends)]
+    assert not eng.has_unfinished() and not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+
+
 def test_preempted_samples_give_a_roomy_engines_tokens(tiny_engine_factory):
     prompts = random_prompts(2, seed=85, lo=34, hi=40)  # 2 whole blocks shared, 4 for each first sample
     sp = SamplingParams(n=3, max_tokens=20, ignore_eos=True, temperature=0.7, seed=3)

@@ -632,8 +632,8 @@ def test_a_status_that_can_no_longer_be_sent_ends_the_handler_as_a_cancel_not_a_
          "resume_from.samples[0].index: 2 is not below sampling.n (2)"),
         ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], False), (0, [6], False))},
          "resume_from.samples[1].index: sample 0 is listed twice"),
-        ({"prompt": "hi", "n": 2, "max_tokens": 3, "resume_from": _continuation((1, [5, 6, 7], False))},
-         "resume_from.samples[0].token_ids: 3 tokens"),
+        ({"prompt": "hi", "n": 2, "max_tokens": 3, "resume_from": _continuation((1, [5, 6, 7, 8], False))},
+         "resume_from.samples[0].token_ids: 4 tokens: more than sampling.max_tokens (3)"),
         ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [49152], False))},
          "resume_from.samples[1].token_ids: token id 49152"),
         ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [6], True))},
@@ -3668,6 +3668,37 @@ def test_a_finished_request_of_n_samples_is_replayed_sample_by_sample(stack, cli
         with pytest.raises(grpc.RpcError) as e:
             client.generate(prompt, request_id="n-resumed", resume_from=other, **kw)
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "sample 0 had finished before" in e.value.details()
+    wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
+
+
+def test_a_re_send_holding_a_samples_last_token_but_not_its_end_gets_that_end(stack, client):
+    """n > 1: sample 0's first token goes out ahead of its KV, and the message of its end (here
+    max_tokens 1) comes after. A client whose router was lost between the two has every token of
+    that sample but not its end, and sends it again so (resume_from.samples, not finished): it gets
+    that end, replayed from the finished attempt or from a new one, in which the sample is not run
+    on and the others go on (before: INVALID_ARGUMENT, "leaves none to generate")."""
+    prompt, kw = "Name a colour.", dict(n=2, max_tokens=1, ignore_eos=True, temperature=1.0, seed=5)
+    whole = collect(list(client.generate_stream(prompt, request_id="n-last", **kw)), 2)
+    a, b = whole.choices
+    assert [len(c.token_ids) for c in whole.choices] == [1, 1]
+
+    def seen(msgs):
+        return [(m.index, list(m.token_ids), m.finish_reason, m.usage.completion_tokens, m.replayed) for m in msgs]
+
+    held = _continuation((0, list(a.token_ids), False), (1, list(b.token_ids), True))
+    assert seen(client.generate_stream(prompt, request_id="n-last", resume_from=held, **kw)) == \
+        [(0, [], "length", 1, True)]
+    # a new attempt: sample 0 ends at once, sample 1 (not started) is run
+    held = _continuation((0, list(a.token_ids), False))
+    got = seen(client.generate_stream(prompt, request_id="n-last-again", resume_from=held, **kw))
+    assert sorted(got) == [(0, [], "length", 1, False), (1, list(b.token_ids), "length", 1, False)]
+    info = client.get_request("n-last-again")
+    assert info.state == "finished" and info.completion_tokens == 2
+    # every sample so: none is run, and the request finishes
+    held = _continuation((0, list(a.token_ids), False), (1, list(b.token_ids), False))
+    got = seen(client.generate_stream(prompt, request_id="n-last-both", resume_from=held, **kw))
+    assert sorted(got) == [(0, [], "length", 1, False), (1, [], "length", 1, False)]
+    assert client.get_request("n-last-both").state == "finished"
     wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
 
 

@@ -271,9 +271,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
             if samples:  # sampling.n > 1, resumed: each sample not finished goes on from its own tokens
-                await self.runner.submit(lambda e: e.resume_samples(slot.request_id, ids, params, samples,
-                                                                    priority=request.priority,
-                                                                    cache_salt=request.cache_salt))
+                ended = await self.runner.submit(lambda e: e.resume_samples(slot.request_id, ids, params, samples,
+                                                                            priority=request.priority,
+                                                                            cache_salt=request.cache_salt))
+                for out in ended:  # those its tokens already end: their last message, now
+                    self._on_output(slot, out)
             else:
                 resumed = getattr(request, "resumed_tokens", 0), getattr(request, "resumed_chars", 0)
                 await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,

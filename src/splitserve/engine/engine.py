@@ -257,13 +257,18 @@ class LLMEngine:
         self._add(request_id, prompt_token_ids, params, prefill_only, priority, cache_salt, resumed, resumed_chars)
 
     def resume_samples(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       samples: list[tuple[int, list[int], int]], *, priority: int = 0, cache_salt: str = "") -> None:
+                       samples: list[tuple[int, list[int], int]], *, priority: int = 0,
+                       cache_salt: str = "") -> list[RequestOutput]:
         """A request of params.n > 1 samples resumed here (its decode worker was lost mid-stream):
         samples holds (index, output tokens its client has, characters of their text) for each of
         its samples not finished yet; a finished one is not run again. Each goes on as the sample it
         was (index i > 0 as <id>/<i>, seeded seed + i: _fork), as add_request's `resumed` does for
         one: its own tokens are prefilled after the prompt and not handed out again. Outputs carry
-        their sample's index; the stream of the request ends with the last of these."""
+        their sample's index; the stream of the request ends with the last of these.
+
+        A sample whose tokens already end it (max_tokens of them, or a last one that stops it: its
+        client had that token, not yet the message of its end, which a first token sent ahead of
+        its KV is followed by) is not run: its last output, returned, ends it at once."""
         self._check_new(request_id, cache_salt)
         indexes = [i for i, _, _ in samples]
         if params.n < 2 or not samples or len(set(indexes)) != len(indexes) \
@@ -271,7 +276,7 @@ class LLMEngine:
             raise InvalidRequestError("resumed_samples", f"samples {indexes} of a request of n={params.n}: not a "
                                                          "request that can resume so")
         self.validate(prompt_token_ids, params)
-        kids = []
+        kids, ended = [], []
         try:
             for i, tokens, chars in sorted(samples, key=lambda s: s[0]):
                 key = sample_key(request_id, i)
@@ -279,7 +284,9 @@ class LLMEngine:
                           cache_salt, len(tokens), chars, field="resumed_samples")
                 seq = self.seqs[key]
                 seq.index, seq.parent = i, request_id if i else ""
-                if i:
+                if tokens and (end := self._ends(seq, tokens[-1]))[0] is not None:
+                    ended.append((seq, *end))
+                elif i:
                     kids.append(key)
         except BaseException:
             for i, _, _ in samples:  # none of it stays: the request is refused whole
@@ -288,6 +295,11 @@ class LLMEngine:
             raise
         if kids:
             self.children[request_id] = kids
+        outputs = []
+        for seq, reason, flush in ended:
+            self._finish(seq, reason, flush)
+            outputs.append(self._output(seq))
+        return outputs
 
     def _check_new(self, request_id: str, cache_salt: str) -> None:
         if not isinstance(cache_salt, str):  # an int would pass for a prefix cache entry
@@ -562,25 +574,11 @@ class LLMEngine:
         p = seq.params
         if seq.detok is not None:
             seq.text += seq.detok.push(token)
-        reason, flush = None, True
-        past_min = seq.num_output >= p.min_tokens
         fork = p.n > 1 and seq.index == 0 and seq.num_output == 1  # its first token: the other samples start now
         if seq.matcher is not None and not seq.matcher.consume_token(token):  # masked out: cannot happen
             log.error("request %s: token %d does not follow its structured output: %s", seq.request_id, token,
                       seq.matcher.get_error())
-        if past_min and token in p.stop_token_ids:
-            reason = FINISH_STOP
-        elif past_min and not p.ignore_eos and token in self.eos_token_ids:
-            reason = FINISH_EOS
-        elif past_min and p.stop and _cut_at_stop(seq):
-            reason, flush = FINISH_STOP, False
-        elif seq.matcher is not None and seq.matcher.is_error():  # consuming the token met one of its limits
-            seq.error = self.grammars.failure(seq.params.structured_output, seq.matcher, None)
-            reason = FINISH_ERROR
-        elif seq.matcher is not None and seq.matcher.is_stopped():
-            reason = FINISH_STOP  # the format is complete (nothing may follow)
-        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            reason = FINISH_LENGTH
+        reason, flush = self._ends(seq, token)
         if fork and seq.prefill_only:  # the KV goes to the decode worker, which makes the others from it
             seq.first_finish = reason
             self._park(seq)
@@ -591,6 +589,27 @@ class LLMEngine:
             self._finish(seq, reason, flush)
         elif seq.prefill_only:
             self._park(seq)
+
+    def _ends(self, seq: Sequence, token: int) -> tuple[str | None, bool]:
+        """Whether seq, its last token `token` (in its text and format already), ends there, and why
+        (None: it goes on); flush: its text is whole (not cut at a stop string). A stop string is
+        cut from its text here."""
+        p = seq.params
+        past_min = seq.num_output >= p.min_tokens
+        if past_min and token in p.stop_token_ids:
+            return FINISH_STOP, True
+        if past_min and not p.ignore_eos and token in self.eos_token_ids:
+            return FINISH_EOS, True
+        if past_min and p.stop and _cut_at_stop(seq):
+            return FINISH_STOP, False
+        if seq.matcher is not None and seq.matcher.is_error():  # consuming the token met one of its limits
+            seq.error = self.grammars.failure(seq.params.structured_output, seq.matcher, None)
+            return FINISH_ERROR, True
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return FINISH_STOP, True  # the format is complete (nothing may follow)
+        if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return FINISH_LENGTH, True
+        return None, True
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End seq "error" for this reason. (A request's other samples, params.n > 1, run on: whoever

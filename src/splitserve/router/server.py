@@ -762,11 +762,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if sample.index in listed:
                 raise InvalidRequestError(f"{field}.index", f"sample {sample.index} is listed twice")
             listed.add(sample.index)
-            if not sample.finished:
-                self._check_carried(f"{field}.token_ids", sample.token_ids, params)
-            elif len(sample.token_ids) > params.max_tokens:
+            # One not finished may hold max_tokens: its client had its last token, not the message of
+            # its end (a first token sent ahead of its KV is followed by one); resumed, it ends at once.
+            if len(sample.token_ids) > params.max_tokens:
                 raise InvalidRequestError(f"{field}.token_ids", f"{len(sample.token_ids)} tokens: more than "
                                                                 f"sampling.max_tokens ({params.max_tokens})")
+            if not sample.finished:
+                check_vocab(f"{field}.token_ids", sample.token_ids, self.front.vocab)
             have.tokens[sample.index], have.chars[sample.index] = list(sample.token_ids), sample.text_chars
             if sample.finished:
                 have.finished.add(sample.index)
