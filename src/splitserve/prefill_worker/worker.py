@@ -211,6 +211,9 @@ class PrefillWorker:
         # them, on the engine's thread, once the handoff is over.
         self.to_release: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.lock = threading.Lock()
+        # Held over a claim of the jobs held here, and over giving them up (_give_back): a heartbeat's
+        # claim (idle 0) read before they were given up must not land after, keeping them ours.
+        self.claims = threading.RLock()
         self.pickup = self.redis.register_script(PICKUP_LUA)
         self.pull_script = self.redis.register_script(PULL_LUA)
         self.drop_script = self.redis.register_script(DROP_LUA)
@@ -936,13 +939,14 @@ class PrefillWorker:
         """Claim the jobs held here again with their idle time set to idle_ms: 0 keeps them ours (no
         other worker claims a job idle less than CLAIM_IDLE_MS); CLAIM_IDLE_MS gives them up, so the
         next worker to look claims them at once (`only`: those jobs)."""
-        with self.lock:
-            held = [(fl.stream, fl.entry_id) for fl in (self.inflight.values() if only is None else only)]
-        if only is None:  # and those waiting for an earlier leg of their request to go (_held)
-            held += [(d[0], d[1]) for d in list(self.deferred)]
-        for stream in {st for st, _ in held}:
-            ids = [entry_id for st, entry_id in held if st == stream]
-            self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
+        with self.claims:
+            with self.lock:
+                held = [(fl.stream, fl.entry_id) for fl in (self.inflight.values() if only is None else only)]
+            if only is None:  # and those waiting for an earlier leg of their request to go (_held)
+                held += [(d[0], d[1]) for d in list(self.deferred)]
+            for stream in {st for st, _ in held}:
+                ids = [entry_id for st, entry_id in held if st == stream]
+                self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
 
     def _restore_lost(self) -> None:
         """Put back the hashes of the requests held here for prefill that Redis has lost (it restarted
@@ -1044,17 +1048,18 @@ class PrefillWorker:
     def _give_back(self) -> None:
         """After the drain: the jobs not prefilled in it are given up to the other workers, whose next
         claim (within CLAIM_IDLE_MS / 4) takes them, instead of CLAIM_IDLE_MS after this worker's end."""
-        with self.lock:
-            left = [fl for fl in self.inflight.values() if not fl.t_end]
-        if not left:
-            return
-        try:
-            self._keep_claims(idle_ms=self.s.claim_idle_ms, only=left)
-        except redis.RedisError as e:  # they are claimed CLAIM_IDLE_MS after the last heartbeat anyway
-            log.warning("could not give up the %d job(s) left: %s", len(left), e)
-            return
-        for fl in left:  # left unacked (outcome None): the next claim takes them
-            self._abandon(fl, {"splitserve.given_back": True}, None)
+        with self.claims:  # the heartbeat thread runs on: once they are out of inflight, it claims them no more
+            with self.lock:
+                left = [fl for fl in self.inflight.values() if not fl.t_end]
+            if not left:
+                return
+            try:
+                self._keep_claims(idle_ms=self.s.claim_idle_ms, only=left)
+            except redis.RedisError as e:  # they are claimed CLAIM_IDLE_MS after the last heartbeat anyway
+                log.warning("could not give up the %d job(s) left: %s", len(left), e)
+                return
+            for fl in left:  # left unacked (outcome None): the next claim takes them
+                self._abandon(fl, {"splitserve.given_back": True}, None)
         self.metrics.jobs.labels("given_back").inc(len(left))
         log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
 
