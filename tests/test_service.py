@@ -2718,6 +2718,54 @@ def test_a_new_leg_waits_while_its_prefill_worker_still_hands_the_superseded_one
         _finish(s)
 
 
+def test_a_new_leg_waiting_on_a_prefill_worker_sent_sigterm_is_given_up_with_its_held_jobs():
+    """As above, a new leg's job waits on prefill-0 for the old leg's handoff to the hung decode
+    worker (deferred), prefill-1 stopped meanwhile. prefill-0, sent SIGTERM (DRAIN_S 0), admits no
+    deferred job in its drain: it gives that one up to the other workers with the jobs it held, not
+    CLAIM_IDLE_MS (20 s here) after it went, and prefill-1, let go on, prefills it."""
+    s = _start(prefill=2, decode=2, keepalive_s=1.0, claim_idle_ms=20000,
+               prefill_env={"SPLITSERVE_KEEPALIVE_S": "3", "SPLITSERVE_DRAIN_S": "0"})
+    stopped = []
+    sp = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    prompt = "Write a line about a paper kite."
+    try:
+        r = s.redis()
+        os.kill(s.proc("prefill-1").popen.pid, signal.SIGSTOP)
+        stopped.append("prefill-1")
+        victim = s.proc("prefill-0")
+        with Client(s.router_address) as c:
+            want = list(c.generate(prompt, timeout=120, **sp).token_ids)
+            got: dict = {}
+            os.kill(victim.popen.pid, signal.SIGSTOP)
+            t = _outcome(c.generate_stream(prompt, request_id="defer-term", timeout=120, **sp), got)
+            wait_for(lambda: _state(c, "defer-term") == "queued", what="request queued")
+            lost = c.get_request("defer-term").decode_worker.rsplit("-", 1)[0]
+            os.kill(s.proc(lost).popen.pid, signal.SIGSTOP)
+            stopped.append(lost)
+            os.kill(victim.popen.pid, signal.SIGCONT)
+            wait_for(lambda: scrape(victim.metrics_address).get("splitserve_prefill_jobs_deferred_total") == 1,
+                     timeout=60, what="the new leg's job deferred on prefill-0")
+            victim.popen.send_signal(signal.SIGTERM)
+            assert victim.popen.wait(60) == 0
+            held = {e["message_id"]: e["time_since_delivered"]
+                    for st in (s.keys.stream, *[k.decode() for k in r.scan_iter(f"{s.keys.stream}:*", _type="STREAM")])
+                    for e in r.xpending_range(st, "prefill", "-", "+", 100,
+                                              consumername=f"prefill-0-{s.stack_id}")}
+            assert len(held) == 1 and all(idle >= 20000 for idle in held.values()), held  # claimable at once
+            os.kill(s.proc("prefill-1").popen.pid, signal.SIGCONT)
+            stopped.remove("prefill-1")
+            t.join(120)
+            assert not t.is_alive() and got["code"] == "OK" and got["ids"] == want, got
+            info = c.get_request("defer-term")
+            assert info.resumes == 1 and info.prefill_worker == f"prefill-1-{s.stack_id}", info
+    finally:
+        for name in stopped:
+            os.kill(s.proc(name).popen.pid, signal.SIGCONT)
+        s.procs = [p for p in s.procs if p.popen.poll() is None]  # prefill-0 is gone; stop() removes its arena
+        s.n_prefill = 1
+        _finish(s)
+
+
 def stack_redis_hget(s, rid: str, field: str) -> str:
     got = s.redis().hget(s.keys.req(rid), field)
     return got.decode() if got is not None else ""

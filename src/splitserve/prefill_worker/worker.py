@@ -935,18 +935,21 @@ class PrefillWorker:
                 self._unanswered(e)
                 log.warning("heartbeat failed: %s", e)
 
-    def _keep_claims(self, idle_ms: int = 0, only: list[InFlight] | None = None) -> None:
-        """Claim the jobs held here again with their idle time set to idle_ms: 0 keeps them ours (no
-        other worker claims a job idle less than CLAIM_IDLE_MS); CLAIM_IDLE_MS gives them up, so the
-        next worker to look claims them at once (`only`: those jobs)."""
+    def _keep_claims(self) -> None:
+        """Claim the jobs held here again with their idle time 0, which keeps them ours (no other
+        worker claims a job idle less than CLAIM_IDLE_MS): those in hand, and those waiting for an
+        earlier leg of their request to go (_held)."""
         with self.claims:
             with self.lock:
-                held = [(fl.stream, fl.entry_id) for fl in (self.inflight.values() if only is None else only)]
-            if only is None:  # and those waiting for an earlier leg of their request to go (_held)
-                held += [(d[0], d[1]) for d in list(self.deferred)]
-            for stream in {st for st, _ in held}:
-                ids = [entry_id for st, entry_id in held if st == stream]
-                self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
+                held = [(fl.stream, fl.entry_id) for fl in self.inflight.values()]
+            self._claim(held + [(d[0], d[1]) for d in list(self.deferred)], 0)
+
+    def _claim(self, entries: list[tuple[str, str]], idle_ms: int) -> None:
+        """Claim these (stream, entry id) for this worker with their idle time set to idle_ms
+        (CLAIM_IDLE_MS gives them up: the next worker to look claims them at once)."""
+        for stream in {st for st, _ in entries}:
+            ids = [entry_id for st, entry_id in entries if st == stream]
+            self.redis.xclaim(stream, GROUP, self.name, 0, ids, idle=idle_ms, justid=True)
 
     def _restore_lost(self) -> None:
         """Put back the hashes of the requests held here for prefill that Redis has lost (it restarted
@@ -1046,22 +1049,26 @@ class PrefillWorker:
             return True
 
     def _give_back(self) -> None:
-        """After the drain: the jobs not prefilled in it are given up to the other workers, whose next
-        claim (within CLAIM_IDLE_MS / 4) takes them, instead of CLAIM_IDLE_MS after this worker's end."""
+        """After the drain: the jobs not prefilled in it, and those waiting for an earlier leg of their
+        request (deferred: the drain admits none), are given up to the other workers, whose next claim
+        (within CLAIM_IDLE_MS / 4) takes them, instead of CLAIM_IDLE_MS after this worker's end."""
         with self.claims:  # the heartbeat thread runs on: once they are out of inflight, it claims them no more
             with self.lock:
                 left = [fl for fl in self.inflight.values() if not fl.t_end]
-            if not left:
+            deferred, self.deferred = self.deferred, []
+            entries = [(fl.stream, fl.entry_id) for fl in left] + [(d[0], d[1]) for d in deferred]
+            if not entries:
                 return
             try:
-                self._keep_claims(idle_ms=self.s.claim_idle_ms, only=left)
+                self._claim(entries, self.s.claim_idle_ms)
             except redis.RedisError as e:  # they are claimed CLAIM_IDLE_MS after the last heartbeat anyway
-                log.warning("could not give up the %d job(s) left: %s", len(left), e)
+                log.warning("could not give up the %d job(s) left: %s", len(entries), e)
                 return
             for fl in left:  # left unacked (outcome None): the next claim takes them
                 self._abandon(fl, {"splitserve.given_back": True}, None)
-        self.metrics.jobs.labels("given_back").inc(len(left))
-        log.info("drain over: %d job(s) not prefilled given up to the other workers", len(left))
+        self.metrics.jobs.labels("given_back").inc(len(entries))
+        log.info("drain over: %d job(s) not prefilled given up to the other workers (%d waiting for an earlier leg)",
+                 len(entries), len(deferred))
 
     def _leave(self) -> None:
         """Out of the registry (the heartbeat has left it already, unless the drain was shorter than a
