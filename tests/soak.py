@@ -5,12 +5,19 @@ of the tests. `make soak` runs it; it exits 1 on any problem it finds, after pri
 Each client thread loops over requests that mix, seeded:
   - streams with `resumes=2` whose tokens are checked: exactly max_tokens per sample, n up to 4;
   - cancels mid-stream, deadlines of 0.05-1 s, an Abort from another thread;
-  - log probabilities, priorities, prompts of 3-300 words.
+  - log probabilities, priorities, prompts of 3-300 words: half of them random, half from a pool
+    (most of whose prompts share a 160-word system prompt: prefix caching, prefix affinity);
+  - chats of 3 turns, each turn's prompt the last one's with its answer and a new question (the
+    decode worker holds part of its KV: partial handoffs).
+With --invariant (SPLITSERVE_BATCH_INVARIANT: a request's tokens the same whatever shares its
+steps), every stream's tokens are also checked against the others of its prompt and seed: what
+one computed, resumed, preempted or from a cached prefix, another computed otherwise.
 Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefill worker or a
 router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
 decode worker for 3 s, or of Redis for 2 s.
 
-A problem is: a stream with the wrong tokens; INTERNAL, UNKNOWN or INVALID_ARGUMENT (it sends no
+A problem is: a stream with the wrong number of tokens (or, with --invariant, tokens that differ from
+another stream's of the same prompt and seed); INTERNAL, UNKNOWN or INVALID_ARGUMENT (it sends no
 bad request: one is the client library's own re-send); an exception in a client; any
 UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
 zero, a key without a TTL, a departed worker's stream left, a shared-memory segment left, an ERROR
@@ -56,6 +63,27 @@ class Tally:
         self.outcomes = collections.Counter()
         self.messages = collections.Counter()
         self.problems: list[str] = []
+        self.invariant = False
+        self.seen: dict[tuple, tuple[str, list[int]]] = {}  # (prompt, temperature, seed) -> the longest stream
+        self.checked = 0
+
+    def check(self, rid: str, prompt: str, kw: dict, index: int, tokens: list[int]) -> None:
+        """With batch invariance, a sample is a function of its prompt, temperature and seed (sample i
+        is seeded seed + i): with ignore_eos, a stream's tokens start with a shorter one's."""
+        if not self.invariant:
+            return
+        temperature = kw.get("temperature", 0.0)
+        key = (prompt, temperature, kw.get("seed", 0) + index if temperature else None)
+        with self.lock:
+            self.checked += 1
+            other, seen = self.seen.get(key, ("", []))
+            k = min(len(seen), len(tokens))
+            if seen[:k] != tokens[:k]:
+                at = next(j for j in range(k) if seen[j] != tokens[j])
+                self.problems.append(f"{rid} sample {index}: token {at} is {tokens[at]}, {other}'s was {seen[at]} "
+                                     f"(the same prompt and seed; {len(prompt.split())} words)")
+            elif len(tokens) > len(seen):
+                self.seen[key] = (rid, tokens)
 
     def add(self, outcome: str, message: str = "", problem: str = ""):
         with self.lock:
@@ -77,14 +105,46 @@ def abort(c: Client, rid: str, tally: Tally) -> None:
         tally.add(f"(an Abort answered {code})", "", problem)
 
 
+def prompt_pool(seed: int) -> list[str]:
+    """8 prompts that share a system prompt of 160 words, and 4 that do not; the same for every client."""
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(WORDS) for _ in range(160))
+    questions = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 12, 40]))) for _ in range(12)]
+    return [f"{system} {q}" for q in questions[:8]] + questions[8:]
+
+
+def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | None:
+    """A stream with resumes=2, its tokens counted (and with --invariant, checked); its text if whole."""
+    n = kw.get("n", 1)
+    tokens, finish, text = collections.defaultdict(list), {}, collections.defaultdict(str)
+    for m in c.generate_stream(prompt, timeout=90, resumes=2, **kw):
+        for ch in (m.choices or [m]):
+            tokens[ch.index] += ch.token_ids
+            text[ch.index] += ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    if sorted(finish) != list(range(n)) or any(len(tokens[j]) != kw["max_tokens"] for j in range(n)):
+        tally.add("WRONG", problem=f"{rid}: tokens {dict((j, len(t)) for j, t in tokens.items())}, finished "
+                                   f"{finish}; want {kw['max_tokens']} x {n}")
+        return None
+    for j in range(n):
+        tally.check(rid, prompt, kw, j, list(tokens[j]))
+    tally.add("OK")
+    return text[0]
+
+
 def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) -> None:
     rng = random.Random(seed * 100 + i)
+    pool = prompt_pool(seed)
     c = Client(target, balance=True)
     k = 0
     while time.time() < stop_at:
         k += 1
         rid = f"soak{i}-{k}"
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 80, 300])))
+        if rng.random() < 0.5:
+            prompt = rng.choice(pool)
+        else:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 80, 300])))
         kw = dict(max_tokens=rng.choice([1, 4, 16, 48]), ignore_eos=True, request_id=rid,
                   priority=rng.choice([-1, 0, 0, 1]))
         if rng.random() < 0.15:
@@ -101,26 +161,27 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) ->
                         break
                 tally.add("cancelled by its client")
             elif kind < 0.25:  # a tight deadline
-                c.generate(prompt, timeout=rng.choice([0.05, 0.3, 1.0]), **kw)
+                got = c.generate(prompt, timeout=rng.choice([0.05, 0.3, 1.0]), **kw)
+                for ch in (got.choices or [got]):
+                    tally.check(rid, prompt, kw, ch.index, list(ch.token_ids))
                 tally.add("OK")
             elif kind < 0.3:  # aborted from another thread
                 stream = c.generate_stream(prompt, timeout=60, **kw)
                 threading.Timer(rng.random() * 0.5, abort, args=(c, rid, tally)).start()
                 got = list(stream)
                 tally.add("aborted: " + (got[-1].finish_reason if got else "no message"))
+            elif kind < 0.4:  # a chat: each turn's prompt is the last one's, its answer and a question
+                kw.pop("n", None)
+                kw.update(max_tokens=rng.choice([4, 16, 48]))
+                prompt = rng.choice(pool[:8])
+                for turn in range(3):
+                    kw["request_id"] = f"{rid}-{turn}"
+                    answer = streamed(c, kw["request_id"], prompt, kw, tally)
+                    if answer is None:
+                        break
+                    prompt = f"{prompt} {answer} {rng.choice(pool[8:])}"
             else:  # streamed whole, resuming, its tokens counted
-                n = kw.get("n", 1)
-                tokens, finish = collections.Counter(), {}
-                for m in c.generate_stream(prompt, timeout=90, resumes=2, **kw):
-                    for ch in (m.choices or [m]):
-                        tokens[ch.index] += len(ch.token_ids)
-                        if ch.finish_reason:
-                            finish[ch.index] = ch.finish_reason
-                if sorted(finish) != list(range(n)) or any(tokens[j] != kw["max_tokens"] for j in range(n)):
-                    tally.add("WRONG", problem=f"{rid}: tokens {dict(tokens)}, finished {finish}; "
-                                               f"want {kw['max_tokens']} x {n}")
-                else:
-                    tally.add("OK")
+                streamed(c, rid, prompt, kw, tally)
         except grpc.RpcError as e:
             code = e.code().name
             problem = f"{rid}: {code} {e.details()}" if code in PROBLEMS else ""
@@ -201,15 +262,19 @@ def main(argv=None) -> int:
     ap.add_argument("--chaos-every", type=float, default=12.0, help="seconds between chaos events")
     ap.add_argument("--no-chaos", action="store_true")
     ap.add_argument("--kv-mb", type=int, default=96, help="each decode worker's KV cache (small: preemptions)")
+    ap.add_argument("--invariant", action="store_true",
+                    help="batch-invariant engines, and every stream's tokens checked against the others' of its "
+                         "prompt and seed")
     ap.add_argument("--out", help="write the outcomes and problems here, as JSON")
     a = ap.parse_args(argv)
 
     settings = Settings.from_env(kv_cache_bytes=a.kv_mb << 20, mode=a.mode, prefill_kv_cache_bytes=128 << 20,
                                  arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=1500,
-                                 keepalive_s=2.0)
+                                 keepalive_s=2.0, batch_invariant=a.invariant or None)
     stack = Stack(settings, prefill=0 if a.mode == "colocated" else 2, decode=2, routers=2).start()
     print(f"stack up: routers {stack.router_addresses}, logs in {stack.run_dir}", flush=True)
     tally = Tally()
+    tally.invariant = stack.settings.batch_invariant
     problems: list[str] = []
     t0 = time.time()
     stop_at = t0 + a.seconds
@@ -242,6 +307,8 @@ def main(argv=None) -> int:
         print("their messages:")
         for message, n in tally.messages.most_common():
             print(f"  {n:6d}  {message}")
+    if tally.invariant:
+        print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
     print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
     for p in problems:
         print("  " + p)
