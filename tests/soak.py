@@ -66,6 +66,7 @@ class Tally:
         self.invariant = False
         self.seen: dict[tuple, tuple[str, list[int]]] = {}  # (prompt, temperature, seed) -> the longest stream
         self.checked = 0
+        self.prompt_tokens = collections.Counter()  # of whole streams: "prompt" and "cached" (prefix caches)
 
     def check(self, rid: str, prompt: str, kw: dict, index: int, tokens: list[int]) -> None:
         """With batch invariance, a sample is a function of its prompt, temperature and seed (sample i
@@ -123,6 +124,9 @@ def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | 
             text[ch.index] += ch.text
             if ch.finish_reason:
                 finish[ch.index] = ch.finish_reason
+                if ch.index == 0:  # (each sample's end carries the request's usage)
+                    with tally.lock:
+                        tally.prompt_tokens.update(prompt=ch.usage.prompt_tokens, cached=ch.usage.cached_tokens)
     if sorted(finish) != list(range(n)) or any(len(tokens[j]) != kw["max_tokens"] for j in range(n)):
         tally.add("WRONG", problem=f"{rid}: tokens {dict((j, len(t)) for j, t in tokens.items())}, finished "
                                    f"{finish}; want {kw['max_tokens']} x {n}")
@@ -307,6 +311,8 @@ def main(argv=None) -> int:
         print("their messages:")
         for message, n in tally.messages.most_common():
             print(f"  {n:6d}  {message}")
+    print(f"{tally.prompt_tokens['cached']} of the {tally.prompt_tokens['prompt']} prompt tokens of whole streams "
+          "from a prefix cache")
     if tally.invariant:
         print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
     print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
