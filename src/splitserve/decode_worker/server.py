@@ -35,7 +35,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
 from splitserve.engine.kv_transfer import LAYOUT_VERSIONS, layout_version, payload_nbytes
 from splitserve.engine.outputs import RequestOutput
-from splitserve.service import convert, grpc_server
+from splitserve.service import aio, convert, grpc_server
 from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
@@ -385,7 +385,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if waiting is None:
                 waiting = self.arrivals[rid] = asyncio.get_running_loop().create_future()
             try:
-                return await asyncio.wait_for(asyncio.shield(waiting), STREAM_WAIT_S)
+                return await aio.wait_for(asyncio.shield(waiting), STREAM_WAIT_S)
             except asyncio.TimeoutError:
                 pass
             finally:  # timed out or cancelled: never leave a future behind for a stream that may not come
@@ -665,7 +665,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     waits += 1
                     self.capacity.clear()
                     try:
-                        await asyncio.wait_for(self.capacity.wait(), timeout=0.05)
+                        await aio.wait_for(self.capacity.wait(), timeout=0.05)
                     except asyncio.TimeoutError:
                         pass
             finally:

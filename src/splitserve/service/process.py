@@ -75,6 +75,27 @@ async def until_answered(call, what: str, every_s: float, for_s: float, at_once:
         first = False
 
 
+async def end_tasks(rounds: int = 20, wait_s: float = 0.25) -> list[asyncio.Task]:
+    """Cancel every other task of the running loop until each has ended, `rounds` times at most,
+    `wait_s` apart; the tasks left (named in an ERROR line) are returned. asyncio.run cancels
+    them once at its end and waits for them without limit: a task that lost that cancel (as
+    3.11's wait_for loses one: splitserve.service.aio) would keep the process from exiting."""
+    me = asyncio.current_task()
+    left: list[asyncio.Task] = []
+    for _ in range(rounds):
+        left = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+        if not left:
+            return []
+        for t in left:
+            t.cancel()
+        await asyncio.wait(left, timeout=wait_s)
+    left = [t for t in left if not t.done()]
+    if left:
+        log.error("%d task(s) still running after %d cancels each: %s", len(left), rounds,
+                  ", ".join(f"{t.get_name()} ({t.get_coro()!r})" for t in left))
+    return left
+
+
 def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap = argparse.ArgumentParser(prog=f"python -m splitserve.{role}", description=f"splitserve {role}")
     ap.add_argument("--host")
@@ -103,6 +124,7 @@ def run(role: str, main_coro, argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await main_coro(settings, stop)
+        await end_tasks()
 
     setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file, settings.trace_file_max_bytes)
     try:

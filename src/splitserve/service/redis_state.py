@@ -679,6 +679,9 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     """A client for the Redis at `url`, sync or asyncio: a cluster client for a Redis Cluster node
     (any node: it finds the others). `kwargs` go to the client (socket_timeout, ...)."""
     kwargs.setdefault("socket_timeout", CALL_TIMEOUT_S)
+    if asyncio:  # redis-py writes each command under asyncio.wait_for, which loses cancels on 3.11
+        from splitserve.service.aio import use_fixed_wait_for
+        use_fixed_wait_for()
     if is_cluster(url, cluster):
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
