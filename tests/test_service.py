@@ -2665,10 +2665,13 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
         for tag, n in (("t", 1), ("k", 1), ("s", 2)):
             again = s.redis().hgetall(s.keys.req(f"{tag}#2"))
             assert again[b"local"] == b"1" and b"prefill_worker" not in again, (tag, again)
-            assert 0 < work[tag][PREFILLED] <= n * bs and work[tag][CACHE_HITS] >= n * bs, (tag, work[tag])
+            # (a sample whose tokens but the last were all in the cache computes that one as a decode
+            # step does, and the engine counts it so: none prefilled)
+            assert 0 <= work[tag][PREFILLED] <= n * bs and work[tag][CACHE_HITS] >= n * bs, (tag, work[tag])
             if n == 1:  # the prompt and the tokens its client had, all but their last block's from the cache
-                assert work[tag][PREFILLED] + work[tag][CACHE_HITS] == int(again[b"prompt_tokens"]) + int(
-                    again[b"result_start"]), (tag, work[tag], again)
+                held = int(again[b"prompt_tokens"]) + int(again[b"result_start"])
+                assert work[tag][PREFILLED] + work[tag][CACHE_HITS] == held or (
+                    work[tag][PREFILLED] == 0 and work[tag][CACHE_HITS] == held - 1), (tag, work[tag], again)
         got = through("u", terminate, resumes=0)
         assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[:len(got[0][0])], got[2]
 
