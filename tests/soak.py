@@ -16,7 +16,8 @@ Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefi
 router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
 decode worker for 3 s, or of Redis for 2 s.
 
-A problem is: a stream with the wrong number of tokens (or, with --invariant, tokens that differ from
+A problem is: a chaos step that failed (a process sent SIGTERM that did not exit within 30 s); a
+stream with the wrong number of tokens (or, with --invariant, tokens that differ from
 another stream's of the same prompt and seed); INTERNAL, UNKNOWN or INVALID_ARGUMENT (it sends no
 bad request: one is the client library's own re-send); an exception in a client; any
 UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
@@ -194,7 +195,7 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) ->
             tally.add("EXCEPTION", problem=f"{rid}: {traceback.format_exc()[-600:]}")
 
 
-def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float) -> None:
+def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float, tally: Tally) -> None:
     j = 0
     while time.time() < stop_at - 20:
         time.sleep(every)
@@ -220,8 +221,10 @@ def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float)
             p.popen.wait(timeout=30)
             time.sleep(1)
             stack.restart(name)
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a process that did not exit on SIGTERM within 30 s, ...
             print("chaos step failed:", traceback.format_exc(), flush=True)
+            tally.add("(a chaos step failed)", problem=f"chaos: {event} at {time.time() - t0:.1f} s failed: "
+                                                       f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def leaks(stack: Stack) -> list[str]:
@@ -287,7 +290,7 @@ def main(argv=None) -> int:
         threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally))
                    for i in range(a.clients)]
         if not a.no_chaos:
-            threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every)))
+            threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every, tally)))
         for t in threads:
             t.start()
         for t in threads:
