@@ -138,7 +138,9 @@ def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | 
     return text[0]
 
 
-def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) -> None:
+def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, samples: bool = True) -> None:
+    """One client's requests; `samples` false (a padded policy: n > 1 needs continuous batching)
+    sends n = 1 where it would send more, with the same draws."""
     rng = random.Random(seed * 100 + i)
     pool = prompt_pool(seed)
     c = Client(target, balance=True)
@@ -153,7 +155,7 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally) ->
         kw = dict(max_tokens=rng.choice([1, 4, 16, 48]), ignore_eos=True, request_id=rid,
                   priority=rng.choice([-1, 0, 0, 1]))
         if rng.random() < 0.15:
-            kw.update(n=rng.choice([2, 4]), temperature=1.0, seed=rng.randrange(100))
+            kw.update(n=rng.choice([2, 4]) if samples else 1, temperature=1.0, seed=rng.randrange(100))
         if rng.random() < 0.1:
             kw.update(logprobs=2)
         kind = rng.random()
@@ -287,7 +289,7 @@ def main(argv=None) -> int:
     stop_at = t0 + a.seconds
     target = "ipv4:" + ",".join(stack.router_addresses)
     try:
-        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally))
+        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally, stack.settings.policy == "continuous"))
                    for i in range(a.clients)]
         if not a.no_chaos:
             threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every, tally)))
