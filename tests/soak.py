@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     stop_at = t0 + a.seconds
     target = "ipv4:" + ",".join(stack.router_addresses)
     try:
-        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally, stack.settings.policy == "continuous"))
+        samples = stack.settings.policy == "continuous"
+        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally, samples))
                    for i in range(a.clients)]
         if not a.no_chaos:
             threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every, tally)))
