@@ -1237,6 +1237,42 @@ def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_regis
         _finish(s)
 
 
+
+def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_others_were():
+    """A router's drain cut off the requests it held, but not one still in admission (its decode
+    worker had not accepted it: a padded batch running there, or a stopped worker): admitted after
+    the cut, it ran on until gRPC's grace (DRAIN_S + 5 s) ended it, "Cancelling all calls",
+    recorded cancelled as if its client had gone (a soak under static batching). Now it is cut off
+    as it comes out of admission: UNAVAILABLE "router ... stopped before this request finished",
+    recorded failed, so a resuming client sends it again at once."""
+    s = _start(mode="colocated", prefill=0, drain_s=0.5)
+    try:
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
+            assert len(c.generate("warm", max_tokens=1).token_ids) == 1
+            worker, router = s.proc("decode-0").popen.pid, s.proc("router")
+            os.kill(worker, signal.SIGSTOP)  # it cannot accept the stream meanwhile
+            try:
+                late = pool.submit(lambda: list(c.generate_stream("Accepted late", request_id="late", max_tokens=2000,
+                                                                  ignore_eos=True, timeout=120)))
+                wait_for(lambda: scrape(router.metrics_address)["splitserve_requests_in_flight"] == 1,
+                         interval=0.01, what="the request in admission")
+                router.popen.send_signal(signal.SIGTERM)
+                time.sleep(s.settings.drain_s + 1.0)  # the drain ran out; its cut-off is done
+                assert router.popen.poll() is None and not late.done()
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                late.result(timeout=60)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+            assert "stopped before this request finished" in e.value.details(), e.value.details()
+            assert time.monotonic() - t0 < 3.0  # at once, not at the grace's end
+            assert router.popen.wait(30) == 0
+            assert stack_redis_hget(s, "late", "state") == "failed"
+        s.restart("router")
+    finally:
+        _finish(s)
+
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
     # forwards of 512 tokens: the prompts below take two and three, their KV within the arena
     stack = _start(routers=2, prefill_token_budget=512)

@@ -338,6 +338,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                          and settings.prefix_affinity_slack >= 0)
         self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
+        self.cut = ""  # why every request is cut off (cut_off: this router is stopping), once it is
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.local_seen = 0  # ... and of those tokens, the ones their decode workers prefill
@@ -491,12 +492,25 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             return
 
     def cut_off(self, why: str) -> None:
-        """End every request this router holds with UNAVAILABLE and `why` (it is stopping)."""
+        """End every request this router holds with UNAVAILABLE and `why` (it is stopping), and those
+        still in admission as they come out of it (_cut_if_stopping)."""
+        self.cut = why
         for rid, a in list(self.active.items()):
-            if not (a.lost or a.aborted):
-                a.lost, a.lost_code = why, grpc.StatusCode.UNAVAILABLE
-                log.warning("request %s: %s", rid, why)
-                a.call.cancel()
+            self._cut(rid, a, why)
+
+    @staticmethod
+    def _cut(rid: str, a: "Active", why: str) -> None:
+        if not (a.lost or a.aborted):
+            a.lost, a.lost_code = why, grpc.StatusCode.UNAVAILABLE
+            log.warning("request %s: %s", rid, why)
+            a.call.cancel()
+
+    def _cut_if_stopping(self, rid: str, a: "Active") -> None:
+        """A request admitted after its router's drain ran out (its decode worker accepted it late: a
+        padded batch running, a stopped worker) is cut off at once, as those running then were: it
+        ran on until gRPC's grace ended it, "Cancelling all calls", recorded cancelled."""
+        if self.cut:
+            self._cut(rid, a, self.cut)
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
@@ -1080,6 +1094,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
                                                    request.cache_salt, local, queued, t_admitted, carried=resumed,
                                                    sent=sent)
+                self._cut_if_stopping(rid, active)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
                 try:
