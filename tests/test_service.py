@@ -1273,6 +1273,99 @@ def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_ot
     finally:
         _finish(s)
 
+def test_a_request_resuming_as_its_routers_drain_runs_out_is_cut_off_as_the_others_were():
+    """A stream whose decode worker is killed resumes on the other, which is stopped: it cannot
+    accept the stream. The router is sent SIGTERM meanwhile, and its drain runs out. Its cut-off
+    cancelled the call to the worker that was lost, not the new one: when the other worker went on,
+    the stream ran on until gRPC's grace ended it, "Cancelling all calls". Now it is cut off as the
+    resume ends, as the others were."""
+    s = _start(mode="colocated", prefill=0, decode=2, drain_s=0.5)
+    down = []
+    try:
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
+            assert len(c.generate("warm", max_tokens=1).token_ids) == 1
+            got = []
+
+            def stream():
+                for chunk in c.generate_stream("Resumed as its router stops", request_id="late", max_tokens=2000,
+                                               ignore_eos=True, timeout=120):
+                    got.extend(chunk.token_ids)
+            late = pool.submit(stream)
+            wait_for(lambda: len(got) >= 5, what="the stream part-way")
+            on = c.get_request("late").decode_worker.rsplit("-", 1)[0]
+            other, router = s.proc("decode-1" if on == "decode-0" else "decode-0"), s.proc("router")
+            os.kill(other.popen.pid, signal.SIGSTOP)  # it cannot accept the resumed stream meanwhile
+            try:
+                down.append(on)
+                s.proc(on).popen.kill()
+                s.proc(on).popen.wait()
+
+                def resuming():
+                    with open(router.log_path) as f:
+                        return "resuming on " + other.name in f.read()
+                wait_for(resuming, interval=0.01, what="the request resuming on the stopped worker")
+                router.popen.send_signal(signal.SIGTERM)
+                time.sleep(s.settings.drain_s + 1.0)  # the drain ran out; its cut-off is done
+                assert router.popen.poll() is None and not late.done()
+            finally:
+                os.kill(other.popen.pid, signal.SIGCONT)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                late.result(timeout=60)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+            assert "stopped before this request finished" in e.value.details(), e.value.details()
+            assert time.monotonic() - t0 < 3.0  # at once, not at the grace's end
+            assert router.popen.wait(30) == 0
+            assert stack_redis_hget(s, "late", "state") == "failed"
+        s.restart("router")
+    finally:
+        s.procs = [p for p in s.procs if p.name not in down]
+        s.n_decode -= len(down)
+        _finish(s)
+
+
+def test_a_request_aborted_as_it_resumes_on_another_decode_worker_ends_cancelled():
+    """An Abort that comes as a stream resumes on another decode worker (here stopped: it cannot
+    accept the stream yet), after the resume was queued for a prefill: it cancelled the call to the
+    worker that was lost, not the new one. Now the new call is cancelled as the resume ends, and the
+    stream ends as aborted (finish_reason "cancelled")."""
+    s = _start(decode=2)
+    down = []
+    try:
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
+            assert len(c.generate("warm", max_tokens=1).token_ids) == 1
+            got, ends = [], []
+
+            def stream():
+                for chunk in c.generate_stream("Aborted as it resumes", request_id="aborted", max_tokens=2000,
+                                               ignore_eos=True, timeout=120):
+                    got.extend(chunk.token_ids)
+                    ends.append(chunk.finish_reason)
+            ended = pool.submit(stream)
+            wait_for(lambda: len(got) >= 5, what="the stream part-way")
+            on = c.get_request("aborted").decode_worker.rsplit("-", 1)[0]
+            other = s.proc("decode-1" if on == "decode-0" else "decode-0")
+            os.kill(other.popen.pid, signal.SIGSTOP)
+            try:
+                down.append(on)
+                s.proc(on).popen.kill()
+                s.proc(on).popen.wait()
+                wait_for(lambda: stack_redis_hget(s, "aborted", "decode_worker").startswith(other.name + "-"),
+                         interval=0.01, what="the resume queued for the stopped worker")
+                assert c.abort("aborted").found
+                time.sleep(0.5)
+                assert not ended.done()
+            finally:
+                os.kill(other.popen.pid, signal.SIGCONT)
+            ended.result(timeout=30)
+            assert ends[-1] == "cancelled", ends[-5:]
+            assert c.get_request("aborted").state == "cancelled"
+    finally:
+        s.procs = [p for p in s.procs if p.name not in down]
+        s.n_decode -= len(down)
+        _finish(s)
+
+
 def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
     # forwards of 512 tokens: the prompts below take two and three, their KV within the arena
     stack = _start(routers=2, prefill_token_budget=512)

@@ -508,9 +508,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def _cut_if_stopping(self, rid: str, a: "Active") -> None:
         """A request admitted after its router's drain ran out (its decode worker accepted it late: a
         padded batch running, a stopped worker) is cut off at once, as those running then were: it
-        ran on until gRPC's grace ended it, "Cancelling all calls", recorded cancelled."""
+        ran on until gRPC's grace ended it, "Cancelling all calls", recorded cancelled. So is one
+        that resumed on another decode worker meanwhile (_resume): the cut cancelled the call to
+        the worker it lost, not the new one."""
         if self.cut:
             self._cut(rid, a, self.cut)
+            a.call.cancel()
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
@@ -1304,6 +1307,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                               f"on another: {e}") from None
         local = bool(samples) or self._prefill_locally(len(tokens))
         a.resumes += 1
+        log.info("request %s: decode worker %s lost (%s); resuming on %s", rid, lost.worker_id, why, worker.worker_id)
         rs.span.add_event("resumed", {"splitserve.decode_worker.lost": lost.worker_id,
                                       "splitserve.decode_worker": worker.worker_id, "splitserve.lost.reason": why[:300],
                                       "splitserve.resumed_tokens": carried, "splitserve.prefill.local": local}
@@ -1361,6 +1365,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise
         self.metrics.resumed.inc()
         a.call, a.address, a.local, a.first, a.carried = call, worker.address, local, False, carried
+        if a.aborted:  # an Abort that came meanwhile cancelled the lost worker's call, not this one
+            call.cancel()
+        self._cut_if_stopping(rid, a)
         return call, worker, placed, dec
 
     @staticmethod
