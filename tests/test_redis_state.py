@@ -738,6 +738,48 @@ def test_a_cancel_that_comes_as_the_call_waited_for_completes_is_not_lost():
     asyncio.run(times_out())
 
 
+def test_work_handed_to_another_thread_is_waited_for_past_a_cancel_and_the_cancel_kept():
+    """aio.outlast_cancel: the engine's thread runs a command submitted to it even if the task that
+    awaits it is cancelled (a decode worker's KV import, its handoff's call cancelled); the task
+    gets the result all the same, told it was cancelled, so it keeps what was done and ends
+    cancelled. What failed did nothing to keep: the cancel is raised."""
+    import asyncio
+
+    from splitserve.service import aio
+
+    async def outcome(result, cancels: int):
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        task = asyncio.create_task(aio.outlast_cancel(done))
+        await asyncio.sleep(0)
+        for _ in range(cancels):  # cancelled while the other thread works, as often as you like
+            task.cancel()
+            await asyncio.sleep(0.01)
+        assert not task.done()
+        if isinstance(result, Exception):
+            done.set_exception(result)
+        else:
+            done.set_result(result)
+        await asyncio.wait({task})
+        return "cancelled" if task.cancelled() else task.exception() or task.result()
+
+    assert asyncio.run(outcome("imported", 0)) == ("imported", False)
+    assert asyncio.run(outcome("imported", 1)) == ("imported", True)
+    assert asyncio.run(outcome("imported", 3)) == ("imported", True)
+    err = ValueError("no room")
+    assert asyncio.run(outcome(err, 0)) is err
+    assert asyncio.run(outcome(err, 2)) == "cancelled"
+
+    async def cancelled_as_it_completes():
+        done = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(aio.outlast_cancel(done))
+        await asyncio.sleep(0)
+        done.set_result("imported")
+        task.cancel()  # in the same turn
+        return await task
+    assert asyncio.run(cancelled_as_it_completes()) == ("imported", True)
+
+
 def test_a_loop_of_redis_calls_ends_at_its_first_cancel(redis_socket):
     """A task that loops over calls of an asyncio client from connect() (a socket timeout: redis-py
     writes each command under asyncio.wait_for), cancelled at random points, ends at once every

@@ -2100,6 +2100,112 @@ def _fingerprint(stack) -> str:
         return re.search(r"fingerprint (\w+)", f.read()).group(1)
 
 
+def _kv_chunks(stack, seq, num_tokens: int) -> list:
+    """PutKVStream's chunks of a whole payload of num_tokens tokens' KV (zeros) for seq, for the
+    stack's model: the handle as a prefill worker sends it."""
+    import types
+
+    from splitserve.engine import kv_transfer
+    from splitserve_proto.v1 import worker_pb2 as w
+
+    fp = _fingerprint(stack)
+    model = types.SimpleNamespace(shape=types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64),
+                                  fingerprint=fp)
+    n = kv_transfer.payload_nbytes(model.shape, num_tokens)
+    header = kv_transfer._header(model, num_tokens, 0)
+    payload = header + bytes(n - len(header))
+    h = w.KVHandle(length=n, num_tokens=num_tokens, layout_version=1, dtype="float32", fingerprint=fp,
+                   transport="grpc")
+    return [w.KVChunk(header=w.PutKVRequest(sequence=seq, handle=h), data=payload[: 1 << 16]),
+            w.KVChunk(data=payload[1 << 16:])]
+
+
+def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of_it_is_already_exists(stack, client):
+    """A handoff whose call is cancelled (its prefill worker killed) while its import is queued in
+    the engine's thread: the engine imports it all the same. Before, the decode worker did not know
+    it had it: the job's next prefill (claimed by another prefill worker) found the engine holding
+    it, and its handoff failed the stream INVALID_ARGUMENT "already in this engine" (a soak). Now
+    the KV is kept, the stream goes on, and a second handoff is ALREADY_EXISTS."""
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    dec = stack.proc("decode-0")
+    address = next(x["address"] for x in workers(stack, "decode") if x["worker_id"].startswith("decode-0-"))
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        # A long prompt prefilled by the decode worker itself: its engine's steps take a while,
+        # and a command (an import) waits for the step running to end.
+        busy = w.DecodeRequest(request_id="keeps-the-engine-busy", prompt_tokens=2000,
+                               prompt_token_ids=[(17 * i) % 4000 + 100 for i in range(2000)])
+        busy.sampling.max_tokens, busy.sampling.ignore_eos = 2, True
+        held = stub.Decode(busy, timeout=120)
+        assert next(held).accepted
+        decode = stub.Decode(w.DecodeRequest(request_id="adopted-as-cancelled", prompt_tokens=4), timeout=120)
+        assert next(decode).accepted
+        seq = w.SequenceState(request_id="adopted-as-cancelled", prompt_len=4, token_ids=[101, 102, 103, 104, 105])
+        seq.sampling.max_tokens, seq.sampling.ignore_eos = 12, True
+        with open(dec.log_path) as f:
+            before = f.read().count("adopted all the same")
+        time.sleep(0.3)  # the busy prompt's chunks are running
+        put = stub.PutKVStream.future(iter(_kv_chunks(stack, seq, 4)), timeout=30)
+        time.sleep(0.05)  # (it is read and its import queued: in far less than a step)
+        put.cancel()
+
+        def kept():
+            with open(dec.log_path) as f:
+                return f.read().count("adopted all the same") > before
+        wait_for(kept, timeout=30, what="the import, done after its call was cancelled, kept")
+        held.cancel()
+        with pytest.raises(grpc.RpcError) as e:  # the job prefilled again, by another prefill worker
+            stub.PutKVStream(iter(_kv_chunks(stack, seq, 4)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS, e.value.details()
+        events = list(decode)
+        tokens = [t for ev in events for t in ev.token_ids]
+        assert events[-1].finish_reason == "length" and not events[-1].error, events[-1]
+        assert len(tokens) == 12 and tokens[0] == 105, tokens
+    wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV free")
+
+
+def test_a_job_prefilled_again_after_its_handoff_went_through_leaves_its_stream_running(stack, client):
+    """A job claimed from a prefill worker that died after (or as) its KV handoff went through is
+    prefilled again, and its decode worker answers the second handoff ALREADY_EXISTS. Before, the
+    prefill worker took that for a failed handoff and failed the running stream, INTERNAL. Now
+    the stream runs on to its end, and its state reads decoding again."""
+    import json
+
+    r = stack.redis()
+    got = []
+    with _prefill_paused(stack):  # its job stays in the stream, to be read
+        stream = client.generate_stream("Count the stars one by one.", request_id="handed-off-twice",
+                                        max_tokens=150, ignore_eos=True, timeout=120)
+        events = iter(stream)
+        jobs = []
+
+        def queued():
+            jobs[:] = [(key, fields) for key in stack.keys.streams for _, fields in r.xrange(key)
+                       if json.loads(fields[b"job"])["request_id"] == "handed-off-twice"]
+            return jobs
+        wait_for(queued, what="the request's job queued")
+    key, fields = jobs[0]
+    while len(got) < 5:
+        got.extend(next(events).token_ids)
+    logs = [p.log_path for p in stack.procs if p.name.startswith("prefill")]
+
+    def says(words: str) -> bool:
+        return any(words in open(path).read() for path in logs)
+    r.xadd(key, fields)  # the same job again, as a claim of a dead prefill worker's delivers it
+    wait_for(lambda: says("request handed-off-twice: decode worker") or says("handoff of handed-off-twice"),
+             timeout=30, what="the job prefilled and handed off again")
+    assert says("request handed-off-twice: decode worker") and not says("handoff of handed-off-twice"), \
+        "its second handoff taken for a failure"
+    for ev in events:
+        got.extend(ev.token_ids)
+        last = ev
+    assert last.finish_reason == "length" and len(got) == 150, (last.finish_reason, len(got))
+    assert client.get_request("handed-off-twice").state == "finished"
+    wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV free")
+
+
 def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
     s = _start(prefill=2, claim_idle_ms=1500)
     try:

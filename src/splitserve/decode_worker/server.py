@@ -638,6 +638,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         waits = 0
         deadline = h.lease_deadline_unix or (time.time() + 60)
         slot.held = []
+        cancelled = False  # the call, while its import ran: its KV is kept all the same (aio.outlast_cancel)
         try:
             # Backpressure: wait for blocks rather than refuse. Waiting handoffs take freed blocks
             # in priority order, then in arrival order; one tries only when none waits ahead of it
@@ -647,8 +648,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 while True:
                     if not any(r < rank for r in self.adopt_waiting):
                         try:
-                            first, shared = await self.runner.submit(
-                                lambda e: self._import(e, export, payload, slot.priority))
+                            # An import submitted runs to its end in the engine's thread, even if
+                            # this call is cancelled meanwhile (its producer killed): the engine
+                            # then held a sequence this worker did not know it had, and the job's
+                            # next prefill (claimed by another prefill worker) failed the stream,
+                            # "already in this engine". Its KV, all read, is kept as any other.
+                            (first, shared), cancelled = await aio.outlast_cancel(self.runner.submit(
+                                lambda e: self._import(e, export, payload, slot.priority)))
                             break
                         except CapacityError:
                             pass
@@ -708,6 +714,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         }))
         self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
                                              self.s.request_ttl_s, at_once=True))
+        if cancelled:
+            log.info("request %s: its KV handoff was cancelled as its import ran; adopted all the same",
+                     seq.request_id)
+            raise asyncio.CancelledError()
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
 
     @staticmethod

@@ -683,6 +683,15 @@ class PrefillWorker:
             span.set_attribute("rpc.grpc.status_code", e.code().value[0])
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
                 log.info("request %s was cancelled before its KV arrived", job.request_id)
+            elif e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                # A job claimed from a prefill worker that died after (or as) its handoff went
+                # through: the stream runs on. Before, this failed it, INTERNAL.
+                log.info("request %s: decode worker %s has its KV already (%s)", job.request_id, job.decode_worker,
+                         e.details())
+                try:
+                    self._update(job, {"state": "decoding"})  # (back from the pickup's 'prefilling')
+                except redis.RedisError as e2:
+                    log.warning("could not record %s's state: %s", job.request_id, e2)
             else:
                 log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))

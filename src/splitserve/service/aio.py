@@ -34,3 +34,26 @@ async def wait_for(aw, timeout: float | None):
 def use_fixed_wait_for() -> None:
     if sys.version_info < (3, 12) and asyncio.wait_for is _original_wait_for:
         asyncio.wait_for = wait_for
+
+
+async def outlast_cancel(fut: asyncio.Future) -> tuple[object, bool]:
+    """fut's result, waited for to its end even if this task is cancelled meanwhile, and whether it
+    was: work handed to another thread (the engine's) runs all the same, and what it did must be
+    kept or undone by the caller. If fut fails, its exception is raised, or CancelledError if this
+    task was cancelled (fut did nothing to keep)."""
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(fut), cancelled
+        except asyncio.CancelledError:
+            if fut.cancelled():  # (by its owner, not by a cancel of this task)
+                raise
+            cancelled = True
+            if fut.done():  # done as the cancel came
+                if fut.exception() is not None:
+                    raise
+                return fut.result(), True
+        except BaseException:  # fut's own
+            if cancelled:
+                raise asyncio.CancelledError() from None
+            raise
