@@ -8,7 +8,10 @@ Each client thread loops over requests that mix, seeded:
   - log probabilities, priorities, prompts of 3-300 words: half of them random, half from a pool
     (most of whose prompts share a 160-word system prompt: prefix caching, prefix affinity);
   - chats of 3 turns, each turn's prompt the last one's with its answer and a new question (the
-    decode worker holds part of its KV: partial handoffs).
+    decode worker holds part of its KV: partial handoffs);
+  - structured outputs (a choice, a regex, a JSON Schema) and stop strings, whose text is checked:
+    a whole stream that ended "stop" matches its format, or ends where a stop string began (cut
+    from its text, which holds none of them); one that ended "length" has max_tokens tokens.
 With --invariant (SPLITSERVE_BATCH_INVARIANT: a request's tokens the same whatever shares its
 steps), every stream's tokens are also checked against the others of its prompt and seed: what
 one computed, resumed, preempted or from a cached prefix, another computed otherwise.
@@ -17,7 +20,7 @@ router (restarted on its port); SIGTERM of a router or a prefill worker (restart
 decode worker for 3 s, or of Redis for 2 s.
 
 A problem is: a chaos step that failed (a process sent SIGTERM that did not exit within 30 s); a
-stream with the wrong number of tokens (or, with --invariant, tokens that differ from
+stream with the wrong number of tokens or the wrong text (or, with --invariant, tokens that differ from
 another stream's of the same prompt and seed); INTERNAL, UNKNOWN or INVALID_ARGUMENT (it sends no
 bad request: one is the client library's own re-send); an exception in a client; any
 UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
@@ -34,6 +37,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -56,6 +60,13 @@ CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "s
 EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
 # The soak sends no bad request: INVALID_ARGUMENT is one the client library made (a resume's re-send)
 PROBLEMS = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT"}
+# Formats a stream may be held to, and stop strings it may end at: checked against its text
+FORMATS = [{"choice": ["red", "green", "blue", "a shade of purple that nobody has named yet"]},
+           {"regex": r"[a-z]+( [a-z]+){3,12}\."},
+           {"json_schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                                             "count": {"type": "integer"}},
+                            "required": ["name", "count"], "additionalProperties": False}}]
+STOPS = [[" the"], [".", "!"], ["ing", "ed "]]
 
 
 class Tally:
@@ -68,6 +79,7 @@ class Tally:
         self.seen: dict[tuple, tuple[str, list[int]]] = {}  # (prompt, temperature, seed) -> the longest stream
         self.checked = 0
         self.prompt_tokens = collections.Counter()  # of whole streams: "prompt" and "cached" (prefix caches)
+        self.held = collections.Counter()  # whole streams' samples with a format or stop strings: how they ended
 
     def check(self, rid: str, prompt: str, kw: dict, index: int, tokens: list[int]) -> None:
         """With batch invariance, a sample is a function of its prompt, temperature and seed (sample i
@@ -75,7 +87,8 @@ class Tally:
         if not self.invariant:
             return
         temperature = kw.get("temperature", 0.0)
-        key = (prompt, temperature, kw.get("seed", 0) + index if temperature else None)
+        key = (prompt, temperature, kw.get("seed", 0) + index if temperature else None,
+               json.dumps(kw.get("structured_output"), sort_keys=True), tuple(kw.get("stop", ())))
         with self.lock:
             self.checked += 1
             other, seen = self.seen.get(key, ("", []))
@@ -128,14 +141,48 @@ def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | 
                 if ch.index == 0:  # (each sample's end carries the request's usage)
                     with tally.lock:
                         tally.prompt_tokens.update(prompt=ch.usage.prompt_tokens, cached=ch.usage.cached_tokens)
-    if sorted(finish) != list(range(n)) or any(len(tokens[j]) != kw["max_tokens"] for j in range(n)):
-        tally.add("WRONG", problem=f"{rid}: tokens {dict((j, len(t)) for j, t in tokens.items())}, finished "
-                                   f"{finish}; want {kw['max_tokens']} x {n}")
+    wrong = [f"sample {j}: {why}" for j in range(n) if (why := wrong_end(kw, tokens[j], finish.get(j), text[j]))]
+    if wrong:
+        tally.add("WRONG", problem=f"{rid}: " + "; ".join(wrong)[:600])
         return None
     for j in range(n):
         tally.check(rid, prompt, kw, j, list(tokens[j]))
+    if kw.get("structured_output") or kw.get("stop"):
+        kind = next(iter(kw["structured_output"])) if kw.get("structured_output") else "stop strings"
+        with tally.lock:
+            tally.held.update(f"{kind}, {finish[j]}" for j in range(n))
     tally.add("OK")
     return text[0]
+
+
+def wrong_end(kw: dict, tokens: list[int], finish: str | None, text: str) -> str:
+    """What is wrong with a whole stream's sample (its tokens, how it finished, its text): "" if
+    nothing. It runs to max_tokens unless it has a format or stop strings, and then its text must
+    be theirs."""
+    want, fmt, stops = kw["max_tokens"], kw.get("structured_output"), kw.get("stop", [])
+    if finish == "length":
+        if len(tokens) != want:
+            return f"{len(tokens)} tokens, finished length; want {want}"
+        if any(x in text for x in stops):
+            return f"a stop string in its text {text[-200:]!r}"
+        if fmt and "choice" in fmt and not any(c.startswith(text) for c in fmt["choice"]):
+            return f"text {text!r} is not the start of a choice"
+        return ""
+    if finish != "stop" or not (fmt or stops) or not 0 < len(tokens) <= want:
+        return f"{len(tokens)} tokens, finished {finish}; want {want}" + (" or a stop" if fmt or stops else "")
+    if stops:
+        return f"a stop string in its text {text[-200:]!r}" if any(x in text for x in stops) else ""
+    if "choice" in fmt:
+        return "" if text in fmt["choice"] else f"text {text!r} is not a choice"
+    if "regex" in fmt:
+        return "" if re.fullmatch(fmt["regex"], text) else f"text {text!r} does not match {fmt['regex']!r}"
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        return f"text {text[-200:]!r} is not JSON: {e}"
+    ok = isinstance(doc, dict) and sorted(doc) == ["count", "name"] and isinstance(doc["name"], str) \
+        and isinstance(doc["count"], int) and len(doc["name"]) <= 30
+    return "" if ok else f"JSON {doc!r} does not follow its schema"
 
 
 def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, samples: bool = True) -> None:
@@ -158,6 +205,11 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, sa
             kw.update(n=rng.choice([2, 4]) if samples else 1, temperature=1.0, seed=rng.randrange(100))
         if rng.random() < 0.1:
             kw.update(logprobs=2)
+        held = rng.random()
+        if held < 0.1:
+            kw.update(structured_output=rng.choice(FORMATS))
+        elif held < 0.2:
+            kw.update(stop=rng.choice(STOPS))
         kind = rng.random()
         try:
             if kind < 0.15:  # cancelled mid-stream
@@ -319,6 +371,8 @@ def main(argv=None) -> int:
             print(f"  {n:6d}  {message}")
     print(f"{tally.prompt_tokens['cached']} of the {tally.prompt_tokens['prompt']} prompt tokens of whole streams "
           "from a prefix cache")
+    print("samples with a format or stop strings, their text checked: "
+          + (", ".join(f"{n} {k}" for k, n in sorted(tally.held.items())) or "none"))
     if tally.invariant:
         print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
     print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
