@@ -1256,22 +1256,34 @@ def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_ot
                                                                   ignore_eos=True, timeout=120)))
                 wait_for(lambda: scrape(router.metrics_address)["splitserve_requests_in_flight"] == 1,
                          interval=0.01, what="the request in admission")
-                router.popen.send_signal(signal.SIGTERM)
-                time.sleep(s.settings.drain_s + 1.0)  # the drain ran out; its cut-off is done
-                assert router.popen.poll() is None and not late.done()
-            finally:
+            except BaseException:
                 os.kill(worker, signal.SIGCONT)
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as e:
-                late.result(timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-            assert "stopped before this request finished" in e.value.details(), e.value.details()
-            assert time.monotonic() - t0 < 3.0  # at once, not at the grace's end
-            assert router.popen.wait(30) == 0
-            assert stack_redis_hget(s, "late", "state") == "failed"
+                raise
+            _cut_off_as_the_drain_runs_out(s, late, router, worker)
         s.restart("router")
     finally:
         _finish(s)
+
+
+def _cut_off_as_the_drain_runs_out(s, late: cf.Future, router, stopped: int) -> None:
+    """The router is sent SIGTERM while stream `late` ("late") waits on the decode worker stopped
+    (pid `stopped`); once its drain has run out, the worker goes on. The stream must fail at once,
+    cut off by the router, which exits 0, and the request is recorded failed."""
+    try:
+        router.popen.send_signal(signal.SIGTERM)
+        time.sleep(s.settings.drain_s + 1.0)  # the drain ran out; its cut-off is done
+        assert router.popen.poll() is None and not late.done()
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        late.result(timeout=60)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert "stopped before this request finished" in e.value.details(), e.value.details()
+    assert time.monotonic() - t0 < 3.0  # at once, not at the grace's end
+    assert router.popen.wait(30) == 0
+    assert stack_redis_hget(s, "late", "state") == "failed"
+
 
 def test_a_request_resuming_as_its_routers_drain_runs_out_is_cut_off_as_the_others_were():
     """A stream whose decode worker is killed resumes on the other, which is stopped: it cannot
@@ -1304,19 +1316,10 @@ def test_a_request_resuming_as_its_routers_drain_runs_out_is_cut_off_as_the_othe
                     with open(router.log_path) as f:
                         return "resuming on " + other.name in f.read()
                 wait_for(resuming, interval=0.01, what="the request resuming on the stopped worker")
-                router.popen.send_signal(signal.SIGTERM)
-                time.sleep(s.settings.drain_s + 1.0)  # the drain ran out; its cut-off is done
-                assert router.popen.poll() is None and not late.done()
-            finally:
+            except BaseException:
                 os.kill(other.popen.pid, signal.SIGCONT)
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as e:
-                late.result(timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-            assert "stopped before this request finished" in e.value.details(), e.value.details()
-            assert time.monotonic() - t0 < 3.0  # at once, not at the grace's end
-            assert router.popen.wait(30) == 0
-            assert stack_redis_hget(s, "late", "state") == "failed"
+                raise
+            _cut_off_as_the_drain_runs_out(s, late, router, other.popen.pid)
         s.restart("router")
     finally:
         s.procs = [p for p in s.procs if p.name not in down]
