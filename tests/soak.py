@@ -9,6 +9,8 @@ Each client thread loops over requests that mix, seeded:
     (most of whose prompts share a 160-word system prompt: prefix caching, prefix affinity);
   - chats of 3 turns, each turn's prompt the last one's with its answer and a new question (the
     decode worker holds part of its KV: partial handoffs);
+  - penalties (presence, frequency, repetition), and prompt log probabilities, exactly one per
+    prompt token after the first, however often the stream resumed;
   - structured outputs (a choice, a regex, a JSON Schema) and stop strings, whose text is checked:
     a whole stream that ended "stop" matches its format, or ends where a stop string began (cut
     from its text, which holds none of them); one that ended "length" has max_tokens tokens.
@@ -67,6 +69,7 @@ FORMATS = [{"choice": ["red", "green", "blue", "a shade of purple that nobody ha
                                                              "count": {"type": "integer"}},
                             "required": ["name", "count"], "additionalProperties": False}}]
 STOPS = [[" the"], [".", "!"], ["ing", "ed "]]
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class Tally:
@@ -79,7 +82,9 @@ class Tally:
         self.seen: dict[tuple, tuple[str, list[int]]] = {}  # (prompt, temperature, seed) -> the longest stream
         self.checked = 0
         self.prompt_tokens = collections.Counter()  # of whole streams: "prompt" and "cached" (prefix caches)
-        self.held = collections.Counter()  # whole streams' samples with a format or stop strings: how they ended
+        # whole streams' samples with a format or stop strings (by how they ended), or penalties;
+        # streams with prompt log probabilities
+        self.held = collections.Counter()
 
     def check(self, rid: str, prompt: str, kw: dict, index: int, tokens: list[int]) -> None:
         """With batch invariance, a sample is a function of its prompt, temperature and seed (sample i
@@ -88,7 +93,8 @@ class Tally:
             return
         temperature = kw.get("temperature", 0.0)
         key = (prompt, temperature, kw.get("seed", 0) + index if temperature else None,
-               json.dumps(kw.get("structured_output"), sort_keys=True), tuple(kw.get("stop", ())))
+               json.dumps(kw.get("structured_output"), sort_keys=True), tuple(kw.get("stop", ())),
+               tuple(kw.get(k) for k in PENALTIES))
         with self.lock:
             self.checked += 1
             other, seen = self.seen.get(key, ("", []))
@@ -132,25 +138,35 @@ def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | 
     """A stream with resumes=2, its tokens counted (and with --invariant, checked); its text if whole."""
     n = kw.get("n", 1)
     tokens, finish, text = collections.defaultdict(list), {}, collections.defaultdict(str)
+    scored, prompt_tokens = 0, 0  # prompt log probabilities that came, and the prompt's tokens
     for m in c.generate_stream(prompt, timeout=90, resumes=2, **kw):
         for ch in (m.choices or [m]):
             tokens[ch.index] += ch.token_ids
             text[ch.index] += ch.text
+            scored += len(ch.prompt_logprobs)
             if ch.finish_reason:
                 finish[ch.index] = ch.finish_reason
                 if ch.index == 0:  # (each sample's end carries the request's usage)
+                    prompt_tokens = ch.usage.prompt_tokens
                     with tally.lock:
                         tally.prompt_tokens.update(prompt=ch.usage.prompt_tokens, cached=ch.usage.cached_tokens)
+    if kw.get("prompt_logprobs") is not None and scored != prompt_tokens - 1:
+        tally.add("WRONG", problem=f"{rid}: {scored} prompt log probabilities for a {prompt_tokens}-token prompt")
+        return None
     wrong = [f"sample {j}: {why}" for j in range(n) if (why := wrong_end(kw, tokens[j], finish.get(j), text[j]))]
     if wrong:
         tally.add("WRONG", problem=f"{rid}: " + "; ".join(wrong)[:600])
         return None
     for j in range(n):
         tally.check(rid, prompt, kw, j, list(tokens[j]))
-    if kw.get("structured_output") or kw.get("stop"):
-        kind = next(iter(kw["structured_output"])) if kw.get("structured_output") else "stop strings"
-        with tally.lock:
+    with tally.lock:
+        if kw.get("structured_output") or kw.get("stop"):
+            kind = next(iter(kw["structured_output"])) if kw.get("structured_output") else "stop strings"
             tally.held.update(f"{kind}, {finish[j]}" for j in range(n))
+        if kw.get("prompt_logprobs") is not None:
+            tally.held["prompt log probabilities"] += 1
+        if kw.get("presence_penalty") is not None:
+            tally.held["penalties"] += n
     tally.add("OK")
     return text[0]
 
@@ -205,6 +221,10 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, sa
             kw.update(n=rng.choice([2, 4]) if samples else 1, temperature=1.0, seed=rng.randrange(100))
         if rng.random() < 0.1:
             kw.update(logprobs=2)
+        if rng.random() < 0.1:  # (in the key of --invariant's check)
+            kw.update(zip(PENALTIES, rng.choice([(0.5, 0.0, 1.0), (0.0, 0.4, 1.0), (0.0, 0.0, 1.3), (0.3, 0.2, 1.1)])))
+        if samples and rng.random() < 0.05:  # (padded policies refuse them)
+            kw.update(prompt_logprobs=rng.choice([0, 1]))
         held = rng.random()
         if held < 0.1:
             kw.update(structured_output=rng.choice(FORMATS))
@@ -371,7 +391,8 @@ def main(argv=None) -> int:
             print(f"  {n:6d}  {message}")
     print(f"{tally.prompt_tokens['cached']} of the {tally.prompt_tokens['prompt']} prompt tokens of whole streams "
           "from a prefix cache")
-    print("samples with a format or stop strings, their text checked: "
+    print("whole streams' samples with a format or stop strings (their text checked), or penalties; streams with "
+          "prompt log probabilities (counted): "
           + (", ".join(f"{n} {k}" for k, n in sorted(tally.held.items())) or "none"))
     if tally.invariant:
         print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
