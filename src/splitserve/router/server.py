@@ -500,10 +500,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def _cut(rid: str, a: "Active", why: str) -> None:
+        """Its current call is cancelled even if it has ended already (lost, aborted): one cut as it
+        resumed on another decode worker has a new call since (_resume)."""
         if not (a.lost or a.aborted):
             a.lost, a.lost_code = why, grpc.StatusCode.UNAVAILABLE
             log.warning("request %s: %s", rid, why)
-            a.call.cancel()
+        a.call.cancel()
 
     def _cut_if_stopping(self, rid: str, a: "Active") -> None:
         """A request admitted after its router's drain ran out (its decode worker accepted it late: a
@@ -513,7 +515,6 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         the worker it lost, not the new one."""
         if self.cut:
             self._cut(rid, a, self.cut)
-            a.call.cancel()
 
     # -- this router's lease, and the requests of routers that died ------------------------
 
