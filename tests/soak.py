@@ -79,7 +79,7 @@ class Tally:
         self.messages = collections.Counter()
         self.problems: list[str] = []
         self.invariant = False
-        self.seen: dict[tuple, tuple[str, list[int]]] = {}  # (prompt, temperature, seed) -> the longest stream
+        self.seen: dict[tuple, tuple[str, list[int]]] = {}  # check's key -> the longest stream
         self.checked = 0
         self.prompt_tokens = collections.Counter()  # of whole streams: "prompt" and "cached" (prefix caches)
         # whole streams' samples with a format or stop strings (by how they ended), or penalties;

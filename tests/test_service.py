@@ -1237,7 +1237,6 @@ def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_regis
         _finish(s)
 
 
-
 def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_others_were():
     """A router's drain cut off the requests it held, but not one still in admission (its decode
     worker had not accepted it: a padded batch running there, or a stopped worker): admitted after
@@ -1250,19 +1249,47 @@ def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_ot
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
             worker, router = s.proc("decode-0").popen.pid, s.proc("router")
-            os.kill(worker, signal.SIGSTOP)  # it cannot accept the stream meanwhile
-            try:
+            with _stopped(worker):  # it cannot accept the stream meanwhile
                 late = pool.submit(lambda: list(c.generate_stream("Accepted late", request_id="late", max_tokens=2000,
                                                                   ignore_eos=True, timeout=120)))
                 wait_for(lambda: scrape(router.metrics_address)["splitserve_requests_in_flight"] == 1,
                          interval=0.01, what="the request in admission")
-            except BaseException:
-                os.kill(worker, signal.SIGCONT)
-                raise
-            _cut_off_as_the_drain_runs_out(s, late, router, worker)
+                _cut_off_as_the_drain_runs_out(s, late, router, worker)
         s.restart("router")
     finally:
         _finish(s)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int):
+    """The process stopped (SIGSTOP) inside the block; sent SIGCONT after, always."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def _resuming_on_a_stopped_worker(s, c: Client, pool: cf.Executor, rid: str, prompt: str, down: list):
+    """A 2000-token stream `rid` (a future of its messages, in `got`) part-way on one of the stack's
+    two decode workers, which is then killed (named in `down`) while the other is stopped inside
+    the block: the stream resumes on it, which cannot accept it yet. Yields (the future, got, the
+    stopped worker)."""
+    got = []
+
+    def stream():
+        for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=2000, ignore_eos=True, timeout=120):
+            got.append(chunk)
+    ended = pool.submit(stream)
+    wait_for(lambda: sum(len(m.token_ids) for m in got) >= 5, what="the stream part-way")
+    on = c.get_request(rid).decode_worker.rsplit("-", 1)[0]
+    other = s.proc("decode-1" if on == "decode-0" else "decode-0")
+    with _stopped(other.popen.pid):
+        down.append(on)
+        s.proc(on).popen.kill()
+        s.proc(on).popen.wait()
+        yield ended, got, other
 
 
 def _cut_off_as_the_drain_runs_out(s, late: cf.Future, router, stopped: int) -> None:
@@ -1296,30 +1323,14 @@ def test_a_request_resuming_as_its_routers_drain_runs_out_is_cut_off_as_the_othe
     try:
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
-            got = []
-
-            def stream():
-                for chunk in c.generate_stream("Resumed as its router stops", request_id="late", max_tokens=2000,
-                                               ignore_eos=True, timeout=120):
-                    got.extend(chunk.token_ids)
-            late = pool.submit(stream)
-            wait_for(lambda: len(got) >= 5, what="the stream part-way")
-            on = c.get_request("late").decode_worker.rsplit("-", 1)[0]
-            other, router = s.proc("decode-1" if on == "decode-0" else "decode-0"), s.proc("router")
-            os.kill(other.popen.pid, signal.SIGSTOP)  # it cannot accept the resumed stream meanwhile
-            try:
-                down.append(on)
-                s.proc(on).popen.kill()
-                s.proc(on).popen.wait()
-
+            router = s.proc("router")
+            with _resuming_on_a_stopped_worker(s, c, pool, "late", "Resumed as its router stops", down) as \
+                    (late, _, other):
                 def resuming():
                     with open(router.log_path) as f:
                         return "resuming on " + other.name in f.read()
                 wait_for(resuming, interval=0.01, what="the request resuming on the stopped worker")
-            except BaseException:
-                os.kill(other.popen.pid, signal.SIGCONT)
-                raise
-            _cut_off_as_the_drain_runs_out(s, late, router, other.popen.pid)
+                _cut_off_as_the_drain_runs_out(s, late, router, other.popen.pid)
         s.restart("router")
     finally:
         s.procs = [p for p in s.procs if p.name not in down]
@@ -1337,31 +1348,15 @@ def test_a_request_aborted_as_it_resumes_on_another_decode_worker_ends_cancelled
     try:
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
-            got, ends = [], []
-
-            def stream():
-                for chunk in c.generate_stream("Aborted as it resumes", request_id="aborted", max_tokens=2000,
-                                               ignore_eos=True, timeout=120):
-                    got.extend(chunk.token_ids)
-                    ends.append(chunk.finish_reason)
-            ended = pool.submit(stream)
-            wait_for(lambda: len(got) >= 5, what="the stream part-way")
-            on = c.get_request("aborted").decode_worker.rsplit("-", 1)[0]
-            other = s.proc("decode-1" if on == "decode-0" else "decode-0")
-            os.kill(other.popen.pid, signal.SIGSTOP)
-            try:
-                down.append(on)
-                s.proc(on).popen.kill()
-                s.proc(on).popen.wait()
+            with _resuming_on_a_stopped_worker(s, c, pool, "aborted", "Aborted as it resumes", down) as \
+                    (ended, got, other):
                 wait_for(lambda: stack_redis_hget(s, "aborted", "decode_worker").startswith(other.name + "-"),
                          interval=0.01, what="the resume queued for the stopped worker")
                 assert c.abort("aborted").found
                 time.sleep(0.5)
                 assert not ended.done()
-            finally:
-                os.kill(other.popen.pid, signal.SIGCONT)
             ended.result(timeout=30)
-            assert ends[-1] == "cancelled", ends[-5:]
+            assert got[-1].finish_reason == "cancelled", [m.finish_reason for m in got[-5:]]
             assert c.get_request("aborted").state == "cancelled"
     finally:
         s.procs = [p for p in s.procs if p.name not in down]
