@@ -125,7 +125,8 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     has) while it has not ended and was not aborted, within the bounds themselves, as a new leg
     whose pickup returns its counts (under a marker of its own). A job of an earlier leg still
     queued is superseded: its pickup returns its own counts and skips it; its worker's report of a
-    failure is ignored. Its decode worker prefilling it instead, it enters no count."""
+    failure is ignored, as is anything else it writes, or a decode worker of that leg (taken for
+    lost, adopting its KV late). Its decode worker prefilling it instead, it enters no count."""
     keys = Keys("rs")
     resume, pickup, abort, update = (r.register_script(x) for x in (RESUME_LUA, PICKUP_LUA, ABORT_LUA, UPDATE_LUA))
     stream = keys.stream_for(0)
@@ -162,11 +163,23 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     assert pickup(keys=[keys.admission, keys.req("q")], args=[100, 1, time.time(), "prefill-x", 0]) == "superseded"
     assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "130", "local_tokens": "0"}
     assert r.hget(keys.req("q"), "state") == "queued"
-    # the first job's worker fails it (its handoff to the lost worker): ignored; the new leg's is not
-    update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff", "t_x": 1}))
-    assert r.hget(keys.req("q"), "state") == "queued" and r.hget(keys.req("q"), "t_x") == "1"
-    assert "_leg" not in r.hgetall(keys.req("q"))
+    # the first job's worker fails it (its handoff to the lost worker): ignored, all of it; so is
+    # the lost worker's late 'decoding' (before, it wrote its name and times over the new leg's)
+    before = r.hgetall(keys.req("q"))
+    assert update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff",
+                                                          "t_x": 1})) == 1
+    assert update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-0",
+                                                          "t_kv_done": 3, "_leg": 0})) == 1
+    assert r.hgetall(keys.req("q")) == before and before["decode_worker"] == "decode-9"
+    update(keys=[keys.req("q")], args=update_args({"_leg": 1, "t_x": 1}))
+    assert r.hget(keys.req("q"), "t_x") == "1" and "_leg" not in r.hgetall(keys.req("q"))
     assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 1, time.time(), "prefill-x", 0, 1]) == "prefilling"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
+    # its handoff went through (the new leg's decode worker says so), and its prefill worker died
+    # before its ack: the claim's pickup skips it, not prefilled again, the counts untouched
+    update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-9", "_leg": 1}))
+    assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 0, time.time(), "prefill-y", 0, 1]) == "decoding"
+    assert r.hget(keys.req("q"), "state") == "decoding" and r.hget(keys.req("q"), "prefill_worker") == "prefill-x"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
     update(keys=[keys.req("q")], args=update_args({"_leg": 1, "state": "failed", "error": "handoff"}))
     assert r.hget(keys.req("q"), "state") == "failed"

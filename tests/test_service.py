@@ -2164,43 +2164,100 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
     wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV free")
 
 
-def test_a_job_prefilled_again_after_its_handoff_went_through_leaves_its_stream_running(stack, client):
-    """A job claimed from a prefill worker that died after (or as) its KV handoff went through is
-    prefilled again, and its decode worker answers the second handoff ALREADY_EXISTS. Before, the
-    prefill worker took that for a failed handoff and failed the running stream, INTERNAL. Now
-    the stream runs on to its end, and its state reads decoding again."""
-    import json
-
+@pytest.mark.parametrize("recorded", [True, False], ids=["decoding-recorded", "decoding-not-yet-recorded"])
+def test_a_job_claimed_after_its_handoff_went_through_leaves_its_stream_running(stack, client, recorded):
+    """A job claimed from a prefill worker that died after (or as) its KV handoff went through.
+    Its decode worker has recorded 'decoding' (with its leg): the pickup skips the job, not
+    prefilled again (before, it was). Not yet recorded (Redis slow): the job is prefilled again
+    and its decode worker answers the second handoff ALREADY_EXISTS, which the prefill worker takes
+    for "handed off" (before, for a failed handoff: the running stream failed, INTERNAL). Either
+    way the stream runs on to its end."""
     r = stack.redis()
+    rid = f"handed-off-twice-{recorded}"
     got = []
     with _prefill_paused(stack):  # its job stays in the stream, to be read
-        stream = client.generate_stream("Count the stars one by one.", request_id="handed-off-twice",
+        stream = client.generate_stream("Count the stars one by one.", request_id=rid,
                                         max_tokens=150, ignore_eos=True, timeout=120)
         events = iter(stream)
         jobs = []
 
         def queued():
             jobs[:] = [(key, fields) for key in stack.keys.streams for _, fields in r.xrange(key)
-                       if json.loads(fields[b"job"])["request_id"] == "handed-off-twice"]
+                       if json.loads(fields[b"job"])["request_id"] == rid]
             return jobs
         wait_for(queued, what="the request's job queued")
     key, fields = jobs[0]
     while len(got) < 5:
         got.extend(next(events).token_ids)
+    wait_for(lambda: r.hget(stack.keys.req(rid), "state") == b"decoding", what="its adoption recorded")
     logs = [p.log_path for p in stack.procs if p.name.startswith("prefill")]
 
     def says(words: str) -> bool:
         return any(words in open(path).read() for path in logs)
+    if not recorded:
+        r.hset(stack.keys.req(rid), "state", "prefilling")  # as its pickup left it, the adoption's write not landed
     r.xadd(key, fields)  # the same job again, as a claim of a dead prefill worker's delivers it
-    wait_for(lambda: says("request handed-off-twice: decode worker") or says("handoff of handed-off-twice"),
-             timeout=30, what="the job prefilled and handed off again")
-    assert says("request handed-off-twice: decode worker") and not says("handoff of handed-off-twice"), \
-        "its second handoff taken for a failure"
+    skipped, again = f"request {rid}: its decode worker has its KV already", f"request {rid}: decode worker"
+    wait_for(lambda: says(skipped) or says(again) or says(f"handoff of {rid}"), timeout=30,
+             what="the job skipped, or prefilled and handed off again")
+    assert says(skipped if recorded else again) and not says(again if recorded else skipped), \
+        "skipped at its pickup" if not recorded else "prefilled again"
+    assert not says(f"handoff of {rid}"), "its second handoff taken for a failure"
+    if not recorded:
+        wait_for(lambda: r.hget(stack.keys.req(rid), "state") in (b"decoding", b"finished"),
+                 what="its state back to decoding")
     for ev in events:
         got.extend(ev.token_ids)
         last = ev
     assert last.finish_reason == "length" and len(got) == 150, (last.finish_reason, len(got))
-    assert client.get_request("handed-off-twice").state == "finished"
+    assert client.get_request(rid).state == "finished"
+    wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV free")
+
+
+def test_a_handoff_first_token_or_failure_of_another_leg_is_refused_and_a_late_legs_record_dropped(stack):
+    """A request that resumed (its decode worker lost) is a new leg; a job of an earlier one,
+    prefilled all the same, must not feed a later leg's stream should that come back to the same
+    decode worker: its first token is dropped, its failure leaves the stream alone, its handoff is
+    NOT_FOUND. And a decode worker of an earlier leg (taken for lost, then adopting its KV late)
+    writes nothing on the request: before, its 'decoding', its name and times landed on the new
+    leg's, and a job of the new leg claimed then would have been skipped for it."""
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    r = stack.redis()
+    address = next(x["address"] for x in workers(stack, "decode") if x["worker_id"].startswith("decode-0-"))
+    for rid, resumed in (("of-leg-2", 2), ("late-leg-0", 1)):  # the hashes as the legs' routers left them
+        r.hset(stack.keys.req(rid), mapping={"state": "queued", "resumed": resumed, "decode_worker": "decode-new"})
+        r.expire(stack.keys.req(rid), 120)
+
+    def sequence(rid, leg):
+        seq = w.SequenceState(request_id=rid, prompt_len=4, token_ids=[101, 102, 103, 104, 105], leg=leg)
+        seq.sampling.max_tokens, seq.sampling.ignore_eos = 12, True
+        return seq
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        late = stub.Decode(w.DecodeRequest(request_id="late-leg-0", prompt_tokens=4, leg=0), timeout=120)
+        assert next(late).accepted
+        stub.PutKVStream(iter(_kv_chunks(stack, sequence("late-leg-0", 0), 4)), timeout=30)  # (its own leg: taken)
+        decode = stub.Decode(w.DecodeRequest(request_id="of-leg-2", prompt_tokens=4, leg=2), timeout=120)
+        assert next(decode).accepted
+        stub.FirstToken(w.FirstTokenRequest(request_id="of-leg-2", token_ids=[7], text="x", leg=0), timeout=10)
+        assert not stub.Fail(w.FailRequest(request_id="of-leg-2", code=13, message="old leg", leg=0), timeout=10).ended
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PutKVStream(iter(_kv_chunks(stack, sequence("of-leg-2", 0), 4)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "sequence.leg" in e.value.details(), e.value.details()
+        stub.PutKVStream(iter(_kv_chunks(stack, sequence("of-leg-2", 2), 4)), timeout=30)
+        events = list(decode)
+        tokens = [t for ev in events for t in ev.token_ids]
+        assert events[-1].finish_reason == "length" and not events[-1].error, events[-1]
+        assert len(tokens) == 12 and tokens[0] == 105, tokens  # (not the old leg's first token, 7)
+        assert [t for ev in late for t in ev.token_ids][0] == 105
+    wait_for(lambda: r.hget(stack.keys.req("of-leg-2"), "state") == b"decoding", what="the leg's adoption recorded")
+    assert r.hget(stack.keys.req("of-leg-2"), "decode_worker").startswith(b"decode-0")
+    late_hash = r.hgetall(stack.keys.req("late-leg-0"))  # (written before the one just seen, had it been written)
+    assert late_hash[b"state"] == b"queued" and late_hash[b"decode_worker"] == b"decode-new", late_hash
+    assert b"t_kv_done" not in late_hash
+    r.delete(stack.keys.req("of-leg-2"), stack.keys.req("late-leg-0"))
     wait_for(lambda: kv_idle(stack), timeout=30, what="every worker's KV free")
 
 

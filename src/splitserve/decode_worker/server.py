@@ -92,6 +92,7 @@ class Slot:
     held: list | None = None
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
+    leg: int | None = None  # DecodeRequest.leg (None: not said): a handoff or first token must be of it
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
     prefill_worker: str = ""  # the prefill worker that prefilled it ("": this worker)
     trace: tracing.rpc_span | None = None  # the Decode server span
@@ -106,6 +107,11 @@ class Slot:
     def completion_tokens(self) -> int:
         """Sent so far, of all its samples."""
         return sum(self.sample_tokens.values())
+
+
+def _other_leg(slot: Slot, sent: w_pb.SequenceState | w_pb.FirstTokenRequest | w_pb.FailRequest) -> bool:
+    """A handoff, first token or failure of another leg of the request than its stream here is (both said)."""
+    return slot.leg is not None and sent.HasField("leg") and sent.leg != slot.leg
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -151,7 +157,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
-        slot = Slot(rid, request.deadline_unix, priority=request.priority, prompt_tokens=max(0, request.prompt_tokens))
+        slot = Slot(rid, request.deadline_unix, priority=request.priority, prompt_tokens=max(0, request.prompt_tokens),
+                    leg=request.leg if request.HasField("leg") else None)
         self.ended.pop(rid, None)
         early = self.cancelled.pop(rid, None)
         full = f"{SERVICE}/Decode"
@@ -454,6 +461,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _relay_first(self, slot: Slot, request: w_pb.FirstTokenRequest, via: str) -> None:
         if slot.first_sent or slot.done:  # the KV got here first and its token went out already
             return
+        if _other_leg(slot, request):  # a job superseded when the request resumed (see _slot_for)
+            self._drop_first(request, "other_leg", NotFound(f"leg {request.leg}, not the stream's {slot.leg}"))
+            return
         slot.first_sent = True
         self.metrics.first_tokens.labels(via).inc()
         completion = request.resumed_tokens + len(request.token_ids)
@@ -490,6 +500,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if code is None or code == grpc.StatusCode.OK:
             raise Invalid(f"code: {request.code} is not a gRPC error status (1..16)")
         slot = await self._stream(request.request_id)
+        if _other_leg(slot, request):  # a superseded job's failure: not this stream's
+            return w_pb.FailResponse(ended=False)
         return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name,
                                                             request.handoff_lost))
 
@@ -568,6 +580,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot = await self._stream(seq.request_id)
         if slot.done:
             raise NotFound(f"request {seq.request_id!r} has ended here (cancelled)")
+        if _other_leg(slot, seq):  # a job superseded as the request resumed, prefilled all the same, and a later
+            # leg of the request back on this worker: that job's KV is not this stream's
+            raise NotFound(f"sequence.leg: request {seq.request_id!r} is of leg {slot.leg} here, not {seq.leg} "
+                           "(superseded: its decode worker was lost)")
         if slot.imported or slot.prefill_start:
             raise AlreadyExists(f"request {seq.request_id!r} already has its KV here (or is prefilled here)")
         if slot.prompt_tokens and seq.prompt_len != slot.prompt_tokens:  # another request's KV, or a bad producer
@@ -708,10 +724,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._on_output(slot, out)
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
         # While Redis does not answer, written once it does (GetRequest's timestamps, transport, bytes).
+        # With its leg: a worker taken for lost, that adopts it late, must not write over the next leg's.
         adopted = functools.partial(self.update_script, keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        }))
+        } | ({"_leg": slot.leg} if slot.leg is not None else {})))
         self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
                                              self.s.request_ttl_s, at_once=True))
         if cancelled:

@@ -267,6 +267,6 @@ class DecodeMetrics(EngineMetrics):
         self.first_tokens = self.c("first_tokens", "First tokens sent on Decode streams, by where they came from: "
                                    "stream (FirstTokens), call (FirstToken), kv (with the KV: no token came "
                                    "ahead of it), local (prefilled here)", ["via"])
-        self.first_tokens_dropped = self.c("first_tokens_dropped", "FirstTokens stream messages dropped (invalid, or "
-                                           "no Decode stream open for the request): the KV handoff carries the "
-                                           "token instead", ["reason"])
+        self.first_tokens_dropped = self.c("first_tokens_dropped", "FirstTokens stream messages dropped (invalid, no "
+                                           "Decode stream open for the request, or of another leg of it): the KV "
+                                           "handoff carries the token instead", ["reason"])

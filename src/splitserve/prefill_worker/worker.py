@@ -63,10 +63,14 @@ def _state(raw) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
-def _skipped(outcome: str) -> str:
-    """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue, or
-    taken back by its router for its decode worker to prefill."""
-    return {"expired": "expired", "local": "taken_back", "superseded": "superseded"}.get(outcome, "skipped_cancelled")
+def _skipped(outcome: str, request_id: str) -> str:
+    """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue,
+    taken back by its router for its decode worker to prefill, or handed off already."""
+    if outcome == "decoding":
+        log.info("request %s: its decode worker has its KV already (its prefill worker died before acking the job): "
+                 "not prefilled again", request_id)
+    return {"expired": "expired", "local": "taken_back", "superseded": "superseded",
+            "decoding": "handed_off"}.get(outcome, "skipped_cancelled")
 
 
 def _wants_it_whole(e: grpc.RpcError) -> bool:
@@ -434,7 +438,7 @@ class PrefillWorker:
             }).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
             self._ack(stream, entry_id)  # cancelled while queued, finished, expired or taken back: skip it
-            self.metrics.jobs.labels(_skipped(outcome)).inc()
+            self.metrics.jobs.labels(_skipped(outcome, job.request_id)).inc()
             return
         if (old := self.peers.follow(job.decode_address, job.decode_epoch)) is not None:
             log.info("decode worker at %s restarted: connecting to it anew", job.decode_address)
@@ -478,7 +482,7 @@ class PrefillWorker:
             fl.pickup = None
             if outcome != "prefilling":
                 self._abandon(fl, {"splitserve.skipped": outcome or "pickup failed"},
-                              _skipped(outcome) if outcome is not None else None)
+                              _skipped(outcome, fl.job.request_id) if outcome is not None else None)
 
     def _drop_cancelled(self) -> None:
         """Abort the held jobs whose requests ended while they waited or were being prefilled (the
@@ -618,7 +622,7 @@ class PrefillWorker:
                                      queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
                                      cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs),
                                      prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs),
-                                     prefill_worker=self.name, resumed_tokens=job.resumed)
+                                     prefill_worker=self.name, resumed_tokens=job.resumed, leg=job.leg)
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return
@@ -640,6 +644,7 @@ class PrefillWorker:
         if text is not None:
             seq.text = text
         seq.prefill_end_unix, seq.cached_tokens, seq.prefill_worker = fl.t_end, fl.cached_tokens, self.name
+        seq.leg = job.leg
         span = fl.kv_span
         transport = "none"
         kept = export.start > 0  # the engine keeps the KV for this handoff (on_output)
@@ -681,8 +686,8 @@ class PrefillWorker:
             span.set_attribute("rpc.grpc.status_code", 0)
         except grpc.RpcError as e:
             span.set_attribute("rpc.grpc.status_code", e.code().value[0])
-            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
-                log.info("request %s was cancelled before its KV arrived", job.request_id)
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):  # (or it is of a later leg there)
+                log.info("request %s's stream ended before its KV arrived: %s", job.request_id, e.details())
             elif e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A job claimed from a prefill worker that died after (or as) its handoff went
                 # through: the stream runs on. Before, this failed it, INTERNAL.
@@ -746,10 +751,10 @@ class PrefillWorker:
 
     def _fail(self, job: Job, code: grpc.StatusCode, message: str, handoff_lost: bool = False) -> None:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""
-        self._fail_stream(job.request_id, job.decode_address, code, message, handoff_lost)
+        self._fail_stream(job.request_id, job.decode_address, code, message, handoff_lost, job.leg)
 
     def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str,
-                     handoff_lost: bool = False) -> None:
+                     handoff_lost: bool = False, leg: int | None = None) -> None:
         """An address this worker has not dialled (one read from a malformed entry) gets a channel of
         its own, closed afterwards, so unreadable entries cannot grow the cached stubs."""
         channel = None
@@ -760,7 +765,7 @@ class PrefillWorker:
                 channel = grpc.insecure_channel(address, options=options(self.s.keepalive_s))
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message,
-                                       handoff_lost=handoff_lost), timeout=5)
+                                       handoff_lost=handoff_lost, leg=leg), timeout=5)
         except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
             log.info("could not end %s's decode stream with %s: %s", request_id, code.name, e)
         finally:

@@ -1004,7 +1004,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
         dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline,
-                                  priority=request.priority)
+                                  priority=request.priority, leg=0)
         if local:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids + carried)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
@@ -1317,7 +1317,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
                                | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id,
                                   "splitserve.resumed_tokens": carried})
-        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority)
+        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority,
+                                  leg=a.resumes)
         if samples:
             dreq.prompt_token_ids.extend(ids)
             dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in samples)

@@ -204,15 +204,17 @@ return {state, got[2] or ''}
 # A worker records progress on a request: only on a hash that exists (one that expired, or that a
 # Redis restarted empty lost, is not recreated without a TTL), and never moving a request out of
 # a final state (a late "decoding" must not hide "cancelled"). KEYS[1] the request hash; ARGV
-# field, value, ...; a pair ('_leg', n) says it is of leg n's job (RESUME_LUA): its state is
-# ignored once the request has resumed past it. Returns 1 if the hash exists.
+# field, value, ...; a pair ('_leg', n) says it is of leg n (RESUME_LUA): a job's, or a decode
+# stream's: nothing is written once the request has resumed past it (a job superseded, a decode
+# worker taken for lost that adopts the KV late: their state, worker and times are not the new
+# leg's). Returns 1 if the hash exists.
 UPDATE_LUA = _IS_FINAL + """
 local got = redis.call('HMGET', KEYS[1], 'state', 'resumed')
 local state = got[1]
 if not state then return 0 end
 local final = is_final(state)
 for i = 1, #ARGV, 2 do
-  if ARGV[i] == '_leg' and tonumber(ARGV[i + 1]) < tonumber(got[2] or '0') then final = true end
+  if ARGV[i] == '_leg' and tonumber(ARGV[i + 1]) < tonumber(got[2] or '0') then return 1 end
 end
 local args = {}
 for i = 1, #ARGV, 2 do
@@ -348,13 +350,15 @@ end
 # 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none), the job's
 # leg (RESUME_LUA). Returns "prefilling", "expired" (marked failed), "superseded" (the request has
 # resumed past this job's leg: its counts returned), "local" (taken back by its router: its
-# decode worker prefills it, and its router returns the counts, TAKE_BACK_LUA), or the final
-# state / "" of a request that is no longer wanted.
+# decode worker prefills it, and its router returns the counts, TAKE_BACK_LUA), "decoding" (a job
+# claimed from a prefill worker that died after its handoff went through: this leg's decode
+# worker has the KV, and said so; every write of 'decoding' carries its leg, UPDATE_LUA), or the
+# final state / "" of a request that is no longer wanted.
 PICKUP_LUA = (_IS_FINAL + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
               + _LEAVE_QUEUE + "return 'superseded'\nend\n"
               + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
-if not state or is_final(state) then
+if not state or is_final(state) or state == 'decoding' then
   return state or ''
 end
 local deadline = tonumber(ARGV[5])
