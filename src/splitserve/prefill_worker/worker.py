@@ -65,7 +65,7 @@ def _state(raw) -> str:
 
 def _skipped(outcome: str, request_id: str) -> str:
     """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue,
-    taken back by its router for its decode worker to prefill, or handed off already."""
+    taken back by its router for its decode worker to prefill, or handed off already (logged)."""
     if outcome == "decoding":
         log.info("request %s: its decode worker has its KV already (its prefill worker died before acking the job): "
                  "not prefilled again", request_id)
@@ -437,7 +437,7 @@ class PrefillWorker:
                 "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
             }).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
-            self._ack(stream, entry_id)  # cancelled while queued, finished, expired or taken back: skip it
+            self._ack(stream, entry_id)  # cancelled while queued, finished, expired, taken back or handed off: skip it
             self.metrics.jobs.labels(_skipped(outcome, job.request_id)).inc()
             return
         if (old := self.peers.follow(job.decode_address, job.decode_epoch)) is not None:
