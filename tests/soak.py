@@ -19,7 +19,8 @@ steps), every stream's tokens are also checked against the others of its prompt 
 one computed, resumed, preempted or from a cached prefix, another computed otherwise.
 Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefill worker or a
 router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
-decode worker for 3 s, or of Redis for 2 s.
+decode worker for 3 s (not long enough to be taken for lost), or for 3 × KEEPALIVE_S (taken for
+lost: its streams resume elsewhere, and it goes on after), or of Redis for 2 s.
 
 A problem is: a chaos step that failed (a process sent SIGTERM that did not exit within 30 s); a
 stream with the wrong number of tokens or the wrong text (or, with --invariant, tokens that differ from
@@ -58,7 +59,8 @@ from splitserve.stack import Stack  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven lighthouse keepers count waves".split()
 CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "stop redis", "kill decode-0",
-         "term prefill-1", "kill router"]
+         "term prefill-1", "hang decode-1", "kill router"]
+KEEPALIVE_S = 2.0
 EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
 # The soak sends no bad request: INVALID_ARGUMENT is one the client library made (a resume's re-send)
 PROBLEMS = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT"}
@@ -286,9 +288,9 @@ def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float,
                 os.kill(stack.redis_proc.pid, signal.SIGCONT)
                 continue
             p = stack.proc(name)
-            if what == "stop":
+            if what in ("stop", "hang"):
                 os.kill(p.popen.pid, signal.SIGSTOP)
-                time.sleep(3)
+                time.sleep(3 if what == "stop" else 3 * KEEPALIVE_S)
                 os.kill(p.popen.pid, signal.SIGCONT)
                 continue
             p.popen.send_signal(signal.SIGKILL if what == "kill" else signal.SIGTERM)
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
 
     settings = Settings.from_env(kv_cache_bytes=a.kv_mb << 20, mode=a.mode, prefill_kv_cache_bytes=128 << 20,
                                  arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=1500,
-                                 keepalive_s=2.0, batch_invariant=a.invariant or None)
+                                 keepalive_s=KEEPALIVE_S, batch_invariant=a.invariant or None)
     stack = Stack(settings, prefill=0 if a.mode == "colocated" else 2, decode=2, routers=2).start()
     print(f"stack up: routers {stack.router_addresses}, logs in {stack.run_dir}", flush=True)
     tally = Tally()
