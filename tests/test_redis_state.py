@@ -175,11 +175,14 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     assert r.hget(keys.req("q"), "t_x") == "1" and "_leg" not in r.hgetall(keys.req("q"))
     assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 1, time.time(), "prefill-x", 0, 1]) == "prefilling"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
-    # its handoff went through (the new leg's decode worker says so), and its prefill worker died
-    # before its ack: the claim's pickup skips it, not prefilled again, the counts untouched
-    update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-9", "_leg": 1}))
-    assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 0, time.time(), "prefill-y", 0, 1]) == "decoding"
-    assert r.hget(keys.req("q"), "state") == "decoding" and r.hget(keys.req("q"), "prefill_worker") == "prefill-x"
+    # its handoff went through (the new leg's decode worker says so, with the leg), and its prefill
+    # worker died before its ack: the claim's pickup skips it, not prefilled again, the counts
+    # untouched. Said by a worker of an older release (no leg), or of another leg: prefilled again.
+    for said, outcome in (({}, "prefilling"), ({"kv_leg": 0}, "prefilling"), ({"kv_leg": 1}, "decoding")):
+        update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-9", "_leg": 1,
+                                                       **said}))
+        assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 0, time.time(), "prefill-y", 0, 1]) == outcome
+    assert r.hget(keys.req("q"), "state") == "decoding" and r.hget(keys.req("q"), "prefill_worker") == "prefill-y"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
     update(keys=[keys.req("q")], args=update_args({"_leg": 1, "state": "failed", "error": "handoff"}))
     assert r.hget(keys.req("q"), "state") == "failed"

@@ -728,7 +728,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         adopted = functools.partial(self.update_script, keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        } | ({"_leg": slot.leg} if slot.leg is not None else {})))
+        } | ({"_leg": slot.leg, "kv_leg": slot.leg} if slot.leg is not None else {})))
         self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
                                              self.s.request_ttl_s, at_once=True))
         if cancelled:

@@ -352,14 +352,18 @@ end
 # resumed past this job's leg: its counts returned), "local" (taken back by its router: its
 # decode worker prefills it, and its router returns the counts, TAKE_BACK_LUA), "decoding" (a job
 # claimed from a prefill worker that died after its handoff went through: this leg's decode
-# worker has the KV, and said so; every write of 'decoding' carries its leg, UPDATE_LUA), or the
+# worker has the KV, and said so: 'kv_leg', written with 'decoding' by a worker that knows the
+# leg, UPDATE_LUA; one of an older release writes none, and the job is prefilled again), or the
 # final state / "" of a request that is no longer wanted.
 PICKUP_LUA = (_IS_FINAL + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
               + _LEAVE_QUEUE + "return 'superseded'\nend\n"
               + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
 local state = redis.call('HGET', KEYS[2], 'state')
-if not state or is_final(state) or state == 'decoding' then
+if not state or is_final(state) then
   return state or ''
+end
+if state == 'decoding' and tonumber(redis.call('HGET', KEYS[2], 'kv_leg') or '-1') == tonumber(ARGV[6] or '0') then
+  return state
 end
 local deadline = tonumber(ARGV[5])
 if deadline > 0 and deadline < tonumber(ARGV[3]) then
