@@ -19,8 +19,10 @@ steps), every stream's tokens are also checked against the others of its prompt 
 one computed, resumed, preempted or from a cached prefix, another computed otherwise.
 Every 12 s (unless --no-chaos), the next of: kill -9 of a decode worker, a prefill worker or a
 router (restarted on its port); SIGTERM of a router or a prefill worker (restarted); SIGSTOP of a
-decode worker for 3 s (not long enough to be taken for lost), or for 3 × KEEPALIVE_S (taken for
-lost: its streams resume elsewhere, and it goes on after), or of Redis for 2 s.
+decode worker for 3 s (not long enough to be taken for lost), of a decode or a prefill worker for
+HANG_S (a decode worker is taken for lost: its streams resume elsewhere, and it goes on after; a
+prefill worker's jobs are claimed and prefilled by the other, handed off already or not), or of
+Redis for 2 s.
 
 A problem is: a chaos step that failed (a process sent SIGTERM that did not exit within 30 s); a
 stream with the wrong number of tokens or the wrong text (or, with --invariant, tokens that differ from
@@ -59,8 +61,9 @@ from splitserve.stack import Stack  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven lighthouse keepers count waves".split()
 CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "stop redis", "kill decode-0",
-         "term prefill-1", "hang decode-1", "kill router"]
-KEEPALIVE_S = 2.0
+         "term prefill-1", "hang decode-1", "kill router", "hang prefill-0"]
+KEEPALIVE_S, CLAIM_IDLE_MS = 2.0, 1500
+HANG_S = 3 * max(KEEPALIVE_S, CLAIM_IDLE_MS / 1000)
 EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
 # The soak sends no bad request: INVALID_ARGUMENT is one the client library made (a resume's re-send)
 PROBLEMS = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT"}
@@ -290,7 +293,7 @@ def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float,
             p = stack.proc(name)
             if what in ("stop", "hang"):
                 os.kill(p.popen.pid, signal.SIGSTOP)
-                time.sleep(3 if what == "stop" else 3 * KEEPALIVE_S)
+                time.sleep(3 if what == "stop" else HANG_S)
                 os.kill(p.popen.pid, signal.SIGCONT)
                 continue
             p.popen.send_signal(signal.SIGKILL if what == "kill" else signal.SIGTERM)
@@ -352,7 +355,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     settings = Settings.from_env(kv_cache_bytes=a.kv_mb << 20, mode=a.mode, prefill_kv_cache_bytes=128 << 20,
-                                 arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=1500,
+                                 arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
                                  keepalive_s=KEEPALIVE_S, batch_invariant=a.invariant or None)
     stack = Stack(settings, prefill=0 if a.mode == "colocated" else 2, decode=2, routers=2).start()
     print(f"stack up: routers {stack.router_addresses}, logs in {stack.run_dir}", flush=True)
