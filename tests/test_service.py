@@ -2220,7 +2220,7 @@ def test_a_handoff_first_token_or_failure_of_another_leg_is_refused_and_a_late_l
     decode worker: its first token is dropped, its failure leaves the stream alone, its handoff is
     NOT_FOUND. And a decode worker of an earlier leg (taken for lost, then adopting its KV late)
     writes nothing on the request: before, its 'decoding', its name and times landed on the new
-    leg's, and a job of the new leg claimed then would have been skipped for it."""
+    leg's. Its 'kv_leg' is what a claim's pickup reads before it skips a job as handed off."""
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
 
