@@ -577,6 +577,81 @@ def test_a_status_that_can_no_longer_be_sent_ends_the_handler_as_a_cancel_not_a_
         asyncio.run(_guarded(Ended(1.5), fails))
 
 
+def test_a_streamed_message_that_can_no_longer_be_written_ends_the_handler_as_a_cancel_and_closes_it():
+    """A streaming handler's message whose write fails as the RPC ends (its deadline passed, or its
+    client went, before gRPC cancelled the handler; seen once in a soak: a decode worker's stream
+    of 0.05-1 s deadline): gRPC, given the message by a yield, logged its ExecuteBatchError as an
+    error of the servicer, with a traceback, and the handler's generator was left to the garbage
+    collector. The interceptor now writes the messages itself: such a write ends the handler as a
+    cancel, its generator closed at once (its cleanup run). Any other failure to write is still
+    answered INTERNAL, the generator closed too."""
+    import asyncio
+    import inspect
+    import types
+
+    from splitserve.service.errors import ErrorInterceptor
+
+    class ExecuteBatchError(Exception):  # (gRPC's own is private: it is told by its name)
+        pass
+
+    def run(fails_with):
+        """(messages written, the handler's cleanup run, statuses aborted with, how the call ended)"""
+        written, closed, aborted = [], [], []
+
+        class Context:  # the part of a ServicerContext the interceptor uses, for an RPC ending meanwhile
+            async def write(self, message):
+                if written:
+                    raise fails_with
+                written.append(message)
+
+            async def abort(self, code, message):
+                aborted.append(code)
+                raise grpc.aio.AbortError()
+
+            def set_trailing_metadata(self, metadata):
+                pass
+
+            def time_remaining(self):
+                return 1.5  # (gRPC has not yet said the RPC ended)
+
+            def cancelled(self):
+                return False
+
+            def done(self):
+                return False
+
+        async def stream(request, context):
+            try:
+                for message in ("first", "second", "third"):
+                    yield message
+            finally:
+                closed.append(True)
+
+        async def main():
+            async def continuation(details):
+                return grpc.unary_stream_rpc_method_handler(stream)
+            wrapped = await ErrorInterceptor().intercept_service(continuation, types.SimpleNamespace(method="/x.Y/Z"))
+            handler, context = wrapped.unary_stream, Context()
+            try:  # as gRPC runs it: a handler that yields has its messages written by gRPC
+                if inspect.isasyncgenfunction(handler):
+                    async for message in handler("request", context):
+                        await context.write(message)
+                else:
+                    await handler("request", context)
+            except Exception as e:  # noqa: BLE001 - how it ended (gRPC logs one as an error of the servicer)
+                return f"{type(e).__name__}: {e}"
+            except asyncio.CancelledError as e:
+                return f"CancelledError: {e}"
+            return "returned"
+        ended = asyncio.run(main())
+        return written, closed, aborted, ended
+
+    written, closed, aborted, ended = run(ExecuteBatchError('Failed "execute_batch"'))
+    assert (written, closed, aborted) == (["first"], [True], []) and "not sent: the RPC had ended" in ended, ended
+    written, closed, aborted, ended = run(TypeError("a message of the wrong type"))
+    assert (written, closed, aborted, ended) == (["first"], [True], [grpc.StatusCode.INTERNAL], "AbortError: ")
+
+
 @pytest.mark.parametrize(
     "kw, field",
     [

@@ -112,8 +112,24 @@ async def _abort(context, exc: BaseException):
         # The RPC ended as the handler failed: its deadline passed (the upstream call the handler
         # waited on had the same deadline) or its client went. Its client has its own status;
         # gRPC would log this as an error of the servicer, and as a cancel, it says nothing.
-        if context.time_remaining() == 0 or context.cancelled() or context.done():
+        if _ended(context):
             raise asyncio.CancelledError(f"{code.name} ({message}) not sent: the RPC had ended") from None
+        raise
+
+
+def _ended(context) -> bool:
+    return context.time_remaining() == 0 or context.cancelled() or context.done()
+
+
+async def _write(context, message) -> None:
+    """A streaming handler's next message. One that cannot be written because the RPC has ended
+    (its deadline passed, or its client went, as the handler made it: gRPC had not yet cancelled
+    the handler) ends the handler as a cancel: its client has its own status."""
+    try:
+        await context.write(message)
+    except Exception as e:  # noqa: BLE001 - gRPC's ExecuteBatchError (a private type) for a call that is over
+        if type(e).__name__ == "ExecuteBatchError" or _ended(context):
+            raise asyncio.CancelledError(f"a message not sent: the RPC had ended ({e})") from None
         raise
 
 
@@ -194,14 +210,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             inner_s = handler.unary_stream
 
             async def unary_stream(request, context):
+                """The handler's messages are written here, not yielded to gRPC: a write that fails
+                as the RPC ends (_write) ends the handler as a cancel, and its generator is closed
+                now, its cleanup run. Yielded, gRPC logged that as an error of the servicer, with a
+                traceback (a soak: a decode worker's stream whose 0.05-1 s deadline passed as its
+                first message was written)."""
+                items = None
                 try:
                     _check(request)
-                    async for item in inner_s(request, context):
-                        yield item
+                    items = inner_s(request, context)
+                    async for item in items:
+                        await _write(context, item)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as e:  # noqa: BLE001 - mapped to a status
                     await _abort(context, e)
+                finally:
+                    if items is not None:
+                        await items.aclose()
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
         return handler
