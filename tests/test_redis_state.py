@@ -177,11 +177,15 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
     # its handoff went through (the new leg's decode worker says so, with the leg), and its prefill
     # worker died before its ack: the claim's pickup skips it, not prefilled again, the counts
-    # untouched. Said by a worker of an older release (no leg), or of another leg: prefilled again.
-    for said, outcome in (({}, "prefilling"), ({"kv_leg": 0}, "prefilling"), ({"kv_leg": 1}, "decoding")):
-        update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-9", "_leg": 1,
-                                                       **said}))
+    # untouched. Said by a worker of an older release (no leg), or left by an earlier leg: prefilled
+    # again.
+    cases = (({}, False, "prefilling"), ({}, True, "prefilling"), ({"_leg": 1}, False, "decoding"))
+    for said, earlier, outcome in cases:
+        update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-9", **said}))
+        if earlier:
+            r.hset(keys.req("q"), "kv_leg", 0)  # (leg 0's record, before the request resumed)
         assert pickup(keys=[keys.admission, keys.req("q")], args=[120, 0, time.time(), "prefill-y", 0, 1]) == outcome
+    assert r.hget(keys.req("q"), "kv_leg") == "1"
     assert r.hget(keys.req("q"), "state") == "decoding" and r.hget(keys.req("q"), "prefill_worker") == "prefill-y"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
     update(keys=[keys.req("q")], args=update_args({"_leg": 1, "state": "failed", "error": "handoff"}))

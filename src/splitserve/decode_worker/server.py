@@ -92,7 +92,7 @@ class Slot:
     held: list | None = None
     priority: int = 0  # lower first: orders the handoffs waiting for KV blocks here
     prompt_tokens: int = 0  # as the router counted them (0: not said): a handoff's prompt must match
-    leg: int | None = None  # DecodeRequest.leg (None: not said): a handoff or first token must be of it
+    leg: int | None = None  # DecodeRequest.leg (None: not said): a handoff, first token or failure must be of it
     cached_tokens: int = 0  # of them, found in the prefix cache of the engine that prefilled it
     prefill_worker: str = ""  # the prefill worker that prefilled it ("": this worker)
     trace: tracing.rpc_span | None = None  # the Decode server span
@@ -728,7 +728,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         adopted = functools.partial(self.update_script, keys=[self.keys.req(seq.request_id)], args=update_args({
             "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
             "kv_transport": h.transport, "kv_bytes": h.length,
-        } | ({"_leg": slot.leg, "kv_leg": slot.leg} if slot.leg is not None else {})))
+        } | ({"_leg": slot.leg} if slot.leg is not None else {})))
         self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
                                              self.s.request_ttl_s, at_once=True))
         if cancelled:

@@ -694,7 +694,7 @@ class PrefillWorker:
                 log.info("request %s: decode worker %s has its KV already (%s)", job.request_id, job.decode_worker,
                          e.details())
                 try:
-                    self._update(job, {"state": "decoding", "kv_leg": job.leg})  # (back from the pickup's 'prefilling')
+                    self._update(job, {"state": "decoding"})  # (back from the pickup's 'prefilling'; with its leg)
                 except redis.RedisError as e2:
                     log.warning("could not record %s's state: %s", job.request_id, e2)
             else:

@@ -207,14 +207,19 @@ return {state, got[2] or ''}
 # field, value, ...; a pair ('_leg', n) says it is of leg n (RESUME_LUA): a job's, or a decode
 # stream's: nothing is written once the request has resumed past it (a job superseded, a decode
 # worker taken for lost that adopts the KV late: their state, worker and times are not the new
-# leg's). Returns 1 if the hash exists.
+# leg's); a 'decoding' written with its leg records it ('kv_leg', which PICKUP_LUA reads).
+# Returns 1 if the hash exists.
 UPDATE_LUA = _IS_FINAL + """
 local got = redis.call('HMGET', KEYS[1], 'state', 'resumed')
 local state = got[1]
 if not state then return 0 end
 local final = is_final(state)
+local leg = nil
 for i = 1, #ARGV, 2 do
-  if ARGV[i] == '_leg' and tonumber(ARGV[i + 1]) < tonumber(got[2] or '0') then return 1 end
+  if ARGV[i] == '_leg' then
+    if tonumber(ARGV[i + 1]) < tonumber(got[2] or '0') then return 1 end
+    leg = ARGV[i + 1]
+  end
 end
 local args = {}
 for i = 1, #ARGV, 2 do
@@ -222,6 +227,10 @@ for i = 1, #ARGV, 2 do
                                             or ARGV[i] == 'lost_to')) then
     args[#args + 1] = ARGV[i]
     args[#args + 1] = ARGV[i + 1]
+    if leg and ARGV[i] == 'state' and ARGV[i + 1] == 'decoding' then
+      args[#args + 1] = 'kv_leg'
+      args[#args + 1] = leg
+    end
   end
 end
 if #args > 0 then redis.call('HSET', KEYS[1], unpack(args)) end
@@ -352,8 +361,8 @@ end
 # resumed past this job's leg: its counts returned), "local" (taken back by its router: its
 # decode worker prefills it, and its router returns the counts, TAKE_BACK_LUA), "decoding" (a job
 # claimed from a prefill worker that died after its handoff went through: this leg's decode
-# worker has the KV, and said so: 'kv_leg', written with 'decoding' by a worker that knows the
-# leg, UPDATE_LUA; one of an older release writes none, and the job is prefilled again), or the
+# worker has the KV, and said so: 'kv_leg', written with a 'decoding' that carries its leg,
+# UPDATE_LUA; one of an older release sends none, and the job is prefilled again), or the
 # final state / "" of a request that is no longer wanted.
 PICKUP_LUA = (_IS_FINAL + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
               + _LEAVE_QUEUE + "return 'superseded'\nend\n"
