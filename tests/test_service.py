@@ -2193,6 +2193,20 @@ def _kv_chunks(stack, seq, num_tokens: int) -> list:
             w.KVChunk(data=payload[1 << 16:])]
 
 
+def _decode_0(stack) -> str:
+    """The address of the stack's decode-0 (a worker whose log a test reads)."""
+    return next(x["address"] for x in workers(stack, "decode") if x["worker_id"].startswith("decode-0-"))
+
+
+def _sequence(rid: str, leg: int | None = None):
+    """A prefilled 4-token prompt and its first token (105), to decode 12 tokens: a handoff's sequence."""
+    from splitserve_proto.v1 import worker_pb2 as w
+
+    seq = w.SequenceState(request_id=rid, prompt_len=4, token_ids=[101, 102, 103, 104, 105], leg=leg)
+    seq.sampling.max_tokens, seq.sampling.ignore_eos = 12, True
+    return seq
+
+
 def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of_it_is_already_exists(stack, client):
     """A handoff whose call is cancelled (its prefill worker killed) while its import is queued in
     the engine's thread: the engine imports it all the same. Before, the decode worker did not know
@@ -2203,7 +2217,7 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
     from splitserve_proto.v1 import worker_pb2_grpc
 
     dec = stack.proc("decode-0")
-    address = next(x["address"] for x in workers(stack, "decode") if x["worker_id"].startswith("decode-0-"))
+    address = _decode_0(stack)
     with grpc.insecure_channel(address) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         # A long prompt prefilled by the decode worker itself: its engine's steps take a while,
@@ -2215,8 +2229,7 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
         assert next(held).accepted
         decode = stub.Decode(w.DecodeRequest(request_id="adopted-as-cancelled", prompt_tokens=4), timeout=120)
         assert next(decode).accepted
-        seq = w.SequenceState(request_id="adopted-as-cancelled", prompt_len=4, token_ids=[101, 102, 103, 104, 105])
-        seq.sampling.max_tokens, seq.sampling.ignore_eos = 12, True
+        seq = _sequence("adopted-as-cancelled")
         with open(dec.log_path) as f:
             before = f.read().count("adopted all the same")
         time.sleep(0.3)  # the busy prompt's chunks are running
@@ -2300,28 +2313,23 @@ def test_a_handoff_first_token_or_failure_of_another_leg_is_refused_and_a_late_l
     from splitserve_proto.v1 import worker_pb2_grpc
 
     r = stack.redis()
-    address = next(x["address"] for x in workers(stack, "decode") if x["worker_id"].startswith("decode-0-"))
+    address = _decode_0(stack)
     for rid, resumed in (("of-leg-2", 2), ("late-leg-0", 1)):  # the hashes as the legs' routers left them
         r.hset(stack.keys.req(rid), mapping={"state": "queued", "resumed": resumed, "decode_worker": "decode-new"})
         r.expire(stack.keys.req(rid), 120)
-
-    def sequence(rid, leg):
-        seq = w.SequenceState(request_id=rid, prompt_len=4, token_ids=[101, 102, 103, 104, 105], leg=leg)
-        seq.sampling.max_tokens, seq.sampling.ignore_eos = 12, True
-        return seq
     with grpc.insecure_channel(address) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         late = stub.Decode(w.DecodeRequest(request_id="late-leg-0", prompt_tokens=4, leg=0), timeout=120)
         assert next(late).accepted
-        stub.PutKVStream(iter(_kv_chunks(stack, sequence("late-leg-0", 0), 4)), timeout=30)  # (its own leg: taken)
+        stub.PutKVStream(iter(_kv_chunks(stack, _sequence("late-leg-0", 0), 4)), timeout=30)  # (its own leg: taken)
         decode = stub.Decode(w.DecodeRequest(request_id="of-leg-2", prompt_tokens=4, leg=2), timeout=120)
         assert next(decode).accepted
         stub.FirstToken(w.FirstTokenRequest(request_id="of-leg-2", token_ids=[7], text="x", leg=0), timeout=10)
         assert not stub.Fail(w.FailRequest(request_id="of-leg-2", code=13, message="old leg", leg=0), timeout=10).ended
         with pytest.raises(grpc.RpcError) as e:
-            stub.PutKVStream(iter(_kv_chunks(stack, sequence("of-leg-2", 0), 4)), timeout=30)
+            stub.PutKVStream(iter(_kv_chunks(stack, _sequence("of-leg-2", 0), 4)), timeout=30)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "sequence.leg" in e.value.details(), e.value.details()
-        stub.PutKVStream(iter(_kv_chunks(stack, sequence("of-leg-2", 2), 4)), timeout=30)
+        stub.PutKVStream(iter(_kv_chunks(stack, _sequence("of-leg-2", 2), 4)), timeout=30)
         events = list(decode)
         tokens = [t for ev in events for t in ev.token_ids]
         assert events[-1].finish_reason == "length" and not events[-1].error, events[-1]
