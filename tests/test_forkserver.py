@@ -88,6 +88,27 @@ def test_signals_reach_the_child_and_its_status_names_them_as_popens_does(server
         p.kill()  # once it has exited: nothing sent, no error
 
 
+def test_a_child_shows_its_own_command_line_and_name_not_the_servers(server, tmp_path):
+    """ps, pgrep -f and /proc/PID/cmdline show the module a child runs (before, every child showed the
+    server's `python -m splitserve.forkserver`), and its name (comm) is the module's too."""
+    log = tmp_path / "title.log"
+    p = server.spawn("forked_probe", {"PROBE": "sleep"}, str(log))
+    try:
+        wait_for(lambda: log.exists() and "SLEEPING" in _log(log), timeout=30, what="the child running")
+        with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+            assert [a for a in f.read().split(b"\0") if a] == [b"python", b"-m", b"forked_probe"]
+        with open(f"/proc/{p.pid}/comm") as f:
+            assert f.read() == "forked_probe\n"
+        ps = subprocess.run(["ps", "-o", "args=", "-p", str(p.pid)], capture_output=True, text=True, check=True)
+        assert ps.stdout.strip() == "python -m forked_probe", ps.stdout
+        with open(f"/proc/{server._proc.pid}/cmdline", "rb") as f:  # the server's own: as it was
+            assert f.read().split(b"\0")[1:3] == [b"-m", b"splitserve.forkserver"]
+        assert "ARGV []" in _log(log)  # the module's sys.argv: as before
+    finally:
+        p.kill()
+        p.wait(30)
+
+
 def test_a_module_that_cannot_be_found_fails_like_python_dash_m(server, tmp_path):
     log = tmp_path / "missing.log"
     p = server.spawn("no_such_module_here", {}, str(log))

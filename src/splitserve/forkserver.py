@@ -16,8 +16,10 @@ before the fork); the children make their servers and channels, connect to Redis
 thread counts (torch's pool is not started until its first op, which the server never runs).
 What is read at import time (a ``PYTHONPATH`` of another tree, for one) cannot change in a
 child: `Stack` starts those processes with ``subprocess`` instead. A child's command line
-(``ps``, ``/proc/PID/cmdline``) is the server's, ``python -m splitserve.forkserver``; its log
-and its `Stack` name it. Once its module returns (or raises), a child flushes its logs and
+(``ps``, ``/proc/PID/cmdline``) is the server's, ``python -m splitserve.forkserver``, as it
+starts; it then writes its own over it (`retitle`): ``python -m splitserve.decode_worker``, for
+one, as ``ps``, ``pgrep -f`` and ``/proc/PID/cmdline`` read it, and ``decode_worker`` as its name
+(``ps -e``, ``top``, ``pgrep``). Once its module returns (or raises), a child flushes its logs and
 output and ends with ``os._exit``: no interpreter teardown, which took a stopped worker about
 0.6 s (each role's stop closes what it holds itself). Each child gets SIGTERM when the server
 ends (splitserve.lifeline), and the server ends when its stdin closes: with `ForkServer.close`,
@@ -144,6 +146,30 @@ class ForkServer:
         proc.stdout.close()
 
 
+PR_SET_NAME = 15  # <linux/prctl.h>
+
+
+def retitle(argv: list[str], name: str) -> None:
+    """Show this process as running ``argv``, named ``name``: its command line is written over its
+    own in the memory the kernel reads ``/proc/self/cmdline`` from (the span from ``arg_start`` to
+    ``arg_end`` in ``/proc/self/stat``, as setproctitle does), cut to fit there, the rest zeroed;
+    its name (``comm``) is ``name``, cut to 15 bytes by the kernel. Linux only; elsewhere nothing.
+    Python copied its arguments at its start, so nothing of its own reads that memory again."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, name.encode(), 0, 0, 0)
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()  # from field 3 on (the name may hold spaces)
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # proc(5): arg_start, arg_end
+    if end <= start:
+        return
+    title = b"\0".join(a.encode() for a in argv)[:end - start - 1]
+    ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)  # its last byte a NUL: read as it is
+
+
 def _child(server: int, module: str, env: dict[str, str], log_path: str) -> None:
     """In the forked child of ``server`` (its pid): never returns."""
     import logging
@@ -165,6 +191,7 @@ def _child(server: int, module: str, env: dict[str, str], log_path: str) -> None
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [module]
+        retitle(["python", "-m", module], module.rsplit(".", 1)[-1])
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:  # as the interpreter takes it: None is 0, a message is printed and 1
