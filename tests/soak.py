@@ -30,7 +30,9 @@ another stream's of the same prompt and seed); INTERNAL, UNKNOWN or INVALID_ARGU
 bad request: one is the client library's own re-send); an exception in a client; any
 UNAVAILABLE without chaos; after the run, KV held by a decode worker or arena, queue counts not
 zero, a key without a TTL, a departed worker's stream left, a shared-memory segment left, an ERROR
-line or a traceback in a process's log. What clients saw under chaos is printed by status and
+line or a traceback in a process's log; and without chaos, a process whose memory grew (RSS, the
+median of its samples in the run's last quarter against its second quarter's) by more than
+RSS_GROWTH: what requests leave behind. What clients saw under chaos is printed by status and
 message: each is an honest status, but a count to watch.
 """
 
@@ -44,6 +46,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -74,6 +77,8 @@ FORMATS = [{"choice": ["red", "green", "blue", "a shade of purple that nobody ha
                                                              "count": {"type": "integer"}},
                             "required": ["name", "count"], "additionalProperties": False}}]
 STOPS = [[" the"], [".", "!"], ["ing", "ed "]]
+RSS_EVERY_S = 5.0
+RSS_GROWTH = (64 << 20, 0.10)  # bytes, and a fraction of the process's size: the more of the two
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -306,6 +311,49 @@ def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float,
                                                        f"{type(e).__name__}: {str(e)[:300]}")
 
 
+def rss(pid: int) -> int | None:
+    """The resident memory of process ``pid`` in bytes (VmRSS), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory_loop(stack: Stack, t0: float, stop_at: float, samples: list[tuple]) -> None:
+    """Every RSS_EVERY_S until stop_at: (seconds since t0, name, pid, RSS) of each of the stack's processes
+    and Redis."""
+    while time.time() < stop_at:
+        t = time.time() - t0
+        for name, pid in [(p.name, p.popen.pid) for p in list(stack.procs)] + [("redis", stack.redis_proc.pid)]:
+            if (m := rss(pid)) is not None:
+                samples.append((t, name, pid, m))
+        time.sleep(RSS_EVERY_S)
+
+
+def memory_growth(samples: list[tuple], seconds: float) -> list[tuple[str, int, int]]:
+    """(name, before, after) for each process sampled in both the run's second quarter (before: the median
+    of those samples, once the first requests have sized its caches) and its last quarter (after), as the
+    same process (pid): one restarted in between is not compared."""
+    windows: dict[tuple, tuple[list, list]] = {}
+    for t, name, pid, m in samples:
+        w = windows.setdefault((name, pid), ([], []))
+        if seconds / 4 <= t < seconds / 2:
+            w[0].append(m)
+        elif t >= seconds * 3 / 4:
+            w[1].append(m)
+    return [(name, int(statistics.median(a)), int(statistics.median(b)))
+            for (name, _), (a, b) in sorted(windows.items()) if a and b]
+
+
+def grown(growth: list[tuple[str, int, int]]) -> list[str]:
+    """The processes whose memory grew by more than RSS_GROWTH."""
+    most, frac = RSS_GROWTH
+    return [f"{name}'s memory grew from {a / 2**20:.0f} MB to {b / 2**20:.0f} MB over the run (RSS, medians of its "
+            f"second and last quarters; more than {most / 2**20:.0f} MB and {frac:.0%} is a problem)"
+            for name, a, b in growth if b - a > max(most, frac * a)]
+
+
 def leaks(stack: Stack) -> list[str]:
     found = []
     try:
@@ -362,6 +410,8 @@ def main(argv=None) -> int:
     tally = Tally()
     tally.invariant = stack.settings.batch_invariant
     problems: list[str] = []
+    memory: list[tuple] = []
+    growth: list[tuple[str, int, int]] = []
     t0 = time.time()
     stop_at = t0 + a.seconds
     target = "ipv4:" + ",".join(stack.router_addresses)
@@ -371,6 +421,7 @@ def main(argv=None) -> int:
                    for i in range(a.clients)]
         if not a.no_chaos:
             threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every, tally)))
+        threads.append(threading.Thread(target=memory_loop, args=(stack, t0, stop_at, memory)))
         for t in threads:
             t.start()
         for t in threads:
@@ -380,6 +431,9 @@ def main(argv=None) -> int:
             problems.append(f"{tally.outcomes['UNAVAILABLE']} UNAVAILABLE without chaos")
         time.sleep(3)  # ends and drains in flight
         problems += leaks(stack)
+        growth = memory_growth(memory, a.seconds)
+        if a.no_chaos:
+            problems += grown(growth)
     finally:
         stack.stop()
     if segments := stack.shm_segments():
@@ -401,6 +455,9 @@ def main(argv=None) -> int:
           + (", ".join(f"{n} {k}" for k, n in sorted(tally.held.items())) or "none"))
     if tally.invariant:
         print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
+    print("memory (RSS, medians of the run's second and last quarters; processes not restarted in between): "
+          + (", ".join(f"{name} {before / 2**20:.0f} -> {after / 2**20:.0f} MB" for name, before, after in growth)
+             or "none"))
     print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
     for p in problems:
         print("  " + p)
@@ -408,6 +465,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
             json.dump({"settings": vars(a), "outcomes": dict(tally.outcomes), "messages": dict(tally.messages),
+                       "memory": [{"process": name, "rss_before": before, "rss_after": after}
+                                  for name, before, after in growth],
                        "problems": problems}, f, indent=1)
     return 1 if problems else 0
 
