@@ -160,6 +160,8 @@ async def _cancel_once_ended(call, timeout_s: float) -> None:
     try:
         await asyncio.wait((status,), timeout=timeout_s)
     finally:
+        if status.done() and not status.cancelled():
+            status.exception()  # taken: an error of the call's own is not logged as an unretrieved task's
         status.cancel()
         call.cancel()  # nothing, once it has ended
 
