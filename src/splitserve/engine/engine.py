@@ -327,7 +327,8 @@ class LLMEngine:
                 try:
                     matcher = self.grammars.matcher(params.structured_output, prompt_token_ids[prompt_len:])
                 except ValueError as e:
-                    raise InvalidRequestError(params.structured_output.field, str(e)) from None
+                    raise InvalidRequestError(params.structured_output.field,
+                                              f"the tokens generated so far {e}") from None
         seq = self._new_seq(request_id, list(prompt_token_ids), prompt_len, params, cache_salt=cache_salt,
                             matcher=matcher)
         if resumed:
@@ -759,7 +760,7 @@ class LLMEngine:
             try:
                 matcher = self.grammars.matcher(export.params.structured_output, export.token_ids[export.prompt_len:])
             except ValueError as e:
-                raise KVImportError(str(e)) from None
+                raise KVImportError(f"the tokens generated so far {e}") from None
         pool = self.cache.pool
         # The blocks of its prefix already in the prefix cache are shared, not filled again (and
         # the first start tokens' KV, not sent, must be among them).

@@ -139,12 +139,13 @@ class Grammars:
 
     def matcher(self, fmt: StructuredOutput, tokens: list[int] = ()):
         """A fresh matcher of the format, fed tokens already generated (InvalidRequestError if the
-        format does not compile; ValueError if the tokens do not follow it). A matcher that errs
-        later (past one of llguidance's limits), or whose masks turn too costly, fails its request
-        (failure())."""
+        format does not compile; ValueError, "do not follow …", if the tokens do not follow it). A
+        matcher that errs later (past one of llguidance's limits), or whose masks turn too costly,
+        fails its request (failure())."""
         m = self._compile(fmt).deep_copy()
-        if tokens and not m.consume_tokens(list(tokens)):
-            raise ValueError(f"the tokens generated so far do not follow {fmt.field}: {m.get_error()}")
+        if tokens and not m.consume_tokens(list(tokens)):  # (the first line: the rest is the parser's state)
+            first = m.get_error().strip().split("\n", 1)[0]
+            raise ValueError(f"do not follow {fmt.field}: {first[:_ERROR_CHARS]}")
         return m
 
     def failure(self, fmt: StructuredOutput, matcher, mask_ms) -> InvalidRequestError | None:

@@ -770,7 +770,20 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if self.front.grammars is None:
                 raise InvalidRequestError(fmt.field, "needs a model with a tokenizer")
             await asyncio.to_thread(self.front.grammars.check, fmt)  # ~1 ms to compile, more for a large schema
+            if have.count():
+                await asyncio.to_thread(self._check_follows, request.resume_from, fmt)
         return request.request_id or uuid.uuid4().hex, ids, params, have
+
+    def _check_follows(self, c: gen_pb.Continuation, fmt) -> None:
+        """The tokens a client sent again to go on (resume_from) follow the request's format, or the
+        request is refused here, naming them, rather than by the worker that would prefill it."""
+        carried = [("resume_from.token_ids", c.token_ids)] if c.token_ids else [
+            (f"resume_from.samples[{k}].token_ids", s.token_ids) for k, s in enumerate(c.samples) if not s.finished]
+        for field, tokens in carried:
+            try:
+                self.front.grammars.matcher(fmt, tokens)
+            except ValueError as e:
+                raise InvalidRequestError(field, f"these tokens {e}") from None
 
     def _continuation(self, request: gen_pb.GenerateRequest, params: SamplingParams) -> Sent:
         """What the client of a stream sent again to go on has (resume_from), checked: the
