@@ -120,6 +120,30 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
     assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0", "local_tokens": "0"}
 
 
+def test_a_job_picked_up_past_its_deadline_fails_deadline_exceeded_not_unavailable(r):
+    """A job whose deadline passed in the queue is failed at its pickup with the status its client
+    gets: DEADLINE_EXCEEDED (its router ends the stream with the 'code' it reads there, when it
+    reads it before the client's own timer fires). Before, the hash had no code, and a soak's
+    client with a 50 ms deadline got UNAVAILABLE "deadline exceeded in queue"."""
+    import grpc
+
+    from splitserve.service.errors import status_code
+
+    keys = Keys("dl")
+    pickup = r.register_script(PICKUP_LUA)
+    r.hset(keys.admission, mapping={"requests": 2, "tokens": 200})
+    for rid in ("late", "in-time"):
+        r.hset(keys.req(rid), mapping={"state": "queued", "prompt_tokens": 100})
+    now = time.time()
+    assert pickup(keys=[keys.admission, keys.req("late")], args=[100, 1, now, "prefill-x", now - 0.01]) == "expired"
+    assert pickup(keys=[keys.admission, keys.req("in-time")], args=[100, 1, now, "prefill-x", now + 5]) == "prefilling"
+    late = r.hgetall(keys.req("late"))
+    assert (late["state"], late["error"]) == ("failed", "deadline exceeded in queue")
+    assert status_code(int(late["code"])) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "code" not in r.hgetall(keys.req("in-time"))
+    assert r.hgetall(keys.admission) == {"requests": "0", "tokens": "0"}  # both left the queue's counts
+
+
 def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_leave_once_more(r):
     """A request whose decode worker was lost: queued again (its prompt and the tokens its client
     has) while it has not ended and was not aborted, within the bounds themselves, as a new leg

@@ -355,6 +355,10 @@ if (exists and redis.call('HSETNX', KEYS[2], marker, 1) == 1) or (not exists and
 end
 """
 
+# DEADLINE_EXCEEDED's number, the status of a request whose deadline passed in the queue (its 'code'): its
+# router ends it so when it reads that before its client's own deadline fires (before: UNAVAILABLE).
+DEADLINE_CODE = "4"
+
 # A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
 # 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none), the job's
 # leg (RESUME_LUA). Returns "prefilling", "expired" (marked failed), "superseded" (the request has
@@ -376,7 +380,8 @@ if state == 'decoding' and tonumber(redis.call('HGET', KEYS[2], 'kv_leg') or '-1
 end
 local deadline = tonumber(ARGV[5])
 if deadline > 0 and deadline < tonumber(ARGV[3]) then
-  redis.call('HSET', KEYS[2], 'state', 'failed', 'error', 'deadline exceeded in queue')
+  redis.call('HSET', KEYS[2], 'state', 'failed', 'error', 'deadline exceeded in queue',
+             'code', """ + DEADLINE_CODE + """)
   return 'expired'
 end
 redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], 'prefill_worker', ARGV[4])
