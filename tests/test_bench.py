@@ -96,6 +96,9 @@ def test_knee_rule():
     assert loadgen.find_knee(pts, 1.5) == (4, 8)
     assert loadgen.find_knee(pts, 5.0) == (16, None)
     assert loadgen.find_knee([], 1.5) == (None, None)
+    # a concurrency at which no request succeeded (p99 NaN) has degraded; at the lowest, there is no knee
+    assert loadgen.find_knee([(1, 1.0), (2, 1.2), (4, math.nan), (8, 1.1)], 1.5) == (2, 4)
+    assert loadgen.find_knee([(1, math.nan), (2, math.nan)], 1.5) == (None, 1)  # before: (2, None)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +171,55 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
     assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout and "priority high" in run.stdout
     assert "prefilled by their decode worker (colocated, or conditional disaggregation): concurrency=1 0 of 10, " \
            "concurrency=3 0 of 10" in run.stdout
+
+
+def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there_are_no_plots(tiny_stack, tmp_path):
+    """Every request past its deadline (1 ms): the sweep's results are written, as plain JSON, each
+    point's errors counted, no knee, and no plot, with the reason. Before: matplotlib's "Data cannot
+    be log-scaled" traceback at the first plot, no results.json, and the largest concurrency tried
+    printed as the knee."""
+    out = tmp_path / "f"
+    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--address", tiny_stack.router_address, "--sweep",
+           "--max-concurrency", "2", "--timeout", "0.001", "--input-len", "4-10", "--output-len", "2-4",
+           "--vocab", "500", "--requests", "4", "--warmup", "0", "--no-progress", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-2000:]  # none succeeded
+
+    def refuse(constant):  # plain JSON: a percentile of nothing is null (before: NaN, which jq refuses)
+        raise AssertionError(f"{constant} in results.json")
+
+    report = json.loads((out / "results.json").read_text(), parse_constant=refuse)
+    assert [(p["label"], p["succeeded"], p["errors"]) for p in report["points"]] == [
+        ("concurrency=1", 0, {"DEADLINE_EXCEEDED": 4}), ("concurrency=2", 0, {"DEADLINE_EXCEEDED": 4})]
+    assert (report["knee"], report["degraded_at"]) == (None, 1)
+    assert report["points"][0]["e2e_s"]["p99"] is None and report["points"][0]["ttft_s"]["mean"] is None
+    assert list(out.glob("*.png")) == []
+    assert "knee: none: no request succeeded at the lowest" in run.stdout
+    assert "no plots: no request succeeded" in run.stdout and "Traceback" not in run.stderr
+
+
+def test_bench_against_an_address_where_nothing_answers_stops_at_once_naming_it(tiny_stack, capsys, tmp_path,
+                                                                                monkeypatch):
+    """Before: every request of every run was sent, failed UNAVAILABLE, and the plots of nothing
+    failed. Now: refused before anything is sent or written (exit 2), naming --address."""
+    import argparse
+    import functools
+    import socket
+
+    from splitserve.bench import cli
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(cli, "check_answers", functools.partial(cli.check_answers, wait_s=1.0))
+    root = argparse.ArgumentParser()
+    cli.add_parser(root.add_subparsers())
+    args = root.parse_args(["bench", "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "out"),
+                            "--input-len", "4", "--output-len", "2", "--vocab", "500"])
+    assert cli.main(args) == 2
+    assert f"--address 127.0.0.1:{port}: nothing answers there within 1 s" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert cli.check_answers(tiny_stack.router_address, wait_s=5.0) is None  # a router answers
 
 
 def test_the_stacks_own_measurements_of_a_run_are_the_work_it_was_sent(tiny_model_dir, tmp_path):

@@ -21,7 +21,7 @@ import random
 import sys
 
 from splitserve.bench import loadgen, server_metrics
-from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, plain
 
 POLICIES = ("static", "dynamic", "continuous")
 MODES = ("colocated", "disaggregated")
@@ -155,6 +155,19 @@ class Target:
         return {p.name: server_metrics.scrape(p.metrics_address) for p in self.stack.procs if p.metrics_address}
 
 
+def check_answers(address: str, wait_s: float = 10.0) -> None:
+    """OSError naming --address when no server answers there within wait_s (before: every request of
+    every run was sent and failed UNAVAILABLE)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=wait_s)
+        except grpc.FutureTimeoutError:
+            raise OSError(f"--address {address}: nothing answers there within {wait_s:g} s (start a stack with "
+                          "splitserve up, or leave --address out and the bench starts one)") from None
+
+
 def _model_tokenizer(args):
     """prompt -> token ids with the model's tokenizer, loaded at the first call (a workload whose
     lines carry prompt_token_ids never loads it)."""
@@ -258,10 +271,13 @@ def main(args) -> int:
             raise ValueError(f"--high-priority must be a fraction in [0, 1], got {args.high_priority}")
         if args.high_priority:
             items = mark_high_priority(items, args.warmup, args.high_priority, args.seed)
+        if args.address and not args.compare:
+            check_answers(args.address)
     except (OSError, ValueError) as e:
         print(f"splitserve bench: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
+    plots = []  # (function, its arguments): drawn once the results are written
     if args.compare:
         variants = [v.strip() for v in args.compare.split(",") if v.strip()]
         bad = [v for v in variants if v not in POLICIES + MODES]
@@ -279,7 +295,7 @@ def main(args) -> int:
                 spec.label = v
                 report["variants"][v] = one_run(args, t.address, items, spec, t)
         print(compare_table(report))
-        plot_compare(report, os.path.join(args.out, "compare.png"))
+        plots.append((plot_compare, report, os.path.join(args.out, "compare.png")))
     elif args.sweep:
         report = {"kind": "sweep", "points": []}
         with Target(args) as t:
@@ -292,23 +308,31 @@ def main(args) -> int:
         knee, degraded = loadgen.find_knee(pts, args.knee_factor)
         report.update(knee=knee, degraded_at=degraded, rule=loadgen.KNEE_RULE.format(factor=args.knee_factor))
         print(runs_table(report["points"]))
-        print(f"\n{report['rule']}\nknee: concurrency {knee}" +
+        found = f"concurrency {knee:g}" if knee is not None else "none: no request succeeded at the lowest"
+        print(f"\n{report['rule']}\nknee: {found}" +
               (f"; p99 degrades at {degraded:g}" if degraded else "; no degradation up to the largest tried"))
-        plot_runs(report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"), knee)
-        plot_runs(report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png"))
+        plots.append((plot_runs, report["points"], "concurrency",
+                      os.path.join(args.out, "latency_vs_concurrency.png"), knee))
+        plots.append((plot_runs, report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png")))
     else:
         report = {"kind": "runs", "points": []}
         with Target(args) as t:
             for spec in _specs(args):
                 report["points"].append(one_run(args, t.address, items, spec, t))
         print(runs_table(report["points"]))
-        plot_runs(report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png"))
+        plots.append((plot_runs, report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png")))
         if report["points"][0]["load"]["mode"] == "concurrency":
-            plot_runs(report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"))
+            plots.append((plot_runs, report["points"], "concurrency",
+                          os.path.join(args.out, "latency_vs_concurrency.png")))
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
-        json.dump(report, f, indent=1, default=lambda x: None)
-    print(f"\nresults: {path}; plots in {args.out}")
+        json.dump(plain(report), f, indent=1, default=lambda x: None)
+    if any(p["succeeded"] for p in _all_points(report)):
+        for plot, *plot_args in plots:
+            plot(*plot_args)
+        print(f"\nresults: {path}; plots in {args.out}")
+    else:  # nothing to plot: a log scale of no latencies fails (before: a traceback, and no results.json)
+        print(f"\nresults: {path}; no plots: no request succeeded")
     failed = sum(sum(p["errors"].values()) for p in _all_points(report))
     return 1 if failed and not any(p["succeeded"] for p in _all_points(report)) else 0
 

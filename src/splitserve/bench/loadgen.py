@@ -201,17 +201,22 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
 
 
 KNEE_RULE = ("knee = the highest concurrency whose p99 end-to-end latency is at most {factor:g}x the p99 at the "
-             "lowest concurrency tried; the next concurrency is where p99 latency has degraded")
+             "lowest concurrency tried; the next concurrency is where p99 latency has degraded (as it has at one "
+             "where no request succeeded)")
 
 
 def find_knee(points: list[tuple[float, float]], factor: float = 1.5) -> tuple[float | None, float | None]:
-    """(concurrency, p99) points in rising concurrency -> (knee, first degraded concurrency)."""
+    """(concurrency, p99) points in rising concurrency -> (knee, first degraded concurrency). A p99
+    of NaN (no request succeeded there) is degraded; at the lowest concurrency, there is no knee.
+    (Before, NaN compared as never degraded: a sweep that failed throughout had its largest as knee.)"""
     if not points:
         return None, None
     base = points[0][1]
+    if math.isnan(base):
+        return None, points[0][0]
     knee = points[0][0]
     for c, p99 in points:
-        if p99 > factor * base:
+        if math.isnan(p99) or p99 > factor * base:
             return knee, c
         knee = c
     return knee, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import random
@@ -76,7 +77,19 @@ def write_results(path: str | None, results: dict) -> None:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump(plain(results), f, indent=2)
+
+
+def plain(obj):
+    """obj with each float that is not finite (a percentile of no values: NaN) as None, so that it is
+    plain JSON, which strict readers (jq, JavaScript) take; Python writes NaN, which they refuse."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
 
 
 def median_interval(values: list[float], level: float = 0.95, resamples: int = 4000,
