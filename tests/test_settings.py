@@ -37,3 +37,38 @@ def test_splitserve_up_with_a_bad_variable_prints_one_line_and_exits_2():
                          timeout=120)
     assert run.returncode == 2  # before: a traceback and exit code 1
     assert run.stderr.strip() == "splitserve up: error: SPLITSERVE_HEARTBEAT_S: heartbeat_s must be > 0, got 0.0"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # before: `up` started a stack of no decode worker, or no router, that could serve nothing
+        (["up", "--decode", "0"], "argument --decode: must be >= 1, got 0"),
+        (["up", "--routers", "0"], "argument --routers: must be >= 1, got 0"),
+        (["up", "--prefill", "-1"], "argument --prefill: must be >= 0, got -1"),
+        (["up", "--decode", "two"], "argument --decode: takes a whole number, got 'two'"),
+        # before: a traceback (the client's ValueError), or a call past its deadline before it was sent
+        (["generate", "hi", "--resumes", "-1"], "argument --resumes: must be >= 0, got -1"),
+        (["generate", "hi", "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
+        (["request", "some-id", "--timeout", "nan"], "argument --timeout: must be a number of seconds > 0, got nan"),
+        (["traces", "--last", "0"], "argument --last: must be >= 1, got 0"),
+    ],
+)
+def test_cli_flags_out_of_range_are_refused_naming_the_flag(argv, message, capsys):
+    from splitserve import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_splitserve_status_with_a_redis_url_that_is_not_one_says_so(capsys, monkeypatch, tmp_path):
+    from splitserve import cli
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no running stack's state to read
+    assert cli.main(["status", "--redis-url", "notaurl"]) == 2  # before: redis-py's ValueError, a traceback
+    assert "--redis-url 'notaurl' is not a Redis URL" in capsys.readouterr().err
+    monkeypatch.setenv("REDIS_URL", "localhost:6379")
+    assert cli.main(["status"]) == 2
+    assert "REDIS_URL 'localhost:6379' is not a Redis URL" in capsys.readouterr().err

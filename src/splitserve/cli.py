@@ -27,6 +27,30 @@ def _check_model(args) -> int:
     return 0
 
 
+def _at_least(least: int):
+    """An argparse type: a whole number >= least (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes a whole number, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _state_file(name: str = "stack.json") -> str:
 
     from splitserve.engine.config import default_cache_dir
@@ -334,6 +358,11 @@ def _status(args) -> int:
     if not url:
         print("splitserve: error: no --redis-url, no REDIS_URL and no running stack", file=sys.stderr)
         return 2
+    if not url.startswith(("redis://", "rediss://", "unix://")):  # (before: redis-py's traceback)
+        where = "--redis-url" if args.redis_url else "the running stack's" if state.get("redis_url") else "REDIS_URL"
+        print(f"splitserve: error: {where} {url!r} is not a Redis URL (redis://HOST:PORT, rediss://… or "
+              "unix://PATH)", file=sys.stderr)
+        return 2
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
     r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto")
     try:
@@ -376,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_check_model)
 
     p = sub.add_parser("up", help="start Redis, the workers and the router; Ctrl-C drains and stops")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
-    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
-    p.add_argument("--routers", type=int, default=1,
+    p.add_argument("--prefill", type=_at_least(0), default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=_at_least(1), default=1, help="decode workers (default 1)")
+    p.add_argument("--routers", type=_at_least(1), default=1,
                    help="routers (default 1); they share the queue bounds through Redis, and any of them aborts any request")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
@@ -391,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
-    p.add_argument("--resumes", type=int, default=0, metavar="N",
+    p.add_argument("--resumes", type=_at_least(0), default=0, metavar="N",
                    help="go on after the router is lost mid-stream, at most N times: the request is sent again with "
                         "the tokens received (resume_from), to another router when --address names several "
                         "(ipv4:HOST:PORT,HOST:PORT), calls then balanced over them")
@@ -431,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
     p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
     p.add_argument("--cache-salt", default="", help="share cached prompt prefixes only with requests of this salt")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=_seconds, default=None, help="deadline in seconds")
     p.set_defaults(func=_generate)
 
     from splitserve.bench.cli import add_parser as add_bench
@@ -440,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("traces", help="print a request's trace from the local span file as a timeline")
     p.add_argument("request_id", nargs="?", default=None, help="request id (default: the last --last requests)")
-    p.add_argument("--last", type=int, default=1, help="how many of the latest requests (default 1)")
+    p.add_argument("--last", type=_at_least(1), default=1, help="how many of the latest requests (default 1)")
     p.add_argument("--file", default="", help="OTLP-JSON span file, read after its rotated FILE.1 (default: the running or last stack's)")
     p.set_defaults(func=_traces)
 
@@ -448,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(GetRequest)")
     p.add_argument("request_id")
     p.add_argument("--address", default=None, help="router address (default: the stack started by splitserve up)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds")
     p.set_defaults(func=_request)
 
     p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")
