@@ -327,14 +327,15 @@ def main(args) -> int:
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump(plain(report), f, indent=1, default=lambda x: None)
-    if any(p["succeeded"] for p in _all_points(report)):
+    succeeded = any(p["succeeded"] for p in _all_points(report))
+    if succeeded:
         for plot, *plot_args in plots:
             plot(*plot_args)
         print(f"\nresults: {path}; plots in {args.out}")
     else:  # nothing to plot: a log scale of no latencies fails (before: a traceback, and no results.json)
         print(f"\nresults: {path}; no plots: no request succeeded")
     failed = sum(sum(p["errors"].values()) for p in _all_points(report))
-    return 1 if failed and not any(p["succeeded"] for p in _all_points(report)) else 0
+    return 1 if failed and not succeeded else 0
 
 
 def _all_points(report: dict) -> list[dict]:

@@ -36,6 +36,12 @@ MAX_MASK_MS = 5.0
 MASK_WINDOW = 5
 MASK_STRIKES = 3
 _ERROR_CHARS = 600  # of llguidance's message, in an InvalidRequestError
+
+
+def _first_line(matcher) -> str:
+    """A matcher's error as a request's message: llguidance's first line (the rest is the parser's
+    state, its statistics and the grammar), cut to _ERROR_CHARS."""
+    return matcher.get_error().strip().split("\n", 1)[0][:_ERROR_CHARS]
 # Whitespace between JSON's tokens: a line break and an indentation, or spaces alone; llguidance's
 # default (any run of whitespace) let a model write whitespace until max_tokens, which a tiny
 # random one did every time. A schema's own "x-guidance" options override it.
@@ -143,18 +149,16 @@ class Grammars:
         matcher that errs later (past one of llguidance's limits), or whose masks turn too costly,
         fails its request (failure())."""
         m = self._compile(fmt).deep_copy()
-        if tokens and not m.consume_tokens(list(tokens)):  # (the first line: the rest is the parser's state)
-            first = m.get_error().strip().split("\n", 1)[0]
-            raise ValueError(f"do not follow {fmt.field}: {first[:_ERROR_CHARS]}")
+        if tokens and not m.consume_tokens(list(tokens)):
+            raise ValueError(f"do not follow {fmt.field}: {_first_line(m)}")
         return m
 
     def failure(self, fmt: StructuredOutput, matcher, mask_ms) -> InvalidRequestError | None:
         """Why a sequence held to fmt cannot go on, or None: its matcher erred (one of llguidance's
         limits, met past the first token), or its masks (mask_ms: the CPU milliseconds of its last
         masks, newest last) took more than max_mask_ms in MASK_STRIKES of its last MASK_WINDOW."""
-        if matcher.is_error():  # (llguidance's message: its first line; the rest is the parser's state)
-            first = matcher.get_error().strip().split("\n", 1)[0]
-            return InvalidRequestError(fmt.field, f"failed while generating: {first[:_ERROR_CHARS]}")
+        if matcher.is_error():
+            return InvalidRequestError(fmt.field, f"failed while generating: {_first_line(matcher)}")
         if mask_ms and sum(ms > self.max_mask_ms for ms in mask_ms) >= MASK_STRIKES:
             took = ", ".join(f"{ms:.1f}" for ms in mask_ms)
             return InvalidRequestError(fmt.field, f"too costly while generating: its last token masks took {took} ms "

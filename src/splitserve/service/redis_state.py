@@ -26,6 +26,8 @@ import logging
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 
+import grpc
+
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.structured import StructuredOutput
 
@@ -357,7 +359,7 @@ end
 
 # DEADLINE_EXCEEDED's number, the status of a request whose deadline passed in the queue (its 'code'): its
 # router ends it so when it reads that before its client's own deadline fires (before: UNAVAILABLE).
-DEADLINE_CODE = "4"
+DEADLINE_CODE = str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
 
 # A prefill worker picks a job up. KEYS: admission hash, request hash. ARGV: prompt tokens,
 # 1 if this is the job's first delivery, now, worker name, deadline (unix, 0 = none), the job's
