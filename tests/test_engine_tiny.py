@@ -177,30 +177,75 @@ def test_imported_sequences_behind_a_blocked_recompute_still_run_and_imports_do_
     assert [s.seq for s in out.scheduled] == [head] and out.scheduled[0].num_tokens == 100
 
 
-def test_kv_import_refuses_foreign_or_broken_kv(tiny_engine_factory):
+def test_kv_import_refuses_foreign_or_broken_kv_naming_the_handoffs_field(tiny_engine_factory):
+    """Each refusal names the field of the handoff (PutKVRequest) at fault, and holds nothing. A
+    sequence whose tokens or stop tokens are outside the vocabulary is refused before it is taken:
+    the sampler indexes the logits with them, and one out of range failed the step of every
+    sequence in the batch."""
     a, b = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=6)[0]
     export, buf = exported(a, "x", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
-    for change, payload, words in [
-        ({"fingerprint": "0" * 32}, buf, "fingerprint"),
-        ({"layout_version": 9}, buf, "layout version"),
-        ({"dtype": "bfloat16"}, buf, "dtype"),
-        ({}, buf[: len(buf) // 2], "payload is"),
-        ({"num_tokens": export.num_tokens + 4}, buf, r"tokens 0\.\.\d+ need"),
-        ({"start": 16}, buf, "version 1 with start 16"),
-        ({"start": 16, "layout_version": 2}, buf, "header is not a splitserve v2"),
-        ({"start": export.num_tokens}, buf, "start"),
-    ]:
-        bad = type(export)(**{**export.__dict__, **change})
-        with pytest.raises(KVImportError, match=words):
-            b.import_kv(bad, payload)
     corrupt = bytearray(buf)
     corrupt[:4] = b"XXXX"
-    with pytest.raises(KVImportError, match="header"):
-        b.import_kv(export, corrupt)
-    assert b.cache.pool.num_used == 0
+    n = len(export.token_ids)
+    for change, payload, field, words in [
+        ({"fingerprint": "0" * 32}, buf, "handle.fingerprint", "fingerprint"),
+        ({"layout_version": 9}, buf, "handle.layout_version", "layout version"),
+        ({"dtype": "bfloat16"}, buf, "handle.dtype", "dtype"),
+        ({}, buf[: len(buf) // 2], "handle.length", "payload is"),
+        ({"num_tokens": export.num_tokens + 4}, buf, "handle.length", r"tokens 0\.\.\d+ need"),
+        ({"start": 16}, buf, "handle.layout_version", "version 1 with start 16"),
+        ({"start": 16, "layout_version": 2}, buf, "handle", "header is not a splitserve v2"),
+        ({"start": export.num_tokens, "layout_version": 2}, buf, "handle.start_token", "outside"),
+        ({}, corrupt, "handle", "header"),
+        ({"prompt_len": 0}, buf, "sequence.prompt_len", "at least one"),
+        ({"prompt_len": n}, buf, "sequence.prompt_len", "the token sampled"),
+        ({"token_ids": export.token_ids[:-1] + [512]}, buf, "sequence.token_ids", "outside the vocabulary"),
+        ({"params": SamplingParams(max_tokens=5, stop_token_ids=[2**62])}, buf, "sampling.stop_token_ids",
+         "outside the vocabulary"),
+        ({"resumed": n}, buf, "sequence.resumed_tokens", "resumed tokens"),
+    ]:
+        bad = type(export)(**{**export.__dict__, **change})
+        with pytest.raises((KVImportError, InvalidRequestError), match=f"^{field}: .*{words}"):
+            b.import_kv(bad, payload)
+        assert b.cache.pool.num_used == 0 and not b.seqs, change
     b.import_kv(export, buf)  # the genuine one is accepted
     drain(b)
+
+
+def test_kv_whose_generator_state_is_not_one_is_refused_holding_no_block_of_its_cached_prefix(tiny_engine_factory):
+    """A sampled request's generator state travels with its KV. One of another size, or not a state,
+    was INTERNAL (torch's RuntimeError), raised after the blocks of its prefix found in the prefix
+    cache were taken: they stayed held (3 blocks here)."""
+    a, b = tiny_engine_factory(), tiny_engine_factory(prefix_caching=True)
+    prompt = random_prompts(1, lo=60, hi=61, seed=1)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=1)
+    b.import_kv(*exported(a, "first", prompt, params))  # its prompt's blocks stay in the prefix cache
+    drain(b)
+    export, buf = exported(a, "again", prompt, params)
+    for state in (b"x", bytes(len(export.generator_state))):  # of another size, or not one
+        bad = type(export)(**{**export.__dict__, "generator_state": state})
+        with pytest.raises(KVImportError, match="^sequence.generator_state: is not this engine's generator state"):
+            b.import_kv(bad, buf)
+        assert b.cache.pool.num_used == 0 and not b.seqs
+    b.import_kv(export, buf)  # the genuine one is accepted
+    assert b.seqs["again"].num_shared_on_import > 0
+    drain(b)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused_and_the_batch_runs_on(tiny_engine_factory):
+    """add_request refuses them, naming the field (the router checks them too, but a decode worker
+    takes requests from routers of other releases and from handoffs): one out of range, taken, failed
+    the step of every sequence in the batch."""
+    eng = tiny_engine_factory()
+    prompts = random_prompts(2, seed=3)
+    eng.add_request("running", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    first = [t for out in eng.step() for t in out.new_token_ids]
+    for ids in ([512], [-1], [2**62]):
+        with pytest.raises(InvalidRequestError, match="^sampling.stop_token_ids: "):
+            eng.add_request(f"bad{ids}", prompts[1], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=ids))
+    got = drain(eng)
+    assert len(first + got.tokens["running"]) == 4 and got.reasons == {"running": "length"}
 
 
 def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny_engine_factory):

@@ -204,6 +204,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("sampling.stop", "stop strings need a model with a tokenizer")
+        # (the sampler indexes the logits with them: one out of range failed the step of every sequence)
+        check_vocab("sampling.stop_token_ids", params.stop_token_ids, vocab)
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
             raise InvalidRequestError("sampling.logit_bias", f"token id {params.logit_bias[-1][0]} is outside the "
                                                              f"vocabulary [0, {vocab})")
@@ -736,7 +738,7 @@ class LLMEngine:
         needs them there: KVPrefixMissing if fewer are cached (the sender sends them after all).
         """
         if self.padded is not None:
-            raise KVImportError("KV import needs the continuous policy")
+            raise KVImportError("handle", "KV import needs the continuous policy (this engine batches statically)")
         if export.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
         if SAMPLE_SEP in export.request_id:
@@ -744,23 +746,34 @@ class LLMEngine:
         kv_transfer.check(self.model, export, payload)
         n, start = export.num_tokens, export.start
         if len(export.token_ids) != n + 1:
-            raise KVImportError(f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)")
+            raise KVImportError("handle.num_tokens", f"KV holds {n} tokens but the sequence has "
+                                f"{len(export.token_ids)} (expected n + 1)")
+        if not 1 <= export.prompt_len <= n:
+            raise KVImportError("sequence.prompt_len", f"{export.prompt_len} of {len(export.token_ids)} tokens: the "
+                                "prompt is at least one and leaves at least the token sampled")
+        check_vocab("sequence.token_ids", export.token_ids, self.model.shape.vocab_size)
         self.validate(export.token_ids[: export.prompt_len], export.params)
         if not 0 <= export.resumed < max(1, len(export.token_ids) - export.prompt_len) or export.resumed_chars < 0:
-            raise KVImportError(f"{export.resumed} resumed tokens ({export.resumed_chars} characters) of "
-                                f"{len(export.token_ids) - export.prompt_len} sampled")
+            raise KVImportError("sequence.resumed_tokens", f"{export.resumed} resumed tokens ({export.resumed_chars} "
+                                f"characters) of {len(export.token_ids) - export.prompt_len} sampled")
         if export.params.logprobs is not None and len(export.logprobs) != len(export.token_ids) - export.prompt_len:
-            raise KVImportError(f"{len(export.logprobs)} log probabilities for "
+            raise KVImportError("sequence.logprobs", f"{len(export.logprobs)} log probabilities for "
                                 f"{len(export.token_ids) - export.prompt_len} sampled tokens")
         if export.params.prompt_logprobs is not None and len(export.prompt_logprobs) != export.prompt_len - 1:
-            raise KVImportError(f"{len(export.prompt_logprobs)} prompt log probabilities for a "
-                                f"{export.prompt_len}-token prompt (one per token after the first)")
+            raise KVImportError("sequence.prompt_logprobs", f"{len(export.prompt_logprobs)} prompt log probabilities "
+                                f"for a {export.prompt_len}-token prompt (one per token after the first)")
         matcher = None
         if export.params.structured_output is not None:
             try:
                 matcher = self.grammars.matcher(export.params.structured_output, export.token_ids[export.prompt_len:])
             except ValueError as e:
-                raise KVImportError(f"the tokens generated so far {e}") from None
+                raise KVImportError("sequence.token_ids", f"these tokens {e}") from None
+        gen = new_generator(export.params)
+        if gen is not None and export.generator_state is not None:  # before a block is taken
+            try:
+                gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
+            except RuntimeError as e:  # of another size, or not a state torch's CPU generator makes
+                raise KVImportError("sequence.generator_state", f"is not this engine's generator state: {e}") from None
         pool = self.cache.pool
         # The blocks of its prefix already in the prefix cache are shared, not filled again (and
         # the first start tokens' KV, not sent, must be among them).
@@ -773,9 +786,6 @@ class LLMEngine:
         if not self.scheduler.make_room(need, priority):
             pool.free(shared)
             raise CapacityError(f"no free KV blocks for {n} tokens")
-        gen = new_generator(export.params)
-        if gen is not None and export.generator_state is not None:
-            gen.set_state(torch.frombuffer(bytearray(export.generator_state), dtype=torch.uint8))
         seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen,
                             export.cache_salt, matcher)
         seq.priority = priority

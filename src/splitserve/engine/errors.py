@@ -18,7 +18,13 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class KVImportError(EngineError, ValueError):
-    """Exported KV cannot be imported here (layout, dtype, fingerprint or size mismatch)."""
+    """Exported KV cannot be imported here (layout, dtype, fingerprint or size mismatch, or a sequence
+    that does not go with it). ``field`` names the culprit as the handoff's proto does
+    (``handle.length``, ``sequence.logprobs``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class CapacityError(EngineError):
