@@ -652,6 +652,54 @@ def test_a_streamed_message_that_can_no_longer_be_written_ends_the_handler_as_a_
     assert (written, closed, aborted, ended) == (["first"], [True], [grpc.StatusCode.INTERNAL], "AbortError: ")
 
 
+def test_a_status_message_too_long_for_grpcs_trailers_is_cut_and_the_status_kept():
+    """A status message travels in the trailers, percent-encoded (three bytes for each byte of UTF-8
+    outside printable ASCII); past 16 KiB gRPC drops them, and the client got RESOURCE_EXHAUSTED
+    "Stream removed" instead of the status. Every server's interceptor now cuts a message to
+    MAX_DETAILS_BYTES as sent, saying how much it cut; a message that fits is left as it is."""
+    import asyncio
+    import re
+
+    from splitserve.service import grpc_server
+    from splitserve.service.errors import MAX_DETAILS_BYTES, Invalid
+
+    def sent_size(text: str) -> int:
+        return sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in text.encode())
+
+    messages = ["field: short", "field: " + "x" * 100_000, "field: " + "\u4e2d" * 30_000, "field: " + "%" * 20_000,
+                "field: " + "\U0001F600" * 9000, "field: " + "y" * (MAX_DETAILS_BYTES - 7)]
+
+    async def main():
+        async def fail(request, context):
+            raise Invalid(messages[int(request.decode())])
+
+        server = grpc_server.new_server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+            "Fail": grpc.unary_unary_rpc_method_handler(fail)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_unary("/t.T/Fail")
+                got = []
+                for i in range(len(messages)):
+                    try:
+                        await call(str(i).encode(), timeout=10)
+                    except grpc.aio.AioRpcError as e:
+                        got.append((e.code(), e.details()))
+                return got
+        finally:
+            await server.stop(0)
+
+    got = asyncio.run(main())
+    assert [code for code, _ in got] == [grpc.StatusCode.INVALID_ARGUMENT] * len(messages), got
+    assert got[0][1] == messages[0] and got[-1][1] == messages[-1]  # they fit: as they were
+    for (_, details), message in list(zip(got, messages))[1:-1]:
+        kept, cut = re.fullmatch(r"(.*)\.\.\. \((\d+) more characters\)", details, re.S).groups()
+        assert message.startswith(kept) and len(kept) + int(cut) == len(message) and len(kept) > 100
+        assert MAX_DETAILS_BYTES - 100 < sent_size(details) <= MAX_DETAILS_BYTES, (len(details), sent_size(details))
+
+
 def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_did_not_come_in_time():
     """The router cancelled a decode stream as soon as its last event came: the cancel could reach
     the decode worker as it sent the stream's status, and gRPC logged the failed send there as an
@@ -703,6 +751,9 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
         ({"token_ids": [1, 99999999]}, "token_ids"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]}, "messages[1].role"),
+        # a message that quotes a long input is cut to fit gRPC's trailers (before: RESOURCE_EXHAUSTED, "Stream
+        # removed (received metadata size exceeds hard limit)", instead of the status)
+        ({"messages": [{"role": "\u4e2d" * 30000, "content": "hi"}]}, "messages[0].role: must be one of"),
         ({"prompt": "word " * 9000}, "prompt"),
         ({"token_ids": [1] * 8192}, "token_ids"),
         ({"prompt": ""}, "prompt"),

@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 # Redis down, unreachable or not answering in time: the service cannot admit or look up
 # requests now, and a retry may succeed (UNAVAILABLE, which gRPC retry policies retry).
 REDIS_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# A status message's most bytes as it travels in the trailers (grpc-message, percent-encoded): gRPC
+# refuses trailers past 16 KiB (and may past 8 KiB), and the client then gets RESOURCE_EXHAUSTED
+# "Stream removed" instead of the status. A longer message (one that quotes a long input) is cut.
+MAX_DETAILS_BYTES = 4096
 
 
 class ServiceError(Exception):
@@ -100,12 +104,25 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     return code, str(exc), ()
 
 
+def fit_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
+    """message, cut to at most limit bytes as gRPC sends it (each byte of UTF-8 outside printable
+    ASCII, and '%', takes three), saying how much was cut."""
+    size, keep = 0, None
+    for i, ch in enumerate(message):
+        size += sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in ch.encode("utf-8", "surrogatepass"))
+        if keep is None and size > limit - 40:  # room for the note (ASCII, under 40 bytes)
+            keep = i
+        if size > limit:
+            return f"{message[:keep]}... ({len(message) - keep} more characters)"
+    return message
+
+
 async def _abort(context, exc: BaseException):
     code, message, metadata = status_for(exc)
     if metadata:
         context.set_trailing_metadata(metadata)
     try:
-        await context.abort(code, message)
+        await context.abort(code, fit_details(message))
     except grpc.aio.AbortError:
         raise
     except Exception:  # noqa: BLE001 - gRPC's ExecuteBatchError (a private type): no status could be sent
