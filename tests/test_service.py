@@ -868,6 +868,55 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
     assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
+def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_alone(stack, client):
+    """A seeded fuzz of the decode worker's internal API (worker_fuzz): 100 rounds, six at a time,
+    each a Decode stream and one to three handoffs, first tokens, failures, cancels or PrefillHere
+    calls for it, half of the rounds with one part wrong, while two clients send greedy requests
+    through the router. Every answer is OK, or a clear status (INVALID_ARGUMENT starting with the
+    field it names, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION, CANCELLED, DEADLINE_EXCEEDED);
+    every stream ends with a finish reason the API has. The clients' requests all get their tokens,
+    every process lives, and the module's leak checks find nothing held. (Found: a handoff's payload
+    header, its resumed tokens or tokens a format does not allow were refused without naming the
+    field; a sequence that finished at prefill with any finish reason, or a prompt length of none
+    of its tokens, was taken.)"""
+    import random
+
+    from worker_fuzz import fault, round_of
+
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    dec = workers(stack, "decode")[0]
+    arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
+    prompts = ["The capital of France is", "1, 2, 3,", "Write a haiku about"]
+    want = {p: list(client.generate(p, max_tokens=8, ignore_eos=True).token_ids) for p in prompts}
+    stop, others = threading.Event(), []
+
+    def other_requests():
+        with Client(stack.router_address) as c:
+            while not stop.is_set():
+                p = prompts[len(others) % len(prompts)]
+                others.append((p, list(c.generate(p, max_tokens=8, ignore_eos=True, timeout=60).token_ids)))
+
+    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(8) as pool:
+        stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
+        background = [pool.submit(other_requests) for _ in range(2)]
+        try:
+            rounds = list(pool.map(lambda i: round_of(stub, random.Random(i), f"wfz-{i}", _fingerprint(stack), arena,
+                                                      dec["host_id"]), range(100)))
+        finally:
+            stop.set()
+        for f in background:
+            f.result(timeout=120)
+    answers = [a for r in rounds for a in r]
+    wrong = [f for a in answers if (f := fault(*a))]
+    assert wrong == [], wrong
+    counts = collections.Counter((what, code) for what, code, _ in answers)
+    for call in ("PutKVStream", "PrefillHere"):  # each both taken and refused, many times
+        assert counts[call, "OK"] >= 5 and counts[call, "INVALID_ARGUMENT"] >= 5, counts
+    assert counts["Decode", "OK"] >= 20, counts
+    assert len(others) >= 10 and all(got == want[p] for p, got in others), others
+    assert all(p.popen.poll() is None for p in stack.procs)
+
+
 def test_the_router_tokenizes_long_inputs_off_its_event_loop():
     """Tokenizing takes ~0.7 s a MB; on the event loop that relays every stream's tokens it held
     them all (a 3.6 MB prompt: 2.2 s). Long inputs go to a thread; short ones stay in place."""
@@ -2007,6 +2056,23 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     with pytest.raises(grpc.RpcError) as e:
         stub.PutKV(w.PutKVRequest(sequence=lacking, handle=w.KVHandle(**ok)), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.logprobs" in e.value.details()
+    # A sequence that its first token finished at prefill (no handle): checked as one with its KV is
+    # (before: any finish reason went to the client, and tokens outside the vocabulary were decoded).
+    unsized = stub.Decode(w.DecodeRequest(request_id="no-size"))  # (a prompt_tokens of 0 is not checked)
+    assert next(unsized).accepted
+    for rid, change, field in (
+            ("bad-handle", dict(finish_reason="weird"), "sequence.finish_reason"),
+            ("bad-handle", dict(finish_reason="cancelled"), "sequence.finish_reason"),
+            ("bad-handle", dict(finish_reason="length", resumed_tokens=2), "sequence.resumed_tokens"),
+            ("no-size", dict(finish_reason="length", prompt_len=0), "sequence.prompt_len"),
+            ("no-size", dict(finish_reason="length", prompt_len=5), "sequence.prompt_len"),
+            ("no-size", dict(finish_reason="length", token_ids=[1, 2, 3, 4, 10**9]), "sequence.token_ids")):
+        odd = w.SequenceState(**{"request_id": rid, "prompt_len": 4, "token_ids": [1, 2, 3, 4, 5], **change})
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PutKV(w.PutKVRequest(sequence=odd), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
+        assert e.value.details().startswith(field + ": "), (change, e.value.details())
+    unsized.cancel()
     # Handoffs for a request with no open stream: NOT_FOUND once its stream has not opened in
     # time (all three at once: each waits for it up to STREAM_WAIT_S).
     nobody = [stub.PutKV.future(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),

@@ -34,7 +34,8 @@ from grpc_health.v1 import health_pb2
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
 from splitserve.engine.kv_transfer import LAYOUT_VERSIONS, layout_version, payload_nbytes
-from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.outputs import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from splitserve.engine.params import check_vocab
 from splitserve.service import aio, convert, grpc_server
 from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
@@ -59,6 +60,8 @@ ENDED_KEEP = 4096  # request ids whose stream ended here, remembered so their la
 # A Cancel can come before its stream too (Abort right after admission): a stream that opens
 # this soon after it ends cancelled at once.
 CANCEL_KEEP_S = 10.0
+# What a handoff's sequence may end with when its first token finished it at prefill
+HANDOFF_FINISHES = (FINISH_LENGTH, FINISH_STOP, FINISH_EOS, FINISH_ERROR)
 
 
 def _remember(ids: collections.OrderedDict, rid: str, value) -> None:
@@ -589,7 +592,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.prompt_tokens and seq.prompt_len != slot.prompt_tokens:  # another request's KV, or a bad producer
             raise Invalid(f"sequence.prompt_len: {seq.prompt_len} tokens, but request {seq.request_id!r} has a "
                           f"{slot.prompt_tokens}-token prompt")
+        if seq.finish_reason and seq.finish_reason not in HANDOFF_FINISHES:
+            raise Invalid(f"sequence.finish_reason: {seq.finish_reason!r} is not one of {', '.join(HANDOFF_FINISHES)}")
+        if not 0 < seq.prompt_len < len(seq.token_ids):
+            raise Invalid(f"sequence.prompt_len: {seq.prompt_len} of {len(seq.token_ids)} tokens (the prompt is at "
+                          "least one, and at least one token follows it)")
         sampled = len(seq.token_ids) - seq.prompt_len
+        if seq.resumed_tokens > sampled:
+            raise Invalid(f"sequence.resumed_tokens: {seq.resumed_tokens} of {sampled} sampled tokens")
         if seq.sampling.HasField("logprobs") and len(seq.logprobs) != sampled:
             raise Invalid(f"sequence.logprobs: {len(seq.logprobs)} given for {sampled} sampled tokens")
         if seq.sampling.HasField("prompt_logprobs") and len(seq.prompt_logprobs) != seq.prompt_len - 1:
@@ -624,6 +634,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Invalid(f"handle.host_id: {h.host_id!r} is another host; send the bytes with PutKVStream")
 
     async def _finished_at_prefill(self, slot: Slot, seq: w_pb.SequenceState) -> w_pb.PutKVResponse:
+        check_vocab("sequence.token_ids", seq.token_ids, self.engine.model.shape.vocab_size)
         n = len(seq.token_ids) - seq.prompt_len  # its completion's tokens, the client has seq.resumed_tokens
         out = list(seq.token_ids[seq.prompt_len + seq.resumed_tokens :])
         skip = seq.sampling.skip_special_tokens if seq.sampling.HasField("skip_special_tokens") else True
