@@ -2,7 +2,8 @@
 
 Each field is drawn among valid values, edges included; in four requests of ten one part is made
 wrong: a sampling value out of its range, a bad input, request_id or cache_salt, or resume_from's
-tokens. ``answer_fault`` says what is wrong with an OK answer to one."""
+tokens. ``answer_fault`` says what is wrong with an OK answer to one. ``random_side_call`` draws a
+call of the router's other methods."""
 
 from __future__ import annotations
 
@@ -167,3 +168,28 @@ def answer_fault(req: pb.GenerateRequest, answer, unary: bool) -> str:
     if any(t > most for t in tokens.values()):
         return f"tokens {dict(tokens)} (max_tokens {most})"
     return ""
+
+
+def random_side_call(rng: random.Random, ids: list[str]) -> tuple[str, object]:
+    """One call of the router's other methods (method name, request), valid or not: Tokenize and
+    Detokenize of random inputs, GetRequest and Abort of ids drawn so far, unknown or malformed."""
+    method = rng.choice(["Tokenize", "Detokenize", "GetRequest", "Abort"])
+    if method == "Tokenize":
+        r = pb.TokenizeRequest()
+        kind = rng.random()
+        if kind < 0.5:
+            r.prompt = rng.choice(TEXTS + ["", "word " * rng.randint(1, 300)])
+        elif kind < 0.9:
+            for _ in range(rng.randint(0, 3)):
+                r.messages.messages.add(role=rng.choice(["user", "system", "assistant", "", "robot"]),
+                                        content=rng.choice(TEXTS))
+            r.messages.SetInParent()
+        return method, r  # (else: no input)
+    if method == "Detokenize":
+        r = pb.DetokenizeRequest(token_ids=rng.choice([[], [1, 2, 3], [rng.randrange(VOCAB) for _ in range(50)],
+                                                       [-1], [VOCAB], [2**62], [0] * 5000]))
+        if rng.random() < 0.5:
+            r.skip_special_tokens = rng.random() < 0.5
+        return method, r
+    rid = rng.choice(ids[-20:] + ["", "never-sent", "x" * 129, "has space"] if ids else ["", "never-sent"])
+    return method, (pb.GetRequestRequest if method == "GetRequest" else pb.AbortRequest)(request_id=rid)

@@ -830,12 +830,14 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
     stream in seven cancelled after its first message). Each ends OK with what it asked for (its
     samples, each at most max_tokens, a log probability a token), INVALID_ARGUMENT whose message
     starts with the field it names, or ALREADY_EXISTS (an id sent again while its first runs, or
-    for another request); no other status, and no parser state in a message. The stack serves
+    for another request); no other status, and no parser state in a message. Then 120 random calls
+    of Tokenize, Detokenize, GetRequest and Abort (request_fuzz.random_side_call), about those
+    requests and others, each OK, NOT_FOUND or INVALID_ARGUMENT naming the field. The stack serves
     after, and the module's leak checks find nothing held. (Found: tokens sent again that a format
     does not allow were refused by the prefill worker, naming the format, with llguidance's state.)"""
     import random
 
-    from request_fuzz import FIELD, answer_fault, random_request
+    from request_fuzz import FIELD, answer_fault, random_request, random_side_call
 
     rng, ids = random.Random(11), []
     requests = [random_request(rng, ids) for _ in range(240)]
@@ -865,6 +867,30 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
     assert wrong == [], wrong
     counts = collections.Counter(code for code, _ in answers)
     assert counts["OK"] >= 60 and counts["INVALID_ARGUMENT"] >= 60, counts  # both kinds, many of each
+    # Then the router's other methods, valid or not, about those requests and others: OK with a
+    # consistent answer, NOT_FOUND (an unknown id), or INVALID_ARGUMENT naming the field.
+    side = [random_side_call(rng, ids) for _ in range(120)]
+
+    def call(i: int) -> tuple[str, str, str]:
+        method, req = side[i]
+        try:
+            got = getattr(client.stub, method)(req, timeout=30)
+        except grpc.RpcError as e:
+            return method, e.code().name, e.details() or ""
+        if method == "Tokenize" and (got.count != len(got.token_ids) or not got.count or not got.max_model_len):
+            return method, "OK", f"wrong: {got}"
+        if method == "GetRequest" and (got.request_id != req.request_id or not got.state):
+            return method, "OK", f"wrong: {got}"
+        return method, "OK", ""
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        calls = list(pool.map(call, range(len(side))))
+    wrong = [c for c in calls if (c[1] == "OK" and c[2]) or c[1] not in ("OK", "INVALID_ARGUMENT", "NOT_FOUND")
+             or (c[1] == "INVALID_ARGUMENT" and not FIELD.match(c[2]))
+             or (c[1] == "NOT_FOUND" and c[0] not in ("GetRequest", "Abort"))]
+    assert wrong == [], wrong
+    counts = collections.Counter((method, code) for method, code, _ in calls)
+    assert all(counts[m, "OK"] >= 5 for m in ("Tokenize", "Detokenize", "GetRequest", "Abort")), counts
     assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
