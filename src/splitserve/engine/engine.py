@@ -738,7 +738,8 @@ class LLMEngine:
         needs them there: KVPrefixMissing if fewer are cached (the sender sends them after all).
         """
         if self.padded is not None:
-            raise KVImportError("handle", "KV import needs the continuous policy (this engine batches statically)")
+            raise KVImportError("handle", f"KV import needs the continuous policy; this engine batches "
+                                          f"{self.config.policy}")
         if export.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
         if SAMPLE_SEP in export.request_id:
