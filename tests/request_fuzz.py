@@ -31,7 +31,8 @@ TEXTS = ["hi", "The capital of France is", "\u00e9\u4e2d\U0001F600", "a\x00b", "
 FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+|\[\d+\])*: ")
 
 
-def _sampling(rng: random.Random, bad: bool) -> pb.SamplingParams:
+def random_sampling(rng: random.Random, bad: bool) -> pb.SamplingParams:
+    """SamplingParams, each field set or not, among valid values and edges; bad: one part wrong."""
     s = pb.SamplingParams()
     for name, values in GOOD.items():
         if rng.random() < 0.25:
@@ -120,7 +121,7 @@ def random_request(rng: random.Random, ids: list[str]) -> pb.GenerateRequest:
             r.messages.SetInParent()
             r.messages.ClearField("messages")
     if rng.random() < 0.9 or bad == "sampling":
-        r.sampling.CopyFrom(_sampling(rng, bad == "sampling"))
+        r.sampling.CopyFrom(random_sampling(rng, bad == "sampling"))
     if not r.sampling.HasField("max_tokens"):
         r.sampling.max_tokens = rng.randint(1, 12)
     if rng.random() < 0.2:

@@ -20,7 +20,7 @@ import types
 
 import grpc
 
-from request_fuzz import FIELD, VOCAB, _sampling
+from request_fuzz import FIELD, VOCAB, random_sampling
 from splitserve.engine import kv_transfer
 from splitserve_proto.v1 import worker_pb2 as w
 
@@ -43,7 +43,7 @@ def _sequence(rng: random.Random, rid: str, prompt_len: int, bad: bool) -> w.Seq
     seq = w.SequenceState(request_id=rid, prompt_len=prompt_len)
     seq.token_ids.extend(rng.randrange(VOCAB) for _ in range(prompt_len + rng.randint(1, 3)))
     if rng.random() < 0.6:
-        seq.sampling.CopyFrom(_sampling(rng, bad and rng.random() < 0.3))
+        seq.sampling.CopyFrom(random_sampling(rng, bad and rng.random() < 0.3))
     if not seq.sampling.HasField("max_tokens"):
         seq.sampling.max_tokens = rng.randint(1, 10)
     if seq.sampling.HasField("logprobs"):
@@ -125,7 +125,7 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
         opened.leg = rng.choice([0, 1])
     if rng.random() < 0.3:  # prefilled here
         opened.prompt_token_ids.extend(_tokens(rng, bad))
-        opened.sampling.CopyFrom(_sampling(rng, bad and rng.random() < 0.5))
+        opened.sampling.CopyFrom(random_sampling(rng, bad and rng.random() < 0.5))
         if not opened.sampling.HasField("max_tokens"):
             opened.sampling.max_tokens = rng.randint(1, 10)
         if rng.random() < 0.2:
@@ -194,7 +194,7 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
                 req = w.PrefillHereRequest(request_id=target, prompt_token_ids=_tokens(rng, bad),
                                            queue_ms=rng.choice([0.0, -5.0, float("nan")]),
                                            cache_salt=rng.choice(["", "x" * 300]))
-                req.sampling.CopyFrom(_sampling(rng, bad and rng.random() < 0.5))
+                req.sampling.CopyFrom(random_sampling(rng, bad and rng.random() < 0.5))
                 stub.PrefillHere(req, timeout=30)
             answers.append((kind, "OK", ""))
         except grpc.RpcError as e:
