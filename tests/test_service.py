@@ -2408,18 +2408,12 @@ def _fingerprint(stack) -> str:
 def _kv_chunks(stack, seq, num_tokens: int) -> list:
     """PutKVStream's chunks of a whole payload of num_tokens tokens' KV (zeros) for seq, for the
     stack's model: the handle as a prefill worker sends it."""
-    import types
-
-    from splitserve.engine import kv_transfer
     from splitserve_proto.v1 import worker_pb2 as w
+    from worker_fuzz import whole_payload
 
     fp = _fingerprint(stack)
-    model = types.SimpleNamespace(shape=types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64),
-                                  fingerprint=fp)
-    n = kv_transfer.payload_nbytes(model.shape, num_tokens)
-    header = kv_transfer._header(model, num_tokens, 0)
-    payload = header + bytes(n - len(header))
-    h = w.KVHandle(length=n, num_tokens=num_tokens, layout_version=1, dtype="float32", fingerprint=fp,
+    payload = bytes(whole_payload(fp, num_tokens))
+    h = w.KVHandle(length=len(payload), num_tokens=num_tokens, layout_version=1, dtype="float32", fingerprint=fp,
                    transport="grpc")
     return [w.KVChunk(header=w.PutKVRequest(sequence=seq, handle=h), data=payload[: 1 << 16]),
             w.KVChunk(data=payload[1 << 16:])]

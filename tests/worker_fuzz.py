@@ -78,17 +78,21 @@ def _sequence(rng: random.Random, rid: str, prompt_len: int, bad: bool) -> w.Seq
     return seq
 
 
+def whole_payload(fingerprint: str, num_tokens: int) -> bytearray:
+    """A whole KV payload of num_tokens tokens for SmolLM2 (the stacks' model): its header as a prefill
+    worker writes it, and a body of zeros."""
+    header = kv_transfer._header(types.SimpleNamespace(shape=SHAPE, fingerprint=fingerprint), num_tokens, 0)
+    return bytearray(header) + bytes(kv_transfer.payload_nbytes(SHAPE, num_tokens) - len(header))
+
+
 def _chunks(rng: random.Random, seq: w.SequenceState, fingerprint: str, bad: bool) -> list[w.KVChunk]:
     """PutKVStream's chunks: a whole payload for seq (its body zeros but for some random bytes), or a
     broken one."""
-    n = max(1, len(seq.token_ids) - 1)
-    model = types.SimpleNamespace(shape=SHAPE, fingerprint=fingerprint)
-    header = kv_transfer._header(model, n, 0)
-    body = bytearray(kv_transfer.payload_nbytes(SHAPE, n) - len(header))
-    body[:4096] = os.urandom(4096)
-    payload = bytearray(header) + body
+    payload = whole_payload(fingerprint, max(1, len(seq.token_ids) - 1))
+    header = kv_transfer._HEADER.size
+    payload[header : header + 4096] = os.urandom(4096)
     if bad and rng.random() < 0.4:  # a value that is no number, or one too big
-        at = len(header) + 4 * rng.randrange(len(body) // 4)
+        at = header + 4 * rng.randrange((len(payload) - header) // 4)
         payload[at : at + 4] = struct.pack("<f", rng.choice([float("nan"), float("inf"), 1e38]))
     if bad and rng.random() < 0.3:
         payload = payload[: rng.randrange(len(payload))]
