@@ -3,7 +3,7 @@
 import pytest
 from engine_helpers import drain, exported, random_prompts
 
-from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, StepFailed
 from splitserve.engine.sampling import SamplingParams
 
 
@@ -250,6 +250,86 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused_and_the_batch_runs_on
             eng.add_request(f"bad{ids}", prompts[1], SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=ids))
     got = drain(eng)
     assert len(first + got.tokens["running"]) == 4 and got.reasons == {"running": "length"}
+
+
+def _outcomes(eng, faults: dict | None = None) -> dict[str, tuple]:
+    """Step until nothing is left: each request's (tokens, finish reason, error, prompt log
+    probabilities). faults[i]() is called after step i (from 1)."""
+    got, step = {}, 0
+    while eng.has_unfinished():
+        step += 1
+        for out in eng.step():
+            toks, _, _, plp = got.get(out.request_id, ([], None, None, []))
+            got[out.request_id] = (toks + out.new_token_ids, out.finish_reason, out.exception,
+                                   plp + list(out.prompt_logprobs or []))
+        if step in (faults or {}):
+            faults[step]()
+    return got
+
+
+def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it_had_not_been_there(
+        tiny_engine_factory):
+    """Faults the checks missed, put into three sequences as a corrupt state: one in the model's
+    forward (a token outside the vocabulary), one in sampling after the other rows drew (a negative
+    number of log probabilities), one in taking its token (counts of another kind). Each ends
+    "error" naming what failed; the other requests' tokens, seeded draws and prompt log probabilities
+    are those they get alone (so what a failed run drew and added was undone)."""
+    prompts = random_prompts(6, lo=20, hi=60, seed=21)
+    params = {
+        "greedy": SamplingParams(max_tokens=10, ignore_eos=True),
+        "seeded": SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
+        "prompt-lp": SamplingParams(max_tokens=10, prompt_logprobs=2, ignore_eos=True),
+        "bad-lp": SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True),
+        "bad-token": SamplingParams(max_tokens=10, ignore_eos=True),
+        "bad-take": SamplingParams(max_tokens=10, frequency_penalty=0.5, ignore_eos=True),
+    }
+    alone = {}
+    for rid, prompt in zip(["greedy", "seeded", "prompt-lp"], prompts):
+        eng = tiny_engine_factory(batch_invariant=True)
+        eng.add_request(rid, prompt, params[rid])
+        alone.update(_outcomes(eng))
+    eng = tiny_engine_factory(batch_invariant=True)
+    for rid, prompt in zip(params, prompts):
+        eng.add_request(rid, prompt, params[rid])
+    object.__setattr__(eng.seqs["bad-lp"].params, "logprobs", -5)  # torch.topk: k out of range
+    got = _outcomes(eng, {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
+                                2: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6)})
+    for rid in alone:
+        assert got[rid] == alone[rid], rid
+    assert len(got["prompt-lp"][3]) == len(prompts[2]) - 1 and len(got["seeded"][0]) == 10
+    for rid, cause in [("bad-lp", "RuntimeError: selected index k out of range"), ("bad-token", "IndexError: "),
+                       ("bad-take", "KeyError: ")]:
+        _, reason, exc, _ = got[rid]
+        assert reason == "error" and isinstance(exc, StepFailed), (rid, reason, exc)
+        assert str(exc).startswith(f"engine step failed: {cause}"), (rid, str(exc))
+    # and the engine serves on: the same tokens again, alone
+    eng.add_request("after", prompts[0], params["greedy"])
+    assert _outcomes(eng)["after"] == alone["greedy"]
+
+
+def test_a_step_that_fails_for_every_sequence_ends_each_with_an_error_and_the_engine_serves_on(
+        tiny_engine_factory, monkeypatch):
+    """A forward that fails whatever it runs (a broken device, say): halving finds every sequence
+    failing alone, in 2n - 1 runs; each ends "error", no KV block is held, and the next request runs."""
+    eng = tiny_engine_factory()
+    prompts = random_prompts(4, seed=8)
+    want = eng.generate([prompts[0]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    forward, calls = eng.model.forward, []
+
+    def broken(batch, kv):
+        calls.append(batch.logits_rows.numel())
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(eng.model, "forward", broken)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=5, ignore_eos=True))
+    got = _outcomes(eng)
+    assert sorted(got) == ["r0", "r1", "r2", "r3"]
+    assert all(reason == "error" and str(exc) == "engine step failed: RuntimeError: device lost"
+               for _, reason, exc, _ in got.values()), got
+    assert calls == [4, 2, 1, 1, 2, 1, 1] and eng.cache.pool.num_used == 0
+    monkeypatch.setattr(eng.model, "forward", forward)
+    assert eng.generate([prompts[0]], SamplingParams(max_tokens=5, ignore_eos=True))[0] == want
 
 
 def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny_engine_factory):

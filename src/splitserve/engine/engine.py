@@ -20,7 +20,7 @@ from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, PiecewiseGraphs
-from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing
+from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing, StepFailed
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
 from splitserve.engine.model import LlamaModel
@@ -389,6 +389,18 @@ class LLMEngine:
         self._finish(seq, FINISH_CANCELLED)
         return self._output(seq)
 
+    def fail_all(self, error: Exception) -> list[RequestOutput]:
+        """End every sequence held but the parked ones "error" for this reason: after a step that
+        raised (its scheduling, or a policy's step other than continuous's, which finds the
+        sequences that fail it: _isolate); their outputs."""
+        outputs = []
+        for seq in list(self.seqs.values()):
+            if seq.request_id in self.seqs:
+                self._fail(seq, error)
+                if (out := self._output(seq)) is not None:
+                    outputs.append(out)
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
@@ -431,6 +443,46 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
+        before = _Before(sched.scheduled)
+        try:
+            computed = self._compute(sched, stats)
+        except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
+            if len(sched.scheduled) > 1:
+                log.warning("an engine step of %d sequences failed (%s: %s); running it again in parts to find "
+                            "the sequences that fail it", len(sched.scheduled), type(e).__name__, e)
+            return self._isolate(sched.scheduled, stats, before, e)
+        return self._advance(sched, *computed, stats)
+
+    def _isolate(self, scheduled: list, stats: StepStats, before: _Before, error: Exception) -> list[RequestOutput]:
+        """The step of `scheduled` raised `error`: undo what it did (before.restore), then run each
+        half again, and each half that raises in halves again, down to the sequences that raise
+        alone. Those end "error" (StepFailed); the others go on as if nothing had failed (the KV a
+        failed run wrote is written again by the next). A step that fails for all costs 2n - 1
+        runs; one sequence that fails it, about 2 log2(n)."""
+        before.restore(scheduled)
+        if len(scheduled) == 1:
+            seq = scheduled[0].seq
+            log.error("request %s fails an engine step alone: it ends with an error", seq.parent or seq.request_id,
+                      exc_info=error)
+            self._fail(seq, StepFailed(error))
+            out = self._output(seq)
+            return [out] if out is not None else []
+        outputs: list[RequestOutput] = []
+        half = len(scheduled) // 2
+        for part in (scheduled[:half], scheduled[half:]):
+            sub = SchedulerOutput(part)
+            try:
+                computed = self._compute(sub, stats)
+            except Exception as e:  # noqa: BLE001 - narrowed down further
+                outputs += self._isolate(part, stats, before, e)
+            else:
+                outputs += self._advance(sub, *computed, stats)
+        return outputs
+
+    def _compute(self, sched: SchedulerOutput, stats: StepStats) -> tuple[list, list[int], list]:
+        """The forward and sampling of a step: (the scheduled that sample, their tokens, their log
+        probabilities). Changes nothing but the KV of the positions computed, the generators of the
+        rows that sample (_Before) and the prompt log probabilities of the rows that want them."""
         prompt_rows = _prompt_rows(sched)
         whole = not prompt_rows and self.graphs is not None and self.graphs.covers(sched.scheduled)
         batch = None if whole else self._build_batch(sched, prompt_rows)
@@ -450,20 +502,26 @@ class LLMEngine:
             logits = self.model.forward(batch, self.cache.kv)
         if events:
             events[1].record()
-        stats.forward_time_s = time.perf_counter() - t
+        stats.forward_time_s += time.perf_counter() - t
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
         if prompt_rows:  # hidden states: the samplers' rows, then theirs
             _add_prompt_logprobs(prompt_rows, logits[len(samplers):], self.model.lm_head_of)
             logits = self.model.lm_head_of(logits[: len(samplers)])
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
-        stats.sample_time_s = time.perf_counter() - t
+        stats.sample_time_s += time.perf_counter() - t
         if events:  # done when sampling read the logits back; a step that sampled nothing waits here
             events[1].synchronize()
-            stats.device_time_s = events[0].elapsed_time(events[1]) / 1000
-        stats.num_seqs = len(sched.scheduled)
-        stats.request_ids = [s.seq.request_id for s in sched.scheduled]
-        stats.num_tokens = sched.num_tokens
+            stats.device_time_s += events[0].elapsed_time(events[1]) / 1000
+        return samplers, tokens, logprobs
+
+    def _advance(self, sched: SchedulerOutput, samplers: list, tokens: list[int], logprobs: list,
+                 stats: StepStats) -> list[RequestOutput]:
+        """After _compute: the positions computed count, and each sampled token is taken. A
+        sequence whose token fails to be taken ends "error" (StepFailed); the others go on."""
+        stats.num_seqs += len(sched.scheduled)
+        stats.request_ids += [s.seq.request_id for s in sched.scheduled]
+        stats.num_tokens += sched.num_tokens
         for s in sched.scheduled:
             if s.seq.num_computed == len(s.seq.token_ids) - 1 and s.num_tokens == 1:
                 stats.num_decode_tokens += 1
@@ -473,7 +531,13 @@ class LLMEngine:
             self.scheduler.cache_computed(s.seq)
         outputs = []
         for s, tok, lp in zip(samplers, tokens, logprobs):
-            self.append_token(s.seq, tok, lp)
+            try:
+                self.append_token(s.seq, tok, lp)
+            except Exception as e:  # noqa: BLE001 - its own sequence's fault
+                log.error("request %s: its token %d was not taken: it ends with an error",
+                          s.seq.parent or s.seq.request_id, tok, exc_info=e)
+                if s.seq.request_id in self.seqs:
+                    self._fail(s.seq, StepFailed(e))
             out = self._output(s.seq)
             if out is not None:
                 outputs.append(out)
@@ -847,6 +911,22 @@ def _device_events(device: torch.device) -> tuple | None:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     return start, end
+
+
+class _Before:
+    """The states of a step's sampling rows' generators before its _compute: restore() puts them
+    back for those of a run that failed, so that running them again draws the same. (The prompt
+    log probabilities a failed run added stay: they are right, and _prompt_rows goes on after
+    them. Keeping a state costs 0.7 us a random row a step.)"""
+
+    def __init__(self, scheduled: list):
+        self.states = {id(s.seq): s.seq.generator.get_state() for s in scheduled
+                       if s.samples and s.seq.generator is not None}
+
+    def restore(self, scheduled: list) -> None:
+        for s in scheduled:
+            if (state := self.states.get(id(s.seq))) is not None:
+                s.seq.generator.set_state(state)
 
 
 def _seen(seq: Sequence) -> Seen:

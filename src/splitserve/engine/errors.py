@@ -38,3 +38,11 @@ class KVPrefixMissing(EngineError):
     def __init__(self, held: int, start: int):
         super().__init__(f"the prefix cache holds {held} of the first {start} tokens, whose KV was not sent")
         self.held, self.start = held, start
+
+
+class StepFailed(EngineError):
+    """An engine step failed for this sequence even when run without the others (or its token
+    could not be taken): it ends "error"; the others of the step go on."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
