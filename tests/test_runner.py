@@ -53,3 +53,41 @@ def test_an_engine_that_cannot_be_built_fails_start_with_its_error():
         assert not runner._thread.is_alive()
 
     asyncio.run(go())
+
+
+def test_a_step_that_raises_outside_the_engines_isolation_fails_its_requests_and_the_runner_serves_on(tiny_loaded):
+    """The scheduler raising (once): every request held ends "error" with the cause (StepFailed, so
+    a worker answers INTERNAL with it), none is lost silently, and the next request runs."""
+    from splitserve.engine.errors import StepFailed
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
+                                                loaded=tiny_loaded), loop)
+        engine = await runner.start()
+        schedule, failures = engine.scheduler.schedule, []
+
+        def fails_once():
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("scheduler bug")
+            return schedule()
+
+        engine.scheduler.schedule = fails_once
+        ends = {rid: loop.create_future() for rid in ("a", "b", "c")}
+        for rid, fut in ends.items():
+            runner.sinks[rid] = lambda out, fut=fut: out.finished and not fut.done() and fut.set_result(out)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        await runner.submit(lambda e: [e.add_request(rid, [5, 6, 7, 8], params) for rid in ("a", "b")])
+        first = await asyncio.wait_for(asyncio.gather(ends["a"], ends["b"]), 30)
+        await runner.submit(lambda e: e.add_request("c", [5, 6, 7, 8], params))
+        after = await asyncio.wait_for(ends["c"], 30)
+        held = await runner.submit(lambda e: e.cache.pool.num_used)
+        runner.stop()
+        return first, after, held
+
+    first, after, held = asyncio.run(go())
+    for out in first:
+        assert out.finish_reason == "error" and isinstance(out.exception, StepFailed)
+        assert out.error == "engine step failed: RuntimeError: scheduler bug"
+    assert after.finish_reason == "length" and after.num_output_tokens == 4 and held == 0

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.engine import LLMEngine
-from splitserve.engine.errors import EngineError
+from splitserve.engine.errors import EngineError, StepFailed
 from splitserve.engine import kv_transfer
 from splitserve.engine.kv_transfer import KVExport, payload_nbytes
 from splitserve.engine.outputs import RequestOutput, placeholder_logprobs
@@ -1015,8 +1015,12 @@ class PrefillWorker:
                     continue
             if self.engine.has_unfinished():  # one forward, then top up again (iteration-level)
                 t0 = time.time()
-                with self.watch.step():
-                    outputs = self.engine.step()
+                try:
+                    with self.watch.step():
+                        outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - never lose the process; fail what was running
+                    log.exception("engine step failed; failing its jobs")
+                    outputs = self.engine.fail_all(StepFailed(e))
                 self._settle_pickups()
                 links = self._batch_links()  # before the handoffs drop their requests
                 for out in outputs:  # first: the first tokens go out before the bookkeeping

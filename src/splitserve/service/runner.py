@@ -20,6 +20,7 @@ import threading
 from typing import Callable
 
 from splitserve.engine.engine import LLMEngine
+from splitserve.engine.errors import StepFailed
 from splitserve.engine.outputs import RequestOutput
 from splitserve.service.watchdog import StepWatch
 
@@ -96,11 +97,9 @@ class EngineRunner:
                 try:
                     with self.watch.step():
                         outputs = eng.step()
-                except Exception:  # noqa: BLE001 - never lose the process; fail what was running
+                except Exception as e:  # noqa: BLE001 - never lose the process; fail what was running
                     log.exception("engine step failed; failing its requests")
-                    outputs = [o for rid in list(eng.seqs) if (o := eng.abort_request(rid)) is not None]
-                    for o in outputs:
-                        o.error = "engine step failed"
+                    outputs = eng.fail_all(StepFailed(e))
                 if self._on_step is not None:  # first: a step's metrics are in before its outputs leave
                     self._on_step()
                 if outputs:
