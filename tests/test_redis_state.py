@@ -3,12 +3,14 @@
 import json
 import time
 
+import grpc
 import pytest
 import redis
 
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA,
                                            PICKUP_LUA, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
-                                           update_args)
+                                           failed, update_args)
+from splitserve.service.errors import MAX_DETAILS_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,12 @@ def test_update_touches_only_a_hash_that_exists_and_never_leaves_a_final_state(r
         r.hset("t:req:b", mapping={"state": final})
         update(keys=["t:req:b"], args=update_args({"state": "decoding", "error": "late", "t_prefill_end": 2}))
         assert r.hgetall("t:req:b") == {"state": final, "t_prefill_end": "2"}  # the rest is still recorded
+
+    # A failure's message is kept as a status carries it: 100 000 characters are cut to MAX_DETAILS_BYTES.
+    r.hset("t:req:c", mapping={"state": "prefilling"})
+    assert update(keys=["t:req:c"], args=update_args(failed(grpc.StatusCode.INTERNAL, "boom " + "x" * 100_000))) == 1
+    error = r.hget("t:req:c", "error")
+    assert error.startswith("boom x") and error.endswith(" more characters)") and len(error) <= MAX_DETAILS_BYTES
 
 
 def test_reap_fails_a_dead_routers_unended_requests_and_leaves_a_live_router_alone(r):

@@ -2033,6 +2033,8 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
 
+    from splitserve.service.errors import MAX_DETAILS_BYTES, fit_details
+
     dec = workers(stack, "decode")[0]
     ch = grpc.insecure_channel(dec["address"])
     stub = worker_pb2_grpc.DecodeWorkerStub(ch)
@@ -2154,9 +2156,13 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     events = list(here)
     assert sum(len(ev.token_ids) for ev in events) == 2 and events[-1].finish_reason == "length"
     assert events[0].timings.queue_ms == 12.5 and events[0].first_token_unix > 0
-    assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message="no room"), timeout=10).ended
+    # A message of 100 000 characters: the stream's event carries it cut as a status would be
+    # (the router records and relays what it gets).
+    long = "no room: " + "x" * 100_000
+    assert stub.Fail(w.FailRequest(request_id="bad-handle", code=8, message=long), timeout=10).ended
     ev = next(decode)
-    assert ev.error == "no room" and ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert ev.error == fit_details(long) and len(ev.error) <= MAX_DETAILS_BYTES and ev.error.startswith("no room: x")
+    assert ev.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert next(decode, None) is None  # the stream has ended
     decode.cancel()
     ch.close()

@@ -41,7 +41,7 @@ from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Invalid, NotFound,
-                                      Unavailable, code_of, status_code)
+                                      Unavailable, code_of, fit_details, status_code)
 from splitserve.service.process import Background, until_answered
 from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
 from splitserve.service.runner import EngineRunner
@@ -361,7 +361,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             ev.cached_tokens = slot.cached_tokens
             ev.finish_reason = out.finish_reason or "error"
             if out.error:
-                ev.error = out.error
+                ev.error = fit_details(out.error)
                 if out.exception is not None:  # the engine's reason (a format that failed: INVALID_ARGUMENT)
                     ev.error_code = code_of(out.exception).value[0]
                 if slot.samples_left > 1:  # the stream ends here: the request's other samples stop too
@@ -516,7 +516,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.done or slot.imported:
             return False
         slot.done = True
-        slot.events.put_nowait(w_pb.DecodeEvent(error=message, error_code=code.value[0], worker_stopping=handoff_lost))
+        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message), error_code=code.value[0],
+                                                worker_stopping=handoff_lost))
         return True
 
     # -- PutKV --------------------------------------------------------------------------

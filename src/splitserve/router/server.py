@@ -39,7 +39,7 @@ from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.prefix_share import SharedRecord
 from splitserve.service import convert, grpc_server
 from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
-                                      Unavailable, code_of, status_code)
+                                      Unavailable, code_of, fit_details, status_code)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background, settled, until_answered
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
@@ -1494,7 +1494,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 mapping["result_logprobs"] = message_to_text(gen_pb.GenerateResponse(
                     logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs))
         if error:
-            mapping["error"] = error
+            mapping["error"] = fit_details(error)  # (a worker of another release may send it whole)
 
         async def record():
             async with self.redis.pipeline(transaction=False) as p:

@@ -30,6 +30,7 @@ import grpc
 
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.structured import StructuredOutput
+from splitserve.service.errors import fit_details
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ def update_args(mapping: dict) -> list:
 def failed(code, error: str) -> dict:
     """The fields of a request a worker failed, for UPDATE_LUA: with the status its client gets
     (code, a grpc.StatusCode), which its router reads there if the decode worker cannot be told."""
-    return {"state": "failed", "error": error, "code": code.value[0]}
+    return {"state": "failed", "error": fit_details(error), "code": code.value[0]}
 
 
 # A request its decode worker prefills (colocated, or by conditional disaggregation) leaves the
