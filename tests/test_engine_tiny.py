@@ -375,6 +375,16 @@ def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny
         ({"stop": ("ok", "x" * 513)}, "sampling.stop[1]"),
         ({"stop_token_ids": (7,) * 1025}, "sampling.stop_token_ids"),
         ({"seed": -1}, "sampling.seed"),
+        # of another type (a job read from Redis holds JSON): a top_k of 1.5 failed in the sampler
+        ({"top_k": 1.5}, "sampling.top_k"),
+        ({"max_tokens": True}, "sampling.max_tokens"),
+        ({"seed": "7"}, "sampling.seed"),
+        ({"temperature": "hot"}, "sampling.temperature"),
+        ({"ignore_eos": "yes"}, "sampling.ignore_eos"),
+        ({"stop": "abc"}, "sampling.stop"),
+        ({"stop_token_ids": ["a"]}, "sampling.stop_token_ids"),
+        ({"logit_bias": [[1]]}, "sampling.logit_bias"),
+        ({"logit_bias": {"1": 2.0}}, "sampling.logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kw, field):

@@ -47,6 +47,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # the output held to a format (structured.py)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -111,6 +112,45 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty on tokens seen before is on."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+_INTS = ("max_tokens", "top_k", "min_tokens", "n")
+_OPTIONAL_INTS = ("seed", "logprobs", "prompt_logprobs")
+_REALS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Raise InvalidRequestError naming the field whose value is of the wrong type. A router builds
+    them from a protobuf, whose types are right; a job read from Redis (a router of another release,
+    or a bug) holds JSON, where a top_k of 1.5 failed the sampler and an ignore_eos of "yes" the
+    handoff. (A bool is not a number here, though Python's is an int.)"""
+    for name in _INTS + _OPTIONAL_INTS:
+        v = getattr(p, name)
+        if type(v) is not int and not (v is None and name in _OPTIONAL_INTS):
+            raise InvalidRequestError(f"sampling.{name}", f"must be an integer, got {_shown(v)}")
+    for name in _REALS:
+        if type(v := getattr(p, name)) not in (int, float):
+            raise InvalidRequestError(f"sampling.{name}", f"must be a number, got {_shown(v)}")
+    for name in _BOOLS:
+        if type(v := getattr(p, name)) is not bool:
+            raise InvalidRequestError(f"sampling.{name}", f"must be true or false, got {_shown(v)}")
+    if not isinstance(p.stop, (list, tuple)) or not all(isinstance(x, str) for x in p.stop):
+        raise InvalidRequestError("sampling.stop", f"must be a list of strings, got {_shown(p.stop)}")
+    if not isinstance(p.stop_token_ids, (list, tuple)) or not all(type(t) is int for t in p.stop_token_ids):
+        raise InvalidRequestError("sampling.stop_token_ids",
+                                  f"must be a list of integers, got {_shown(p.stop_token_ids)}")
+    bias = p.logit_bias.items() if isinstance(p.logit_bias, dict) else p.logit_bias
+    if not isinstance(bias, (list, tuple, type({}.items()))) or not all(
+            isinstance(e, (list, tuple)) and len(e) == 2 and type(e[0]) is int and type(e[1]) in (int, float)
+            for e in bias):
+        raise InvalidRequestError("sampling.logit_bias",
+                                  f"must be (token id, number) pairs, got {_shown(p.logit_bias)}")
+
+
+def _shown(v: object) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else f"{s[:50]}... ({len(s)} characters)"
 
 
 def check_stop_counts(stop: int, stop_token_ids: int) -> None:
