@@ -894,6 +894,31 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
     assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
+@contextlib.contextmanager
+def _greedy_clients_beside(stack, client, n: int = 2):
+    """n clients sending greedy requests through the router while the block runs; after it, each
+    request got the tokens it got alone (at least 10 requests in all)."""
+    prompts = ["The capital of France is", "1, 2, 3,", "Write a haiku about"]
+    want = {p: list(client.generate(p, max_tokens=8, ignore_eos=True).token_ids) for p in prompts}
+    stop, others = threading.Event(), []
+
+    def other_requests():
+        with Client(stack.router_address) as c:
+            while not stop.is_set():
+                p = prompts[len(others) % len(prompts)]
+                others.append((p, list(c.generate(p, max_tokens=8, ignore_eos=True, timeout=60).token_ids)))
+
+    with cf.ThreadPoolExecutor(n) as pool:
+        background = [pool.submit(other_requests) for _ in range(n)]
+        try:
+            yield
+        finally:
+            stop.set()
+        for f in background:
+            f.result(timeout=120)
+    assert len(others) >= 10 and all(got == want[p] for p, got in others), others
+
+
 def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_alone(stack, client):
     """A seeded fuzz of the decode worker's internal API (worker_fuzz): 100 rounds, six at a time,
     each a Decode stream and one to three handoffs, first tokens, failures, cancels or PrefillHere
@@ -912,26 +937,11 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     dec = workers(stack, "decode")[0]
     arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
-    prompts = ["The capital of France is", "1, 2, 3,", "Write a haiku about"]
-    want = {p: list(client.generate(p, max_tokens=8, ignore_eos=True).token_ids) for p in prompts}
-    stop, others = threading.Event(), []
-
-    def other_requests():
-        with Client(stack.router_address) as c:
-            while not stop.is_set():
-                p = prompts[len(others) % len(prompts)]
-                others.append((p, list(c.generate(p, max_tokens=8, ignore_eos=True, timeout=60).token_ids)))
-
-    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(8) as pool:
+    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(6) as pool, \
+            _greedy_clients_beside(stack, client):
         stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
-        background = [pool.submit(other_requests) for _ in range(2)]
-        try:
-            rounds = list(pool.map(lambda i: round_of(stub, random.Random(i), f"wfz-{i}", _fingerprint(stack), arena,
-                                                      dec["host_id"]), range(100)))
-        finally:
-            stop.set()
-        for f in background:
-            f.result(timeout=120)
+        rounds = list(pool.map(lambda i: round_of(stub, random.Random(i), f"wfz-{i}", _fingerprint(stack), arena,
+                                                  dec["host_id"]), range(100)))
     answers = [a for r in rounds for a in r]
     wrong = [f for a in answers if (f := fault(*a))]
     assert wrong == [], wrong
@@ -939,7 +949,42 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
     for call in ("PutKVStream", "PrefillHere"):  # each both taken and refused, many times
         assert counts[call, "OK"] >= 5 and counts[call, "INVALID_ARGUMENT"] >= 5, counts
     assert counts["Decode", "OK"] >= 20, counts
-    assert len(others) >= 10 and all(got == want[p] for p, got in others), others
+    assert all(p.popen.poll() is None for p in stack.procs)
+
+
+def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_requests_alone(stack, client):
+    """A seeded fuzz of the jobs a prefill worker reads from Redis (job_fuzz): 120 rounds, six at a
+    time, each a decode stream, its request hash and admission counts as a router's admission
+    writes them, and one stream entry: a job as a router writes it or, in most rounds, with a field
+    missing, of another type or out of range, a sampling knob a router refuses, or JSON that is no
+    job (nested past Python's recursion limit, among others); meanwhile two clients send greedy
+    requests through the router. A valid job's stream gets its tokens; another's ends with INTERNAL
+    "malformed prefill job" or INVALID_ARGUMENT naming the field (or runs, if the value does no
+    harm), except where the job names no stream to end. Every entry is acked and deleted, the
+    admission counts come back, the clients' requests all get their tokens, and every process lives.
+    (Found: a job of another type in deadline_unix, leg or t_received failed the pickup's Redis
+    script, and the worker pulled no job again: every worker that claimed it stopped pulling; an
+    infinite t_admitted, or JSON nested too deep, killed the worker, and each that claimed it after;
+    a top_k of 1.5 failed in the sampler, INTERNAL; other refusals named no field.)"""
+    import random
+
+    from job_fuzz import fault, round_of
+
+    wait_for(lambda: kv_idle(stack), what="idle before the test")
+    dec = workers(stack, "decode")[0]
+    before, r = _queue_counts(stack), stack.redis()
+    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(6) as pool, \
+            _greedy_clients_beside(stack, client):
+        stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
+        rounds = list(pool.map(lambda i: round_of(stack, stub, random.Random(i), f"jfz-{i}", dec), range(120)))
+    wrong = [f"round {i}: {f}" for i, (what, out) in enumerate(rounds) if (f := fault(what, out))]
+    assert wrong == [], wrong
+    counts = collections.Counter((bool(what), out[0]) for what, out in rounds)
+    assert counts[False, "OK"] >= 20 and counts[True, "INTERNAL"] >= 10 and counts[True, "INVALID_ARGUMENT"] >= 10, \
+        counts
+    wait_for(lambda: all(r.xlen(s) == 0 and r.xpending(s, "prefill")["pending"] == 0 for s in stack.keys.streams),
+             what="every entry acked and deleted")
+    wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
     assert all(p.popen.poll() is None for p in stack.procs)
 
 

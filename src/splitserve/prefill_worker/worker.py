@@ -389,13 +389,8 @@ class PrefillWorker:
             if not raw:
                 raise ValueError("the entry has no 'job' field")
             d = json.loads(raw)
-            job = Job.from_dict(d)
-            if not (isinstance(job.token_ids, list) and all(type(t) is int for t in job.token_ids)
-                    and isinstance(job.sampling, dict) and isinstance(job.request_id, str)
-                    and isinstance(job.decode_address, str) and type(job.priority) is int):
-                raise ValueError("request_id, token_ids, sampling, decode_address or priority has the wrong type")
-            return job
-        except ValueError as e:  # json.JSONDecodeError included
+            return Job.from_dict(d)
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError included; JSON nested past Python's limit
             rid, address = ((d.get("request_id"), d.get("decode_address")) if isinstance(d, dict) else (None, None))
             self._drop(stream, entry_id, str(e), tokens,
                        rid if isinstance(rid, str) and rid else None, address if isinstance(address, str) else None)
@@ -408,10 +403,11 @@ class PrefillWorker:
         hash says so and its decode stream, if the address is readable, ends with INTERNAL."""
         log.warning("dropping malformed job %s from %s: %s", entry_id, stream, why)
         message = f"malformed prefill job: {why}"[:300]
-        try:
-            n = max(-1, int(tokens)) if tokens is not None else -1  # -1: admission never counted it
+        try:  # -1: admission never counted it (a count of 2^31 tokens or more it could not have: never a prompt's)
+            n = int(tokens) if tokens is not None else -1
         except ValueError:
             n = -1
+        n = n if 0 <= n < 2**31 else -1
         key = self.keys.req(request_id) if request_id else f"{self.keys.prefix}:dropped"  # no request's key
         self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message, grpc.StatusCode.INTERNAL.value[0]])
         self._ack(stream, entry_id)
@@ -1049,7 +1045,9 @@ class PrefillWorker:
             for stream, entry_id, job, first, outcome in self.pull():
                 try:
                     self.admit(stream, entry_id, job, first, outcome)
-                except (ValueError, TypeError) as e:  # well-formed JSON with bad values (e.g. sampling)
+                except Exception as e:  # noqa: BLE001 - well-formed JSON with bad values; no job stops the worker
+                    if not isinstance(e, (ValueError, TypeError)):
+                        log.exception("job %s could not be admitted", job.request_id)
                     if isinstance(outcome, cf.Future):  # its 'prefilling' must not land after the drop's 'failed'
                         cf.wait([outcome])
                     # its pickup has returned the admission counts already (tokens None: not again)

@@ -513,6 +513,32 @@ class Keys:
         return f"{self.prefix}:worker:{role}:*"
 
 
+def _real(lo: float, hi: float):
+    return lambda v: type(v) in (int, float) and lo <= v < hi  # (NaN is in no range)
+
+
+def _count(hi: int):
+    return lambda v: type(v) is int and 0 <= v < hi
+
+
+_UNIX_MAX = 1e10  # seconds: the year 2286 (a time made nanoseconds for a span fits in 64 bits)
+# A job's fields as a router writes them: (check, what the field is). A value of another type or
+# out of range, from a router of another release or a bug, failed the pickup's Redis script or a
+# span's time, and a worker stopped pulling any job or died; the next to claim the job did too.
+_JOB_FIELDS = {
+    "request_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a request id"),
+    "token_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v),
+                  "a list of token ids"),
+    "sampling": (lambda v: isinstance(v, dict), "an object"),
+    **{name: (lambda v: isinstance(v, str), "a string")
+       for name in ("decode_worker", "decode_address", "decode_host_id", "traceparent", "decode_epoch", "cache_salt")},
+    **{name: (_real(0, _UNIX_MAX), "a time (seconds since 1970)")
+       for name in ("deadline_unix", "t_received", "t_admitted")},
+    "priority": (lambda v: type(v) is int and -(2**31) <= v < 2**31, "an int32"),
+    **{name: (_count(2**32), "a count") for name in ("decode_cached_tokens", "resumed", "resumed_chars", "leg")},
+}
+
+
 @dataclass
 class Job:
     """A prefill job as it travels through the stream."""
@@ -558,21 +584,15 @@ class Job:
         missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in d)
         if missing:
             raise ValueError(f"job is missing {', '.join(missing)}")
-        if not isinstance(d.get("cache_salt", ""), str):  # an int would pass for a prefix cache entry
-            raise ValueError("job's cache_salt is not a string")
-        for name in ("decode_cached_tokens", "resumed", "resumed_chars", "leg"):
-            n = d.get(name, 0)
-            if type(n) is not int or n < 0:
-                raise ValueError(f"job's {name} is not a count")
+        for name, (ok, what) in _JOB_FIELDS.items():  # each one a router writes as it writes it
+            if name in d and not ok(d[name]):
+                raise ValueError(f"job's {name} is not {what}")
         return cls(**{k: v for k, v in d.items() if k in known})
 
     def params(self) -> SamplingParams:
         """Sampling fields this version does not know are left out (a newer router may add some)."""
         known = {f.name for f in fields(SamplingParams)}
-        d = {k: v for k, v in self.sampling.items() if k in known}
-        d["stop"] = tuple(d.get("stop", ()))
-        d["stop_token_ids"] = tuple(d.get("stop_token_ids", ()))
-        d["logit_bias"] = tuple((int(t), float(v)) for t, v in d.get("logit_bias", ()))
+        d = {k: v for k, v in self.sampling.items() if k in known}  # (lists: SamplingParams checks and makes tuples)
         fmt = d.get("structured_output")
         if fmt is not None:
             if not (isinstance(fmt, dict) and isinstance(fmt.get("kind"), str)):
