@@ -377,6 +377,7 @@ def test_an_urgent_kv_import_preempts_less_urgent_running_ones_never_a_peer(tiny
         ({"seed": -1}, "sampling.seed"),
         # of another type (a job read from Redis holds JSON): a top_k of 1.5 failed in the sampler
         ({"top_k": 1.5}, "sampling.top_k"),
+        ({"top_k": 10**30}, "sampling.top_k"),  # past int64: taken, it failed the handoff's message
         ({"max_tokens": True}, "sampling.max_tokens"),
         ({"seed": "7"}, "sampling.seed"),
         ({"temperature": "hot"}, "sampling.temperature"),

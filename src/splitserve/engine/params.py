@@ -125,10 +125,10 @@ def _check_types(p: SamplingParams) -> None:
     them from a protobuf, whose types are right; a job read from Redis (a router of another release,
     or a bug) holds JSON, where a top_k of 1.5 failed the sampler and an ignore_eos of "yes" the
     handoff. (A bool is not a number here, though Python's is an int.)"""
-    for name in _INTS + _OPTIONAL_INTS:
+    for name in _INTS + _OPTIONAL_INTS:  # (as the protobuf carries them: int64; a top_k of 10^30 failed a handoff)
         v = getattr(p, name)
-        if type(v) is not int and not (v is None and name in _OPTIONAL_INTS):
-            raise InvalidRequestError(f"sampling.{name}", f"must be an integer, got {_shown(v)}")
+        if not (type(v) is int and -(2**63) <= v < 2**63) and not (v is None and name in _OPTIONAL_INTS):
+            raise InvalidRequestError(f"sampling.{name}", f"must be a 64-bit integer, got {_shown(v)}")
     for name in _REALS:
         if type(v := getattr(p, name)) not in (int, float):
             raise InvalidRequestError(f"sampling.{name}", f"must be a number, got {_shown(v)}")
