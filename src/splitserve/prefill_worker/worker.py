@@ -633,18 +633,18 @@ class PrefillWorker:
     def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "",
                  text: str | None = None) -> None:
         job = fl.job
-        seq = convert.sequence_to_pb(
-            export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
-            traceparent=tracing.traceparent_of(fl.kv_span),
-        )
-        if text is not None:
-            seq.text = text
-        seq.prefill_end_unix, seq.cached_tokens, seq.prefill_worker = fl.t_end, fl.cached_tokens, self.name
-        seq.leg = job.leg
         span = fl.kv_span
         transport = "none"
         kept = export.start > 0  # the engine keeps the KV for this handoff (on_output)
-        try:
+        try:  # (building the message too: a failure there held the job, its KV and its entry for good)
+            seq = convert.sequence_to_pb(
+                export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
+                traceparent=tracing.traceparent_of(fl.kv_span),
+            )
+            if text is not None:
+                seq.text = text
+            seq.prefill_end_unix, seq.cached_tokens, seq.prefill_worker = fl.t_end, fl.cached_tokens, self.name
+            seq.leg = job.leg
             stub = self._stub(job.decode_address)
             if finish_reason:
                 stub.PutKV(w_pb.PutKVRequest(sequence=seq), timeout=30)
