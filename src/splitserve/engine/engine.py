@@ -394,11 +394,10 @@ class LLMEngine:
         raised (its scheduling, or a policy's step other than continuous's, which finds the
         sequences that fail it: _isolate); their outputs."""
         outputs = []
-        for seq in list(self.seqs.values()):
-            if seq.request_id in self.seqs:
-                self._fail(seq, error)
-                if (out := self._output(seq)) is not None:
-                    outputs.append(out)
+        for seq in list(self.seqs.values()):  # (_fail drops only its own sequence)
+            self._fail(seq, error)
+            if (out := self._output(seq)) is not None:
+                outputs.append(out)
         return outputs
 
     def has_unfinished(self) -> bool:

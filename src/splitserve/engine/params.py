@@ -49,9 +49,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_types(self)
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # (integers: _check_types)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias)))
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))
         if self.max_tokens < 1:
             raise InvalidRequestError("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
