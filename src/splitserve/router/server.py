@@ -762,8 +762,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if have.count() and params.prompt_logprobs is not None:  # they came with its first token
             params = dataclasses.replace(params, prompt_logprobs=None)
         check_vocab("sampling.stop_token_ids", params.stop_token_ids, self.front.vocab)  # (as the engine does)
-        if any(t >= self.front.vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError("sampling.logit_bias", f"token ids must be in [0, {self.front.vocab})")
+        check_vocab("sampling.logit_bias", (t for t, _ in params.logit_bias), self.front.vocab)
         fmt = params.structured_output
         if fmt is not None:
             if self.front.grammars is None:
