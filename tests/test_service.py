@@ -518,6 +518,70 @@ def test_kv_without_its_first_tokens_refused_by_a_decode_worker_of_the_release_b
     finally:
         _finish(s)
 
+PREFILL_OUTPUT_FAULTS = """\
+# Faults in a prefill worker's handing on of an ended prefill, by request id: before its first token
+# goes out (boom-first), after its region is taken (boom-export), and for a request its first token
+# ends (boom-done, the handoff of a finished sequence).
+import splitserve.prefill_worker.worker as w
+from splitserve.engine.engine import LLMEngine
+
+first_token, export_kv, kv_export = w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport
+
+
+def _raise_for(request_id, kind):
+    if request_id.startswith("boom-" + kind):
+        raise RuntimeError(kind + " fault")
+
+
+def _first_token(self, fl, out, wait_s):
+    _raise_for(fl.job.request_id, "first")
+    return first_token(self, fl, out, wait_s)
+
+
+def _export_kv(self, request_id, *args, **kw):
+    _raise_for(request_id, "export")
+    return export_kv(self, request_id, *args, **kw)
+
+
+def _kv_export(request_id, *args, **kw):
+    _raise_for(request_id, "done")
+    return kv_export(request_id, *args, **kw)
+
+
+w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport = _first_token, _export_kv, _kv_export
+"""
+
+
+def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_serves_on(tmp_path):
+    """An exception while a prefill worker hands on an ended prefill (its first token, its KV's
+    export, the record of a request its first token ends; put in by a sitecustomize) used to end
+    the worker's process, and every job it held. Now that request ends INTERNAL, naming the cause,
+    its KV and region are freed and its entry acked, and the requests beside it get their tokens."""
+    (tmp_path / "sitecustomize.py").write_text(PREFILL_OUTPUT_FAULTS)  # imported first by the prefill worker only
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    s = _start(prefill_env={"PYTHONPATH": path})
+    try:
+        with Client(s.router_address) as c:
+            with _greedy_clients_beside(s, c):
+                for i in range(3):
+                    for kind in ("first", "export", "done"):
+                        rid = f"boom-{kind}-{i}"
+                        with pytest.raises(grpc.RpcError) as e:
+                            c.generate("Tell me a story", max_tokens=1 if kind == "done" else 8, request_id=rid,
+                                       timeout=60)
+                        assert e.value.code() == grpc.StatusCode.INTERNAL, (rid, e.value.details())
+                        assert f"could not be handed on: RuntimeError: {kind} fault" in e.value.details(), rid
+                        assert c.get_request(rid).state == "failed", rid
+            assert scrape(s.proc("prefill-0").metrics_address)['splitserve_prefill_jobs_total{outcome=failed}'] == 9
+            assert len(c.generate("Tell me a story", max_tokens=8, ignore_eos=True, timeout=60).token_ids) == 8
+        r = s.redis()
+        wait_for(lambda: all(r.xlen(k) == 0 and r.xpending(k, "prefill")["pending"] == 0 for k in s.keys.streams),
+                 what="every entry acked and deleted")
+        assert s.proc("prefill-0").popen.poll() is None
+    finally:
+        _finish(s)
+
+
 def test_unary_streaming_and_chat_forms(client, smol_loaded):
     tok = smol_loaded.tokenizer
     unary = client.generate("The three primary colors are", max_tokens=12)
@@ -896,8 +960,8 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
 
 @contextlib.contextmanager
 def _greedy_clients_beside(stack, client, n: int = 2):
-    """n clients sending greedy requests through the router while the block runs; after it, each
-    request got the tokens it got alone (at least 10 requests in all)."""
+    """n clients sending greedy requests through the router while the block runs (and after it, until
+    they have sent 10); each request got the tokens it got alone."""
     prompts = ["The capital of France is", "1, 2, 3,", "Write a haiku about"]
     want = {p: list(client.generate(p, max_tokens=8, ignore_eos=True).token_ids) for p in prompts}
     stop, others = threading.Event(), []
@@ -912,6 +976,8 @@ def _greedy_clients_beside(stack, client, n: int = 2):
         background = [pool.submit(other_requests) for _ in range(n)]
         try:
             yield
+            wait_for(lambda: len(others) >= 10 or any(f.done() for f in background), timeout=60,
+                     what="10 requests beside")
         finally:
             stop.set()
         for f in background:

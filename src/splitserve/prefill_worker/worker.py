@@ -38,7 +38,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
 from splitserve.service.arena import Arena, ArenaFull
-from splitserve.service.errors import REDIS_UNREACHABLE, code_of
+from splitserve.service.errors import REDIS_UNREACHABLE, code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
@@ -508,8 +508,9 @@ class PrefillWorker:
         with self.lock:
             self.inflight.pop(fl.job.request_id, None)
         self.engine.abort_request(fl.job.request_id)
-        fl.span.set_attributes(span_attributes)
-        fl.span.end()
+        if fl.span.is_recording():  # (ended already when its prefill had: _output_failed)
+            fl.span.set_attributes(span_attributes)
+            fl.span.end()
         if outcome is not None:
             self._ack(fl.stream, fl.entry_id)
             self.metrics.jobs.labels(outcome).inc()
@@ -541,6 +542,35 @@ class PrefillWorker:
         if fl is None:
             return
         fl.t_end = time.time()
+        try:
+            self._hand_on(fl, out)
+        except Exception as e:  # noqa: BLE001 - one request's output must not end the worker, nor its batch's
+            self._output_failed(fl, e)
+
+    def _output_failed(self, fl: InFlight, e: Exception) -> None:
+        """_hand_on raised before its handoff was submitted (its last call; none is known to raise
+        now that a job's values are checked, Job.from_dict): the job is given up, INTERNAL, its KV
+        freed (the region's freed by _hand_on), its entry acked, and the worker goes on."""
+        job = fl.job
+        log.exception("handing on the prefill of %s failed", job.request_id)
+        message = fit_details(f"prefill of {job.request_id} could not be handed on: {type(e).__name__}: {e}")
+        for span in (fl.kv_span, fl.span):
+            if span is not None and span.is_recording():
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, message[:300]))
+        if fl.kv_span is not None:
+            fl.kv_span.end()
+        with self.lock:
+            held = self.inflight.get(job.request_id) is fl  # (not when a failure's own telling raised)
+        if held:
+            self._abandon(fl, {}, "failed")
+        try:
+            self.peers.submit(job.decode_address, "handoff", self._give_up, job, grpc.StatusCode.INTERNAL, message)
+        except Exception:  # noqa: BLE001 - (the peers' pool itself failing): told here, on the engine's thread
+            self._give_up(job, grpc.StatusCode.INTERNAL, message)
+
+    def _hand_on(self, fl: InFlight, out: RequestOutput) -> None:
+        """A prefill that has ended: its first token and KV go to its decode worker (a handoff on the
+        peers' threads, submitted last), or its failure does."""
         if out.error:  # its format failed at the first token (Grammars.failure): the request fails
             fl.span.set_status(tracing.Status(tracing.StatusCode.ERROR, out.error))
             self._abandon(fl, {}, "failed")
@@ -567,10 +597,17 @@ class PrefillWorker:
             # the decode worker want it whole after all (_handoff). Bytes are cut from a whole copy.
             start = self._shm_start(fl.job, len(fl.job.token_ids))  # (the prompt's KV)
             off, view, start = self._region(rid, start)
-            export = self.engine.export_kv(rid, view, start)
-            if not start:
-                self.engine.release(rid)  # the KV now lives in the region
-            self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, off, view)
+            try:
+                export = self.engine.export_kv(rid, view, start)
+                if not start:
+                    self.engine.release(rid)  # the KV now lives in the region
+                self.peers.submit(fl.job.decode_address, "handoff", self._handoff, fl, export, off, view)
+            except BaseException:  # not handed on: the region is this thread's to free (_output_failed)
+                if view is not None:
+                    view.release()
+                if off is not None:
+                    self.arena.free(off)
+                raise
         else:  # the first token already finished it (eos, stop, max_tokens=1)
             job = fl.job
             seq_tokens = list(job.token_ids) + list(out.new_token_ids)
