@@ -6,7 +6,8 @@ Each round opens the request's decode stream and writes its request hash and adm
 a router's admission does, then queues one entry: a job as a router writes it, or (most rounds)
 with one part wrong: a field missing, of another type or out of range, a sampling knob a router
 would refuse, JSON that is not a job (cut short, an array, nested past Python's recursion limit,
-NaN), or an entry's other fields wrong. ``fault`` says what is wrong with one round's outcome."""
+NaN), or an entry's other fields wrong; it goes to the stream of its priority's class (any, for a
+priority that has none). ``fault`` says what is wrong with one round's outcome."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ BAD_FIELDS = {
     "t_admitted": ["x", None, -1, 1e30, NAN, INF],
     "priority": [1.5, "x", 10**30, -(10**30), True, None],
     "decode_epoch": [5, None, ["x"]],
-    "cache_salt": [5, None, "x" * 100_000],
+    "cache_salt": [5, None, "x" * 257, "x" * 100_000],
     "decode_cached_tokens": [-1, "x", 10**9, 1.5],
     "resumed": [-1, 10**9, "x", 1.5],
     "resumed_chars": [-1, 10**12, "x"],
@@ -137,10 +138,13 @@ def round_of(stack, stub, rng: random.Random, rid: str, dec: dict, wait_s: float
     n = counted(fields)
     wait_s = 2.0 if what.startswith(MAY_NOT_END) else wait_s
     try:  # a job's deadline is its router's call's too, which ends the stream then
-        deadline = json.loads(fields["job"]).get("deadline_unix", 0)
+        job = json.loads(fields["job"])
+        deadline, priority = job.get("deadline_unix", 0), job.get("priority", 0)
         late = type(deadline) in (int, float) and 0 < deadline < time.time() + wait_s
     except (ValueError, AttributeError, RecursionError):
-        late = False
+        late, priority = False, None
+    if not (type(priority) is int and -(2**31) <= priority < 2**31):  # (no class: a stream of any)
+        priority = rng.choice([-1, 0, 1])
     if late:
         wait_s = max(0.05, deadline - time.time())
     stream = stub.Decode(w.DecodeRequest(request_id=rid, prompt_tokens=len(ids)), timeout=wait_s)
@@ -152,7 +156,7 @@ def round_of(stack, stub, rng: random.Random, rid: str, dec: dict, wait_s: float
         if n is not None:
             r.hincrby(f"{p}:admission", "requests", 1)
             r.hincrby(f"{p}:admission", "tokens", n)
-        r.xadd(stack.keys.stream_for(0), fields)
+        r.xadd(stack.keys.stream_for(priority), fields)  # the stream of its priority's class, as a router's
         tokens, finish = 0, ""
         for ev in stream:
             if ev.error:
@@ -181,6 +185,8 @@ CLEAR = {"INTERNAL": "malformed prefill job: ", "INVALID_ARGUMENT": "", "RESOURC
          "DEADLINE_EXCEEDED": ""}
 # a job that names another request or decode worker than the stream's, or none, cannot end it
 MAY_NOT_END = ("request_id=", "no request_id", "decode_address=", "no decode_address", "raw ")
+# values a prefill worker must refuse, not serve (a router refuses them: a salt over 256 characters)
+MUST_REFUSE = ("cache_salt='xxx",)
 
 
 # the words a refusal names a field by (a job's token_ids are its client's prompt)
@@ -193,7 +199,7 @@ def fault(what: str, outcome: tuple) -> str | None:
     if code == "OK":
         if outcome[1] not in {"length", "stop", "eos"}:
             return f"{what or 'a valid job'}: finished {outcome[1]!r}"
-        return None
+        return f"{what}: served, not refused" if what.startswith(MUST_REFUSE) else None
     if not what:
         return f"a valid job: {outcome}"
     if code == "no end":

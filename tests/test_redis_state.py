@@ -8,8 +8,8 @@ import pytest
 import redis
 
 from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA,
-                                           PICKUP_LUA, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, UPDATE_LUA, Keys, run_scripts,
-                                           failed, update_args)
+                                           PICKUP_LUA, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, UPDATE_LUA, Job, Keys,
+                                           failed, run_scripts, update_args)
 from splitserve.service.errors import MAX_DETAILS_BYTES
 
 
@@ -898,3 +898,19 @@ def test_a_process_end_cancels_the_tasks_left_until_they_end(caplog):
     with caplog.at_level(logging.ERROR, logger="splitserve.service.process"):
         asyncio.run(go())
     assert [r.getMessage()[:54] for r in caplog.records] == ["1 task(s) still running after 5 cancels each: deaf-8 ("]
+
+
+def test_a_job_takes_values_as_a_router_writes_them_and_refuses_others_naming_the_field():
+    """Job.from_dict, the prefill worker's reading of a stream entry: a router's job comes back as
+    it was; a value a router would not write is refused, naming the field (a cache_salt over the
+    256 characters a router takes was served)."""
+    job = Job(request_id="j-1", token_ids=[1, 2, 3], sampling={"max_tokens": 4}, decode_worker="decode-0",
+              decode_address="127.0.0.1:1", decode_host_id="h", deadline_unix=0, traceparent="",
+              t_received=1.7e9, t_admitted=1.7e9, priority=-1, cache_salt="x" * 256, leg=2)
+    d = json.loads(job.to_json())
+    assert Job.from_dict(d) == job
+    for name, value in [("cache_salt", "x" * 257), ("cache_salt", 5), ("priority", 2**31), ("priority", True),
+                        ("deadline_unix", float("inf")), ("t_admitted", "x"), ("leg", -1), ("request_id", ""),
+                        ("token_ids", [1.5]), ("sampling", [])]:
+        with pytest.raises(ValueError, match=f"^job's {name} is not "):
+            Job.from_dict({**d, name: value})

@@ -30,6 +30,7 @@ import grpc
 
 from splitserve.engine.params import SamplingParams
 from splitserve.engine.structured import StructuredOutput
+from splitserve.service.convert import CACHE_SALT_MAX_CHARS
 from splitserve.service.errors import fit_details
 
 log = logging.getLogger(__name__)
@@ -531,7 +532,9 @@ _JOB_FIELDS = {
                   "a list of token ids"),
     "sampling": (lambda v: isinstance(v, dict), "an object"),
     **{name: (lambda v: isinstance(v, str), "a string")
-       for name in ("decode_worker", "decode_address", "decode_host_id", "traceparent", "decode_epoch", "cache_salt")},
+       for name in ("decode_worker", "decode_address", "decode_host_id", "traceparent", "decode_epoch")},
+    "cache_salt": (lambda v: isinstance(v, str) and len(v) <= CACHE_SALT_MAX_CHARS,
+                   f"a string of at most {CACHE_SALT_MAX_CHARS} characters"),
     **{name: (_real(0, _UNIX_MAX), "a time (seconds since 1970)")
        for name in ("deadline_unix", "t_received", "t_admitted")},
     "priority": (lambda v: type(v) is int and -(2**31) <= v < 2**31, "an int32"),
