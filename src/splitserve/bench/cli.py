@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import asyncio
-import json
 import math
 import os
 import random
 import sys
 
 from splitserve.bench import loadgen, server_metrics
-from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, plain
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, write_results
 
 POLICIES = ("static", "dynamic", "continuous")
 MODES = ("colocated", "disaggregated")
@@ -325,8 +324,7 @@ def main(args) -> int:
             plots.append((plot_runs, report["points"], "concurrency",
                           os.path.join(args.out, "latency_vs_concurrency.png")))
     path = os.path.join(args.out, "results.json")
-    with open(path, "w") as f:
-        json.dump(plain(report), f, indent=1, default=lambda x: None)
+    write_results(path, report, indent=1, default=lambda x: None)
     succeeded = any(p["succeeded"] for p in _all_points(report))
     if succeeded:
         for plot, *plot_args in plots:

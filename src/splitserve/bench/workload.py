@@ -71,13 +71,13 @@ def default_workload_dir() -> str:
     return "shared/bench"
 
 
-def write_results(path: str | None, results: dict) -> None:
-    """Write a benchmark's results as JSON (no-op without a path)."""
+def write_results(path: str | None, results: dict, indent: int = 2, default=None) -> None:
+    """Write a benchmark's results as plain JSON (no-op without a path); default: as json.dump's."""
     if not path:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(plain(results), f, indent=2)
+        json.dump(plain(results), f, indent=indent, default=default)
 
 
 def plain(obj):
