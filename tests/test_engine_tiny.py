@@ -307,6 +307,46 @@ def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it
     assert _outcomes(eng)["after"] == alone["greedy"]
 
 
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_under_static_and_dynamic_batching_a_row_that_fails_its_sampling_or_its_token_ends_alone(
+        tiny_engine_factory, policy):
+    """The padded policies' forward is one rectangle, but their sampling and the taking of tokens
+    are each row's: a row whose sampling raises (a negative number of log probabilities) or whose
+    token cannot be taken (counts of another kind) ends "error" alone. The others' tokens, a seeded
+    draw's among them, are those of the same batch without the faults (the failed rows stay in the
+    rectangle as padding), and the engine serves on. Before, the step raised and its caller failed
+    every row."""
+    prompts = random_prompts(4, lo=20, hi=60, seed=22)
+    params = {
+        "greedy": SamplingParams(max_tokens=8, ignore_eos=True),
+        "seeded": SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+        "bad-lp": SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True),
+        "bad-take": SamplingParams(max_tokens=8, frequency_penalty=0.5, ignore_eos=True),
+    }
+
+    def run(faulty: bool):
+        eng = tiny_engine_factory(policy=policy, static_batch_size=4, max_batch_size=4, max_wait_ms=1)
+        for rid, prompt in zip(params, prompts):
+            eng.add_request(rid, prompt, params[rid])
+        if faulty:
+            object.__setattr__(eng.seqs["bad-lp"].params, "logprobs", -5)  # torch.topk: k out of range
+        faults = {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {})} if faulty else {}
+        return eng, _outcomes(eng, faults)
+
+    _, want = run(False)
+    eng, got = run(True)
+    assert [got[rid] for rid in ("greedy", "seeded")] == [want[rid] for rid in ("greedy", "seeded")]
+    assert len(got["seeded"][0]) == 8 and got["seeded"][1] == "length"
+    for rid, cause, tokens in [("bad-lp", "RuntimeError: selected index k out of range", (0,)),
+                               ("bad-take", "KeyError: ", (1, 2))]:  # (its second is in, or not, as it fails)
+        toks, reason, exc, _ = got[rid]
+        assert (len(toks) in tokens, reason, type(exc)) == (True, "error", StepFailed), (rid, toks, reason, exc)
+        assert str(exc).startswith(f"engine step failed: {cause}"), (rid, str(exc))
+    eng.add_request("after", prompts[0], params["greedy"])
+    after = _outcomes(eng)["after"]
+    assert (len(after[0]), after[1]) == (8, "length")
+
+
 def test_a_step_that_fails_for_every_sequence_ends_each_with_an_error_and_the_engine_serves_on(
         tiny_engine_factory, monkeypatch):
     """A forward that fails whatever it runs (a broken device, say): halving finds every sequence

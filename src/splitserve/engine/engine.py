@@ -391,8 +391,9 @@ class LLMEngine:
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every sequence held but the parked ones "error" for this reason: after a step that
-        raised (its scheduling, or a policy's step other than continuous's, which finds the
-        sequences that fail it: _isolate); their outputs."""
+        raised (its scheduling, or the static or dynamic policy's forward; continuous's step finds
+        the sequences that fail it, _isolate, and the padded policies' sampling, sample_rows);
+        their outputs."""
         outputs = []
         for seq in list(self.seqs.values()):  # (_fail drops only its own sequence)
             self._fail(seq, error)
@@ -442,7 +443,7 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: StepStats) -> list[RequestOutput]:
-        before = _Before(sched.scheduled)
+        before = _Before([s.seq for s in sched.scheduled if s.samples])
         try:
             computed = self._compute(sched, stats)
         except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
@@ -458,7 +459,7 @@ class LLMEngine:
         alone. Those end "error" (StepFailed); the others go on as if nothing had failed (the KV a
         failed run wrote is written again by the next). A step that fails for all costs 2n - 1
         runs; one sequence that fails it, about 2 log2(n)."""
-        before.restore(scheduled)
+        before.restore([s.seq for s in scheduled])
         if len(scheduled) == 1:
             seq = scheduled[0].seq
             log.error("request %s fails an engine step alone: it ends with an error", seq.parent or seq.request_id,
@@ -530,13 +531,7 @@ class LLMEngine:
             self.scheduler.cache_computed(s.seq)
         outputs = []
         for s, tok, lp in zip(samplers, tokens, logprobs):
-            try:
-                self.append_token(s.seq, tok, lp)
-            except Exception as e:  # noqa: BLE001 - its own sequence's fault
-                log.error("request %s: its token %d was not taken: it ends with an error",
-                          s.seq.parent or s.seq.request_id, tok, exc_info=e)
-                if s.seq.request_id in self.seqs:
-                    self._fail(s.seq, StepFailed(e))
+            self.take(s.seq, tok, lp)
             out = self._output(s.seq)
             if out is not None:
                 outputs.append(out)
@@ -623,6 +618,44 @@ class LLMEngine:
                 banned += tuple(self.eos_token_ids)
         return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher,
                          seq.mask_ms)
+
+    def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list[Sequence]]:
+        """Sample row i of logits for seqs[i] (the static and dynamic policies' step, whose forward
+        is one rectangle): ([(seq, token, log probability)], the sequences that failed). If the
+        batch's sampling raises, each row is sampled alone, its generator put back first; a row
+        that raises alone ends "error" (StepFailed), and the others get what the batch would have
+        given them."""
+        before = _Before(seqs)
+        try:
+            tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(seq) for seq in seqs])
+            return list(zip(seqs, tokens, logprobs)), []
+        except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
+            if len(seqs) > 1:
+                log.warning("sampling %d rows failed (%s: %s); sampling each alone", len(seqs), type(e).__name__, e)
+        before.restore(seqs)
+        taken, failed = [], []
+        for i, seq in enumerate(seqs):
+            try:
+                (tok,), (lp,) = sample_with_logprobs(logits[i : i + 1], [self._sample_row(seq)])
+            except Exception as e:  # noqa: BLE001 - its own sequence's fault
+                log.error("request %s fails its sampling alone: it ends with an error", seq.parent or seq.request_id,
+                          exc_info=e)
+                self._fail(seq, StepFailed(e))
+                failed.append(seq)
+            else:
+                taken.append((seq, tok, lp))
+        return taken, failed
+
+    def take(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+        """append_token, for a token sampled in a step: one that cannot be taken ends its own
+        sequence "error" (StepFailed), not the step."""
+        try:
+            self.append_token(seq, token, logprob)
+        except Exception as e:  # noqa: BLE001 - its own sequence's fault
+            log.error("request %s: its token %d was not taken: it ends with an error", seq.parent or seq.request_id,
+                      token, exc_info=e)
+            if seq.request_id in self.seqs:
+                self._fail(seq, StepFailed(e))
 
     def append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (and its log probability, when the request asks) to seq and finish it
@@ -913,19 +946,18 @@ def _device_events(device: torch.device) -> tuple | None:
 
 
 class _Before:
-    """The states of a step's sampling rows' generators before its _compute: restore() puts them
-    back for those of a run that failed, so that running them again draws the same. (The prompt
-    log probabilities a failed run added stay: they are right, and _prompt_rows goes on after
-    them. Keeping a state costs 0.7 us a random row a step.)"""
+    """The states of the generators of a step's sampling rows (seqs) before its _compute or
+    sampling: restore() puts them back for those of a run that failed, so that running them again
+    draws the same. (The prompt log probabilities a failed run added stay: they are right, and
+    _prompt_rows goes on after them. Keeping a state costs 0.7 us a random row a step.)"""
 
-    def __init__(self, scheduled: list):
-        self.states = {id(s.seq): s.seq.generator.get_state() for s in scheduled
-                       if s.samples and s.seq.generator is not None}
+    def __init__(self, seqs: list[Sequence]):
+        self.states = {id(seq): seq.generator.get_state() for seq in seqs if seq.generator is not None}
 
-    def restore(self, scheduled: list) -> None:
-        for s in scheduled:
-            if (state := self.states.get(id(s.seq))) is not None:
-                s.seq.generator.set_state(state)
+    def restore(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if (state := self.states.get(id(seq))) is not None:
+                seq.generator.set_state(state)
 
 
 def _seen(seq: Sequence) -> Seen:

@@ -19,7 +19,6 @@ import torch
 
 from splitserve.engine.cuda_graphs import GraphCaptureError, PaddedDecodeGraphs
 from splitserve.engine.outputs import StepStats
-from splitserve.engine.sampling import sample_with_logprobs
 from splitserve.engine.sequence import Sequence, Status
 
 _PAD = 0
@@ -140,13 +139,13 @@ class PaddedBatcher:
         stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
         live = [i for i, a in enumerate(self.active) if a]
         t = time.perf_counter()
-        tokens, logprobs = sample_with_logprobs(logits[live], [engine._sample_row(self.rows[i]) for i in live])
+        taken, failed = engine.sample_rows(logits[live], [self.rows[i] for i in live])  # (failed: "error")
         stats.sample_time_s = time.perf_counter() - t
-        outputs = []
-        for i, tok, lp in zip(live, tokens, logprobs):
-            seq = self.rows[i]
+        outputs = [out for seq in failed if (out := engine._output(seq)) is not None]
+        stats.finished += [seq.request_id for seq in failed]
+        for seq, tok, lp in taken:
             seq.num_computed = len(seq.token_ids)
-            engine.append_token(seq, tok, lp)
+            engine.take(seq, tok, lp)
             out = engine._output(seq)
             if out is not None:
                 outputs.append(out)
