@@ -1054,6 +1054,28 @@ def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
+def test_a_workers_registry_entry_is_never_seen_without_its_lease(stack):
+    """A worker's heartbeat writes its registry entry and the entry's lease in one step. The decode
+    worker wrote them in two calls (HSET, then PEXPIRE), so an entry made anew (at a worker's
+    start, or after its lease lapsed) was there without a lease until the second: a worker killed
+    between them stayed registered for good. Each worker's entry is removed 15 times, and Redis is
+    asked for its lease as fast as it answers until the heartbeat has made it again: it always
+    has one."""
+    r = stack.redis()
+    entries = [stack.keys.worker(role, w["worker_id"]) for role in ("decode", "prefill") for w in workers(stack, role)]
+    assert len(entries) == 2
+    seen = []
+    for _ in range(15):
+        for key in entries:
+            r.delete(key)
+            t_end = time.monotonic() + 5
+            while (ttl := r.pttl(key)) == -2 and time.monotonic() < t_end:  # -2: no such key; -1: no lease
+                pass
+            seen.append((key, ttl))
+    assert all(ttl > 0 for _, ttl in seen), [(k, t) for k, t in seen if t <= 0]
+    wait_for(lambda: kv_idle(stack), what="both workers registered again")
+
+
 def test_the_router_tokenizes_long_inputs_off_its_event_loop():
     """Tokenizing takes ~0.7 s a MB; on the event loop that relays every stream's tokens it held
     them all (a 3.6 MB prompt: 2.2 s). Long inputs go to a thread; short ones stay in place."""

@@ -43,7 +43,8 @@ from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Invalid, NotFound,
                                       Unavailable, code_of, fit_details, status_code)
 from splitserve.service.process import Background, until_answered
-from splitserve.service.redis_state import UPDATE_LUA, Keys, WorkerInfo, connect, update_args
+from splitserve.service.redis_state import (HEARTBEAT_LUA, UPDATE_LUA, Keys, WorkerInfo, connect, registration,
+                                           update_args)
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
@@ -807,6 +808,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     lease = 3 * settings.heartbeat_s
+    register = r.register_script(HEARTBEAT_LUA)
 
     async def heartbeat():
         serving = True
@@ -826,10 +828,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             info = servicer.info(address)
             if metrics_port:
                 info.metrics = f"{settings.host}:{metrics_port}"
-            key = keys.worker("decode", name)
             try:  # Redis down or restarted empty: keep trying, so the worker registers again when it is back
-                await r.hset(key, mapping=info.to_mapping() | {"updated": str(time.time())})
-                await r.pexpire(key, int(lease * 1000))
+                k, args = registration(keys, info, lease)
+                await register(keys=k, args=args)
                 await servicer.warm_arenas()
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)

@@ -647,14 +647,26 @@ class WorkerInfo:
         )
 
 
-def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
-    """Sync client: write this worker's registry entry with a lease."""
+# A registry entry and its lease in one step: written apart (HSET, then PEXPIRE), a worker killed
+# between the two, or a Redis Cluster pipeline, which has no transaction, could leave an entry
+# without a lease, which routers would read as a live worker for good.
+HEARTBEAT_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
+
+def registration(keys: Keys, info: WorkerInfo, lease_s: float) -> tuple[list[str], list[str]]:
+    """HEARTBEAT_LUA's keys and args: this worker's registry entry, now, with a lease of lease_s."""
     info.updated = time.time()
-    key = keys.worker(info.role, info.worker_id)
-    with r.pipeline() as p:
-        p.hset(key, mapping=info.to_mapping())
-        p.pexpire(key, int(lease_s * 1000))
-        p.execute()
+    fields = [part for item in info.to_mapping().items() for part in item]
+    return [keys.worker(info.role, info.worker_id)], [str(int(lease_s * 1000)), *fields]
+
+
+def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
+    """Sync client: write this worker's registry entry with a lease (HEARTBEAT_LUA)."""
+    k, args = registration(keys, info, lease_s)
+    r.register_script(HEARTBEAT_LUA)(keys=k, args=args)
 
 
 def run_scripts(r, calls: list[tuple]) -> list:
