@@ -267,6 +267,19 @@ def _outcomes(eng, faults: dict | None = None) -> dict[str, tuple]:
     return got
 
 
+def _fault_requests(max_tokens: int, names: list[str]) -> dict[str, SamplingParams]:
+    """The step-fault tests' requests, by name: those a fault is put into (bad-*) and those beside."""
+    every = {
+        "greedy": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        "seeded": SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=True),
+        "prompt-lp": SamplingParams(max_tokens=max_tokens, prompt_logprobs=2, ignore_eos=True),
+        "bad-lp": SamplingParams(max_tokens=max_tokens, logprobs=1, ignore_eos=True),
+        "bad-token": SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        "bad-take": SamplingParams(max_tokens=max_tokens, frequency_penalty=0.5, ignore_eos=True),
+    }
+    return {name: every[name] for name in names}
+
+
 def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it_had_not_been_there(
         tiny_engine_factory):
     """Faults the checks missed, put into three sequences as a corrupt state: one in the model's
@@ -275,14 +288,7 @@ def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it
     "error" naming what failed; the other requests' tokens, seeded draws and prompt log probabilities
     are those they get alone (so what a failed run drew and added was undone)."""
     prompts = random_prompts(6, lo=20, hi=60, seed=21)
-    params = {
-        "greedy": SamplingParams(max_tokens=10, ignore_eos=True),
-        "seeded": SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
-        "prompt-lp": SamplingParams(max_tokens=10, prompt_logprobs=2, ignore_eos=True),
-        "bad-lp": SamplingParams(max_tokens=10, logprobs=1, ignore_eos=True),
-        "bad-token": SamplingParams(max_tokens=10, ignore_eos=True),
-        "bad-take": SamplingParams(max_tokens=10, frequency_penalty=0.5, ignore_eos=True),
-    }
+    params = _fault_requests(10, ["greedy", "seeded", "prompt-lp", "bad-lp", "bad-token", "bad-take"])
     alone = {}
     for rid, prompt in zip(["greedy", "seeded", "prompt-lp"], prompts):
         eng = tiny_engine_factory(batch_invariant=True)
@@ -317,12 +323,7 @@ def test_under_static_and_dynamic_batching_a_row_that_fails_its_sampling_or_its_
     rectangle as padding), and the engine serves on. Before, the step raised and its caller failed
     every row."""
     prompts = random_prompts(4, lo=20, hi=60, seed=22)
-    params = {
-        "greedy": SamplingParams(max_tokens=8, ignore_eos=True),
-        "seeded": SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
-        "bad-lp": SamplingParams(max_tokens=8, logprobs=1, ignore_eos=True),
-        "bad-take": SamplingParams(max_tokens=8, frequency_penalty=0.5, ignore_eos=True),
-    }
+    params = _fault_requests(8, ["greedy", "seeded", "bad-lp", "bad-take"])
 
     def run(faulty: bool):
         eng = tiny_engine_factory(policy=policy, static_batch_size=4, max_batch_size=4, max_wait_ms=1)
