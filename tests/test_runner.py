@@ -91,3 +91,39 @@ def test_a_step_that_raises_outside_the_engines_isolation_fails_its_requests_and
         assert out.finish_reason == "error" and isinstance(out.exception, StepFailed)
         assert out.error == "engine step failed: RuntimeError: scheduler bug"
     assert after.finish_reason == "length" and after.num_output_tokens == 4 and held == 0
+
+
+def test_a_sink_that_raises_loses_no_other_requests_output(tiny_loaded):
+    """A step's outputs go to their sinks in one callback on the event loop: one sink raising (its
+    own request's fault) used to leave the outputs after it in that step undelivered. Now each
+    request, the ones stepped beside a failing sink included, gets all its tokens."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
+                                                loaded=tiny_loaded), loop)
+        await runner.start()
+        got = {rid: [] for rid in ("a", "b", "c")}
+        ended = {rid: loop.create_future() for rid in got}
+
+        def sink_of(rid):
+            def sink(out):
+                got[rid].extend(out.new_token_ids)
+                if out.finished:
+                    ended[rid].set_result(out.finish_reason)
+                if rid == "a":
+                    raise RuntimeError("a sink's fault")
+            return sink
+
+        for rid in got:
+            runner.sinks[rid] = sink_of(rid)
+
+        def add(e):
+            for i, rid in enumerate(got):
+                e.add_request(rid, [5 + i, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+        await runner.submit(add)
+        reasons = await asyncio.wait_for(asyncio.gather(*ended.values()), 30)
+        runner.stop()
+        return reasons, got
+
+    reasons, got = asyncio.run(go())
+    assert reasons == ["length"] * 3 and all(len(tokens) == 6 for tokens in got.values()), got

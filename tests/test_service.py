@@ -582,6 +582,60 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
         _finish(s)
 
 
+DECODE_OUTPUT_FAULTS = """\
+# Faults in a decode worker's telling of engine outputs, by request id: its first output
+# (boom-first; the prefill worker's FirstToken may have told the first token already) or its
+# third token's (boom-later).
+import splitserve.decode_worker.server as d
+
+emit = d.DecodeServicer._emit
+
+
+def _emit(self, slot, out):
+    rid = slot.request_id
+    if rid.startswith("boom-first") or rid.startswith("boom-later") and out.num_output_tokens >= 3:
+        raise RuntimeError("output fault")
+    return emit(self, slot, out)
+
+
+d.DecodeServicer._emit = _emit
+"""
+
+
+def test_a_decode_output_that_cannot_be_sent_fails_its_request_alone(tmp_path):
+    """An exception while a decode worker tells an engine output to its stream (put in by a
+    sitecustomize) was raised in the event loop's callback that delivers a step's outputs: the
+    outputs after it in that step were lost, and the request's sequence decoded on unheard. Now the
+    request ends INTERNAL, naming the cause, its sequence is aborted and its KV freed, and the
+    requests beside it get their tokens."""
+    (tmp_path / "sitecustomize.py").write_text(DECODE_OUTPUT_FAULTS)  # imported first by the decode worker only
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    s = _start(decode_env={"PYTHONPATH": path})
+    try:
+        with Client(s.router_address) as c:
+            with _greedy_clients_beside(s, c):
+                for i in range(3):
+                    for kind in ("first", "later"):
+                        rid = f"boom-{kind}-{i}"
+                        chunks, err = [], None
+                        try:
+                            for chunk in c.generate_stream("Tell me a story", max_tokens=40, ignore_eos=True,
+                                                           request_id=rid, timeout=60):
+                                chunks.append(chunk)
+                        except grpc.RpcError as e:
+                            err = e
+                        assert err is not None and err.code() == grpc.StatusCode.INTERNAL, (rid, chunks, err)
+                        assert "could not send an output of" in err.details(), (rid, err.details())
+                        assert "RuntimeError: output fault" in err.details(), (rid, err.details())
+                        got = sum(len(ch.token_ids) for ch in chunks)
+                        assert got in ((0, 1) if kind == "first" else (2,)), (rid, got)  # (FirstToken's own)
+                        assert c.get_request(rid).state == "failed", rid
+            assert len(c.generate("Tell me a story", max_tokens=8, ignore_eos=True, timeout=60).token_ids) == 8
+        assert s.proc("decode-0").popen.poll() is None
+    finally:
+        _finish(s)
+
+
 def test_unary_streaming_and_chat_forms(client, smol_loaded):
     tok = smol_loaded.tokenizer
     unary = client.generate("The three primary colors are", max_tokens=12)

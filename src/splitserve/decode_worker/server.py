@@ -332,6 +332,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self._on_output(slot, out)
 
     def _on_output(self, slot: Slot, out: RequestOutput) -> None:
+        try:
+            self._emit(slot, out)
+        except Exception as e:  # noqa: BLE001 - one request's output must not end the others' (runner._deliver)
+            self._output_failed(slot, e)
+
+    def _output_failed(self, slot: Slot, e: Exception) -> None:
+        """An engine output could not be told (none is known to fail; an event that does not build,
+        say): the request ends INTERNAL, naming the cause, its sequences are aborted (their KV
+        freed), and the other requests of its step get theirs."""
+        log.exception("request %s: an engine output could not be sent", slot.request_id)
+        if slot.done:
+            return
+        slot.done = True
+        rid = slot.request_id
+        self.runner.submit_nowait(lambda eng: eng.abort_request(rid))
+        message = f"decode worker {self.name} could not send an output of {rid}: {type(e).__name__}: {e}"
+        self._end_decode_span(slot, "error", None)
+        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message), error_code=grpc.StatusCode.INTERNAL.value[0]))
+
+    def _emit(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
             return
         now = time.monotonic()

@@ -109,4 +109,7 @@ class EngineRunner:
         for out in outputs:
             sink = self.sinks.get(out.request_id)
             if sink is not None:
-                sink(out)
+                try:
+                    sink(out)
+                except Exception:  # noqa: BLE001 - the step's other outputs still go out
+                    log.exception("the output of %s was not delivered", out.request_id)
