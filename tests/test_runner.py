@@ -127,3 +127,35 @@ def test_a_sink_that_raises_loses_no_other_requests_output(tiny_loaded):
 
     reasons, got = asyncio.run(go())
     assert reasons == ["length"] * 3 and all(len(tokens) == 6 for tokens in got.values()), got
+
+
+def test_an_on_step_that_raises_does_not_stop_the_engines_thread(tiny_loaded):
+    """on_step (a worker's metrics, run on the engine's thread after each step) raising once ended
+    that thread: every request held waited for its deadline, and no step ran again."""
+    calls = []
+
+    def on_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a metric's fault")
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
+                                                loaded=tiny_loaded), loop, on_step=on_step)
+        await runner.start()
+        done, tokens = loop.create_future(), []
+
+        def sink(out):
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                done.set_result(out.finish_reason)
+
+        runner.sinks["r"] = sink
+        await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=5, ignore_eos=True)))
+        reason = await asyncio.wait_for(done, 10)
+        runner.stop()
+        return reason, tokens
+
+    reason, tokens = asyncio.run(go())
+    assert reason == "length" and len(tokens) == 5 and len(calls) >= 5

@@ -526,6 +526,7 @@ import splitserve.prefill_worker.worker as w
 from splitserve.engine.engine import LLMEngine
 
 first_token, export_kv, kv_export = w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport
+observe_step, observed = w.PrefillWorker._observe_step, []
 
 
 def _raise_for(request_id, kind):
@@ -548,14 +549,22 @@ def _kv_export(request_id, *args, **kw):
     return kv_export(request_id, *args, **kw)
 
 
+def _observe_step(self, t0, links):  # and a step's metrics, once
+    observed.append(t0)
+    if len(observed) == 3:
+        raise RuntimeError("metrics fault")
+    return observe_step(self, t0, links)
+
+
 w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport = _first_token, _export_kv, _kv_export
+w.PrefillWorker._observe_step = _observe_step
 """
 
 
 def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_serves_on(tmp_path):
     """An exception while a prefill worker hands on an ended prefill (its first token, its KV's
-    export, the record of a request its first token ends; put in by a sitecustomize) used to end
-    the worker's process, and every job it held. Now that request ends INTERNAL, naming the cause,
+    export, the record of a request its first token ends; put in by a sitecustomize), or while it
+    observes a step (its metrics, once), used to end the worker's process, and every job it held. Now that request ends INTERNAL, naming the cause,
     its KV and region are freed and its entry acked, and the requests beside it get their tokens."""
     (tmp_path / "sitecustomize.py").write_text(PREFILL_OUTPUT_FAULTS)  # imported first by the prefill worker only
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -1058,7 +1058,10 @@ class PrefillWorker:
                 links = self._batch_links()  # before the handoffs drop their requests
                 for out in outputs:  # first: the first tokens go out before the bookkeeping
                     self.on_output(out)
-                self._observe_step(t0, links)
+                try:
+                    self._observe_step(t0, links)
+                except Exception:  # noqa: BLE001 - a step's metrics and span must not stop the worker
+                    log.exception("observing a prefill step failed")
                 try:
                     if not self.redis_away.is_set():  # it would wait on Redis too
                         self._drop_cancelled()

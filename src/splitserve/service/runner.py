@@ -101,7 +101,10 @@ class EngineRunner:
                     log.exception("engine step failed; failing its requests")
                     outputs = eng.fail_all(StepFailed(e))
                 if self._on_step is not None:  # first: a step's metrics are in before its outputs leave
-                    self._on_step()
+                    try:
+                        self._on_step()
+                    except Exception:  # noqa: BLE001 - a step's metrics must not stop the engine's thread
+                        log.exception("after an engine step")
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
 
