@@ -1139,6 +1139,48 @@ def test_a_workers_registry_entry_is_never_seen_without_its_lease(stack):
     wait_for(lambda: kv_idle(stack), what="both workers registered again")
 
 
+def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_serves_on(stack, client):
+    """Hashes under the registry's keys that are not entries a worker writes (a worker of another
+    release, a hand): no address, a count that is not one, a time that is not one, bytes that are
+    not UTF-8, a key of another type. Each is left out of the router's reading of the registry, and
+    told once in its log; the router places requests as before, and `splitserve status` lists the
+    workers and each entry it left out. Before, each failed every reading of the registry (and
+    `status` with a traceback)."""
+    import subprocess
+    import sys
+
+    r = stack.redis()
+    good = {"role": "decode", "address": "127.0.0.1:1", "host_id": "elsewhere"}
+    entries = {"no-address": {"role": "decode", "host_id": "h"}, "count": {**good, "running": "abc"},
+               "minus": {**good, "free_kv_tokens": "-5"}, "time": {**good, "updated": "nan"},
+               "bytes": {**good, "epoch": b"\xff\xfe"}}
+    bad = []
+    for role in ("decode", "prefill"):
+        for name, m in entries.items():
+            key = stack.keys.worker(role, f"bad-{name}")
+            r.hset(key, mapping={"worker_id": f"bad-{name}", **m, "role": role})
+            r.pexpire(key, 60_000)
+            bad.append(key)
+    bad.append(stack.keys.worker("decode", "a-string"))
+    r.set(bad[-1], "not a hash", px=60_000)
+    router_log = stack.proc("router").log_path
+    try:
+        wait_for(lambda: sum("left out" in line for line in open(router_log)) >= len(bad), timeout=10,
+                 what="the router telling each entry it left out")
+        for prompt in ("The capital of France is", "1, 2, 3,", "Write a haiku about"):
+            assert len(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=60).token_ids) == 4
+        st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", stack.settings.redis_url,
+                             "--prefix", stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
+        assert st.returncode == 0 and "1 prefill, 1 decode" in st.stdout, (st.stdout, st.stderr)
+        assert sum("left out, not a registry entry" in line for line in st.stdout.splitlines()) == len(bad), st.stdout
+        assert "registry entry's running is not a count: 'abc'" in st.stdout and "has no address" in st.stdout
+        told = [line for line in open(router_log) if "left out" in line]
+        assert sorted(line.split("registry entry ")[1].split(" left out")[0] for line in told) == \
+            sorted(k for k in bad), told  # each once, however many readings since
+    finally:
+        r.delete(*bad)
+
+
 def test_the_router_tokenizes_long_inputs_off_its_event_loop():
     """Tokenizing takes ~0.7 s a MB; on the event loop that relays every stream's tokens it held
     them all (a 3.6 MB prompt: 2.2 s). Long inputs go to a thread; short ones stay in place."""

@@ -370,8 +370,13 @@ def _status(args) -> int:
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
         # normal priority, queued for one prefill worker (prefill affinity)
         by_class["sent to a prefill worker"] = sum(r.xlen(keys.stream_to(m.decode())) for m in r.smembers(keys.directed))
-        workers = [WorkerInfo.from_mapping(m) for k in r.scan_iter(match=keys.worker_pattern("*"))
-                   if (m := r.hgetall(k))]
+        workers, unreadable = [], []
+        for k in r.scan_iter(match=keys.worker_pattern("*")):
+            try:
+                if m := r.hgetall(k):
+                    workers.append(WorkerInfo.from_mapping(m))
+            except (ValueError, redis.ResponseError) as e:  # not an entry a worker writes (another release's?)
+                unreadable.append(f"{k.decode(errors='replace')}: {e}")
         sec, usec = r.time()  # router leases are in Redis's clock
         routers = [(rid.decode(), lease - (sec + usec / 1e6), r.scard(keys.router_requests(rid.decode())))
                    for rid, lease in r.zrange(keys.routers, 0, -1, withscores=True)]
@@ -394,6 +399,8 @@ def _status(args) -> int:
     for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {w.role:8} {w.worker_id[:28]:28} {w.address:22} {w.running:7d} {w.waiting:7d} {w.pending:7d} "
               f"{w.opened - w.closed:5d} {w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}")
+    for line in unreadable:
+        print(f"  left out, not a registry entry: {line}")
     return 0
 
 

@@ -339,6 +339,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.colocated = settings.mode == "colocated"
         self.workers: list[WorkerInfo] = []
         self.prefill_workers: int | None = None  # prefill workers registered (None: not read yet)
+        self.unreadable: set[bytes] = set()  # registry keys told unreadable (_registry)
         self.read_from = 0.0  # monotonic time the latest registry read (finished) began
         self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
@@ -366,24 +367,38 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def refresh_workers(self) -> None:
         started = time.monotonic()
-        found = []
-        async for key in self.redis.scan_iter(match=self.keys.worker_pattern("decode"), count=100):
-            m = await self.redis.hgetall(key)
-            if m:
-                found.append(WorkerInfo.from_mapping(m))
+        found = await self._registry("decode")
         count = not self.colocated and self.s.local_prefill_without_prefill_workers
         if self.prefill_affinity or count:
-            keys = [key async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100)]
+            prefill = await self._registry("prefill")
             if count:  # (else None: not counted, never "none registered")
-                self.prefill_workers = len(keys)
+                self.prefill_workers = len(prefill)
             if self.prefill_affinity:
-                self.prefill_prefixes.workers([WorkerInfo.from_mapping(m) for key in keys
-                                               if (m := await self.redis.hgetall(key))])
+                self.prefill_prefixes.workers(prefill)
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
         self.prefixes.workers(found)
         await self._reconnect_restarted(found)
+
+    async def _registry(self, role: str) -> list[WorkerInfo]:
+        """The registry's entries of role's workers. One that is not an entry a worker writes (of
+        another release, or a hand's; WorkerInfo.from_mapping) is left out, and told once: before,
+        it failed every read of the registry, and with it each request's placement and the
+        router's reaping and checks, which follow the read."""
+        found = []
+        async for key in self.redis.scan_iter(match=self.keys.worker_pattern(role), count=100):
+            try:
+                m = await self.redis.hgetall(key)
+                if m:
+                    found.append(WorkerInfo.from_mapping(m))
+            except (ValueError, redis.ResponseError) as e:  # (ResponseError: a key of another type)
+                if key not in self.unreadable:
+                    log.warning("registry entry %s left out: %s", key.decode(errors="replace"), e)
+                    if len(self.unreadable) >= 1024:  # (told again, after a thousand others)
+                        self.unreadable.clear()
+                    self.unreadable.add(key)
+        return found
 
     async def _reconnect_restarted(self, found: list[WorkerInfo]) -> None:
         """A decode worker that registers a new run (restarted) at an address whose channel failed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 
@@ -636,15 +637,39 @@ class WorkerInfo:
 
     @classmethod
     def from_mapping(cls, m: dict) -> "WorkerInfo":
-        m = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in m.items()}
-        return cls(
-            worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"],
-            running=int(m.get("running", 0)), waiting=int(m.get("waiting", 0)),
-            free_kv_tokens=int(m.get("free_kv_tokens", 0)), kv_capacity_tokens=int(m.get("kv_capacity_tokens", 0)),
-            pending=int(m.get("pending", 0)), opened=int(m.get("opened", 0)), closed=int(m.get("closed", 0)),
-            epoch=m.get("epoch", ""),
-            updated=float(m.get("updated", 0)), metrics=m.get("metrics", ""), arena=m.get("arena", ""),
-        )
+        """An entry as a worker writes it (to_mapping); ValueError naming the field for one that is
+        not (a worker of another release, or a hand, may write any hash under the key)."""
+        try:
+            m = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                 for k, v in m.items()}
+        except UnicodeDecodeError:
+            raise ValueError("registry entry is not UTF-8") from None
+        for name in ("worker_id", "role", "address", "host_id"):
+            if not m.get(name):
+                raise ValueError(f"registry entry has no {name}")
+        counts = {name: _registry_count(m, name) for name in _REGISTRY_COUNTS}
+        try:
+            updated = float(m.get("updated", 0))
+        except ValueError:
+            updated = math.nan
+        if not 0 <= updated < _UNIX_MAX:
+            raise ValueError(f"registry entry's updated is not a time: {m.get('updated', '')[:40]!r}")
+        return cls(worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"], **counts,
+                   epoch=m.get("epoch", ""), updated=updated, metrics=m.get("metrics", ""), arena=m.get("arena", ""))
+
+
+_REGISTRY_COUNTS = ("running", "waiting", "free_kv_tokens", "kv_capacity_tokens", "pending", "opened", "closed")
+
+
+def _registry_count(m: dict, name: str) -> int:
+    value = m.get(name, "0")
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n < 2**63:
+        raise ValueError(f"registry entry's {name} is not a count: {value[:40]!r}")
+    return n
 
 
 # A registry entry and its lease in one step: written apart (HSET, then PEXPIRE), a worker killed
