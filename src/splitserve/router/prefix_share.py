@@ -65,9 +65,10 @@ class SharedRecord:
     def apply(self, fields: dict) -> bool:
         """An entry of the stream (its fields, as bytes): recorded here if another router wrote it
         for a run of a worker this router knows. True if it was."""
-        if fields.get(b"r", b"").decode() == self.id:
+        # (any bytes: an entry another release, or a hand, wrote; one not UTF-8 names no worker here)
+        if fields.get(b"r", b"").decode(errors="replace") == self.id:
             return False
-        worker_id, epoch = fields.get(b"w", b"").decode(), fields.get(b"e", b"").decode()
+        worker_id, epoch = fields.get(b"w", b"").decode(errors="replace"), fields.get(b"e", b"").decode(errors="replace")
         index = next((i for i in self.indexes if worker_id and i.epochs.get(worker_id) == epoch), None)
         if index is None:
             return False
@@ -122,4 +123,7 @@ class SharedRecord:
             for _stream, entries in (got.items() if isinstance(got, dict) else got or ()):  # RESP3, RESP2
                 for entry_id, fields in entries:
                     last = entry_id
-                    self.apply(fields)
+                    try:
+                        self.apply(fields)
+                    except Exception:  # noqa: BLE001 - one entry must not end the reading of the others
+                        log.exception("prefix record %s left out", entry_id)
