@@ -68,7 +68,7 @@ class SharedRecord:
         # (any bytes: an entry another release, or a hand, wrote; one not UTF-8 names no worker here)
         if fields.get(b"r", b"").decode(errors="replace") == self.id:
             return False
-        worker_id, epoch = fields.get(b"w", b"").decode(errors="replace"), fields.get(b"e", b"").decode(errors="replace")
+        worker_id, epoch = (fields.get(name, b"").decode(errors="replace") for name in (b"w", b"e"))
         index = next((i for i in self.indexes if worker_id and i.epochs.get(worker_id) == epoch), None)
         if index is None:
             return False
