@@ -348,6 +348,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = slot.request_id
         self.runner.submit_nowait(lambda eng: eng.abort_request(rid))
         message = f"decode worker {self.name} could not send an output of {rid}: {type(e).__name__}: {e}"
+        if slot.decode_span is not None:
+            slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, message[:300]))
         self._end_decode_span(slot, "error", None)
         slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message), error_code=grpc.StatusCode.INTERNAL.value[0]))
 
