@@ -527,6 +527,7 @@ from splitserve.engine.engine import LLMEngine
 
 first_token, export_kv, kv_export = w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport
 observe_step, observed = w.PrefillWorker._observe_step, []
+restore_lost, beats = w.PrefillWorker._restore_lost, []
 
 
 def _raise_for(request_id, kind):
@@ -556,15 +557,23 @@ def _observe_step(self, t0, links):  # and a step's metrics, once
     return observe_step(self, t0, links)
 
 
+def _restore_lost(self):  # and a heartbeat's round, once
+    beats.append(1)
+    if len(beats) == 3:
+        raise RuntimeError("heartbeat fault")
+    return restore_lost(self)
+
+
 w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport = _first_token, _export_kv, _kv_export
-w.PrefillWorker._observe_step = _observe_step
+w.PrefillWorker._observe_step, w.PrefillWorker._restore_lost = _observe_step, _restore_lost
 """
 
 
 def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_serves_on(tmp_path):
     """An exception while a prefill worker hands on an ended prefill (its first token, its KV's
     export, the record of a request its first token ends; put in by a sitecustomize), or while it
-    observes a step (its metrics, once), used to end the worker's process, and every job it held. Now that request ends INTERNAL, naming the cause,
+    observes a step (its metrics, once), used to end the worker's process, and every job it held;
+    one in a round of its heartbeat ended the heartbeat (its lease and its jobs' claims lapsed). Now that request ends INTERNAL, naming the cause,
     its KV and region are freed and its entry acked, and the requests beside it get their tokens."""
     (tmp_path / "sitecustomize.py").write_text(PREFILL_OUTPUT_FAULTS)  # imported first by the prefill worker only
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -587,6 +596,9 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
         wait_for(lambda: all(r.xlen(k) == 0 and r.xpending(k, "prefill")["pending"] == 0 for k in s.keys.streams),
                  what="every entry acked and deleted")
         assert s.proc("prefill-0").popen.poll() is None
+        key = s.keys.worker("prefill", workers(s, "prefill")[0]["worker_id"])  # its heartbeat beats on
+        beat = float(r.hget(key, "updated"))
+        wait_for(lambda: float(r.hget(key, "updated") or 0) > beat + 1, timeout=10, what="the prefill worker's heartbeat")
     finally:
         _finish(s)
 
@@ -1143,40 +1155,63 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
     """Hashes under the registry's keys that are not entries a worker writes (a worker of another
     release, a hand): no address, a count that is not one, a time that is not one, bytes that are
     not UTF-8, a key of another type. Each is left out of the router's reading of the registry, and
-    told once in its log; the router places requests as before, and `splitserve status` lists the
-    workers and each entry it left out. Before, each failed every reading of the registry (and
-    `status` with a traceback)."""
+    told once in its log; the router places requests as before, `splitserve status` lists the
+    workers and each entry it left out, and the decode worker, which reads the prefill workers'
+    entries for their arenas, heartbeats on. Before, each failed every reading of the registry (and
+    `status` with a traceback); an arena or host not UTF-8 ended the decode worker's heartbeat (its
+    lease lapsed), and a prefill key of another type failed each of its heartbeats after the write."""
     import subprocess
     import sys
 
     r = stack.redis()
+    here = workers(stack, "prefill")[0]["host_id"]  # arenas a decode worker on this host maps (warm_arenas)
+    dec_key = stack.keys.worker("decode", workers(stack, "decode")[0]["worker_id"])
     good = {"role": "decode", "address": "127.0.0.1:1", "host_id": "elsewhere"}
     entries = {"no-address": {"role": "decode", "host_id": "h"}, "count": {**good, "running": "abc"},
                "minus": {**good, "free_kv_tokens": "-5"}, "time": {**good, "updated": "nan"},
                "bytes": {**good, "epoch": b"\xff\xfe"}}
     bad = []
+
+    def put(role: str, name: str, m: dict) -> None:
+        key = stack.keys.worker(role, f"bad-{name}")
+        r.hset(key, mapping={"worker_id": f"bad-{name}", **m, "role": role})
+        r.pexpire(key, 60_000)
+        bad.append(key)
+
     for role in ("decode", "prefill"):
         for name, m in entries.items():
-            key = stack.keys.worker(role, f"bad-{name}")
-            r.hset(key, mapping={"worker_id": f"bad-{name}", **m, "role": role})
-            r.pexpire(key, 60_000)
-            bad.append(key)
+            put(role, name, m)
+    for name, m in {"host": {"host_id": b"\xff", "arena": "splitserve-x"}, "arena": {"host_id": here, "arena": b"\xfe"},
+                    "path": {"host_id": here, "arena": "../../etc/passwd"}}.items():
+        put("prefill", name, {**m, "address": "127.0.0.1:1"})
     bad.append(stack.keys.worker("decode", "a-string"))
     r.set(bad[-1], "not a hash", px=60_000)
+    unreadable = [k for k in bad if "bad-path" not in k]  # (an entry a worker may write: its arena is refused)
     router_log = stack.proc("router").log_path
+
+    def beats() -> None:
+        beat = float(r.hget(dec_key, "updated"))
+        wait_for(lambda: float(r.hget(dec_key, "updated") or 0) > beat + 1, timeout=10, what="the decode worker's heartbeat")
+
     try:
-        wait_for(lambda: sum("left out" in line for line in open(router_log)) >= len(bad), timeout=10,
+        wait_for(lambda: sum("left out" in line for line in open(router_log)) >= len(unreadable), timeout=10,
                  what="the router telling each entry it left out")
         for prompt in ("The capital of France is", "1, 2, 3,", "Write a haiku about"):
             assert len(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=60).token_ids) == 4
         st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", stack.settings.redis_url,
                              "--prefix", stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
-        assert st.returncode == 0 and "1 prefill, 1 decode" in st.stdout, (st.stdout, st.stderr)
-        assert sum("left out, not a registry entry" in line for line in st.stdout.splitlines()) == len(bad), st.stdout
+        assert st.returncode == 0 and "2 prefill, 1 decode" in st.stdout, (st.stdout, st.stderr)  # (and bad-path)
+        assert sum("left out, not a registry entry" in line for line in st.stdout.splitlines()) == len(unreadable), \
+            st.stdout
         assert "registry entry's running is not a count: 'abc'" in st.stdout and "has no address" in st.stdout
         told = [line for line in open(router_log) if "left out" in line]
-        assert sorted(line.split("registry entry ")[1].split(" left out")[0] for line in told) == \
-            sorted(k for k in bad), told  # each once, however many readings since
+        told_keys = sorted(line.split("registry entry ")[1].split(" left out")[0] for line in told)
+        assert told_keys == sorted(unreadable), told  # each once, however many readings since
+        beats()
+        bad.append(stack.keys.worker("prefill", "a-string"))
+        r.set(bad[-1], "not a hash", px=60_000)
+        beats()
+        assert "heartbeat failed" not in open(stack.proc("decode-0").log_path).read()
     finally:
         r.delete(*bad)
 

@@ -788,10 +788,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.warmed.discard(name)
             log.info("unmapped arena %s: its prefill worker has gone", name)
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
-            arena, host = await self.redis.hmget(key, "arena", "host_id")
-            if arena and host and host.decode() == self.host and arena.decode() not in self.warmed:
-                if await asyncio.to_thread(self.reader.warm, arena.decode()):
-                    self.warmed.add(arena.decode())
+            try:
+                arena, host = await self.redis.hmget(key, "arena", "host_id")
+            except redis.ResponseError:  # a key of another type: no entry a worker wrote
+                continue
+            # (any bytes: a name that is not UTF-8 is no arena's, and warm refuses it)
+            arena, host = (v.decode(errors="replace") if v else "" for v in (arena, host))
+            if arena and host == self.host and arena not in self.warmed:
+                if await asyncio.to_thread(self.reader.warm, arena):
+                    self.warmed.add(arena)
 
     def info(self, address: str) -> WorkerInfo:
         e = self.engine
@@ -847,15 +852,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 await asyncio.sleep(settings.heartbeat_s)
                 continue
             started = time.monotonic()
-            info = servicer.info(address)
-            if metrics_port:
-                info.metrics = f"{settings.host}:{metrics_port}"
             try:  # Redis down or restarted empty: keep trying, so the worker registers again when it is back
+                info = servicer.info(address)
+                if metrics_port:
+                    info.metrics = f"{settings.host}:{metrics_port}"
                 k, args = registration(keys, info, lease)
                 await register(keys=k, args=args)
                 await servicer.warm_arenas()
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)
+            except Exception:  # noqa: BLE001 - the heartbeat must outlive any round (its lease would lapse)
+                log.exception("heartbeat round failed")
             # One write a heartbeat, the round's time included: a round that Redis held (stalled
             # past the lease, which lapsed meanwhile) is followed by a write at once, not a heartbeat on.
             await asyncio.sleep(max(0.0, settings.heartbeat_s - (time.monotonic() - started)))

@@ -981,6 +981,8 @@ class PrefillWorker:
             except redis.RedisError as e:
                 self._unanswered(e)
                 log.warning("heartbeat failed: %s", e)
+            except Exception:  # noqa: BLE001 - the heartbeat must outlive any round (lease and claims would lapse)
+                log.exception("heartbeat round failed")
 
     def _keep_claims(self) -> None:
         """Claim the jobs held here again with their idle time 0, which keeps them ours (no other
