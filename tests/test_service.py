@@ -573,8 +573,9 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
     """An exception while a prefill worker hands on an ended prefill (its first token, its KV's
     export, the record of a request its first token ends; put in by a sitecustomize), or while it
     observes a step (its metrics, once), used to end the worker's process, and every job it held;
-    one in a round of its heartbeat ended the heartbeat (its lease and its jobs' claims lapsed). Now that request ends INTERNAL, naming the cause,
-    its KV and region are freed and its entry acked, and the requests beside it get their tokens."""
+    one in a round of its heartbeat ended the heartbeat (its lease and its jobs' claims lapsed). Now
+    that request ends INTERNAL, naming the cause, its KV and region are freed and its entry acked,
+    and the requests beside it get their tokens; the heartbeat goes on."""
     (tmp_path / "sitecustomize.py").write_text(PREFILL_OUTPUT_FAULTS)  # imported first by the prefill worker only
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     s = _start(prefill_env={"PYTHONPATH": path})
@@ -598,7 +599,8 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
         assert s.proc("prefill-0").popen.poll() is None
         key = s.keys.worker("prefill", workers(s, "prefill")[0]["worker_id"])  # its heartbeat beats on
         beat = float(r.hget(key, "updated"))
-        wait_for(lambda: float(r.hget(key, "updated") or 0) > beat + 1, timeout=10, what="the prefill worker's heartbeat")
+        wait_for(lambda: float(r.hget(key, "updated") or 0) > beat + 1, timeout=10,
+                 what="the prefill worker's heartbeat")
     finally:
         _finish(s)
 
@@ -1191,7 +1193,8 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
 
     def beats() -> None:
         beat = float(r.hget(dec_key, "updated"))
-        wait_for(lambda: float(r.hget(dec_key, "updated") or 0) > beat + 1, timeout=10, what="the decode worker's heartbeat")
+        wait_for(lambda: float(r.hget(dec_key, "updated") or 0) > beat + 1, timeout=10,
+                 what="the decode worker's heartbeat")
 
     try:
         wait_for(lambda: sum("left out" in line for line in open(router_log)) >= len(unreadable), timeout=10,
