@@ -351,7 +351,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.decode_span is not None:
             slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, message[:300]))
         self._end_decode_span(slot, "error", None)
-        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message), error_code=grpc.StatusCode.INTERNAL.value[0]))
+        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message),
+                                                error_code=grpc.StatusCode.INTERNAL.value[0]))
 
     def _emit(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
