@@ -138,6 +138,29 @@ def _ended(context) -> bool:
     return context.time_remaining() == 0 or context.cancelled() or context.done()
 
 
+# gRPC's aio server logs this, with a traceback, when a handler has returned and the status it
+# sends fails because the call has just ended (its client went as the status went out: gRPC had
+# not yet heard). Nothing was lost: the handler had finished, and the client has its own status.
+ENDED_CALL_LOG = "ExecuteBatchError raised in core by servicer method"
+
+
+class _EndedCalls(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith(ENDED_CALL_LOG):
+            record.msg = f"{record.getMessage()}: its status was not sent, the call had ended (its client went)"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_ended_calls() -> None:
+    """One line at INFO, not an ERROR with a traceback, for a status gRPC could not send because
+    its call had just ended (ENDED_CALL_LOG)."""
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _EndedCalls) for f in grpc_log.filters):
+        grpc_log.addFilter(_EndedCalls())
+
+
 async def _write(context, message) -> None:
     """A streaming handler's next message. One that cannot be written because the RPC has ended
     (its deadline passed, or its client went, as the handler made it: gRPC had not yet cancelled

@@ -10,7 +10,7 @@ import sys
 
 from splitserve.engine.errors import EngineError
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
-from splitserve.service.errors import REDIS_UNREACHABLE
+from splitserve.service.errors import REDIS_UNREACHABLE, quiet_ended_calls
 from splitserve.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
 def run(role: str, main_coro, argv: list[str] | None = None) -> int:
     """Parse settings, run ``main_coro(settings, stop_event)`` until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s", stream=sys.stderr)
+    quiet_ended_calls()
     try:
         settings = parse_settings(role, argv)
     except ValueError as e:
