@@ -10,6 +10,21 @@ from splitserve.engine.sampling import SamplingParams
 from splitserve.service.runner import EngineRunner
 
 
+async def _served(runner: EngineRunner, max_tokens: int) -> tuple[str, list[int]]:
+    """One request through the runner: (its finish reason, its tokens)."""
+    done, tokens = asyncio.get_running_loop().create_future(), []
+
+    def sink(out):
+        tokens.extend(out.new_token_ids)
+        if out.finished and not done.done():
+            done.set_result(out.finish_reason)
+
+    runner.sinks["r"] = sink
+    await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8],
+                                                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    return await asyncio.wait_for(done, 30), tokens
+
+
 def test_the_engine_is_built_and_stepped_on_the_runners_thread(tiny_loaded):
     built_on, stepped_on = [], set()
 
@@ -22,19 +37,9 @@ def test_the_engine_is_built_and_stepped_on_the_runners_thread(tiny_loaded):
         runner = EngineRunner(make, loop, on_step=lambda: stepped_on.add(threading.current_thread().name))
         engine = await runner.start()
         assert runner.engine is engine
-        done = loop.create_future()
-        tokens = []
-
-        def sink(out):
-            tokens.extend(out.new_token_ids)
-            if out.finished and not done.done():
-                done.set_result(out.finish_reason)
-
-        runner.sinks["r"] = sink
-        await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True)))
-        reason = await asyncio.wait_for(done, 30)
+        served = await _served(runner, 4)
         runner.stop()
-        return reason, tokens
+        return served
 
     reason, tokens = asyncio.run(go())
     assert built_on == ["engine"] and stepped_on == {"engine"}
@@ -144,18 +149,9 @@ def test_an_on_step_that_raises_does_not_stop_the_engines_thread(tiny_loaded):
         runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
                                                 loaded=tiny_loaded), loop, on_step=on_step)
         await runner.start()
-        done, tokens = loop.create_future(), []
-
-        def sink(out):
-            tokens.extend(out.new_token_ids)
-            if out.finished:
-                done.set_result(out.finish_reason)
-
-        runner.sinks["r"] = sink
-        await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=5, ignore_eos=True)))
-        reason = await asyncio.wait_for(done, 10)
+        served = await _served(runner, 5)
         runner.stop()
-        return reason, tokens
+        return served
 
     reason, tokens = asyncio.run(go())
     assert reason == "length" and len(tokens) == 5 and len(calls) >= 5

@@ -483,6 +483,13 @@ def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whol
 
 
 
+def _sitecustomize(tmp_path, text: str) -> dict:
+    """The environment of a process that imports `text` first (as its sitecustomize): a fault, or
+    a release before this one, put into one role's processes."""
+    (tmp_path / "sitecustomize.py").write_text(text)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
 OLD_DECODE_RELEASE = """\
 # A decode worker of the release before KV without its first tokens: it reads layout version 1 only.
 import splitserve.engine.kv_transfer as kv_transfer
@@ -497,9 +504,7 @@ def test_kv_without_its_first_tokens_refused_by_a_decode_worker_of_the_release_b
     release before, which refuses it (INVALID_ARGUMENT naming handle.layout_version). The prefill
     worker writes the whole KV into a new region from the blocks its engine kept, the request is
     served with the tokens of a whole handoff, and nothing is left held."""
-    (tmp_path / "sitecustomize.py").write_text(OLD_DECODE_RELEASE)  # imported first by the decode worker only
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    s = _start(kv_transport="shm", decode_env={"PYTHONPATH": path})
+    s = _start(kv_transport="shm", decode_env=_sitecustomize(tmp_path, OLD_DECODE_RELEASE))  # the decode worker only
     tok = smol_loaded.tokenizer
     try:
         with Client(s.router_address) as c:
@@ -576,9 +581,7 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
     one in a round of its heartbeat ended the heartbeat (its lease and its jobs' claims lapsed). Now
     that request ends INTERNAL, naming the cause, its KV and region are freed and its entry acked,
     and the requests beside it get their tokens; the heartbeat goes on."""
-    (tmp_path / "sitecustomize.py").write_text(PREFILL_OUTPUT_FAULTS)  # imported first by the prefill worker only
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    s = _start(prefill_env={"PYTHONPATH": path})
+    s = _start(prefill_env=_sitecustomize(tmp_path, PREFILL_OUTPUT_FAULTS))  # the prefill worker only
     try:
         with Client(s.router_address) as c:
             with _greedy_clients_beside(s, c):
@@ -631,9 +634,7 @@ def test_a_decode_output_that_cannot_be_sent_fails_its_request_alone(tmp_path):
     outputs after it in that step were lost, and the request's sequence decoded on unheard. Now the
     request ends INTERNAL, naming the cause, its sequence is aborted and its KV freed, and the
     requests beside it get their tokens."""
-    (tmp_path / "sitecustomize.py").write_text(DECODE_OUTPUT_FAULTS)  # imported first by the decode worker only
-    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    s = _start(decode_env={"PYTHONPATH": path})
+    s = _start(decode_env=_sitecustomize(tmp_path, DECODE_OUTPUT_FAULTS))  # the decode worker only
     try:
         with Client(s.router_address) as c:
             with _greedy_clients_beside(s, c):
