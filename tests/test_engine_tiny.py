@@ -314,35 +314,46 @@ def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it
 
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
-def test_under_static_and_dynamic_batching_a_row_that_fails_its_sampling_or_its_token_ends_alone(
+def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling_or_token_ends_alone(
         tiny_engine_factory, policy):
-    """The padded policies' forward is one rectangle, but their sampling and the taking of tokens
-    are each row's: a row whose sampling raises (a negative number of log probabilities) or whose
-    token cannot be taken (counts of another kind) ends "error" alone. The others' tokens, a seeded
-    draw's among them, are those of the same batch without the faults (the failed rows stay in the
-    rectangle as padding), and the engine serves on. Before, the step raised and its caller failed
-    every row."""
-    prompts = random_prompts(4, lo=20, hi=60, seed=22)
-    params = _fault_requests(8, ["greedy", "seeded", "bad-lp", "bad-take"])
+    """The padded policies' batch is one rectangle, but a row that fails it ends alone: one whose
+    forward raises (a token outside the vocabulary: the rectangle is run again in halves down to
+    that row, which is fed padding from then on), one whose sampling raises (a negative number of
+    log probabilities: each row is then sampled alone, generators put back), one whose token cannot
+    be taken (counts of another kind). Each ends "error" naming its cause; the others' tokens, a
+    seeded draw's among them, are those of the same batch without the faults, and the engine serves
+    on. Before, the step raised and its caller failed every row."""
+    prompts = random_prompts(5, lo=20, hi=60, seed=22)
+    params = _fault_requests(8, ["greedy", "seeded", "bad-lp", "bad-take", "bad-token"])
+    forwards = []
 
     def run(faulty: bool):
-        eng = tiny_engine_factory(policy=policy, static_batch_size=4, max_batch_size=4, max_wait_ms=1)
+        eng = tiny_engine_factory(policy=policy, static_batch_size=6, max_batch_size=6, max_wait_ms=1)
+        forward = eng.model.forward_padded
+        eng.model.forward_padded = lambda ids, *a: forwards.append(ids.shape[0]) or forward(ids, *a)
         for rid, prompt in zip(params, prompts):
             eng.add_request(rid, prompt, params[rid])
         if faulty:
             object.__setattr__(eng.seqs["bad-lp"].params, "logprobs", -5)  # torch.topk: k out of range
-        faults = {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {})} if faulty else {}
+        faults = {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
+                  3: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6)} if faulty else {}
         return eng, _outcomes(eng, faults)
 
     _, want = run(False)
+    assert set(forwards) == {len(params) + (policy == "static")}  # (static: 6 rows, one of them padding)
+    forwards.clear()
     eng, got = run(True)
     assert [got[rid] for rid in ("greedy", "seeded")] == [want[rid] for rid in ("greedy", "seeded")]
     assert len(got["seeded"][0]) == 8 and got["seeded"][1] == "length"
     for rid, cause, tokens in [("bad-lp", "RuntimeError: selected index k out of range", (0,)),
-                               ("bad-take", "KeyError: ", (1, 2))]:  # (its second is in, or not, as it fails)
+                               ("bad-take", "KeyError: ", (1, 2)),  # (its token is in, or not, as it fails)
+                               ("bad-token", "IndexError: ", (2, 3, 4))]:
         toks, reason, exc, _ = got[rid]
         assert (len(toks) in tokens, reason, type(exc)) == (True, "error", StepFailed), (rid, toks, reason, exc)
         assert str(exc).startswith(f"engine step failed: {cause}"), (rid, str(exc))
+    rows = len(params) + (policy == "static")
+    parts = [n for n in forwards if n < rows]  # the rectangle run in parts once, down to the row alone
+    assert min(parts) == 1 and sum(parts) <= 3 * rows and forwards[-1] == rows, forwards  # and whole after
     eng.add_request("after", prompts[0], params["greedy"])
     after = _outcomes(eng)["after"]
     assert (len(after[0]), after[1]) == (8, "length")

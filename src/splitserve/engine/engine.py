@@ -391,9 +391,9 @@ class LLMEngine:
 
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every sequence held but the parked ones "error" for this reason: after a step that
-        raised (its scheduling, or the static or dynamic policy's forward; continuous's step finds
-        the sequences that fail it, _isolate, and the padded policies' sampling, sample_rows);
-        their outputs."""
+        raised (its scheduling, or a captured decode step of the static or dynamic policy; the
+        policies' steps find the sequences that fail them: _isolate, PaddedBatcher._isolate,
+        sample_rows); their outputs."""
         outputs = []
         for seq in list(self.seqs.values()):  # (_fail drops only its own sequence)
             self._fail(seq, error)

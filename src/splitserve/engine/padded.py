@@ -12,16 +12,19 @@ measured against them, not quoted.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
 import torch
 
 from splitserve.engine.cuda_graphs import GraphCaptureError, PaddedDecodeGraphs
+from splitserve.engine.errors import StepFailed
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sequence import Sequence, Status
 
 _PAD = 0
+log = logging.getLogger(__name__)
 
 
 class PaddedBatcher:
@@ -107,7 +110,8 @@ class PaddedBatcher:
 
     def _decode(self, engine) -> list:
         B = len(self.rows)
-        ids = [r.token_ids[-1] if r is not None else _PAD for r in self.rows]
+        # (a row that has ended is fed padding: its last token may be what failed its forward, _isolate)
+        ids = [r.token_ids[-1] if r is not None and act else _PAD for r, act in zip(self.rows, self.active)]
         positions = [max(self.cur - p, 0) for p in self.pad]
         self.last_stats.num_decode_tokens = sum(self.active)
         padding = B - sum(self.active)
@@ -125,21 +129,38 @@ class PaddedBatcher:
 
     def _eager(self, engine, ids, positions, mask, padding: int) -> list:
         dev, kv, cur = self.model.device, self.kv, self.cur
-        run = lambda: self.model.forward_padded(ids.to(dev), positions.to(dev), mask.to(dev), kv, cur)  # noqa: E731
-        return self._forward(engine, run, ids.shape[1], padding)
+        ids, positions, mask = ids.to(dev), positions.to(dev), mask.to(dev)
 
-    def _forward(self, engine, run, width: int, padding: int) -> list:
-        """run() the forward of width new positions per row, then sample and update the rows."""
+        def rows(a: int, b: int) -> torch.Tensor:  # rows [a, b) alone (their KV: a view of the batch's)
+            return self.model.forward_padded(ids[a:b], positions[a:b], mask[a:b], kv[:, :, a:b], cur)
+        return self._forward(engine, lambda: rows(0, len(self.rows)), ids.shape[1], padding, rows)
+
+    def _forward(self, engine, run, width: int, padding: int, rows=None) -> list:
+        """run() the forward of width new positions per row, then sample and update the rows.
+        rows(a, b): the forward of rows [a, b) alone, to find the rows that fail one (_isolate);
+        without it (a captured decode step), a forward that raises fails the step."""
         stats = self.last_stats
         t = time.perf_counter()
-        logits = run()
+        failed: list[Sequence] = []
+        try:
+            logits = run()
+        except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
+            if rows is None:
+                raise
+            log.warning("a %s batch's forward of %d rows failed (%s: %s); running it again in parts to find the "
+                        "rows that fail it", self.policy, len(self.rows), type(e).__name__, e)
+            parts = self._isolate(engine, rows, 0, len(self.rows), e, failed)
+            known = next((p for _, p in parts if p is not None), None)  # (None: every row failed; none is live)
+            logits = None if known is None else torch.cat([p if p is not None else known.new_zeros(n, known.shape[1])
+                                                           for n, p in parts])
         stats.forward_time_s = time.perf_counter() - t
         self.cur += width
         stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), len(self.rows) * width, padding
         stats.request_ids = [r.request_id for r, a in zip(self.rows, self.active) if a]
         live = [i for i, a in enumerate(self.active) if a]
         t = time.perf_counter()
-        taken, failed = engine.sample_rows(logits[live], [self.rows[i] for i in live])  # (failed: "error")
+        taken, unsampled = engine.sample_rows(logits[live], [self.rows[i] for i in live]) if live else ([], [])
+        failed += unsampled
         stats.sample_time_s = time.perf_counter() - t
         outputs = [out for seq in failed if (out := engine._output(seq)) is not None]
         stats.finished += [seq.request_id for seq in failed]
@@ -154,3 +175,27 @@ class PaddedBatcher:
         if not any(self.active) or self.cur >= self.max_len:
             self.rows, self.active, self.pad, self.kv = [], [], [], None
         return outputs
+
+    def _isolate(self, engine, rows, a: int, b: int, error: Exception, failed: list) -> list:
+        """The forward of rows [a, b) raised `error`: each half is run again, and each half that
+        raises is halved again, down to the rows that raise alone. A sequence's row that does ends
+        "error" (StepFailed; into `failed`). Returns [(rows, their logits, or None for a row that
+        failed)] in order: the others' are what the batch would have given them (a row's forward
+        reads only its own row and KV). Runs: about 2 log2(B) for one failing row; 2B - 1 when all
+        fail."""
+        if b - a == 1:
+            seq = self.rows[a]
+            if seq is not None and self.active[a]:
+                log.error("request %s fails its %s batch's forward alone: it ends with an error",
+                          seq.parent or seq.request_id, self.policy, exc_info=error)
+                engine._fail(seq, StepFailed(error))  # (its row stays, inactive: padding from now on)
+                failed.append(seq)
+            return [(1, None)]
+        mid = (a + b) // 2
+        parts = []
+        for lo, hi in ((a, mid), (mid, b)):
+            try:
+                parts.append((hi - lo, rows(lo, hi)))
+            except Exception as e:  # noqa: BLE001 - narrowed down further
+                parts += self._isolate(engine, rows, lo, hi, e, failed)
+        return parts
