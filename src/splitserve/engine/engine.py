@@ -20,7 +20,8 @@ from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, PiecewiseGraphs
-from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing, StepFailed
+from splitserve.engine.errors import (CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing, StepFailed,
+                                     in_halves)
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
 from splitserve.engine.model import LlamaModel
@@ -392,7 +393,7 @@ class LLMEngine:
     def fail_all(self, error: Exception) -> list[RequestOutput]:
         """End every sequence held but the parked ones "error" for this reason: after a step that
         raised (its scheduling, or a captured decode step of the static or dynamic policy; the
-        policies' steps find the sequences that fail them: _isolate, PaddedBatcher._isolate,
+        policies' steps find the sequences that fail them: _isolate, PaddedBatcher._forward,
         sample_rows); their outputs."""
         outputs = []
         for seq in list(self.seqs.values()):  # (_fail drops only its own sequence)
@@ -454,30 +455,26 @@ class LLMEngine:
         return self._advance(sched, *computed, stats)
 
     def _isolate(self, scheduled: list, stats: StepStats, before: _Before, error: Exception) -> list[RequestOutput]:
-        """The step of `scheduled` raised `error`: undo what it did (before.restore), then run each
-        half again, and each half that raises in halves again, down to the sequences that raise
+        """The step of `scheduled` raised `error`: it is run again in halves (in_halves), each run
+        undoing first what a failed one did (before.restore), down to the sequences that raise
         alone. Those end "error" (StepFailed); the others go on as if nothing had failed (the KV a
-        failed run wrote is written again by the next). A step that fails for all costs 2n - 1
-        runs; one sequence that fails it, about 2 log2(n)."""
-        before.restore([s.seq for s in scheduled])
-        if len(scheduled) == 1:
-            seq = scheduled[0].seq
+        failed run wrote is written again by the next)."""
+        def run(a: int, b: int) -> tuple:
+            before.restore([s.seq for s in scheduled[a:b]])
+            sub = SchedulerOutput(scheduled[a:b])
+            return sub, self._compute(sub, stats)
+
+        def alone(i: int, e: Exception) -> list[RequestOutput]:
+            seq = scheduled[i].seq
+            before.restore([seq])
             log.error("request %s fails an engine step alone: it ends with an error", seq.parent or seq.request_id,
-                      exc_info=error)
-            self._fail(seq, StepFailed(error))
+                      exc_info=e)
+            self._fail(seq, StepFailed(e))
             out = self._output(seq)
             return [out] if out is not None else []
-        outputs: list[RequestOutput] = []
-        half = len(scheduled) // 2
-        for part in (scheduled[:half], scheduled[half:]):
-            sub = SchedulerOutput(part)
-            try:
-                computed = self._compute(sub, stats)
-            except Exception as e:  # noqa: BLE001 - narrowed down further
-                outputs += self._isolate(part, stats, before, e)
-            else:
-                outputs += self._advance(sub, *computed, stats)
-        return outputs
+
+        parts = in_halves(0, len(scheduled), error, run, lambda got: self._advance(got[0], *got[1], stats), alone)
+        return [out for outs in parts for out in outs]
 
     def _compute(self, sched: SchedulerOutput, stats: StepStats) -> tuple[list, list[int], list]:
         """The forward and sampling of a step: (the scheduled that sample, their tokens, their log

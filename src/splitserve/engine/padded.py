@@ -19,7 +19,7 @@ from collections import deque
 import torch
 
 from splitserve.engine.cuda_graphs import GraphCaptureError, PaddedDecodeGraphs
-from splitserve.engine.errors import StepFailed
+from splitserve.engine.errors import StepFailed, in_halves
 from splitserve.engine.outputs import StepStats
 from splitserve.engine.sequence import Sequence, Status
 
@@ -110,7 +110,7 @@ class PaddedBatcher:
 
     def _decode(self, engine) -> list:
         B = len(self.rows)
-        # (a row that has ended is fed padding: its last token may be what failed its forward, _isolate)
+        # (a row that has ended is fed padding: its last token may be what failed its forward, _alone)
         ids = [r.token_ids[-1] if r is not None and act else _PAD for r, act in zip(self.rows, self.active)]
         positions = [max(self.cur - p, 0) for p in self.pad]
         self.last_stats.num_decode_tokens = sum(self.active)
@@ -137,7 +137,7 @@ class PaddedBatcher:
 
     def _forward(self, engine, run, width: int, padding: int, rows=None) -> list:
         """run() the forward of width new positions per row, then sample and update the rows.
-        rows(a, b): the forward of rows [a, b) alone, to find the rows that fail one (_isolate);
+        rows(a, b): the forward of rows [a, b) alone, to find the rows that fail one (in_halves);
         without it (a captured decode step), a forward that raises fails the step."""
         stats = self.last_stats
         t = time.perf_counter()
@@ -149,7 +149,8 @@ class PaddedBatcher:
                 raise
             log.warning("a %s batch's forward of %d rows failed (%s: %s); running it again in parts to find the "
                         "rows that fail it", self.policy, len(self.rows), type(e).__name__, e)
-            parts = self._isolate(engine, rows, 0, len(self.rows), e, failed)
+            parts = in_halves(0, len(self.rows), e, lambda a, b: (b - a, rows(a, b)), lambda got: got,
+                              lambda i, error: self._alone(engine, i, error, failed))
             known = next((p for _, p in parts if p is not None), None)  # (None: every row failed; none is live)
             logits = None if known is None else torch.cat([p if p is not None else known.new_zeros(n, known.shape[1])
                                                            for n, p in parts])
@@ -176,26 +177,15 @@ class PaddedBatcher:
             self.rows, self.active, self.pad, self.kv = [], [], [], None
         return outputs
 
-    def _isolate(self, engine, rows, a: int, b: int, error: Exception, failed: list) -> list:
-        """The forward of rows [a, b) raised `error`: each half is run again, and each half that
-        raises is halved again, down to the rows that raise alone. A sequence's row that does ends
-        "error" (StepFailed; into `failed`). Returns [(rows, their logits, or None for a row that
-        failed)] in order: the others' are what the batch would have given them (a row's forward
-        reads only its own row and KV). Runs: about 2 log2(B) for one failing row; 2B - 1 when all
-        fail."""
-        if b - a == 1:
-            seq = self.rows[a]
-            if seq is not None and self.active[a]:
-                log.error("request %s fails its %s batch's forward alone: it ends with an error",
-                          seq.parent or seq.request_id, self.policy, exc_info=error)
-                engine._fail(seq, StepFailed(error))  # (its row stays, inactive: padding from now on)
-                failed.append(seq)
-            return [(1, None)]
-        mid = (a + b) // 2
-        parts = []
-        for lo, hi in ((a, mid), (mid, b)):
-            try:
-                parts.append((hi - lo, rows(lo, hi)))
-            except Exception as e:  # noqa: BLE001 - narrowed down further
-                parts += self._isolate(engine, rows, lo, hi, e, failed)
-        return parts
+    def _alone(self, engine, i: int, error: Exception, failed: list) -> tuple[int, None]:
+        """Row i failed the forward alone (in_halves: the others' logits are what the batch would
+        have given them, as a row's forward reads only its own row and KV). A sequence's row ends
+        "error" (StepFailed; into `failed`) and stays, inactive: padding from now on. (1 row, no
+        logits)."""
+        seq = self.rows[i]
+        if seq is not None and self.active[i]:
+            log.error("request %s fails its %s batch's forward alone: it ends with an error",
+                      seq.parent or seq.request_id, self.policy, exc_info=error)
+            engine._fail(seq, StepFailed(error))
+            failed.append(seq)
+        return 1, None
