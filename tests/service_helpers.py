@@ -9,7 +9,7 @@ import urllib.request
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.service.redis_state import Keys
+from splitserve.service.redis_state import HEARTBEAT_LUA, Keys, WorkerInfo, registration
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
@@ -41,6 +41,13 @@ def workers(stack, role: str) -> list[dict]:
         if m:
             out.append(m)
     return out
+
+
+def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
+    """A registry entry written by hand, as a worker's heartbeat writes its own (a ghost's, an
+    older release's)."""
+    k, args = registration(keys, info, lease_s)
+    r.register_script(HEARTBEAT_LUA)(keys=k, args=args)
 
 
 def kv_idle(stack) -> bool:

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from service_helpers import departed_streams, keys_without_ttl, kv_idle, scrape, wait_for, workers
+from service_helpers import departed_streams, heartbeat, keys_without_ttl, kv_idle, scrape, wait_for, workers
 from splitserve.client import Client, collect
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -3341,7 +3341,7 @@ def test_a_request_placed_on_a_decode_worker_lost_before_it_accepts_the_stream_r
     colocated, it was not admitted yet."""
     import socket
 
-    from splitserve.service.redis_state import WorkerInfo, heartbeat
+    from splitserve.service.redis_state import WorkerInfo
 
     s = _start(decode=1, **({"mode": mode, "prefill": 0} if mode == "colocated" else {}))
     prompt = "Name three rivers of Europe, and say which is the longest."
@@ -4847,7 +4847,7 @@ def test_a_decode_worker_that_leaves_out_prompt_logprobs_fails_the_request_inter
     from splitserve_proto.v1 import worker_pb2_grpc
 
     from splitserve.service.grpc_server import options
-    from splitserve.service.redis_state import WorkerInfo, heartbeat
+    from splitserve.service.redis_state import WorkerInfo
 
     class Older(worker_pb2_grpc.DecodeWorkerServicer):
         def __init__(self):

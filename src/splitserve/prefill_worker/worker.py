@@ -42,9 +42,9 @@ from splitserve.service.errors import REDIS_UNREACHABLE, code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (DROP_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA, PICKUP_LUA, PULL_LUA,
-                                             RESTORE_LUA, UPDATE_LUA, Job, Keys, WorkerInfo, connect, ensure_group,
-                                             failed, heartbeat, run_scripts, update_args)
+from splitserve.service.redis_state import (DROP_LUA, FORGET_STREAM_LUA, GROUP, HEARTBEAT_LUA, OWN_STREAM_LUA,
+                                             PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
+                                             connect, ensure_group, failed, registration, run_scripts, update_args)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -225,6 +225,7 @@ class PrefillWorker:
         self.restore_script = self.redis.register_script(RESTORE_LUA)
         self.own_script = self.redis.register_script(OWN_STREAM_LUA)
         self.forget_script = self.redis.register_script(FORGET_STREAM_LUA)
+        self.register = self.redis.register_script(HEARTBEAT_LUA)
         # Prefill affinity: routers send this worker the jobs whose prompts start with what its prefix
         # cache holds, on a stream of its own, read after the high-priority one. Another worker's,
         # once that worker has left the registry (died, or drained), is read by every worker after
@@ -965,12 +966,13 @@ class PrefillWorker:
                     continue
                 e = self.engine
                 self._own_stream()  # before the registry entry: routers send jobs there only when both are there
-                heartbeat(self.redis, self.keys, WorkerInfo(
+                k, args = registration(self.keys, WorkerInfo(
                     worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
                     running=len(self.inflight), waiting=e.num_waiting,
                     free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
                     metrics=self.metrics_address, arena=self.arena.name, kv_capacity_tokens=e.kv_capacity_tokens,
                 ), lease)
+                self.register(keys=k, args=args)
                 self._restore_lost()
                 self._ack_later()
                 self._keep_claims()

@@ -688,11 +688,6 @@ def registration(keys: Keys, info: WorkerInfo, lease_s: float) -> tuple[list[str
     return [keys.worker(info.role, info.worker_id)], [str(int(lease_s * 1000)), *fields]
 
 
-def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
-    """Sync client: write this worker's registry entry with a lease (HEARTBEAT_LUA)."""
-    k, args = registration(keys, info, lease_s)
-    r.register_script(HEARTBEAT_LUA)(keys=k, args=args)
-
 
 def run_scripts(r, calls: list[tuple]) -> list:
     """Sync client: several registered scripts, each (script, keys, args), in one round trip.
