@@ -354,6 +354,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
         self.cut = ""  # why every request is cut off (cut_off: this router is stopping), once it is
+        # Generate and GenerateStream calls being handled: a drain waits for these, not only for the
+        # active requests, since one still in admission is not active yet
+        self.calls = 0
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.local_seen = 0  # ... and of those tokens, the ones their decode workers prefill
@@ -1595,6 +1598,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         t0 = time.perf_counter()
         t_first = None
         self.metrics.in_flight.inc()
+        self.calls += 1
         try:
             with self._server_span("GenerateStream", context) as rs:
                 try:
@@ -1618,6 +1622,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.dec()
+            self.calls -= 1
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
@@ -1625,6 +1630,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         samples: dict[int, tuple[gen_pb.GenerateResponse, list[str]]] = {}  # index -> (its response, its texts)
         ended = []
         self.metrics.in_flight.inc()
+        self.calls += 1
         try:
             with self._server_span("Generate", context) as rs:
                 try:
@@ -1649,6 +1655,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             self.metrics.in_flight.dec()
+            self.calls -= 1
         for resp, text in samples.values():
             resp.text = "".join(text)
         return joined({i: resp for i, (resp, _) in samples.items()}, request.sampling.n)
@@ -1786,7 +1793,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # cut would say "Cancelling all calls", and the hash "cancelled", as if their clients had.
     stopping = asyncio.create_task(server.stop(grace=settings.drain_s + 5.0))
     t_end = time.monotonic() + settings.drain_s
-    while servicer.active and time.monotonic() < t_end:
+    # (a call still in admission counts: it is not active yet, and was cut off as it came out of
+    # admission if the drain ended before it was)
+    while (servicer.active or servicer.calls) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
     servicer.cut_off(f"router {servicer.id} stopped before this request finished (its drain of "
                      f"{settings.drain_s:g} s ran out); retry")
