@@ -2629,6 +2629,33 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     assert all(pr.popen.poll() is None for pr in stack.procs)
 
 
+def test_an_entry_whose_count_is_not_its_prompts_is_dropped_and_leaves_the_counts_as_admission_left_them(stack):
+    """A stream entry's 'tokens' (the prompt tokens admission counted) and its job's token_ids agree
+    in every entry a router writes. One where they differ, or with no count, is dropped as
+    malformed, naming both, and its stream ends: before, it was served, and its pickup took
+    len(token_ids) out of the counts, leaving the difference there for good (a seed of the job
+    fuzz left 26 tokens counted after one such entry), or taking out what admission never put in."""
+    from splitserve_proto.v1 import worker_pb2_grpc
+
+    r, p = stack.redis(), stack.keys.prefix
+    dec = workers(stack, "decode")[0]
+    ids = [1, 504, 3277, 28, 8296, 30]
+    before = _queue_counts(stack)
+    with grpc.insecure_channel(dec["address"]) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        more = _admitted_by_hand(stack, stub, "counted-more", 27)  # admission counted 27; the job has 6
+        r.xadd(f"{p}:prefill", {"job": json.dumps(_job_json(dec, "counted-more", ids)), "tokens": "27"})
+        uncounted = _admitted_by_hand(stack, stub, "uncounted", 0)  # no count: admission took none
+        r.hincrby(f"{p}:admission", "requests", -1)
+        r.xadd(f"{p}:prefill", {"job": json.dumps(_job_json(dec, "uncounted", ids))})
+        for call in (more, uncounted):
+            ended = list(call)
+            assert len(ended) == 1 and ended[0].error_code == grpc.StatusCode.INTERNAL.value[0], ended
+            assert "malformed prefill job" in ended[0].error, ended
+            assert "tokens" in ended[0].error and "token_ids (6)" in ended[0].error, ended
+    wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
+
+
 def test_a_job_queued_alone_is_picked_up_beside_its_forward_and_dropped_if_it_ended(stack, client):
     """An idle prefill worker starts the forward of a job that was queued alone and runs its pickup
     beside it. A request that ended in the queue meanwhile is dropped after that forward: no

@@ -80,6 +80,16 @@ def _wants_it_whole(e: grpc.RpcError) -> bool:
         e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in (e.details() or ""))
 
 
+def _counted(tokens: bytes | None) -> int:
+    """A stream entry's 'tokens', the prompt tokens its admission counted; -1 where it has none:
+    admission never counted it (a count of 2^31 tokens or more it could not have: never a prompt's)."""
+    try:
+        n = int(tokens) if tokens is not None else -1
+    except ValueError:
+        return -1
+    return n if 0 <= n < 2**31 else -1
+
+
 def _retire(peer) -> None:
     """Close a replaced peer's channel once the calls its threads hold have ended."""
     for ex in peer.pools.values():
@@ -390,7 +400,14 @@ class PrefillWorker:
             if not raw:
                 raise ValueError("the entry has no 'job' field")
             d = json.loads(raw)
-            return Job.from_dict(d)
+            job = Job.from_dict(d)
+            # A router's admission counts an entry's prompt tokens in 'tokens', and its pickup takes
+            # len(token_ids) back out of the counts: one whose two differ (no router writes it) would
+            # leave the difference in the counts for good, or take out what was never put in.
+            if _counted(tokens) != len(job.token_ids):
+                raise ValueError(f"the entry's tokens ({tokens!r}) are not the count of its job's token_ids "
+                                 f"({len(job.token_ids)})")
+            return job
         except (ValueError, RecursionError) as e:  # json.JSONDecodeError included; JSON nested past Python's limit
             rid, address = ((d.get("request_id"), d.get("decode_address")) if isinstance(d, dict) else (None, None))
             self._drop(stream, entry_id, str(e), tokens,
@@ -404,11 +421,7 @@ class PrefillWorker:
         hash says so and its decode stream, if the address is readable, ends with INTERNAL."""
         log.warning("dropping malformed job %s from %s: %s", entry_id, stream, why)
         message = f"malformed prefill job: {why}"[:300]
-        try:  # -1: admission never counted it (a count of 2^31 tokens or more it could not have: never a prompt's)
-            n = int(tokens) if tokens is not None else -1
-        except ValueError:
-            n = -1
-        n = n if 0 <= n < 2**31 else -1
+        n = _counted(tokens)
         key = self.keys.req(request_id) if request_id else f"{self.keys.prefix}:dropped"  # no request's key
         self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message, grpc.StatusCode.INTERNAL.value[0]])
         self._ack(stream, entry_id)
