@@ -1793,8 +1793,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # cut would say "Cancelling all calls", and the hash "cancelled", as if their clients had.
     stopping = asyncio.create_task(server.stop(grace=settings.drain_s + 5.0))
     t_end = time.monotonic() + settings.drain_s
-    # (a call still in admission counts: it is not active yet, and was cut off as it came out of
-    # admission if the drain ended before it was)
+    # (the calls in hand, not only the active requests: one still in admission is not active yet,
+    # and a drain over before its admission was would cut it off as it came out)
     while (servicer.active or servicer.calls) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
     servicer.cut_off(f"router {servicer.id} stopped before this request finished (its drain of "
