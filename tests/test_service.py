@@ -4028,14 +4028,14 @@ def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_re
                 assert all(len(r.token_ids) == 16 for r in done)
                 return collections.Counter(c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid in rids)
 
-            def epoch_of_decode_1() -> str:  # its registry entry's: a restarted worker has a new one
-                return next((w["epoch"] for w in workers(s, "decode") if w["worker_id"].startswith("decode-1")), "")
+            def entry_of_decode_1() -> dict:  # its registry entry ({}: none): a restarted worker's has a new epoch
+                return next((w for w in workers(s, "decode") if w["worker_id"].startswith("decode-1")), {})
 
             assert set(burst("warm")) == {"decode-0", "decode-1"}  # the router is connected to both
             victim = s.proc("decode-1")
-            old_epoch = epoch_of_decode_1()
+            entry = entry_of_decode_1()
+            old_epoch, victim_id = entry.get("epoch", ""), entry.get("worker_id", "")
             assert old_epoch
-            victim_id = next(w["worker_id"] for w in workers(s, "decode") if w["worker_id"].startswith("decode-1"))
             victim.popen.kill()
             victim.popen.wait()
             t_killed = time.monotonic()
@@ -4047,7 +4047,8 @@ def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_re
             assert len(workers(s, "decode")) == 2  # still registered: the router did not learn it from there
 
             s.restart("decode-1")
-            wait_for(lambda: epoch_of_decode_1() not in ("", old_epoch), what="decode-1 registered again")
+            wait_for(lambda: entry_of_decode_1().get("epoch", "") not in ("", old_epoch),
+                     what="decode-1 registered again")
             end = time.monotonic() + 15
             placed = collections.Counter()
             while "decode-1" not in placed and time.monotonic() < end:
