@@ -177,6 +177,45 @@ def test_imported_sequences_behind_a_blocked_recompute_still_run_and_imports_do_
     assert [s.seq for s in out.scheduled] == [head] and out.scheduled[0].num_tokens == 100
 
 
+def test_imports_that_fill_the_pool_and_each_need_one_more_block_run_one_after_the_other(tiny_engine_factory):
+    """Two handoffs of 32 tokens' KV each fill a pool of 4 blocks of 16, and each needs a third block
+    for its next token. Before, neither could run and neither gave its blocks up: nothing was ever
+    scheduled again, and both streams hung. Now the one last in line gives its blocks up (to
+    compute them again later): both complete, with the tokens they get alone."""
+    prompts = random_prompts(2, lo=32, hi=33, seed=3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = tiny_engine_factory().generate(prompts, params)
+    prefill = tiny_engine_factory()
+    eng = tiny_engine_factory(kv_cache_bytes=4 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    first = {}
+    for rid, prompt in zip("ab", prompts):
+        export, payload = exported(prefill, rid, prompt, params)
+        assert export.num_tokens == 32
+        first[rid] = eng.import_kv(export, payload).new_token_ids  # the token sampled at prefill
+    assert eng.cache.pool.num_free == 0
+    got, reasons, preempted = {"a": [], "b": []}, {}, 0
+    for _ in range(100):  # 38 steps: a's 19 tokens, then b's prompt again and its 19
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+            reasons.update({out.request_id: out.finish_reason} if out.finished else {})
+        preempted += eng.last_stats.num_preempted
+    assert preempted == 1 and reasons == {"a": "length", "b": "length"}
+    assert [first[r] + got[r] for r in "ab"] == want
+
+
+@pytest.mark.parametrize("seed", range(203, 213))
+def test_random_engine_calls_give_each_request_its_tokens_alone_and_hold_nothing(tiny_engine_factory, seed):
+    """A seeded fuzz of the engine's calls (engine_fuzz: random engines, requests, KV imports,
+    aborts and steps, each request checked against itself run alone). (Found, seeds 209 and 212:
+    waiting imports that each needed a block, nothing running; a prompt that took a chunk and
+    preempted itself at every step while waiting sequences behind it held the blocks it needed.)"""
+    import random
+
+    from engine_fuzz import round_of
+
+    round_of(tiny_engine_factory, random.Random(seed))
+
+
 def test_kv_import_refuses_foreign_or_broken_kv_naming_the_handoffs_field(tiny_engine_factory):
     """Each refusal names the field of the handoff (PutKVRequest) at fault, and holds nothing. A
     sequence whose tokens or stop tokens are outside the vocabulary is refused before it is taken:

@@ -142,6 +142,40 @@ def test_preempted_samples_give_a_roomy_engines_tokens(tiny_engine_factory):
     assert [got[f"r{i}"] for i in range(2)] == roomy
 
 
+def test_a_prompt_that_needs_the_blocks_a_waiting_sample_holds_takes_them_and_both_complete(tiny_engine_factory):
+    """One sequence slot, 9 blocks of 16. "s" (n=2, 72-token prompt) prefills and forks: its second
+    sample waits, holding the 4 whole blocks of the prompt it shares. "long" (104 tokens, 7 blocks),
+    which came before that fork, gets its first chunk of 64 tokens when the first sample ends, but
+    only 5 blocks are free for it. Before, it preempted itself at each next chunk and took its
+    first chunk again: a step of work each time, forever, and the waiting sample never ran (found
+    by a seeded fuzz of the engine's calls). Now the waiting sample, behind it in line, gives its
+    blocks up and computes them again later, and both get the tokens they get alone."""
+    long_prompt, prompt = random_prompts(2, lo=104, hi=105, seed=31)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=1.0, seed=5)
+    want = {"long": run(tiny_engine_factory(), "long", long_prompt, greedy),
+            "s": run(tiny_engine_factory(), "s", prompt[:72], sp)}
+    eng = tiny_engine_factory(kv_cache_bytes=9 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=1, max_num_batched_tokens=64)
+    assert eng.cache.pool.num_blocks == 9
+    got: dict[str, dict] = {}
+
+    def step():
+        for out in eng.step():
+            tokens, _ = got.setdefault(out.request_id, {}).get(out.index, ([], None))
+            got[out.request_id][out.index] = (tokens + out.new_token_ids, out.finish_reason)
+
+    eng.add_request("s", prompt[:72], sp)
+    step()  # the first 64 tokens of its prompt
+    eng.add_request("long", long_prompt, greedy)
+    step()  # the rest, and its first token: the second sample starts, holding 4 blocks, and waits
+    assert len(eng.seqs["s/1"].block_table) == 4 and eng.seqs["s/1"].status.name == "WAITING"
+    for _ in range(100):
+        if eng.has_unfinished():
+            step()
+    assert not eng.has_unfinished(), {k: (q.status.name, q.num_computed) for k, q in eng.seqs.items()}
+    assert got == want
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(n=0), "must be in [1, 16]"),
     (dict(n=17), "must be in [1, 16]"),

@@ -14,6 +14,9 @@ preempted (blocks freed, recomputed later): the least urgent, newest first, so
 the most urgent, oldest one always makes progress and nothing deadlocks. A
 waiting sequence that finds no blocks or no sequence slot preempts running ones
 of a strictly less urgent priority to get in; it never preempts its own class.
+Some waiting sequences hold blocks (an import, a request's later samples): before
+a running one preempts itself, those behind it in line give theirs up, and so do
+they, last in line first, when nothing else could run.
 
 With the prefix cache (kv_cache.BlockPool), a waiting sequence that holds no blocks
 starts with the cached blocks of its longest cached prefix and computes the rest; a
@@ -113,6 +116,19 @@ class ContinuousScheduler:
             i += 1
         if len(out.preempted) > before:
             return out  # memory is tight: let the running ones drain first
+        self._admit(out, budget)
+        # Nothing could run: the blocks are held by waiting sequences that each need one more (an
+        # import whose KV ends at a block's end, a request's later sample that computes the rest
+        # of its prompt), and they would wait for one another forever. They give theirs up, last
+        # in line first, until one can run.
+        while not out.scheduled and (holder := self._holder_behind(None)) is not None:
+            self._drop_kv(holder)
+            out.preempted.append(holder)
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Let waiting sequences join, in line, while the budget, sequence slots and blocks last."""
         blocked = False  # the first in line found no room: only sequences holding their KV pass it
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs and not self._can_preempt_for(seq.priority):
@@ -144,7 +160,6 @@ class ContinuousScheduler:
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
             budget -= n
-        return out
 
     def _take_cached(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give seq (holding no blocks) the cached blocks of its longest cached prefix: their KV
@@ -193,16 +208,31 @@ class ContinuousScheduler:
         return self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
 
     def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Give seq blocks for n more tokens, preempting the last in line; False if seq itself went."""
+        """Give seq blocks for n more tokens, preempting the last in line; False if seq itself went.
+
+        Before seq preempts itself, the waiting sequences behind it in line that hold blocks give
+        them up, last in line first (imports, and a request's later samples, wait holding theirs):
+        otherwise, with blocks they hold, seq could never get all it needs, take a chunk of its
+        prompt at every step and preempt itself at the next, and they could never get in."""
         need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
             victim = self.running[-1]
-            self._preempt(victim)
+            if victim is seq and (holder := self._holder_behind(seq)) is not None:
+                victim = holder
+                self._drop_kv(holder)
+            else:
+                self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
+
+    def _holder_behind(self, seq: Sequence | None) -> Sequence | None:
+        """The last in line of the waiting sequences that hold blocks (behind seq, if given), or None."""
+        key = (seq.priority, seq.order) if seq is not None else None
+        return max((w for w in self.waiting if w.block_table and (key is None or (w.priority, w.order) > key)),
+                   key=lambda w: (w.priority, w.order), default=None)
 
     def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt a running seq that this step already scheduled; returns the budget it held."""
@@ -214,12 +244,16 @@ class ContinuousScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._drop_kv(seq)
+        seq.status = Status.WAITING
+        self._requeue(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """seq's blocks go back; it computes its KV again when it runs (a preemption)."""
         self.pool.free(seq.block_table)
         seq.num_computed = seq.num_cache_blocks = 0
         seq.cache_entry = seq.cache_root
         seq.num_preemptions += 1
-        seq.status = Status.WAITING
-        self._requeue(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or cancelled sequence and free its blocks at once."""
