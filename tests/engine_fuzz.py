@@ -3,13 +3,15 @@
 Each round draws an engine (policy, KV pool of 4-40 blocks, prefix cache, token budget, sequence
 slots, batch sizes, batch-invariant or not) and 6-16 requests: prompts of shared stems or not,
 some ending at a block's end, greedy or seeded sampling, n samples, stop tokens, min_tokens, log
-probabilities, penalties, priorities, and in a quarter of them the prompt prefilled by another
-engine and its KV imported. It adds them, aborts some, and steps, in a random interleaving (a
-few calls at a time between steps). Checked: the pool's bookkeeping after every step, no run of
-steps without work, every request ended once, refused only when it can never fit, nothing held
-at the end; and each request not aborted gets the tokens and finish reason a roomy engine gives
-it alone (seeded sampling only when batch-invariant: otherwise a draw may land on the next token
-over with another batch's rounding, and only its count is checked)."""
+probabilities of tokens and of the prompt, penalties, priorities, cache salts; a quarter of them
+prefilled by another engine and their KV imported, some resumed with their first tokens (as
+after a lost decode worker). It adds them, aborts some, forgets the prefix cache now and then,
+and steps, in a random interleaving (a few calls at a time between steps). Checked: the pool's
+bookkeeping after every step, no run of steps without work, every request ended once, refused
+only when it can never fit, nothing held at the end; and each request not aborted gets the
+tokens, finish reason and counts of log probabilities it gets alone (seeded sampling only when
+batch-invariant: otherwise a draw may land on the next token over with another batch's
+rounding, and only its count is checked)."""
 
 from __future__ import annotations
 
@@ -45,30 +47,41 @@ def _params(rng: random.Random, policy: str) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def _collect(outs, got: dict, reasons: dict) -> None:
-    for out in outs:
-        key = (out.request_id, out.index)
-        got.setdefault(key, []).extend(out.new_token_ids)
-        if out.finished:
-            assert key not in reasons, f"{key} ended twice"
-            reasons[key] = out.finish_reason
+class Log:
+    """What the outputs said, by (request id, sample index): tokens, end, counts of log
+    probabilities and of prompt log probabilities."""
+
+    def __init__(self):
+        self.tokens: dict = {}
+        self.reasons: dict = {}
+        self.logprobs: dict = {}
+        self.prompt_logprobs: dict = {}
+
+    def take(self, outs) -> None:
+        for out in outs:
+            key = (out.request_id, out.index)
+            self.tokens.setdefault(key, []).extend(out.new_token_ids)
+            self.logprobs[key] = self.logprobs.get(key, 0) + len(out.new_logprobs or ())
+            self.prompt_logprobs[key] = self.prompt_logprobs.get(key, 0) + len(out.prompt_logprobs or ())
+            if out.finished:
+                assert key not in self.reasons, f"{key} ended twice"
+                self.reasons[key] = out.finish_reason
 
 
-def _alone(factory, prompt, params, invariant: bool) -> tuple[dict, dict]:
-    eng = factory(batch_invariant=invariant)
+def _alone(factory, prompt, params, invariant: bool) -> Log:
+    eng, log = factory(batch_invariant=invariant), Log()
     eng.add_request("alone", prompt, params)
-    got, reasons = {}, {}
     while eng.has_unfinished():
-        _collect(eng.step(), got, reasons)
-    return got, reasons
+        log.take(eng.step())
+    return log
 
 
-def _imported(pre, eng, rid, prompt, params, prio, got, reasons) -> bool:
+def _imported(pre, eng, rid, prompt, params, prio, log: Log) -> bool:
     """Prefill in pre, then import into eng as a decode worker does (stepping eng while its blocks
     are short). False if the first token ended the request at prefill (no KV to hand over)."""
     pre.add_request(rid, prompt, params, prefill_only=True)
     while rid not in pre.parked and rid in pre.seqs:
-        _collect([o for o in pre.step() if o.finish_reason != "prefilled"], got, reasons)
+        log.take([o for o in pre.step() if o.finish_reason != "prefilled"])
     if rid not in pre.parked:
         return False
     buf = memoryview(bytearray(pre.kv_nbytes(rid)))
@@ -79,11 +92,13 @@ def _imported(pre, eng, rid, prompt, params, prio, got, reasons) -> bool:
             out = eng.import_kv(export, buf, priority=prio)
             break
         except CapacityError:
-            _collect(eng.step(), got, reasons)
+            log.take(eng.step())
     else:
-        raise AssertionError(f"{rid}: no room for its import in 3000 steps")
+        raise AssertionError(f"{rid}: no room for its {export.num_tokens} tokens' import in 3000 steps: "
+                             f"{eng.cache.pool.num_free} of {eng.cache.pool.num_blocks} blocks free, "
+                             f"{[(k, q.status.name, q.priority, len(q.block_table)) for k, q in eng.seqs.items()]}")
     if out is not None:
-        _collect([out], got, reasons)
+        log.take([out])
     return True
 
 
@@ -95,41 +110,55 @@ def round_of(factory, rng: random.Random) -> None:
                max_num_batched_tokens=rng.choice([16, 33, 64, 2048]), max_num_seqs=rng.choice([1, 2, 4, 64]),
                max_batch_size=rng.choice([1, 3, 8]), static_batch_size=rng.choice([1, 3, 8]), max_wait_ms=0.0,
                batch_invariant=policy == "continuous" and rng.random() < 0.5)
+    invariant = cfg["batch_invariant"]
     eng = factory(**cfg)
-    pre = factory(kv_cache_bytes=64 * BLOCK_BYTES, block_size=BLOCK, batch_invariant=cfg["batch_invariant"])
+    pre = factory(kv_cache_bytes=64 * BLOCK_BYTES, block_size=BLOCK, batch_invariant=invariant)
     base = rng.randrange(10**6)
     stems = random_prompts(3, lo=16, hi=80, seed=base)
-    reqs = []
+    reqs = []  # (id, prompt, params, priority, how: "add", "import" or "resume", salt)
     for i in range(rng.randint(6, 16)):
         tail = random_prompts(1, lo=1, hi=40, seed=base + 1 + i)[0]
         prompt = (rng.choice(stems)[: rng.randrange(0, 80)] + tail) if rng.random() < 0.6 else tail
         if rng.random() < 0.3:  # its KV ends at a block's end
             prompt = (prompt * 8)[: BLOCK * rng.randint(1, 4)]
-        reqs.append((f"r{i}", prompt, _params(rng, policy), rng.choice([-1, 0, 0, 1]),
-                     policy == "continuous" and rng.random() < 0.25))
-    got, reasons, aborted, refused, live = {}, {}, set(), {}, []
+        params = _params(rng, policy)
+        how = "add"
+        if policy == "continuous" and rng.random() < 0.25:
+            how = "import"
+        elif params.n == 1 and params.max_tokens > 1 and rng.random() < 0.15:
+            how = "resume"  # its client has its first tokens (its decode worker was lost)
+        reqs.append((f"r{i}", prompt, params, rng.choice([-1, 0, 0, 1]), how,
+                     rng.choice(["", "", "salt"]) if cfg["prefix_caching"] else ""))
+    alone = {rid: _alone(factory, prompt, params, invariant) for rid, prompt, params, *_ in reqs}
+    log, aborted, refused, live, resumed = Log(), set(), {}, [], {}
     pending, steps, idle = list(reqs), 0, 0
     while pending or eng.has_unfinished():
         if pending and rng.random() < 0.5:
-            rid, prompt, params, prio, imported = pending.pop(0)
+            rid, prompt, params, prio, how, salt = pending.pop(0)
             try:
-                if not imported:
-                    eng.add_request(rid, prompt, params, priority=prio)
+                if how == "import":
+                    _imported(pre, eng, rid, prompt, params, prio, log)
+                elif how == "resume" and (had := alone[rid].tokens.get(("alone", 0), [])[:-1]):
+                    k = rng.randint(1, len(had))
+                    eng.add_request(rid, prompt + had[:k], params, priority=prio, cache_salt=salt, resumed=k)
+                    resumed[rid] = k
                 else:
-                    _imported(pre, eng, rid, prompt, params, prio, got, reasons)
+                    eng.add_request(rid, prompt, params, priority=prio, cache_salt=salt)
                 live.append(rid)
             except InvalidRequestError as e:
                 refused[rid] = str(e)
         if live and rng.random() < 0.05:
             rid = rng.choice(live)
-            n = next(p.n for r, _, p, _, _ in reqs if r == rid)
-            if any((rid, i) not in reasons for i in range(n)):
+            n = next(p.n for r, _, p, *_ in reqs if r == rid)
+            if any((rid, i) not in log.reasons for i in range(n)):
                 aborted.add(rid)
             if (out := eng.abort_request(rid)) is not None:
-                _collect([out], got, reasons)
+                log.take([out])
+        if cfg["prefix_caching"] and rng.random() < 0.02:
+            eng.reset_prefix_cache()
         if eng.has_unfinished() and not (pending and rng.random() < 0.4):
             outs = eng.step()
-            _collect(outs, got, reasons)
+            log.take(outs)
             pool = eng.cache.pool
             free, evictable = set(pool._free), set(pool._evictable)
             assert len(free) == len(pool._free) and not free & evictable, cfg
@@ -141,19 +170,24 @@ def round_of(factory, rng: random.Random) -> None:
             assert steps < 5000, f"no end after 5000 steps, {cfg}"
     assert eng.cache.pool.num_used == 0 and not eng.seqs and not eng.parked, cfg
     assert not pre.seqs and not pre.parked and pre.cache.pool.num_used == 0
-    for rid, prompt, params, _, _ in reqs:
+    for rid, prompt, params, *_ in reqs:
         if rid in refused:
             assert "can never fit" in refused[rid], (rid, refused[rid])
             continue
         if rid in aborted:
             continue
-        want, want_reasons = _alone(factory, prompt, params, cfg["batch_invariant"])
+        k = resumed.get(rid, 0)
         for i in range(params.n):
             key, mine = (rid, i), ("alone", i)
-            reason, tokens = reasons.get(key), got.get(key, [])
+            reason, tokens = log.reasons.get(key), log.tokens.get(key, [])
             assert reason in ("length", "eos", "stop"), (key, reason, cfg)
-            assert len(tokens) <= params.max_tokens and (reason != "length" or len(tokens) == params.max_tokens)
-            assert reason != "eos" or (tokens[-1] == EOS and len(tokens) >= params.min_tokens), (key, tokens)
-            if params.temperature > 0 and not cfg["batch_invariant"]:
+            assert len(tokens) + k <= params.max_tokens and (reason != "length" or len(tokens) + k == params.max_tokens)
+            assert reason != "eos" or (tokens[-1] == EOS and len(tokens) + k >= params.min_tokens), (key, tokens)
+            if params.logprobs is not None:
+                assert log.logprobs[key] == len(tokens), (key, log.logprobs[key], len(tokens))
+            if params.prompt_logprobs is not None and i == 0:  # (a resumed request's client has them)
+                assert log.prompt_logprobs[key] == (len(prompt) - 1 if not k else 0), (key, log.prompt_logprobs[key])
+            if params.temperature > 0 and not invariant:
                 continue
-            assert (tokens, reason) == (want[mine], want_reasons[mine]), (key, cfg, params)
+            want = alone[rid]
+            assert (tokens, reason) == (want.tokens[mine][k:], want.reasons[mine]), (key, k, cfg, params)

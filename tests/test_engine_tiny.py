@@ -203,12 +203,55 @@ def test_imports_that_fill_the_pool_and_each_need_one_more_block_run_one_after_t
     assert [first[r] + got[r] for r in "ab"] == want
 
 
-@pytest.mark.parametrize("seed", range(203, 213))
+def test_an_import_takes_the_blocks_of_less_urgent_waiting_sequences_and_preempts_nobody_for_blocks_that_would_not_do():
+    """An urgent import takes the blocks a less urgent waiting sequence holds (last in line first)
+    before it preempts a running one; and when even preempting every less urgent one would not
+    free enough, it preempts none. Before, it preempted the running ones it could and still did
+    not fit: an import retrying while two such ran preempted each in turn, and neither ever
+    finished (found by the engine's fuzz)."""
+    from splitserve.engine.kv_cache import BlockPool
+    from splitserve.engine.scheduler import ContinuousScheduler
+    from splitserve.engine.sequence import Sequence, Status
+
+    pool = BlockPool(10, 16)
+    sched = ContinuousScheduler(pool, max_num_seqs=8, max_num_batched_tokens=2048)
+
+    def seq(rid, n, priority):  # holding the KV of n - 1 tokens, its last token pending
+        s = Sequence(rid, n, list(range(3, 3 + n)), SamplingParams(), None)
+        s.priority = priority
+        s.block_table = pool.allocate(pool.blocks_for(n - 1))
+        s.num_computed = n - 1
+        sched.add(s)
+        return s
+
+    running = seq("running", 41, priority=0)  # 3 blocks
+    assert [s.seq for s in sched.schedule().scheduled] == [running] and running.status is Status.RUNNING
+    waiting = seq("waiting", 100, priority=1)  # 7 blocks, waiting: the pool is full
+    assert pool.num_free == 0 and waiting.status is Status.WAITING
+    assert sched.make_room(4, priority=-1)
+    assert not waiting.block_table and waiting.num_computed == 0 and running.num_computed == 40
+    assert pool.num_free == 7
+    sched.finish(waiting)
+    urgent = seq("urgent", 80, priority=-2)  # 5 blocks, waiting, more urgent than the import
+    assert pool.num_free == 2
+    # only the running one is less urgent than the import: its 3 blocks and the 2 free are not 6,
+    # so it runs on, its KV kept
+    assert not sched.make_room(6, priority=-1)
+    assert running.status is Status.RUNNING and running.num_computed == 40 and len(running.block_table) == 3
+    assert len(urgent.block_table) == 5 and pool.num_free == 2
+    for s in (running, urgent):
+        sched.finish(s)
+
+
+@pytest.mark.parametrize("seed", [340, 377, *range(8)])
 def test_random_engine_calls_give_each_request_its_tokens_alone_and_hold_nothing(tiny_engine_factory, seed):
     """A seeded fuzz of the engine's calls (engine_fuzz: random engines, requests, KV imports,
-    aborts and steps, each request checked against itself run alone). (Found, seeds 209 and 212:
-    waiting imports that each needed a block, nothing running; a prompt that took a chunk and
-    preempted itself at every step while waiting sequences behind it held the blocks it needed.)"""
+    resumed requests, aborts and steps, each request checked against itself run alone). It found
+    three stalls of the scheduler (the tests above): waiting imports that each needed a block with
+    nothing running; a prompt that took a chunk and preempted itself at every step while waiting
+    sequences behind it held the blocks it needed; an import that could not fit preempting two
+    running ones in turn (seeds 340 and 377 stall on the scheduler before these fixes). Seeds
+    0-999 pass."""
     import random
 
     from engine_fuzz import round_of

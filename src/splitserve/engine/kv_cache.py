@@ -69,6 +69,15 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
+    def freed_by(self, tables: list[list[int]]) -> int:
+        """How many blocks would come back if these block tables were let go (a block shared
+        with a table not among them stays held)."""
+        held: dict[int, int] = {}
+        for table in tables:
+            for b in table:
+                held[b] = held.get(b, 0) + 1
+        return sum(self._refs[b] == n for b, n in held.items())
+
     def allocate(self, n: int) -> list[int]:
         assert n <= self.num_free, "allocate() without can_allocate()"
         out = []

@@ -81,21 +81,34 @@ class ContinuousScheduler:
 
     def make_room(self, blocks: int, priority: int) -> bool:
         """Free blocks for a sequence of this priority arriving with its KV (an import), preempting
-        running ones of a strictly less urgent priority, last in line first. True if they fit now.
+        running ones of a strictly less urgent priority, and taking the blocks of waiting ones
+        of such a priority, last in line first. True if they fit now; when they cannot, however
+        many go, none goes.
 
         Blocks that waiting sequences of the same or a more urgent priority need to recompute
         (preempted ones) are not the import's to take: otherwise a stream of imports could
         keep a preempted sequence out for good."""
-        self._sort_running()
         reserved = sum(self._blocks_needed(w, w.num_pending) for w in self.waiting
                        if w.priority <= priority and not w.block_table)
 
         def fits() -> bool:
             return self.pool.num_free - reserved >= blocks
 
-        while not fits() and self._can_preempt_for(priority):
-            victim = self.running[-1]
-            self._preempt(victim)
+        if fits():
+            return True
+        victims = sorted((s for s in (*self.running, *self.waiting) if s.priority > priority and s.block_table),
+                         key=lambda s: (s.priority, s.order), reverse=True)
+        # (preempting them all for blocks that still would not do only throws their work away:
+        # two running ones preempted in turn for an import that never fit never finished)
+        if self.pool.num_free + self.pool.freed_by([s.block_table for s in victims]) - reserved < blocks:
+            return False
+        for victim in victims:
+            if fits():
+                break
+            if victim.status is Status.RUNNING:
+                self._preempt(victim)
+            else:
+                self._drop_kv(victim)
             self._preempted.append(victim)
         return fits()
 
