@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import random
 
-from engine_helpers import random_prompts
+from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, random_prompts
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.sampling import SamplingParams
 
-BLOCK = 16
-BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # the tiny model: 2 layers, K and V, 2 KV heads of 16, fp32
 EOS = 2
 
 
@@ -159,17 +157,15 @@ def round_of(factory, rng: random.Random) -> None:
         if eng.has_unfinished() and not (pending and rng.random() < 0.4):
             outs = eng.step()
             log.take(outs)
-            pool = eng.cache.pool
-            free, evictable = set(pool._free), set(pool._evictable)
-            assert len(free) == len(pool._free) and not free & evictable, cfg
-            assert sum(r > 0 for r in pool._refs) == pool.num_used, cfg
+            check_pool(eng.cache.pool, eng.cache.pool.num_used)
             idle = 0 if (outs or eng.last_stats.num_tokens) else idle + 1
             assert idle < 50, f"50 steps without work, {cfg}: " \
                               f"{[(k, q.status.name, len(q.block_table)) for k, q in eng.seqs.items()]}"
             steps += 1
             assert steps < 5000, f"no end after 5000 steps, {cfg}"
-    assert eng.cache.pool.num_used == 0 and not eng.seqs and not eng.parked, cfg
-    assert not pre.seqs and not pre.parked and pre.cache.pool.num_used == 0
+    check_pool(eng.cache.pool)
+    check_pool(pre.cache.pool)
+    assert not eng.seqs and not eng.parked and not pre.seqs and not pre.parked, cfg
     for rid, prompt, params, *_ in reqs:
         if rid in refused:
             assert "can never fit" in refused[rid], (rid, refused[rid])

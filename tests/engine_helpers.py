@@ -7,6 +7,19 @@ import random
 from typing import NamedTuple
 
 
+BLOCK = 16
+BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # the tiny model: 2 layers, K and V, 2 KV heads of 16, fp32
+
+
+def check_pool(pool, held: int = 0) -> None:
+    """Every block of a BlockPool is in exactly one place: held, free, or cached and free."""
+    free, evictable = set(pool._free), set(pool._evictable)
+    assert len(free) == len(pool._free) and not free & evictable
+    assert sum(r > 0 for r in pool._refs) == held == pool.num_used
+    assert all(pool._refs[b] == 0 for b in free | evictable)
+    assert evictable <= set(pool._entry_of) and len(pool._entries) == len(pool._entry_of)
+
+
 def random_prompts(n, lo=4, hi=120, seed=0) -> list[list[int]]:
     """n prompts of lo..hi-1 token ids in [3, 512) (the tiny model's vocabulary), seeded."""
     rng = random.Random(seed)

@@ -1,7 +1,7 @@
 """Engine behaviour on a tiny random Llama: fast, and independent of the real weights."""
 
 import pytest
-from engine_helpers import drain, exported, random_prompts
+from engine_helpers import BLOCK, BLOCK_BYTES, drain, exported, random_prompts
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, StepFailed
 from splitserve.engine.sampling import SamplingParams
@@ -186,7 +186,7 @@ def test_imports_that_fill_the_pool_and_each_need_one_more_block_run_one_after_t
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     want = tiny_engine_factory().generate(prompts, params)
     prefill = tiny_engine_factory()
-    eng = tiny_engine_factory(kv_cache_bytes=4 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    eng = tiny_engine_factory(kv_cache_bytes=4 * BLOCK_BYTES, block_size=BLOCK)
     first = {}
     for rid, prompt in zip("ab", prompts):
         export, payload = exported(prefill, rid, prompt, params)

@@ -3,7 +3,7 @@
 import random
 
 import pytest
-from engine_helpers import drain, exported, random_prompts
+from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, drain, exported, random_prompts
 
 from splitserve.engine import kv_transfer
 from splitserve.engine.errors import InvalidRequestError, KVPrefixMissing
@@ -11,8 +11,6 @@ from splitserve.engine.kv_transfer import payload_nbytes
 from splitserve.engine.kv_cache import BlockPool
 from splitserve.engine.sampling import SamplingParams
 
-BLOCK = 16
-BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # the tiny model: 2 layers, K and V, 2 KV heads of 16, fp32
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
@@ -31,15 +29,6 @@ def run(eng, rid, prompt, params=GREEDY, salt=""):
             hit = out.num_cached_tokens
         computed = eng.last_stats.num_tokens if computed is None else computed
     return tokens, hit, computed
-
-
-def check_pool(pool: BlockPool, held: int = 0) -> None:
-    """Every block is in exactly one place: held, free, or cached and free."""
-    free, evictable = set(pool._free), set(pool._evictable)
-    assert len(free) == len(pool._free) and not free & evictable
-    assert sum(r > 0 for r in pool._refs) == held == pool.num_used
-    assert all(pool._refs[b] == 0 for b in free | evictable)
-    assert evictable <= set(pool._entry_of) and len(pool._entries) == len(pool._entry_of)
 
 
 def test_a_shared_prefix_is_computed_once_and_gives_the_same_tokens(tiny_engine_factory):

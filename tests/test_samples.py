@@ -3,7 +3,7 @@ shared, not copied), sample i seeded seed + i, each the tokens of a request of i
 KV handoff (also when the first token ends the first sample), under preemption and abort."""
 
 import pytest
-from engine_helpers import exported, random_prompts
+from engine_helpers import BLOCK_BYTES, exported, random_prompts
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.sampling import SamplingParams
@@ -22,6 +22,13 @@ def collect(eng, got=None) -> dict[int, tuple[list[int], str]]:
             tokens, reason = got.get(out.index, ([], None))
             got[out.index] = (tokens + out.new_token_ids, out.finish_reason if out.finished else reason)
     return got
+
+
+def take(outs, got: dict[str, dict]) -> None:
+    """Add a step's outputs to got: request id -> index -> (tokens, finish reason)."""
+    for out in outs:
+        tokens, _ = got.setdefault(out.request_id, {}).get(out.index, ([], None))
+        got[out.request_id][out.index] = (tokens + out.new_token_ids, out.finish_reason)
 
 
 def alone(eng, prompt, params, seed) -> list[int]:
@@ -134,9 +141,7 @@ def test_preempted_samples_give_a_roomy_engines_tokens(tiny_engine_factory):
     got: dict[str, dict] = {}
     preempted = 0
     while eng.has_unfinished():
-        for out in eng.step():
-            tokens, _ = got.setdefault(out.request_id, {}).get(out.index, ([], None))
-            got[out.request_id][out.index] = (tokens + out.new_token_ids, out.finish_reason)
+        take(eng.step(), got)
         preempted += eng.last_stats.num_preempted
     assert preempted
     assert [got[f"r{i}"] for i in range(2)] == roomy
@@ -155,23 +160,17 @@ def test_a_prompt_that_needs_the_blocks_a_waiting_sample_holds_takes_them_and_bo
     sp = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=1.0, seed=5)
     want = {"long": run(tiny_engine_factory(), "long", long_prompt, greedy),
             "s": run(tiny_engine_factory(), "s", prompt[:72], sp)}
-    eng = tiny_engine_factory(kv_cache_bytes=9 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=1, max_num_batched_tokens=64)
+    eng = tiny_engine_factory(kv_cache_bytes=9 * BLOCK_BYTES, max_num_seqs=1, max_num_batched_tokens=64)
     assert eng.cache.pool.num_blocks == 9
     got: dict[str, dict] = {}
-
-    def step():
-        for out in eng.step():
-            tokens, _ = got.setdefault(out.request_id, {}).get(out.index, ([], None))
-            got[out.request_id][out.index] = (tokens + out.new_token_ids, out.finish_reason)
-
     eng.add_request("s", prompt[:72], sp)
-    step()  # the first 64 tokens of its prompt
+    take(eng.step(), got)  # the first 64 tokens of its prompt
     eng.add_request("long", long_prompt, greedy)
-    step()  # the rest, and its first token: the second sample starts, holding 4 blocks, and waits
+    take(eng.step(), got)  # the rest, and its first token: the second sample starts, holding 4 blocks, and waits
     assert len(eng.seqs["s/1"].block_table) == 4 and eng.seqs["s/1"].status.name == "WAITING"
     for _ in range(100):
         if eng.has_unfinished():
-            step()
+            take(eng.step(), got)
     assert not eng.has_unfinished(), {k: (q.status.name, q.num_computed) for k, q in eng.seqs.items()}
     assert got == want
 

@@ -134,7 +134,7 @@ class ContinuousScheduler:
         # import whose KV ends at a block's end, a request's later sample that computes the rest
         # of its prompt), and they would wait for one another forever. They give theirs up, last
         # in line first, until one can run.
-        while not out.scheduled and (holder := self._holder_behind(None)) is not None:
+        while not out.scheduled and (holder := self._holder_behind()) is not None:
             self._drop_kv(holder)
             out.preempted.append(holder)
             self._admit(out, budget)
@@ -241,7 +241,7 @@ class ContinuousScheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _holder_behind(self, seq: Sequence | None) -> Sequence | None:
+    def _holder_behind(self, seq: Sequence | None = None) -> Sequence | None:
         """The last in line of the waiting sequences that hold blocks (behind seq, if given), or None."""
         key = (seq.priority, seq.order) if seq is not None else None
         return max((w for w in self.waiting if w.block_table and (key is None or (w.priority, w.order) > key)),
