@@ -1,16 +1,19 @@
-"""A seeded fuzz of an in-process engine's calls on the tiny model (round_of), for tests.
+"""A seeded fuzz of an in-process engine's calls on a tiny model (round_of), for tests.
 
 Each round draws an engine (policy, KV pool of 4-40 blocks, prefix cache, token budget, sequence
 slots, batch sizes, batch-invariant or not) and 6-16 requests: prompts of shared stems or not,
 some ending at a block's end, greedy or seeded sampling, n samples, stop tokens, min_tokens, log
-probabilities of tokens and of the prompt, penalties, priorities, cache salts; a quarter of them
-prefilled by another engine and their KV imported, some resumed with their first tokens (as
-after a lost decode worker). It adds them, aborts some, forgets the prefix cache now and then,
-and steps, in a random interleaving (a few calls at a time between steps). Checked: the pool's
-bookkeeping after every step, no run of steps without work, every request ended once, refused
-only when it can never fit, nothing held at the end; and each request not aborted gets the
-tokens, finish reason and counts of log probabilities it gets alone (seeded sampling only when
-batch-invariant: otherwise a draw may land on the next token over with another batch's
+probabilities of tokens and of the prompt, penalties, priorities, cache salts; with a tokenizer,
+stop strings (kept in the text or not), formats (structured output) and special tokens' text
+too. A quarter of them are prefilled by another engine and their KV imported; some are resumed
+as a client left them after a lost decode worker (add_request's resumed, or resume_samples for
+n > 1: each sample's first tokens and characters of text at one of its outputs, or ended). It
+adds them, aborts some, forgets the prefix cache now and then, and steps, in a random
+interleaving (a few calls at a time between steps). Checked: the pool's bookkeeping after every
+step, no run of steps without work, every request ended once, refused only when it can never
+fit, nothing held at the end; and each request not aborted gets the tokens, text, finish reason
+and counts of log probabilities it gets alone, from where its client was (seeded sampling only
+when batch-invariant: otherwise a draw may land on the next token over with another batch's
 rounding, and only its count is checked)."""
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, random_prompts
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.sampling import SamplingParams
+from splitserve.engine.structured import StructuredOutput
 
 EOS = 2
+# With a tokenizer (text=True): stop strings, some of which a random model's noise holds often, and formats
+STOPS = ["e", "an", " the", ".", "\n", "ing", "zq"]
+FORMATS = [StructuredOutput("choice", ("yes", "no", "it depends (a lot)")),
+           StructuredOutput("regex", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"), StructuredOutput("json_object")]
 
 
-def _params(rng: random.Random, policy: str) -> SamplingParams:
+def _params(rng: random.Random, policy: str, text: bool) -> SamplingParams:
     kw: dict = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.8)
     if rng.random() < 0.4:
         kw.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1000),
@@ -38,19 +46,31 @@ def _params(rng: random.Random, policy: str) -> SamplingParams:
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
     if rng.random() < 0.2:
         kw["logprobs"] = rng.randint(0, 3)
+    if policy == "continuous" and rng.random() < 0.15:
+        kw["prompt_logprobs"] = rng.randint(0, 2)
     if rng.random() < 0.1:
         kw["repetition_penalty"] = 1.3
     if rng.random() < 0.1:
         kw["frequency_penalty"] = 0.5
+    if text:
+        if rng.random() < 0.3:
+            kw.update(stop=tuple(rng.sample(STOPS, rng.randint(1, 2))), include_stop_str_in_output=rng.random() < 0.5)
+        if rng.random() < 0.2:
+            kw["structured_output"] = rng.choice(FORMATS)
+        if rng.random() < 0.1:
+            kw["skip_special_tokens"] = False
     return SamplingParams(**kw)
 
 
 class Log:
-    """What the outputs said, by (request id, sample index): tokens, end, counts of log
-    probabilities and of prompt log probabilities."""
+    """What the outputs said, by (request id, sample index): tokens, text, end, counts of log
+    probabilities and of prompt log probabilities; and marks, {tokens: characters of text} a
+    client had after each output (where a resumed request can start)."""
 
     def __init__(self):
         self.tokens: dict = {}
+        self.text: dict = {}
+        self.marks: dict = {}
         self.reasons: dict = {}
         self.logprobs: dict = {}
         self.prompt_logprobs: dict = {}
@@ -59,6 +79,8 @@ class Log:
         for out in outs:
             key = (out.request_id, out.index)
             self.tokens.setdefault(key, []).extend(out.new_token_ids)
+            self.text[key] = self.text.get(key, "") + out.new_text
+            self.marks.setdefault(key, {}).setdefault(len(self.tokens[key]), len(self.text[key]))
             self.logprobs[key] = self.logprobs.get(key, 0) + len(out.new_logprobs or ())
             self.prompt_logprobs[key] = self.prompt_logprobs.get(key, 0) + len(out.prompt_logprobs or ())
             if out.finished:
@@ -100,8 +122,31 @@ def _imported(pre, eng, rid, prompt, params, prio, log: Log) -> bool:
     return True
 
 
-def round_of(factory, rng: random.Random) -> None:
-    """One round (module docstring); factory is tiny_engine_factory. Raises AssertionError."""
+def _had(alone: Log, i: int, n: int) -> tuple[list[int], int]:
+    """What the client of sample i run alone had after its output holding its n-th token (or the
+    last before it): its tokens and the characters of its text."""
+    marks = alone.marks.get(("alone", i), {})
+    n = max([m for m in marks if m <= n], default=0)
+    return alone.tokens.get(("alone", i), [])[:n], marks.get(n, 0)
+
+
+def _resume_samples(eng, rid, prompt, params, prio, salt, alone: Log, rng: random.Random, log: Log) -> dict:
+    """Resume a request of n > 1 samples (resume_samples) as its client left it: of each sample some
+    first tokens (none, or all: its end's message was lost), or it ended there (left out). Returns
+    {index: (tokens, characters) its client had} of those resumed."""
+    samples = []
+    for i in rng.sample(range(params.n), params.n):
+        n = len(alone.tokens.get(("alone", i), []))
+        if samples and rng.random() < 0.3:
+            continue  # its client had it all, and its end
+        samples.append((i, *_had(alone, i, rng.choice([0, n, rng.randint(0, n)]))))
+    log.take(eng.resume_samples(rid, prompt, params, samples, priority=prio, cache_salt=salt))
+    return {i: (len(tokens), chars) for i, tokens, chars in samples}
+
+
+def round_of(factory, rng: random.Random, text: bool = False) -> None:
+    """One round (module docstring); factory is tiny_engine_factory. text: its model has a
+    tokenizer, and requests draw stop strings and formats too. Raises AssertionError."""
     policy = rng.choices(["continuous", "dynamic", "static"], [6, 2, 2])[0]
     cfg = dict(policy=policy, kv_cache_bytes=rng.randint(4, 40) * BLOCK_BYTES, block_size=BLOCK,
                prefix_caching=policy == "continuous" and rng.random() < 0.6,
@@ -119,11 +164,11 @@ def round_of(factory, rng: random.Random) -> None:
         prompt = (rng.choice(stems)[: rng.randrange(0, 80)] + tail) if rng.random() < 0.6 else tail
         if rng.random() < 0.3:  # its KV ends at a block's end
             prompt = (prompt * 8)[: BLOCK * rng.randint(1, 4)]
-        params = _params(rng, policy)
+        params = _params(rng, policy, text)
         how = "add"
         if policy == "continuous" and rng.random() < 0.25:
             how = "import"
-        elif params.n == 1 and params.max_tokens > 1 and rng.random() < 0.15:
+        elif params.max_tokens > 1 and rng.random() < (0.15 if params.n == 1 else 0.5):
             how = "resume"  # its client has its first tokens (its decode worker was lost)
         reqs.append((f"r{i}", prompt, params, rng.choice([-1, 0, 0, 1]), how,
                      rng.choice(["", "", "salt"]) if cfg["prefix_caching"] else ""))
@@ -136,10 +181,13 @@ def round_of(factory, rng: random.Random) -> None:
             try:
                 if how == "import":
                     _imported(pre, eng, rid, prompt, params, prio, log)
-                elif how == "resume" and (had := alone[rid].tokens.get(("alone", 0), [])[:-1]):
-                    k = rng.randint(1, len(had))
-                    eng.add_request(rid, prompt + had[:k], params, priority=prio, cache_salt=salt, resumed=k)
-                    resumed[rid] = k
+                elif how == "resume" and params.n > 1:
+                    resumed[rid] = _resume_samples(eng, rid, prompt, params, prio, salt, alone[rid], rng, log)
+                elif how == "resume" and (n := len(alone[rid].tokens.get(("alone", 0), [])) - 1) > 0 \
+                        and (had := _had(alone[rid], 0, rng.randint(1, n)))[0]:
+                    eng.add_request(rid, prompt + had[0], params, priority=prio, cache_salt=salt,
+                                    resumed=len(had[0]), resumed_chars=had[1])
+                    resumed[rid] = {0: (len(had[0]), had[1])}
                 else:
                     eng.add_request(rid, prompt, params, priority=prio, cache_salt=salt)
                 live.append(rid)
@@ -148,7 +196,7 @@ def round_of(factory, rng: random.Random) -> None:
         if live and rng.random() < 0.05:
             rid = rng.choice(live)
             n = next(p.n for r, _, p, *_ in reqs if r == rid)
-            if any((rid, i) not in log.reasons for i in range(n)):
+            if any((rid, i) not in log.reasons for i in resumed.get(rid, range(n))):
                 aborted.add(rid)
             if (out := eng.abort_request(rid)) is not None:
                 log.take([out])
@@ -172,18 +220,21 @@ def round_of(factory, rng: random.Random) -> None:
             continue
         if rid in aborted:
             continue
-        k = resumed.get(rid, 0)
-        for i in range(params.n):
+        for i in resumed.get(rid, range(params.n)):
+            k, chars = resumed.get(rid, {}).get(i, (0, 0))
             key, mine = (rid, i), ("alone", i)
-            reason, tokens = log.reasons.get(key), log.tokens.get(key, [])
+            want, reason, tokens = alone[rid], log.reasons.get(key), log.tokens.get(key, [])
+            whole = want.tokens.get(mine, [])[:k] + tokens  # (a resumed one's first k: its client's)
             assert reason in ("length", "eos", "stop"), (key, reason, cfg)
-            assert len(tokens) + k <= params.max_tokens and (reason != "length" or len(tokens) + k == params.max_tokens)
-            assert reason != "eos" or (tokens[-1] == EOS and len(tokens) + k >= params.min_tokens), (key, tokens)
+            assert len(whole) <= params.max_tokens and (reason != "length" or len(whole) == params.max_tokens)
+            assert reason != "eos" or (whole[-1] == EOS and len(whole) >= params.min_tokens), (key, whole)
             if params.logprobs is not None:
                 assert log.logprobs[key] == len(tokens), (key, log.logprobs[key], len(tokens))
-            if params.prompt_logprobs is not None and i == 0:  # (a resumed request's client has them)
-                assert log.prompt_logprobs[key] == (len(prompt) - 1 if not k else 0), (key, log.prompt_logprobs[key])
+            if params.prompt_logprobs is not None and i == 0:  # (a resumed request's client has them: they
+                # came with sample 0's first token, which comes before any other sample's)
+                assert log.prompt_logprobs[key] == (0 if rid in resumed else len(prompt) - 1), \
+                    (key, log.prompt_logprobs[key])
             if params.temperature > 0 and not invariant:
                 continue
-            want = alone[rid]
             assert (tokens, reason) == (want.tokens[mine][k:], want.reasons[mine]), (key, k, cfg, params)
+            assert log.text.get(key, "") == want.text[mine][chars:], (key, k, chars, log.text.get(key), want.text[mine])

@@ -243,15 +243,15 @@ def test_an_import_takes_the_blocks_of_less_urgent_waiting_sequences_and_preempt
         sched.finish(s)
 
 
-@pytest.mark.parametrize("seed", [340, 377, *range(8)])
+@pytest.mark.parametrize("seed", [34, 340, *range(8)])
 def test_random_engine_calls_give_each_request_its_tokens_alone_and_hold_nothing(tiny_engine_factory, seed):
     """A seeded fuzz of the engine's calls (engine_fuzz: random engines, requests, KV imports,
-    resumed requests, aborts and steps, each request checked against itself run alone). It found
-    three stalls of the scheduler (the tests above): waiting imports that each needed a block with
-    nothing running; a prompt that took a chunk and preempted itself at every step while waiting
-    sequences behind it held the blocks it needed; an import that could not fit preempting two
-    running ones in turn (seeds 340 and 377 stall on the scheduler before these fixes). Seeds
-    0-999 pass."""
+    resumed requests and samples, aborts and steps, each request checked against itself run
+    alone). It found three stalls of the scheduler (the tests above): waiting imports that each
+    needed a block with nothing running; a prompt that took a chunk and preempted itself at every
+    step while waiting sequences behind it held the blocks it needed; an import that could not fit
+    preempting two running ones in turn (seeds 34 and 340 stall on the scheduler before these
+    fixes). Seeds 0-999 pass."""
     import random
 
     from engine_fuzz import round_of

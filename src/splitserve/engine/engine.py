@@ -267,7 +267,9 @@ class LLMEngine:
         its samples not finished yet; a finished one is not run again. Each goes on as the sample it
         was (index i > 0 as <id>/<i>, seeded seed + i: _fork), as add_request's `resumed` does for
         one: its own tokens are prefilled after the prompt and not handed out again. Outputs carry
-        their sample's index; the stream of the request ends with the last of these.
+        their sample's index; the stream of the request ends with the last of these. None carries
+        the prompt's log probabilities: its client had them with sample 0's first token, which
+        comes before any other sample's (_fork).
 
         A sample whose tokens already end it (max_tokens of them, or a last one that stops it: its
         client had that token, not yet the message of its end, which a first token sent ahead of
