@@ -377,9 +377,7 @@ class LLMEngine:
             for tok in seq.output_ids:
                 seq.text += seq.detok.push(tok)
         seq.emitted_tokens = seq.resumed
-        # Not cut to the text made so far: a client that had all its tokens may have had the text
-        # their end flushed too (a character whose bytes were not all there), which it would get again.
-        seq.emitted_chars = seq.resumed_chars
+        seq.emitted_chars = min(seq.resumed_chars, len(seq.text))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is, all its samples; its KV blocks are freed at once. The
