@@ -24,16 +24,13 @@ from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, random_prompts
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError
 from splitserve.engine.sampling import SamplingParams
-from splitserve.engine.structured import StructuredOutput
 
 EOS = 2
-# With a tokenizer (text=True): stop strings, some of which a random model's noise holds often, and formats
+# With a tokenizer (round_of's formats): stop strings, some of which a random model's noise holds often
 STOPS = ["e", "an", " the", ".", "\n", "ing", "zq"]
-FORMATS = [StructuredOutput("choice", ("yes", "no", "it depends (a lot)")),
-           StructuredOutput("regex", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"), StructuredOutput("json_object")]
 
 
-def _params(rng: random.Random, policy: str, text: bool) -> SamplingParams:
+def _params(rng: random.Random, policy: str, formats: list | None) -> SamplingParams:
     kw: dict = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.8)
     if rng.random() < 0.4:
         kw.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1000),
@@ -52,11 +49,11 @@ def _params(rng: random.Random, policy: str, text: bool) -> SamplingParams:
         kw["repetition_penalty"] = 1.3
     if rng.random() < 0.1:
         kw["frequency_penalty"] = 0.5
-    if text:
+    if formats is not None:
         if rng.random() < 0.3:
             kw.update(stop=tuple(rng.sample(STOPS, rng.randint(1, 2))), include_stop_str_in_output=rng.random() < 0.5)
         if rng.random() < 0.2:
-            kw["structured_output"] = rng.choice(FORMATS)
+            kw["structured_output"] = rng.choice(formats)
         if rng.random() < 0.1:
             kw["skip_special_tokens"] = False
     return SamplingParams(**kw)
@@ -144,9 +141,10 @@ def _resume_samples(eng, rid, prompt, params, prio, salt, alone: Log, rng: rando
     return {i: (len(tokens), chars) for i, tokens, chars in samples}
 
 
-def round_of(factory, rng: random.Random, text: bool = False) -> None:
-    """One round (module docstring); factory is tiny_engine_factory. text: its model has a
-    tokenizer, and requests draw stop strings and formats too. Raises AssertionError."""
+def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
+    """One round (module docstring); factory is tiny_engine_factory. formats: its model has a
+    tokenizer, and requests draw stop strings and these formats (StructuredOutput) too. Raises
+    AssertionError."""
     policy = rng.choices(["continuous", "dynamic", "static"], [6, 2, 2])[0]
     cfg = dict(policy=policy, kv_cache_bytes=rng.randint(4, 40) * BLOCK_BYTES, block_size=BLOCK,
                prefix_caching=policy == "continuous" and rng.random() < 0.6,
@@ -164,7 +162,7 @@ def round_of(factory, rng: random.Random, text: bool = False) -> None:
         prompt = (rng.choice(stems)[: rng.randrange(0, 80)] + tail) if rng.random() < 0.6 else tail
         if rng.random() < 0.3:  # its KV ends at a block's end
             prompt = (prompt * 8)[: BLOCK * rng.randint(1, 4)]
-        params = _params(rng, policy, text)
+        params = _params(rng, policy, formats)
         how = "add"
         if policy == "continuous" and rng.random() < 0.25:
             how = "import"
