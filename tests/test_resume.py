@@ -135,6 +135,22 @@ def test_samples_of_a_resumed_request_go_on_each_where_its_client_left_off(engin
     assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
 
 
+def test_a_resumed_sample_whose_tokens_end_it_hands_out_only_the_text_its_client_lacks(engine_factory, smol_loaded):
+    """A sample resumed with tokens that already end it (max_tokens of them) whose last token is
+    bytes short of a character: its end flushes them as text ("\ufffd"). Its client had that text
+    (it counts it), or had the token without it; the end hands out only what it lacks."""
+    tok = smol_loaded.tokenizer
+    prompt = tok.encode(PROMPT)
+    cut = next(t for t in tok.encode("Earth \U0001F30D and \u4e16\u754c") if tok.decode([t]).endswith("\ufffd"))
+    text = tok.decode([cut])
+    sp = SamplingParams(max_tokens=1, n=3)
+    eng = engine_factory()
+    outs = eng.resume_samples("r", prompt, sp, [(0, [cut], len(text)), (1, [cut], 0), (2, [cut], len(text) - 1)])
+    got = {o.index: (list(o.new_token_ids), o.new_text, o.finished, o.finish_reason) for o in outs}
+    assert got == {0: ([], "", True, "length"), 1: ([], text, True, "length"), 2: ([], text[-1], True, "length")}
+    assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
+
+
 def test_abort_stops_every_resumed_sample(engine_factory, smol_loaded):
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     eng = engine_factory()

@@ -303,6 +303,9 @@ class LLMEngine:
         outputs = []
         for seq, reason, flush in ended:
             self._finish(seq, reason, flush)
+            # The text of tokens that end it is whole with what its end flushed (a last token's
+            # bytes short of a character), which its client may have too.
+            seq.emitted_chars = max(seq.emitted_chars, min(seq.resumed_chars, len(seq.text)))
             outputs.append(self._output(seq))
         return outputs
 
