@@ -7,11 +7,12 @@ probabilities of tokens and of the prompt, penalties, priorities, cache salts; w
 stop strings (kept in the text or not), formats (structured output) and special tokens' text
 too. A quarter of them are prefilled by another engine and their KV imported; some are resumed
 as a client left them after a lost decode worker (add_request's resumed, or resume_samples for
-n > 1: each sample's first tokens and characters of text at one of its outputs, or ended). It
+n > 1: each sample's first tokens and characters of text at one of its outputs, or ended; one of
+n = 1 with all its tokens, which end it, is refused: nothing is left to generate). It
 adds them, aborts some, forgets the prefix cache now and then, and steps, in a random
 interleaving (a few calls at a time between steps). Checked: the pool's bookkeeping after every
 step, no run of steps without work, every request ended once, refused only when it can never
-fit, nothing held at the end; and each request not aborted gets the tokens, text, finish reason
+fit (or resumed so), nothing held at the end; and each request not aborted gets the tokens, text, finish reason
 and counts of log probabilities it gets alone, from where its client was (seeded sampling only
 when batch-invariant: otherwise a draw may land on the next token over with another batch's
 rounding, and only its count is checked)."""
@@ -171,7 +172,7 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
         reqs.append((f"r{i}", prompt, params, rng.choice([-1, 0, 0, 1]), how,
                      rng.choice(["", "", "salt"]) if cfg["prefix_caching"] else ""))
     alone = {rid: _alone(factory, prompt, params, invariant) for rid, prompt, params, *_ in reqs}
-    log, aborted, refused, live, resumed = Log(), set(), {}, [], {}
+    log, aborted, refused, live, resumed, ended_had = Log(), set(), {}, [], {}, set()
     pending, steps, idle = list(reqs), 0, 0
     while pending or eng.has_unfinished():
         if pending and rng.random() < 0.5:
@@ -182,7 +183,9 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
                 elif how == "resume" and params.n > 1:
                     resumed[rid] = _resume_samples(eng, rid, prompt, params, prio, salt, alone[rid], rng, log)
                 elif how == "resume" and (n := len(alone[rid].tokens.get(("alone", 0), [])) - 1) > 0 \
-                        and (had := _had(alone[rid], 0, rng.randint(1, n)))[0]:
+                        and (had := _had(alone[rid], 0, rng.randint(1, n) if rng.random() < 0.8 else n + 1))[0]:
+                    if len(had[0]) == n + 1:  # all its tokens (its end's message lost): refused
+                        ended_had.add(rid)
                     eng.add_request(rid, prompt + had[0], params, priority=prio, cache_salt=salt,
                                     resumed=len(had[0]), resumed_chars=had[1])
                     resumed[rid] = {0: (len(had[0]), had[1])}
@@ -214,8 +217,10 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
     assert not eng.seqs and not eng.parked and not pre.seqs and not pre.parked, cfg
     for rid, prompt, params, *_ in reqs:
         if rid in refused:
-            assert "can never fit" in refused[rid], (rid, refused[rid])
+            assert "can never fit" in refused[rid] or (rid in ended_had and "nothing is left to generate"
+                                                       in refused[rid]), (rid, refused[rid])
             continue
+        assert rid not in ended_had, f"{rid}: resumed with all its tokens, which end it, and not refused"
         if rid in aborted:
             continue
         for i in resumed.get(rid, range(params.n)):

@@ -170,6 +170,22 @@ def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory
             eng.add_request("r", ids, params, resumed=resumed)
         assert e.value.field == "resumed"
     assert not eng.seqs
+    # tokens that already end it: max_tokens of them, a last eos or stop token, a stop string in their text
+    tok = smol_loaded.tokenizer
+    eos = next(iter(eng.eos_token_ids))
+    said = tok.encode(" the Rhine and the Danube")
+    for tail, params, reason in (([11, 12], SamplingParams(max_tokens=2), "length"), ([11, eos], SamplingParams(), "eos"),
+                                 ([11, 12], SamplingParams(stop_token_ids=[12]), "stop"),
+                                 (said, SamplingParams(stop=["Danube"]), "stop")):
+        with pytest.raises(InvalidRequestError) as e:
+            eng.add_request("r", prompt + tail, params, resumed=len(tail), resumed_chars=3)
+        assert e.value.field == "resumed" and f"end it ({reason})" in str(e.value), tail
+        assert not eng.seqs
+    for tail, params in (([11, eos], SamplingParams(ignore_eos=True)), ([11, eos], SamplingParams(min_tokens=3)),
+                         ([11, 12], SamplingParams(max_tokens=3))):  # these go on
+        eng.add_request("r", prompt + tail, params, resumed=2, resumed_chars=0)
+        eng.abort_request("r")
+    assert not eng.seqs and eng.cache.pool.num_used == 0
     n3 = SamplingParams(n=3)
     for samples, params in (([], n3), ([(0, [], 0), (0, [], 0)], n3), ([(3, [], 0)], n3), ([(0, [5], 1)], SamplingParams()),
                             ([(0, [5], 1), (1, [7], -1)], n3), ([(0, [5], 1), (1, [10**6], 1)], n3)):

@@ -978,6 +978,9 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
          "resume_from.samples: all 2 samples finished"),
         ({"prompt": "hi", "max_tokens": 3, "resume_from": ([5, 6, 7], 3)}, "resume_from.token_ids: 3 tokens"),
         ({"prompt": "hi", "resume_from": ([5, 49152], 3)}, "resume_from.token_ids: token id 49152"),
+        ({"prompt": "hi", "resume_from": ([5, 2], 3)}, "resume_from.token_ids: the last, 2, ends the request"),
+        ({"prompt": "hi", "stop_token_ids": [7], "resume_from": ([5, 7], 3)},
+         "resume_from.token_ids: the last, 7, ends the request"),
         # tokens sent again that the format does not allow ("12 pears"): refused by the router, naming them, in
         # one line (before: by the prefill worker, naming the format, with llguidance's whole parser state)
         ({"prompt": "hi", "structured_output": {"regex": "[0-9]+ apples"}, "resume_from": ([33, 34, 41684], 8)},

@@ -254,7 +254,8 @@ class LLMEngine:
         mid-stream, resumed elsewhere): the prompt is the rest; max_tokens, min_tokens, stop strings
         and a format go on counting from those tokens, which are not handed out again. A seeded
         sampler goes on where it was: each sampled token took one draw from the request's
-        generator (sampling._sample_one), so as many are skipped.
+        generator (sampling._sample_one), so as many are skipped. Tokens that already end it
+        (max_tokens of them, a last one that stops it) are refused: nothing is left to generate.
         """
         self._check_new(request_id, cache_salt)
         self._add(request_id, prompt_token_ids, params, prefill_only, priority, cache_salt, resumed, resumed_chars)
@@ -347,6 +348,13 @@ class LLMEngine:
                     torch.rand((), dtype=torch.float64, generator=seq.generator)
             if params.logprobs is not None:
                 seq.logprobs = placeholder_logprobs(seq.output_ids)
+            # One sample's tokens that end it: nothing is left to generate (resume_samples ends
+            # such a sample at once: its client may have had a first token sent ahead of its KV).
+            if field == "resumed" and (reason := self._ends(seq, prompt_token_ids[-1])[0]) is not None:
+                del self.seqs[request_id]
+                raise InvalidRequestError(field, f"the {resumed} tokens its client has end it ({reason}"
+                                                 f"{'' if seq.error is None else f': {seq.error}'}): nothing "
+                                                 "is left to generate")
         seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:

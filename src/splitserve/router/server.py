@@ -253,6 +253,7 @@ class Frontend:
                     pass
         self.vocab = config.vocab_size
         self.context = config.context_length
+        self.eos = config.eos_with(self.tokenizer)
         # Structured output's formats are compiled here too, so one that does not is refused before it is queued.
         self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab,
                                                                      config.eos_with(self.tokenizer),
@@ -843,6 +844,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) "
                                              "leaves none to generate")
         check_vocab(field, tokens, self.front.vocab)
+        # (A stop string or a complete format ending them is refused by the engine that takes them.)
+        if tokens and len(tokens) >= params.min_tokens and (
+                tokens[-1] in params.stop_token_ids or (not params.ignore_eos and tokens[-1] in self.front.eos)):
+            raise InvalidRequestError(field, f"the last, {tokens[-1]}, ends the request (an end-of-sequence or "
+                                             "stop token): none is left to generate")
 
     async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list, str]:
         """The id a request with a client-chosen request_id runs under, ADMIT_LUA's extra keys
