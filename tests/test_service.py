@@ -981,6 +981,10 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
         ({"prompt": "hi", "resume_from": ([5, 2], 3)}, "resume_from.token_ids: the last, 2, ends the request"),
         ({"prompt": "hi", "stop_token_ids": [7], "resume_from": ([5, 7], 3)},
          "resume_from.token_ids: the last, 7, ends the request"),
+        ({"prompt": "hi", "stop": ["Danube"], "resume_from": ([260, 37939], 11)},  # " the Danube"
+         "resume_from.token_ids: their text holds the stop string 'Danube'"),
+        ({"prompt": "hi", "structured_output": {"choice": ["yes", "no"]}, "resume_from": ([10407], 3)},  # "yes"
+         "resume_from.token_ids: these tokens complete sampling.structured_output.choice"),
         # tokens sent again that the format does not allow ("12 pears"): refused by the router, naming them, in
         # one line (before: by the prefill worker, naming the format, with llguidance's whole parser state)
         ({"prompt": "hi", "structured_output": {"regex": "[0-9]+ apples"}, "resume_from": ([33, 34, 41684], 8)},

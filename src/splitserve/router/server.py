@@ -798,9 +798,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             (f"resume_from.samples[{k}].token_ids", s.token_ids) for k, s in enumerate(c.samples) if not s.finished]
         for field, tokens in carried:
             try:
-                self.front.grammars.matcher(fmt, tokens)
+                m = self.front.grammars.matcher(fmt, tokens)
             except ValueError as e:
                 raise InvalidRequestError(field, f"these tokens {e}") from None
+            if c.token_ids and m.is_stopped():  # (a sample of n > 1 so ends at once: resume_samples)
+                raise InvalidRequestError(field, f"these tokens complete {fmt.field}, which ends the request: none "
+                                                 "is left to generate")
 
     def _continuation(self, request: gen_pb.GenerateRequest, params: SamplingParams) -> Sent:
         """What the client of a stream sent again to go on has (resume_from), checked: the
@@ -844,11 +847,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) "
                                              "leaves none to generate")
         check_vocab(field, tokens, self.front.vocab)
-        # (A stop string or a complete format ending them is refused by the engine that takes them.)
-        if tokens and len(tokens) >= params.min_tokens and (
-                tokens[-1] in params.stop_token_ids or (not params.ignore_eos and tokens[-1] in self.front.eos)):
+        # Tokens that end it leave none to generate (a complete format: _check_follows): the engine
+        # that took them would refuse them too, naming its own field.
+        if not tokens or len(tokens) < params.min_tokens:
+            return
+        if tokens[-1] in params.stop_token_ids or (not params.ignore_eos and tokens[-1] in self.front.eos):
             raise InvalidRequestError(field, f"the last, {tokens[-1]}, ends the request (an end-of-sequence or "
                                              "stop token): none is left to generate")
+        if params.stop and self.front.tokenizer is not None:
+            text = self.front.tokenizer.decode(list(tokens), params.skip_special_tokens)
+            if hit := next((s for s in params.stop if s in text), None):
+                raise InvalidRequestError(field, f"their text holds the stop string {hit!r}, which ends the request: "
+                                                 "none is left to generate")
 
     async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list, str]:
         """The id a request with a client-chosen request_id runs under, ADMIT_LUA's extra keys
