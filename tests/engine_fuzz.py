@@ -12,10 +12,10 @@ n = 1 with all its tokens, which end it, is refused: nothing is left to generate
 adds them, aborts some, forgets the prefix cache now and then, and steps, in a random
 interleaving (a few calls at a time between steps). Checked: the pool's bookkeeping after every
 step, no run of steps without work, every request ended once, refused only when it can never
-fit (or resumed so), nothing held at the end; and each request not aborted gets the tokens, text, finish reason
-and counts of log probabilities it gets alone, from where its client was (seeded sampling only
-when batch-invariant: otherwise a draw may land on the next token over with another batch's
-rounding, and only its count is checked)."""
+fit (or resumed so), nothing held at the end; and each request not aborted gets the tokens,
+text, finish reason and counts of log probabilities it gets alone, from where its client was
+(seeded sampling only when batch-invariant: otherwise a draw may land on the next token over
+with another batch's rounding, and only its count is checked)."""
 
 from __future__ import annotations
 

@@ -255,8 +255,7 @@ class Frontend:
         self.context = config.context_length
         self.eos = config.eos_with(self.tokenizer)
         # Structured output's formats are compiled here too, so one that does not is refused before it is queued.
-        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab,
-                                                                     config.eos_with(self.tokenizer),
+        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab, self.eos,
                                                                      settings.max_mask_ms)
 
     def max_request_bytes(self) -> int:
