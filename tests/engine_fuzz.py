@@ -1,21 +1,21 @@
 """A seeded fuzz of an in-process engine's calls on a tiny model (round_of), for tests.
 
 Each round draws an engine (policy, KV pool of 4-40 blocks, prefix cache, token budget, sequence
-slots, batch sizes, batch-invariant or not) and 6-16 requests: prompts of shared stems or not,
-some ending at a block's end, greedy or seeded sampling, n samples, stop tokens, min_tokens, log
-probabilities of tokens and of the prompt, penalties, priorities, cache salts; with a tokenizer,
-stop strings (kept in the text or not), formats (structured output) and special tokens' text
-too. A quarter of them are prefilled by another engine and their KV imported; some are resumed
-as a client left them after a lost decode worker (add_request's resumed, or resume_samples for
-n > 1: each sample's first tokens and characters of text at one of its outputs, or ended; one of
-n = 1 with all its tokens, which end it, is refused: nothing is left to generate). It
-adds them, aborts some, forgets the prefix cache now and then, and steps, in a random
-interleaving (a few calls at a time between steps). Checked: the pool's bookkeeping after every
-step, no run of steps without work, every request ended once, refused only when it can never
-fit (or resumed so), nothing held at the end; and each request not aborted gets the tokens,
-text, finish reason and counts of log probabilities it gets alone, from where its client was
-(seeded sampling only when batch-invariant: otherwise a draw may land on the next token over
-with another batch's rounding, and only its count is checked)."""
+slots, batch sizes, batch-invariant or not) and 6-16 requests: prompts of shared stems or not, some
+ending at a block's end, greedy or seeded sampling, n samples, stop tokens, min_tokens, log
+probabilities of tokens and of the prompt, penalties, min_p, logit biases (the end-of-sequence
+token's too), priorities, cache salts; with a tokenizer, stop strings (kept in the text or not),
+formats (structured output) and special tokens' text too. A quarter of them are prefilled by
+another engine and their KV imported; some are resumed as a client left them after a lost decode
+worker (add_request's resumed, or resume_samples for n > 1: each sample's first tokens and
+characters of text at one of its outputs, or ended; one of n = 1 with all its tokens, which end it,
+is refused: nothing is left to generate). It adds them, aborts some, forgets the prefix cache now
+and then, and steps, in a random interleaving (a few calls at a time between steps). Checked: the
+pool's bookkeeping after every step, no run of steps without work, every request ended once,
+refused only when it can never fit (or resumed so), nothing held at the end; and each request not
+aborted gets the tokens, text, finish reason and counts of log probabilities it gets alone, from
+where its client was (seeded sampling only when batch-invariant: otherwise a draw may land on the
+next token over with another batch's rounding, and only its count is checked)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ EOS = 2
 STOPS = ["e", "an", " the", ".", "\n", "ing", "zq"]
 
 
-def _params(rng: random.Random, policy: str, formats: list | None) -> SamplingParams:
+def _params(rng: random.Random, policy: str, formats: list | None, knobs: random.Random) -> SamplingParams:
+    """knobs: draws the knobs added to the fuzz later (presence penalty, min_p, logit bias), apart
+    from rng, so that a seed draws the same engine, requests and calls as before they were."""
     kw: dict = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.8)
     if rng.random() < 0.4:
         kw.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1000),
@@ -50,6 +52,13 @@ def _params(rng: random.Random, policy: str, formats: list | None) -> SamplingPa
         kw["repetition_penalty"] = 1.3
     if rng.random() < 0.1:
         kw["frequency_penalty"] = 0.5
+    if knobs.random() < 0.1:
+        kw["presence_penalty"] = knobs.choice([-1.0, 1.5])
+    if knobs.random() < 0.1:
+        kw["min_p"] = knobs.choice([0.05, 0.5])
+    if knobs.random() < 0.1:  # two tokens made likely or unlikely (now and then the end-of-sequence token)
+        kw["logit_bias"] = tuple(sorted((t, knobs.choice([-100.0, -5.0, 3.0, 100.0]))
+                                        for t in knobs.sample(range(64), 2)))
     if formats is not None:
         if rng.random() < 0.3:
             kw.update(stop=tuple(rng.sample(STOPS, rng.randint(1, 2))), include_stop_str_in_output=rng.random() < 0.5)
@@ -156,6 +165,7 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
     eng = factory(**cfg)
     pre = factory(kv_cache_bytes=64 * BLOCK_BYTES, block_size=BLOCK, batch_invariant=invariant)
     base = rng.randrange(10**6)
+    knobs = random.Random(-base - 1)
     stems = random_prompts(3, lo=16, hi=80, seed=base)
     reqs = []  # (id, prompt, params, priority, how: "add", "import" or "resume", salt)
     for i in range(rng.randint(6, 16)):
@@ -163,7 +173,7 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
         prompt = (rng.choice(stems)[: rng.randrange(0, 80)] + tail) if rng.random() < 0.6 else tail
         if rng.random() < 0.3:  # its KV ends at a block's end
             prompt = (prompt * 8)[: BLOCK * rng.randint(1, 4)]
-        params = _params(rng, policy, formats)
+        params = _params(rng, policy, formats, knobs)
         how = "add"
         if policy == "continuous" and rng.random() < 0.25:
             how = "import"
