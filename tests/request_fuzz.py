@@ -2,8 +2,9 @@
 
 Each field is drawn among valid values, edges included; in four requests of ten one part is made
 wrong: a sampling value out of its range, a bad input, request_id or cache_salt, or resume_from's
-tokens. ``answer_fault`` says what is wrong with an OK answer to one. ``random_side_call`` draws a
-call of the router's other methods."""
+tokens. ``answer_fault`` says what is wrong with an OK answer to one (one to a request of one
+sample resumed with tokens that end it, a last end-of-sequence or stop token, is wrong in itself).
+``random_side_call`` draws a call of the router's other methods."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import re
 from splitserve_proto.v1 import generation_pb2 as pb
 
 VOCAB = 49152
+EOS = 2  # the model's end-of-sequence token (<|im_end|>): resume_from tokens that end the request
 NOT_FINITE = [float("nan"), float("inf"), -float("inf")]
 GOOD = dict(max_tokens=[1, 3, 8], temperature=[0.0, 0.7, 1.0, 2.0, 1e-6], top_p=[1e-6, 0.5, 1.0],
             top_k=[1, 2, 50, 10**12], seed=[0, 7, 2**63 - 1], min_tokens=[0, 1, 3], ignore_eos=[True, False],
@@ -134,11 +136,11 @@ def random_request(rng: random.Random, ids: list[str]) -> pb.GenerateRequest:
         c = r.resume_from
         n = r.sampling.n if r.sampling.HasField("n") else 1
         if n == 1:
-            c.token_ids.extend(rng.choice([[5], [5, 6]] + ([[-1], [VOCAB], [5] * 20] if bad else [])))
+            c.token_ids.extend(rng.choice([[5], [5, 6], [5, EOS]] + ([[-1], [VOCAB], [5] * 20] if bad else [])))
             c.text_chars = rng.choice([0, 1] + ([2**32 - 1] if bad else []))
         else:
             for i in range(min(n, 2)):
-                c.samples.add(index=rng.choice([i, 5]) if bad else i, token_ids=rng.choice([[5], [6, 7]]),
+                c.samples.add(index=rng.choice([i, 5]) if bad else i, token_ids=rng.choice([[5], [6, 7], [6, EOS]]),
                               finished=rng.random() < 0.3)
     return r
 
@@ -148,6 +150,10 @@ def answer_fault(req: pb.GenerateRequest, answer, unary: bool) -> str:
     sp = req.sampling
     n = sp.n if sp.HasField("n") else 1
     most = sp.max_tokens
+    carried = list(req.resume_from.token_ids)
+    if carried and len(carried) >= sp.min_tokens and (carried[-1] in sp.stop_token_ids
+                                                      or (carried[-1] == EOS and not sp.ignore_eos)):
+        return f"resumed with tokens {carried} that end it: none was left to generate"
     if unary:
         outs = list(answer.choices) if n > 1 else [answer]
         want = n - sum(s.finished for s in req.resume_from.samples)  # a finished one is not sent again
