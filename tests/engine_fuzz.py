@@ -165,7 +165,7 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
     eng = factory(**cfg)
     pre = factory(kv_cache_bytes=64 * BLOCK_BYTES, block_size=BLOCK, batch_invariant=invariant)
     base = rng.randrange(10**6)
-    knobs = random.Random(-base - 1)
+    knobs = random.Random(-base - 1)  # _params' later knobs: a seed apart from the prompts' (base, base + 1 + i)
     stems = random_prompts(3, lo=16, hi=80, seed=base)
     reqs = []  # (id, prompt, params, priority, how: "add", "import" or "resume", salt)
     for i in range(rng.randint(6, 16)):

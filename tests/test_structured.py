@@ -358,8 +358,8 @@ def test_random_engine_calls_with_stop_strings_and_formats_give_each_request_its
     """The engine fuzz (engine_fuzz) with a tokenizer: stop strings, formats and special tokens'
     text drawn too, and each request's text checked against itself run alone, from the characters
     its client had where it resumed. Seeds 0-1099 passed, and 0-409 pass with presence penalties,
-    min_p and logit biases drawn too; seed 922 once did not (a resumed sample
-    whose client had all its tokens and the character their end flushed got that character again)."""
+    min_p and logit biases drawn too; seed 922 once did not (a resumed sample whose client had all
+    its tokens and the character their end flushed got that character again)."""
     import random
 
     from engine_fuzz import round_of
