@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine_helpers import engine_factory_of
+from splitserve.bench.workload import WORKLOAD_DIR
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import load_model
 
@@ -15,8 +16,7 @@ from splitserve.engine.loader import load_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-MIXED = SHARED / "bench" / "workload_mixed.jsonl"
+MIXED = pathlib.Path(WORKLOAD_DIR) / "workload_mixed.jsonl"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 

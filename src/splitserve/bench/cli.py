@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--address", default="",
                    help="a running router, or several (ipv4:A,B or a DNS name of several; calls go round robin) "
                         "(default: start a stack per variant)")
-    p.add_argument("--workload", default="", help="JSONL workload (default: shared/bench/workload_mixed.jsonl)")
+    p.add_argument("--workload", default="", help="JSONL workload (default: the package's workloads/workload_mixed.jsonl)")
     p.add_argument("--input-len", default="", help="synthetic prompts instead: N or LO-HI (uniform) tokens")
     p.add_argument("--output-len", default="64", help="synthetic output tokens: N or LO-HI (default 64)")
     p.add_argument("--vocab", type=int, default=0, help="synthetic token ids below this (default: the model's)")

@@ -1,4 +1,4 @@
-"""Benchmark workloads: the JSONL format of shared/bench (id, prompt, prompt_token_ids, max_tokens)."""
+"""Benchmark workloads: the JSONL format of ``workloads/`` (id, prompt, prompt_token_ids, max_tokens)."""
 
 from __future__ import annotations
 
@@ -58,17 +58,13 @@ def _item(line: str, where: str, tokenize) -> WorkItem:
                     max_tokens)
 
 
+WORKLOAD_DIR = str(pathlib.Path(__file__).resolve().parent / "workloads")
+
+
 def default_workload_dir() -> str:
-    """shared/bench beside the checkout (or SPLITSERVE_BENCH_DIR)."""
-    env = os.environ.get("SPLITSERVE_BENCH_DIR")
-    if env:
-        return env
-    here = pathlib.Path(__file__).resolve()
-    for parent in here.parents:
-        for cand in (parent / "shared" / "bench", parent.parent / "shared" / "bench"):
-            if cand.is_dir():
-                return str(cand)
-    return "shared/bench"
+    """The project's own copy of the benchmark workloads (``splitserve/bench/workloads``, shipped
+    with the package), or the folder SPLITSERVE_BENCH_DIR names."""
+    return os.environ.get("SPLITSERVE_BENCH_DIR") or WORKLOAD_DIR
 
 
 def write_results(path: str | None, results: dict, indent: int = 2, default=None) -> None:
