@@ -2,7 +2,7 @@
 prefill workers and the router, each a real process on a free port.
 
 Used by ``splitserve up``, the tests and the benchmarks. ``stop()`` drains in order
-(router, then prefill, then decode), kills stragglers, stops the embedded Redis and
+(router, then prefill, then decode), kills stragglers, stops the embedded Redis last and
 removes every shared-memory segment under this stack's prefix. Its processes get SIGTERM
 when the process that started them ends without stopping them (killed, say): they drain and
 remove their segments as at a ``stop()`` (splitserve.lifeline).
@@ -133,11 +133,14 @@ class Stack:
         """Start the embedded Redis (no persistence) on this stack's socket; returns its URL. Called
         again after it died, it starts an empty one there, as a restarted Redis pod would be."""
         sock = os.path.join(self.run_dir, "redis.sock")
+        # NOTE: a process group of its own, so Ctrl-C in a terminal (SIGINT to the foreground group)
+        # does not reach it: the workers and routers drain and leave the registry first, and stop()
+        # ends Redis last. Tied all the same: it still exits when this process is killed.
         with open(os.path.join(self.run_dir, "redis.log"), "ab") as out:  # the child keeps its own copy
             self.redis_proc = subprocess.Popen(tied(
                 [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
                  "--save", "", "--appendonly", "no", "--dir", self.run_dir]),
-                stdout=out, stderr=subprocess.STDOUT,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )
         import redis
 
