@@ -152,18 +152,16 @@ soak: install proto
 	$(PY) tests/soak.py $(SOAK_ARGS) --out bench-results/soak.json
 
 clean:
-	rm -rf $(VENV) $(DEPLOY_VENV) build src/*.egg-info
+	rm -rf $(VENV) $(DEPLOY_VENV) build *.egg-info protos/splitserve_proto/v1/*_pb2*
 
 PROTO_SRC := $(wildcard protos/splitserve_proto/v1/*.proto)
-PROTO_OUT := src/splitserve_proto/v1/generation_pb2.py
+PROTO_OUT := protos/splitserve_proto/v1/generation_pb2.py
 
 proto: $(PROTO_OUT)
 
-# Generated code is built, never hand-edited: src/splitserve_proto/ is git-ignored.
+# Generated code is built beside its .proto files, never hand-edited or committed (.gitignore).
 $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
-	mkdir -p src/splitserve_proto/v1
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=src --grpc_python_out=src --pyi_out=src $(PROTO_SRC)
-	touch src/splitserve_proto/__init__.py src/splitserve_proto/v1/__init__.py
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --grpc_python_out=protos --pyi_out=protos $(PROTO_SRC)
 
 # Start the whole stack, show one streamed request, keep serving until Ctrl-C.
 run: install proto

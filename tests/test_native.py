@@ -204,8 +204,8 @@ def test_an_installed_copy_has_the_kernel_sources(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tree = tmp_path / "tree"  # the files an image build copies, none of an editable install's metadata
-    shutil.copytree(os.path.join(root, "src", "splitserve"), tree / "src" / "splitserve",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("splitserve", "router", "prefill_worker", "decode_worker", "protos"):
+        shutil.copytree(os.path.join(root, folder), tree / folder, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(root, name), tree / name)
     subprocess.run(
