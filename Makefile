@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
+.PHONY: install proto deploy-tools lint test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
 
 install: $(STAMP)
 
@@ -28,7 +28,12 @@ $(DEPLOY_STAMP):
 	$(DEPLOY_VENV)/bin/python -m pip install -q kubernetes-validate==1.37.0 checkov==3.3.30 yamllint==1.38.0
 	touch $@
 
-test: install proto deploy-tools
+# ruff: lint and format check (settings in pyproject.toml); `ruff format .` mends the format.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install proto deploy-tools lint
 	$(PY) -m pytest -q tests
 
 bench-engine: install

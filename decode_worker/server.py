@@ -36,15 +36,31 @@ from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefi
 from splitserve.engine.kv_transfer import LAYOUT_VERSIONS, layout_version, payload_nbytes
 from splitserve.engine.outputs import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from splitserve.engine.params import check_vocab
-from splitserve.service import aio, convert, grpc_server
-from splitserve.service.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
-from splitserve.service.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Invalid, NotFound,
-                                      Unavailable, code_of, fit_details, status_code)
+from splitserve.service import aio, convert, grpc_server
+from splitserve.service.arena import ArenaReader
+from splitserve.service.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Invalid,
+    NotFound,
+    Unavailable,
+    code_of,
+    fit_details,
+    status_code,
+)
 from splitserve.service.process import Background, until_answered
-from splitserve.service.redis_state import (HEARTBEAT_LUA, UPDATE_LUA, Keys, WorkerInfo, connect, registration,
-                                           update_args)
+from splitserve.service.redis_state import (
+    HEARTBEAT_LUA,
+    UPDATE_LUA,
+    Keys,
+    WorkerInfo,
+    connect,
+    registration,
+    update_args,
+)
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
@@ -119,8 +135,15 @@ def _other_leg(slot: Slot, sent: w_pb.SequenceState | w_pb.FirstTokenRequest | w
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, settings: Settings, runner: EngineRunner, r: aioredis.Redis, keys: Keys, name: str,
-                 metrics: DecodeMetrics | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        runner: EngineRunner,
+        r: aioredis.Redis,
+        keys: Keys,
+        name: str,
+        metrics: DecodeMetrics | None = None,
+    ):
         self.s = settings
         self.metrics = metrics or DecodeMetrics()
         self.metrics.streams.set_function(lambda: len(self.slots))
@@ -137,7 +160,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.slots: dict[str, Slot] = {}
         self.arrivals: dict[str, asyncio.Future] = {}  # request id -> its stream, for handoffs that came first
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> when, before its stream
+        self.cancelled: collections.OrderedDict[str, float] = (
+            collections.OrderedDict()
+        )  # rid -> when, before its stream
         self.capacity = asyncio.Event()  # set after steps that may have freed blocks
         self.background = Background()
         self.token_streams: set[asyncio.Task] = set()  # FirstTokens readings: they last as long as their peer
@@ -161,14 +186,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise Unavailable("decode worker is draining")
         if rid in self.slots:
             raise AlreadyExists(f"request {rid!r} already has a decode stream here")
-        slot = Slot(rid, request.deadline_unix, priority=request.priority, prompt_tokens=max(0, request.prompt_tokens),
-                    leg=request.leg if request.HasField("leg") else None)
+        slot = Slot(
+            rid,
+            request.deadline_unix,
+            priority=request.priority,
+            prompt_tokens=max(0, request.prompt_tokens),
+            leg=request.leg if request.HasField("leg") else None,
+        )
         self.ended.pop(rid, None)
         early = self.cancelled.pop(rid, None)
         full = f"{SERVICE}/Decode"
-        with tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
-                              attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": rid,
-                                                                         "splitserve.decode_worker": self.name}) as rs:
+        with tracing.rpc_span(
+            full,
+            parent=tracing.extract(context.invocation_metadata()),
+            attributes=tracing.rpc_attributes(full)
+            | {"splitserve.request_id": rid, "splitserve.decode_worker": self.name},
+        ) as rs:
             slot.trace = rs
             self.slots[rid] = slot
             self.opened += 1
@@ -223,8 +256,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _cancel(self, slot: Slot) -> bool:
         """End a stream with finish_reason "cancelled" and free its KV; False if it has ended."""
         imported = slot.imported
-        if not self._end_stream(slot, "cancelled", w_pb.DecodeEvent(finish_reason="cancelled",
-                                                                    completion_tokens=slot.completion_tokens)):
+        if not self._end_stream(
+            slot, "cancelled", w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=slot.completion_tokens)
+        ):
             return False
         if imported:
             self.metrics.aborted.inc()
@@ -282,17 +316,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._start_decode_span(slot, {"splitserve.prefill.local": True, "gen_ai.usage.input_tokens": len(ids)})
         try:
             if samples:  # sampling.n > 1, resumed: each sample not finished goes on from its own tokens
-                ended = await self.runner.submit(lambda e: e.resume_samples(slot.request_id, ids, params, samples,
-                                                                            priority=request.priority,
-                                                                            cache_salt=request.cache_salt))
+                ended = await self.runner.submit(
+                    lambda e: e.resume_samples(
+                        slot.request_id, ids, params, samples, priority=request.priority, cache_salt=request.cache_salt
+                    )
+                )
                 for out in ended:  # those its tokens already end: their last message, now
                     self._on_output(slot, out)
             else:
                 resumed = getattr(request, "resumed_tokens", 0), getattr(request, "resumed_chars", 0)
-                await self.runner.submit(lambda e: e.add_request(slot.request_id, ids, params, priority=request.priority,
-                                                                 cache_salt=request.cache_salt, resumed=resumed[0],
-                                                                 resumed_chars=resumed[1]))
-        except asyncio.CancelledError:  # the engine takes it yet (its commands run in order): the stream's end aborts it
+                await self.runner.submit(
+                    lambda e: e.add_request(
+                        slot.request_id,
+                        ids,
+                        params,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        resumed=resumed[0],
+                        resumed_chars=resumed[1],
+                    )
+                )
+        except (
+            asyncio.CancelledError
+        ):  # the engine takes it yet (its commands run in order): the stream's end aborts it
             slot.imported = True
             raise
         except Exception:
@@ -304,8 +350,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def _start_decode_span(self, slot: Slot, extra: dict | None = None) -> None:
         """The request's time here after its KV exists (adopted, or about to be prefilled here) until it ends."""
         slot.decode_span = tracing.tracer().start_span(
-            "decode", context=slot.trace.ctx if slot.trace else None,
-            attributes={"splitserve.request_id": slot.request_id, "splitserve.decode_worker": self.name} | (extra or {}),
+            "decode",
+            context=slot.trace.ctx if slot.trace else None,
+            attributes={"splitserve.request_id": slot.request_id, "splitserve.decode_worker": self.name}
+            | (extra or {}),
         )
 
     def _end_decode_span(self, slot: Slot, finish_reason: str, out: RequestOutput | None) -> None:
@@ -351,8 +399,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.decode_span is not None:
             slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, message[:300]))
         self._end_decode_span(slot, "error", None)
-        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message),
-                                                error_code=grpc.StatusCode.INTERNAL.value[0]))
+        slot.events.put_nowait(
+            w_pb.DecodeEvent(error=fit_details(message), error_code=grpc.StatusCode.INTERNAL.value[0])
+        )
 
     def _emit(self, slot: Slot, out: RequestOutput) -> None:
         if slot.done:  # cancelled: its abort is on the way to the engine
@@ -363,12 +412,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.last_output = now
         slot.sample_tokens[out.index] = out.num_output_tokens
         ev = w_pb.DecodeEvent(
-            token_ids=out.new_token_ids, text=out.new_text, completion_tokens=out.num_output_tokens,
-            logprobs=convert.logprobs_to_pb(out.new_logprobs), index=out.index,
+            token_ids=out.new_token_ids,
+            text=out.new_text,
+            completion_tokens=out.num_output_tokens,
+            logprobs=convert.logprobs_to_pb(out.new_logprobs),
+            index=out.index,
         )
         if not slot.first_sent or out.finished:
-            ev.timings.CopyFrom(gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms,
-                                               kv_transfer_ms=slot.transfer_ms))
+            ev.timings.CopyFrom(
+                gen_pb.Timings(queue_ms=slot.queue_ms, prefill_ms=slot.prefill_ms, kv_transfer_ms=slot.transfer_ms)
+            )
         if not slot.first_sent:
             slot.first_sent = True
             ev.prompt_logprobs.extend(convert.logprobs_to_pb(out.prompt_logprobs))
@@ -420,7 +473,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 waiting = self.arrivals[rid] = asyncio.get_running_loop().create_future()
             try:
                 return await aio.wait_for(asyncio.shield(waiting), STREAM_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:  # timed out or cancelled: never leave a future behind for a stream that may not come
                 if self.arrivals.get(rid) is waiting:
@@ -498,12 +551,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.queue_ms, slot.prefill_ms = request.queue_ms, request.prefill_ms
         slot.first_token_at = request.prefill_end_unix or time.time()
         slot.cached_tokens, slot.prefill_worker = request.cached_tokens, request.prefill_worker
-        slot.events.put_nowait(w_pb.DecodeEvent(
-            token_ids=request.token_ids, text=request.text, completion_tokens=completion,
-            timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
-            first_token_unix=slot.first_token_at, cached_tokens=slot.cached_tokens, logprobs=request.logprobs,
-            prompt_logprobs=request.prompt_logprobs, prefill_worker=slot.prefill_worker,
-        ))
+        slot.events.put_nowait(
+            w_pb.DecodeEvent(
+                token_ids=request.token_ids,
+                text=request.text,
+                completion_tokens=completion,
+                timings=gen_pb.Timings(queue_ms=request.queue_ms, prefill_ms=request.prefill_ms),
+                first_token_unix=slot.first_token_at,
+                cached_tokens=slot.cached_tokens,
+                logprobs=request.logprobs,
+                prompt_logprobs=request.prompt_logprobs,
+                prefill_worker=slot.prefill_worker,
+            )
+        )
 
     def cut_off(self, why: str) -> None:
         """End every stream still open with UNAVAILABLE and `why` (this worker is stopping), its KV freed."""
@@ -513,9 +573,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if slot.decode_span is not None:
                 slot.decode_span.set_status(tracing.Status(tracing.StatusCode.ERROR, why))
             log.warning("request %s: %s", slot.request_id, why)
-            self._end_stream(slot, "error", w_pb.DecodeEvent(error=why, error_code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                                             completion_tokens=slot.completion_tokens,
-                                                             worker_stopping=True))
+            self._end_stream(
+                slot,
+                "error",
+                w_pb.DecodeEvent(
+                    error=why,
+                    error_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    completion_tokens=slot.completion_tokens,
+                    worker_stopping=True,
+                ),
+            )
 
     # -- Fail ---------------------------------------------------------------------------
 
@@ -529,8 +596,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot = await self._stream(request.request_id)
         if _other_leg(slot, request):  # a superseded job's failure: not this stream's
             return w_pb.FailResponse(ended=False)
-        return w_pb.FailResponse(ended=self._end_with_error(slot, code, request.message or code.name,
-                                                            request.handoff_lost))
+        return w_pb.FailResponse(
+            ended=self._end_with_error(slot, code, request.message or code.name, request.handoff_lost)
+        )
 
     def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str, handoff_lost: bool = False) -> bool:
         """End a stream still waiting for its KV with an error; False if it has ended or its KV is here.
@@ -540,16 +608,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if slot.done or slot.imported:
             return False
         slot.done = True
-        slot.events.put_nowait(w_pb.DecodeEvent(error=fit_details(message), error_code=code.value[0],
-                                                worker_stopping=handoff_lost))
+        slot.events.put_nowait(
+            w_pb.DecodeEvent(error=fit_details(message), error_code=code.value[0], worker_stopping=handoff_lost)
+        )
         return True
 
     # -- PutKV --------------------------------------------------------------------------
 
     def _put_span(self, method: str, seq: w_pb.SequenceState) -> tracing.rpc_span:
         full = f"{SERVICE}/{method}"
-        return tracing.rpc_span(full, parent=tracing.context_of(seq.traceparent),
-                                attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": seq.request_id})
+        return tracing.rpc_span(
+            full,
+            parent=tracing.context_of(seq.traceparent),
+            attributes=tracing.rpc_attributes(full) | {"splitserve.request_id": seq.request_id},
+        )
 
     def _count_refusal(self, e: BaseException) -> None:
         self.metrics.handoffs_refused.labels(code_of(e).name).inc()
@@ -581,8 +653,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._count_refusal(e)
                 raise
 
-    async def _put_stream(self, req: w_pb.PutKVRequest, first: w_pb.KVChunk, request_iterator,
-                          ps: tracing.rpc_span) -> w_pb.PutKVResponse:
+    async def _put_stream(
+        self, req: w_pb.PutKVRequest, first: w_pb.KVChunk, request_iterator, ps: tracing.rpc_span
+    ) -> w_pb.PutKVResponse:
         slot = await self._slot_for(req.sequence)
         if req.sequence.finish_reason and not req.HasField("handle"):
             return await self._finished_at_prefill(slot, req.sequence)
@@ -610,26 +683,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise NotFound(f"request {seq.request_id!r} has ended here (cancelled)")
         if _other_leg(slot, seq):  # a job superseded as the request resumed, prefilled all the same, and a later
             # leg of the request back on this worker: that job's KV is not this stream's
-            raise NotFound(f"sequence.leg: request {seq.request_id!r} is of leg {slot.leg} here, not {seq.leg} "
-                           "(superseded: its decode worker was lost)")
+            raise NotFound(
+                f"sequence.leg: request {seq.request_id!r} is of leg {slot.leg} here, not {seq.leg} "
+                "(superseded: its decode worker was lost)"
+            )
         if slot.imported or slot.prefill_start:
             raise AlreadyExists(f"request {seq.request_id!r} already has its KV here (or is prefilled here)")
         if slot.prompt_tokens and seq.prompt_len != slot.prompt_tokens:  # another request's KV, or a bad producer
-            raise Invalid(f"sequence.prompt_len: {seq.prompt_len} tokens, but request {seq.request_id!r} has a "
-                          f"{slot.prompt_tokens}-token prompt")
+            raise Invalid(
+                f"sequence.prompt_len: {seq.prompt_len} tokens, but request {seq.request_id!r} has a "
+                f"{slot.prompt_tokens}-token prompt"
+            )
         if seq.finish_reason and seq.finish_reason not in HANDOFF_FINISHES:
             raise Invalid(f"sequence.finish_reason: {seq.finish_reason!r} is not one of {', '.join(HANDOFF_FINISHES)}")
         if not 0 < seq.prompt_len < len(seq.token_ids):
-            raise Invalid(f"sequence.prompt_len: {seq.prompt_len} of {len(seq.token_ids)} tokens (the prompt is at "
-                          "least one, and at least one token follows it)")
+            raise Invalid(
+                f"sequence.prompt_len: {seq.prompt_len} of {len(seq.token_ids)} tokens (the prompt is at "
+                "least one, and at least one token follows it)"
+            )
         sampled = len(seq.token_ids) - seq.prompt_len
         if seq.resumed_tokens > sampled:
             raise Invalid(f"sequence.resumed_tokens: {seq.resumed_tokens} of {sampled} sampled tokens")
         if seq.sampling.HasField("logprobs") and len(seq.logprobs) != sampled:
             raise Invalid(f"sequence.logprobs: {len(seq.logprobs)} given for {sampled} sampled tokens")
         if seq.sampling.HasField("prompt_logprobs") and len(seq.prompt_logprobs) != seq.prompt_len - 1:
-            raise Invalid(f"sequence.prompt_logprobs: {len(seq.prompt_logprobs)} given for a {seq.prompt_len}-token "
-                          "prompt (one per token after the first)")
+            raise Invalid(
+                f"sequence.prompt_logprobs: {len(seq.prompt_logprobs)} given for a {seq.prompt_len}-token "
+                "prompt (one per token after the first)"
+            )
         return slot
 
     def _check_handle(self, seq: w_pb.SequenceState, h: w_pb.KVHandle, transport: str) -> None:
@@ -637,19 +718,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if h.transport != transport:
             raise Invalid(f"handle.transport: {h.transport!r} sent to the {transport} endpoint")
         if h.layout_version not in LAYOUT_VERSIONS:
-            raise Invalid(f"handle.layout_version: {h.layout_version} is not supported (this worker reads "
-                          f"{', '.join(map(str, LAYOUT_VERSIONS))})")
+            raise Invalid(
+                f"handle.layout_version: {h.layout_version} is not supported (this worker reads "
+                f"{', '.join(map(str, LAYOUT_VERSIONS))})"
+            )
         if h.dtype != "float32":
             raise Invalid(f"handle.dtype: {h.dtype!r} is not float32")
         if h.fingerprint != self.engine.fingerprint:
-            raise Invalid(f"handle.fingerprint: {h.fingerprint!r} is not this worker's model ({self.engine.fingerprint})")
+            raise Invalid(
+                f"handle.fingerprint: {h.fingerprint!r} is not this worker's model ({self.engine.fingerprint})"
+            )
         if h.num_tokens < 1 or h.num_tokens != len(seq.token_ids) - 1:
-            raise Invalid(f"handle.num_tokens: {h.num_tokens} does not match the sequence ({len(seq.token_ids)} tokens)")
+            raise Invalid(
+                f"handle.num_tokens: {h.num_tokens} does not match the sequence ({len(seq.token_ids)} tokens)"
+            )
         if h.start_token >= h.num_tokens:
             raise Invalid(f"handle.start_token: {h.start_token} leaves none of the {h.num_tokens} tokens of KV")
         if h.layout_version != layout_version(h.start_token):
-            raise Invalid(f"handle.start_token: {h.start_token} in layout version {h.layout_version} (a payload without "
-                          f"its first tokens is version {layout_version(1)}, a whole one {layout_version(0)})")
+            raise Invalid(
+                f"handle.start_token: {h.start_token} in layout version {h.layout_version} (a payload without "
+                f"its first tokens is version {layout_version(1)}, a whole one {layout_version(0)})"
+            )
         need = payload_nbytes(self.engine.model.shape, h.num_tokens, h.start_token)
         if h.length != need:
             raise Invalid(f"handle.length: {h.length} bytes, tokens {h.start_token}..{h.num_tokens} of KV are {need}")
@@ -674,15 +763,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         slot.first_token_at = seq.prefill_end_unix
         if seq.prefill_end_unix:
             slot.transfer_ms = (slot.kv_done - seq.prefill_end_unix) * 1000
-        logprobs = (convert.logprobs_from_pb(seq.logprobs[seq.resumed_tokens:])
-                    if seq.sampling.HasField("logprobs") else None)
+        logprobs = (
+            convert.logprobs_from_pb(seq.logprobs[seq.resumed_tokens :]) if seq.sampling.HasField("logprobs") else None
+        )
         prompt = convert.logprobs_from_pb(seq.prompt_logprobs) if seq.sampling.HasField("prompt_logprobs") else None
-        self._on_output(slot, RequestOutput(seq.request_id, out, text, True, seq.finish_reason, seq.prompt_len, n,
-                                            new_logprobs=logprobs, prompt_logprobs=prompt))
+        self._on_output(
+            slot,
+            RequestOutput(
+                seq.request_id,
+                out,
+                text,
+                True,
+                seq.finish_reason,
+                seq.prompt_len,
+                n,
+                new_logprobs=logprobs,
+                prompt_logprobs=prompt,
+            ),
+        )
         return w_pb.PutKVResponse()
 
-    async def _adopt(self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload,
-                     ps: tracing.rpc_span) -> w_pb.PutKVResponse:
+    async def _adopt(
+        self, slot: Slot, seq: w_pb.SequenceState, h: w_pb.KVHandle, payload, ps: tracing.rpc_span
+    ) -> w_pb.PutKVResponse:
         export = convert.export_from_pb(seq, h)
         slot.samples_left = export.params.n
         await self._compile_format(export.params)
@@ -705,8 +808,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             # then held a sequence this worker did not know it had, and the job's
                             # next prefill (claimed by another prefill worker) failed the stream,
                             # "already in this engine". Its KV, all read, is kept as any other.
-                            (first, shared), cancelled = await aio.outlast_cancel(self.runner.submit(
-                                lambda e: self._import(e, export, payload, slot.priority)))
+                            (first, shared), cancelled = await aio.outlast_cancel(
+                                self.runner.submit(lambda e: self._import(e, export, payload, slot.priority))
+                            )
                             break
                         except CapacityError:
                             pass
@@ -724,7 +828,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.capacity.clear()
                     try:
                         await aio.wait_for(self.capacity.wait(), timeout=0.05)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
             finally:
                 if rank in self.adopt_waiting:
@@ -744,16 +848,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.metrics.adopt_seconds.labels(h.transport).observe(adopt_s)
             self.metrics.kv_bytes.labels(h.transport).inc(h.length)
             self.metrics.kv_shared_tokens.inc(shared)
-            ps.span.set_attributes({"splitserve.kv.bytes": h.length, "splitserve.kv.transport": h.transport,
-                                    "splitserve.kv.tokens": h.num_tokens, "splitserve.kv.block_waits": waits,
-                                    "splitserve.kv.adopt_ms": adopt_s * 1000,
-                                    "splitserve.kv.start_token": h.start_token, "splitserve.kv.shared_tokens": shared})
+            ps.span.set_attributes(
+                {
+                    "splitserve.kv.bytes": h.length,
+                    "splitserve.kv.transport": h.transport,
+                    "splitserve.kv.tokens": h.num_tokens,
+                    "splitserve.kv.block_waits": waits,
+                    "splitserve.kv.adopt_ms": adopt_s * 1000,
+                    "splitserve.kv.start_token": h.start_token,
+                    "splitserve.kv.shared_tokens": shared,
+                }
+            )
             self._start_decode_span(slot)
             if first is not None and not slot.first_sent:  # FirstToken did not beat the KV here: send it now
                 self._on_output(slot, first)
             elif first is not None and first.finished:  # its first token, sent already, ended sample 0 (n > 1)
-                self._on_output(slot, dataclasses.replace(first, new_token_ids=[], new_text="", prompt_logprobs=None,
-                                                          new_logprobs=[] if first.new_logprobs is not None else None))
+                self._on_output(
+                    slot,
+                    dataclasses.replace(
+                        first,
+                        new_token_ids=[],
+                        new_text="",
+                        prompt_logprobs=None,
+                        new_logprobs=[] if first.new_logprobs is not None else None,
+                    ),
+                )
         finally:  # a step's outputs that came before the import's own go out after it
             held, slot.held = slot.held, None
             for out in held:
@@ -761,15 +880,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Bookkeeping off the handoff's path: the producer frees its region as soon as we answer.
         # While Redis does not answer, written once it does (GetRequest's timestamps, transport, bytes).
         # With its leg: a worker taken for lost, that adopts it late, must not write over the next leg's.
-        adopted = functools.partial(self.update_script, keys=[self.keys.req(seq.request_id)], args=update_args({
-            "state": "decoding", "t_kv_done": time.time(), "decode_worker": self.name,
-            "kv_transport": h.transport, "kv_bytes": h.length,
-        } | ({"_leg": slot.leg} if slot.leg is not None else {})))
-        self.background.start(until_answered(adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s,
-                                             self.s.request_ttl_s, at_once=True))
+        adopted = functools.partial(
+            self.update_script,
+            keys=[self.keys.req(seq.request_id)],
+            args=update_args(
+                {
+                    "state": "decoding",
+                    "t_kv_done": time.time(),
+                    "decode_worker": self.name,
+                    "kv_transport": h.transport,
+                    "kv_bytes": h.length,
+                }
+                | ({"_leg": slot.leg} if slot.leg is not None else {})
+            ),
+        )
+        self.background.start(
+            until_answered(
+                adopted, f"{seq.request_id}'s KV adoption", self.s.heartbeat_s, self.s.request_ttl_s, at_once=True
+            )
+        )
         if cancelled:
-            log.info("request %s: its KV handoff was cancelled as its import ran; adopted all the same",
-                     seq.request_id)
+            log.info("request %s: its KV handoff was cancelled as its import ran; adopted all the same", seq.request_id)
             raise asyncio.CancelledError()
         return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
 
@@ -802,11 +933,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def info(self, address: str) -> WorkerInfo:
         e = self.engine
         return WorkerInfo(
-            worker_id=self.name, role="decode", address=address, host_id=self.host,
-            running=e.num_running, waiting=e.num_waiting,
-            free_kv_tokens=e.cache.pool.num_free * e.cache.block_size, kv_capacity_tokens=e.kv_capacity_tokens,
+            worker_id=self.name,
+            role="decode",
+            address=address,
+            host_id=self.host,
+            running=e.num_running,
+            waiting=e.num_waiting,
+            free_kv_tokens=e.cache.pool.num_free * e.cache.block_size,
+            kv_capacity_tokens=e.kv_capacity_tokens,
             pending=sum(1 for slot in self.slots.values() if not slot.imported),  # open streams still without KV
-            opened=self.opened, closed=self.closed, epoch=self.epoch,
+            opened=self.opened,
+            closed=self.closed,
+            epoch=self.epoch,
         )
 
 
@@ -845,8 +983,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             metrics.stalled.set(int(stalled))
             if stalled == serving:  # a step that does not return: report it, and let the lease lapse
                 serving = not stalled
-                status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else \
-                    health_pb2.HealthCheckResponse.SERVING
+                status = (
+                    health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+                )
                 for svc in ("", SERVICE):
                     await health.set(svc, status)
             if stalled:
@@ -869,8 +1008,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             await asyncio.sleep(max(0.0, settings.heartbeat_s - (time.monotonic() - started)))
 
     hb = asyncio.create_task(heartbeat())
-    log.info("decode worker %s serving on %s (model %s, fingerprint %s)", name, address, engine.model_name,
-             engine.fingerprint)
+    log.info(
+        "decode worker %s serving on %s (model %s, fingerprint %s)",
+        name,
+        address,
+        engine.model_name,
+        engine.fingerprint,
+    )
     if metrics_port:
         print(f"METRICS {settings.host}:{metrics_port}", flush=True)
     print(f"READY {address}", flush=True)
@@ -891,8 +1035,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     while servicer.slots and time.time() < t_end:
         await asyncio.sleep(0.05)
     # Those still open fail UNAVAILABLE saying why (a client may retry), not with gRPC's "Cancelling all calls".
-    servicer.cut_off(f"decode worker {name} stopped before this request finished (its drain of "
-                     f"{settings.drain_s:g} s ran out); retry")
+    servicer.cut_off(
+        f"decode worker {name} stopped before this request finished (its drain of "
+        f"{settings.drain_s:g} s ran out); retry"
+    )
     for task in servicer.token_streams:  # prefill workers keep these open: they end now (FirstTokens)
         task.cancel()
     await server.stop(grace=1.0)

@@ -29,9 +29,9 @@ import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.engine import kv_transfer
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError, StepFailed
-from splitserve.engine import kv_transfer
 from splitserve.engine.kv_transfer import KVExport, payload_nbytes
 from splitserve.engine.outputs import RequestOutput, placeholder_logprobs
 from splitserve.observability import tracing
@@ -42,9 +42,26 @@ from splitserve.service.errors import REDIS_UNREACHABLE, code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (DROP_LUA, FORGET_STREAM_LUA, GROUP, HEARTBEAT_LUA, OWN_STREAM_LUA,
-                                             PICKUP_LUA, PULL_LUA, RESTORE_LUA, UPDATE_LUA, Job, Keys, WorkerInfo,
-                                             connect, ensure_group, failed, registration, run_scripts, update_args)
+from splitserve.service.redis_state import (
+    DROP_LUA,
+    FORGET_STREAM_LUA,
+    GROUP,
+    HEARTBEAT_LUA,
+    OWN_STREAM_LUA,
+    PICKUP_LUA,
+    PULL_LUA,
+    RESTORE_LUA,
+    UPDATE_LUA,
+    Job,
+    Keys,
+    WorkerInfo,
+    connect,
+    ensure_group,
+    failed,
+    registration,
+    run_scripts,
+    update_args,
+)
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -54,8 +71,10 @@ log = logging.getLogger("splitserve.prefill")
 HANDOFF_LEASE_S = 60.0
 # The status a client gets when its KV handoff failed. No blocks on the decode side in time is
 # overload; a decode worker gone is unavailable; anything else is ours (INTERNAL), not the client's.
-HANDOFF_FAILURE_STATUS = {grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          grpc.StatusCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE}
+HANDOFF_FAILURE_STATUS = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 def _state(raw) -> str:
@@ -67,17 +86,22 @@ def _skipped(outcome: str, request_id: str) -> str:
     """The jobs metric's outcome for a job whose pickup found it ended (or expired) in the queue,
     taken back by its router for its decode worker to prefill, or handed off already (logged)."""
     if outcome == "decoding":
-        log.info("request %s: its decode worker has its KV already (its prefill worker died before acking the job): "
-                 "not prefilled again", request_id)
-    return {"expired": "expired", "local": "taken_back", "superseded": "superseded",
-            "decoding": "handed_off"}.get(outcome, "skipped_cancelled")
+        log.info(
+            "request %s: its decode worker has its KV already (its prefill worker died before acking the job): "
+            "not prefilled again",
+            request_id,
+        )
+    return {"expired": "expired", "local": "taken_back", "superseded": "superseded", "decoding": "handed_off"}.get(
+        outcome, "skipped_cancelled"
+    )
 
 
 def _wants_it_whole(e: grpc.RpcError) -> bool:
     """A decode worker refused KV sent without its first tokens: it holds less of the prompt than
     expected, or it is of a release that reads only whole payloads (a rolling update)."""
     return e.code() == grpc.StatusCode.FAILED_PRECONDITION or (
-        e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in (e.details() or ""))
+        e.code() == grpc.StatusCode.INVALID_ARGUMENT and "handle.layout_version" in (e.details() or "")
+    )
 
 
 def _counted(tokens: bytes | None) -> int:
@@ -146,8 +170,9 @@ class TokenStreams:
         self._streams: dict[str, TokenStream] = {}
         self._lock = threading.Lock()
 
-    def send(self, address: str, stub: worker_pb2_grpc.DecodeWorkerStub, request: w_pb.FirstTokenRequest,
-             wait_s: float) -> bool:
+    def send(
+        self, address: str, stub: worker_pb2_grpc.DecodeWorkerStub, request: w_pb.FirstTokenRequest, wait_s: float
+    ) -> bool:
         """Send on the stream to address, waiting up to wait_s for it to leave; False (nothing sent)
         if that worker has no FirstTokens."""
         with self._lock:
@@ -208,8 +233,10 @@ class PrefillWorker:
         # to each worker (token_streams); to a worker without one, on threads that stay up (a gRPC
         # future would start a thread per call on an idle channel: 0.7 ms of the light-load TTFT).
         # The shared pool is for what has no known worker.
-        self.peers = Peers(lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
-                           pools={"handoff": 8, "first-token": 4})
+        self.peers = Peers(
+            lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
+            pools={"handoff": 8, "first-token": 4},
+        )
         self.token_streams = TokenStreams()
         self.pickups = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pickup")
         self.pool = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fail")
@@ -296,8 +323,14 @@ class PrefillWorker:
                     if "NOGROUP" in str(e) and stream not in self.keys.streams:
                         continue
                     raise
-                held += self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
-                                    for entry_id, fields in claimed if fields], first=False)
+                held += self._jobs(
+                    [
+                        (stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
+                        for entry_id, fields in claimed
+                        if fields
+                    ],
+                    first=False,
+                )
             with self.lock:
                 mine.update(self.inflight)
                 done.update(self.unacked)
@@ -306,8 +339,11 @@ class PrefillWorker:
                 log.info("claimed %d job(s) left by a dead prefill worker", len(held))
                 self.metrics.jobs.labels("claimed").inc(len(held))
         if not held and not self.engine.has_unfinished() and self.orphans:  # a departed worker's jobs first
-            held = self._jobs(self.pull_script(keys=self.orphans, args=[GROUP, self.name, self.s.prefill_batch,
-                                                                        self.s.prefill_token_budget]))
+            held = self._jobs(
+                self.pull_script(
+                    keys=self.orphans, args=[GROUP, self.name, self.s.prefill_batch, self.s.prefill_token_budget]
+                )
+            )
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
             streams = self._streams(orphans=False)  # (one removed meanwhile would fail the read)
             got = self._read({stream: ">" for stream in streams}, 1, 200, alone := set())
@@ -321,8 +357,15 @@ class PrefillWorker:
                 # A request that ended meanwhile costs that one forward (chunk), as if it had ended
                 # a moment later, during it.
                 stream, entry_id, job, first = held[0]
-                return [(stream, entry_id, job, first, self.pickups.submit(run_scripts, self.redis,
-                                                                           [self._pickup_call(job, first)]))]
+                return [
+                    (
+                        stream,
+                        entry_id,
+                        job,
+                        first,
+                        self.pickups.submit(run_scripts, self.redis, [self._pickup_call(job, first)]),
+                    )
+                ]
         jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(held)
         tokens = self.s.prefill_token_budget - self.engine.num_pending_tokens - sum(len(e[2].token_ids) for e in held)
         calls = [self._pickup_call(job, first) for _, _, job, first in held]
@@ -361,8 +404,11 @@ class PrefillWorker:
         """FORGET_STREAM_LUA for a worker's own stream: removed if the worker has left the registry
         and the stream is empty (run_scripts; the call answers how many entries are left, -1 while
         the worker is registered)."""
-        return (self.forget_script, [self.keys.stream_to(worker_id), self.keys.worker("prefill", worker_id),
-                                     self.keys.directed], [worker_id])
+        return (
+            self.forget_script,
+            [self.keys.stream_to(worker_id), self.keys.worker("prefill", worker_id), self.keys.directed],
+            [worker_id],
+        )
 
     def _own_stream(self) -> None:
         """This worker's own stream and its group (made again if removed while its lease had lapsed)."""
@@ -371,16 +417,20 @@ class PrefillWorker:
     def _pickup_call(self, job: Job, first: bool) -> tuple:
         """PICKUP_LUA for a job: leave the admission counts (new deliveries), check the request is
         still wanted and in time, and mark it prefilling."""
-        return (self.pickup, [self.keys.admission, self.keys.req(job.request_id)],
-                [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0, job.leg])
+        return (
+            self.pickup,
+            [self.keys.admission, self.keys.req(job.request_id)],
+            [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0, job.leg],
+        )
 
     def _read(self, streams: dict, count: int, block: int | None, alone: set[str]) -> list[tuple[str, str, Job, bool]]:
         """New entries; adds to alone the ids of those admitted when no other request was queued."""
         resp = self.redis.xreadgroup(GROUP, self.name, streams, count=count, block=block)
         entries = [(stream, entry_id, fields) for stream, got in resp or [] for entry_id, fields in got]
         alone.update(entry_id.decode() for _, entry_id, fields in entries if fields.get(b"queued") == b"1")
-        return self._jobs([(stream, entry_id, fields.get(b"job"), fields.get(b"tokens"))
-                           for stream, entry_id, fields in entries])
+        return self._jobs(
+            [(stream, entry_id, fields.get(b"job"), fields.get(b"tokens")) for stream, entry_id, fields in entries]
+        )
 
     def _jobs(self, entries: list, first: bool = True) -> list[tuple[str, str, Job, bool]]:
         """(stream, entry id, raw job, raw token count) as Redis returns them -> (stream, entry id, job,
@@ -405,17 +455,31 @@ class PrefillWorker:
             # len(token_ids) back out of the counts: one whose two differ (no router writes it) would
             # leave the difference in the counts for good, or take out what was never put in.
             if _counted(tokens) != len(job.token_ids):
-                raise ValueError(f"the entry's tokens ({tokens!r}) are not the count of its job's token_ids "
-                                 f"({len(job.token_ids)})")
+                raise ValueError(
+                    f"the entry's tokens ({tokens!r}) are not the count of its job's token_ids ({len(job.token_ids)})"
+                )
             return job
         except (ValueError, RecursionError) as e:  # json.JSONDecodeError included; JSON nested past Python's limit
-            rid, address = ((d.get("request_id"), d.get("decode_address")) if isinstance(d, dict) else (None, None))
-            self._drop(stream, entry_id, str(e), tokens,
-                       rid if isinstance(rid, str) and rid else None, address if isinstance(address, str) else None)
+            rid, address = (d.get("request_id"), d.get("decode_address")) if isinstance(d, dict) else (None, None)
+            self._drop(
+                stream,
+                entry_id,
+                str(e),
+                tokens,
+                rid if isinstance(rid, str) and rid else None,
+                address if isinstance(address, str) else None,
+            )
             return None
 
-    def _drop(self, stream: str, entry_id: str, why: str, tokens: bytes | None = None, request_id: str | None = None,
-              decode_address: str | None = None) -> None:
+    def _drop(
+        self,
+        stream: str,
+        entry_id: str,
+        why: str,
+        tokens: bytes | None = None,
+        request_id: str | None = None,
+        decode_address: str | None = None,
+    ) -> None:
         """Ack and delete an entry this worker cannot serve. Its admission counts go back (when the
         entry says what admission counted), and a request that can be named fails now: its
         hash says so and its decode stream, if the address is readable, ends with INTERNAL."""
@@ -443,9 +507,15 @@ class PrefillWorker:
         t = time.time()
         parent = tracing.context_of(job.traceparent)
         if first:
-            tracing.tracer().start_span("queue wait", context=parent, start_time=tracing.ns(job.t_admitted), attributes={
-                "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
-            }).end(end_time=tracing.ns(t))
+            tracing.tracer().start_span(
+                "queue wait",
+                context=parent,
+                start_time=tracing.ns(job.t_admitted),
+                attributes={
+                    "splitserve.request_id": job.request_id,
+                    "splitserve.prefill_worker": self.name,
+                },
+            ).end(end_time=tracing.ns(t))
         if outcome != "prefilling":
             self._ack(stream, entry_id)  # cancelled while queued, finished, expired, taken back or handed off: skip it
             self.metrics.jobs.labels(_skipped(outcome, job.request_id)).inc()
@@ -455,9 +525,16 @@ class PrefillWorker:
             self.token_streams.drop([job.decode_address])
             threading.Thread(target=_retire, args=(old,), name="retire", daemon=True).start()
         try:
-            self.engine.add_request(job.request_id, job.token_ids, job.params(), prefill_only=True,
-                                    priority=job.priority, cache_salt=job.cache_salt, resumed=job.resumed,
-                                    resumed_chars=job.resumed_chars)
+            self.engine.add_request(
+                job.request_id,
+                job.token_ids,
+                job.params(),
+                prefill_only=True,
+                priority=job.priority,
+                cache_salt=job.cache_salt,
+                resumed=job.resumed,
+                resumed_chars=job.resumed_chars,
+            )
         except EngineError as e:  # e.g. a prompt that can never fit in this worker's KV cache
             log.warning("job %s refused: %s", job.request_id, e)
             if pickup is not None:  # its 'prefilling' must not land after the 'failed' below
@@ -465,14 +542,23 @@ class PrefillWorker:
             self._update(job, failed(code_of(e), str(e)))
             self._ack(stream, entry_id)
             self.metrics.jobs.labels("failed").inc()
-            self.peers.submit(job.decode_address, "handoff", self._fail, job, code_of(e), str(e))  # off the pulling loop
+            self.peers.submit(
+                job.decode_address, "handoff", self._fail, job, code_of(e), str(e)
+            )  # off the pulling loop
             return
         source = "shared" if stream in self.keys.streams else "own" if stream == self.own else "departed"
         self.metrics.jobs_from.labels(source).inc()
-        span = tracing.tracer().start_span("prefill", context=parent, start_time=tracing.ns(t), attributes={
-            "splitserve.request_id": job.request_id, "splitserve.prefill_worker": self.name,
-            "gen_ai.usage.input_tokens": len(job.token_ids), "splitserve.prefill.stream": source,
-        })
+        span = tracing.tracer().start_span(
+            "prefill",
+            context=parent,
+            start_time=tracing.ns(t),
+            attributes={
+                "splitserve.request_id": job.request_id,
+                "splitserve.prefill_worker": self.name,
+                "gen_ai.usage.input_tokens": len(job.token_ids),
+                "splitserve.prefill.stream": source,
+            },
+        )
         with self.lock:
             self.inflight[job.request_id] = InFlight(job, stream, entry_id, t, span=span, pickup=pickup)
 
@@ -491,8 +577,11 @@ class PrefillWorker:
                 outcome = None
             fl.pickup = None
             if outcome != "prefilling":
-                self._abandon(fl, {"splitserve.skipped": outcome or "pickup failed"},
-                              _skipped(outcome, fl.job.request_id) if outcome is not None else None)
+                self._abandon(
+                    fl,
+                    {"splitserve.skipped": outcome or "pickup failed"},
+                    _skipped(outcome, fl.job.request_id) if outcome is not None else None,
+                )
 
     def _drop_cancelled(self) -> None:
         """Abort the held jobs whose requests ended while they waited or were being prefilled (the
@@ -596,9 +685,11 @@ class PrefillWorker:
         fl.span.end(end_time=tracing.ns(fl.t_end))
         self.metrics.jobs.labels("prefilled").inc()
         fl.kv_span = tracing.tracer().start_span(
-            "kv transfer", context=tracing.context_of(fl.job.traceparent), kind=tracing.SpanKind.CLIENT,
-            start_time=tracing.ns(fl.t_end), attributes={"splitserve.request_id": out.request_id,
-                                                         "server.address": fl.job.decode_address},
+            "kv transfer",
+            context=tracing.context_of(fl.job.traceparent),
+            kind=tracing.SpanKind.CLIENT,
+            start_time=tracing.ns(fl.t_end),
+            attributes={"splitserve.request_id": out.request_id, "server.address": fl.job.decode_address},
         )
         if out.finish_reason == "prefilled":
             # The token goes out ahead of the KV: its copies (export, import) are off the TTFT path.
@@ -627,12 +718,31 @@ class PrefillWorker:
             seq_tokens = list(job.token_ids) + list(out.new_token_ids)
             logprobs = list(out.new_logprobs or [])
             if logprobs and job.resumed:  # (the tokens it came with)
-                logprobs[:0] = placeholder_logprobs(job.token_ids[job.prompt_len:])
-            export = KVExport(out.request_id, job.prompt_len, seq_tokens, job.params(), None, 0, "",
-                              logprobs=logprobs, prompt_logprobs=out.prompt_logprobs or [],
-                              resumed=job.resumed, resumed_chars=job.resumed_chars)
-            self.peers.submit(job.decode_address, "handoff", self._handoff, fl, export, None, None,
-                              out.finish_reason or "error", out.new_text)
+                logprobs[:0] = placeholder_logprobs(job.token_ids[job.prompt_len :])
+            export = KVExport(
+                out.request_id,
+                job.prompt_len,
+                seq_tokens,
+                job.params(),
+                None,
+                0,
+                "",
+                logprobs=logprobs,
+                prompt_logprobs=out.prompt_logprobs or [],
+                resumed=job.resumed,
+                resumed_chars=job.resumed_chars,
+            )
+            self.peers.submit(
+                job.decode_address,
+                "handoff",
+                self._handoff,
+                fl,
+                export,
+                None,
+                None,
+                out.finish_reason or "error",
+                out.new_text,
+            )
 
     def _transport(self, job: Job) -> str:
         """How a job's KV goes to its decode worker (kv_transport; auto: shared memory on this host)."""
@@ -665,11 +775,20 @@ class PrefillWorker:
         """Send the first token to its decode worker, on the stream kept open to it (with a call of
         its own to a worker that has no FirstTokens); waits up to wait_s for it to leave."""
         job = fl.job
-        req = w_pb.FirstTokenRequest(request_id=job.request_id, token_ids=out.new_token_ids, text=out.new_text,
-                                     queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms, prefill_end_unix=fl.t_end,
-                                     cached_tokens=fl.cached_tokens, logprobs=convert.logprobs_to_pb(out.new_logprobs),
-                                     prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs),
-                                     prefill_worker=self.name, resumed_tokens=job.resumed, leg=job.leg)
+        req = w_pb.FirstTokenRequest(
+            request_id=job.request_id,
+            token_ids=out.new_token_ids,
+            text=out.new_text,
+            queue_ms=fl.queue_ms,
+            prefill_ms=fl.prefill_ms,
+            prefill_end_unix=fl.t_end,
+            cached_tokens=fl.cached_tokens,
+            logprobs=convert.logprobs_to_pb(out.new_logprobs),
+            prompt_logprobs=convert.logprobs_to_pb(out.prompt_logprobs),
+            prefill_worker=self.name,
+            resumed_tokens=job.resumed,
+            leg=job.leg,
+        )
         peer = self.peers.get(job.decode_address)
         if self.token_streams.send(job.decode_address, peer.stub, req, wait_s):
             return
@@ -678,18 +797,23 @@ class PrefillWorker:
         def done(f) -> None:  # a failure here is reported (and handled) by the KV handoff that follows
             if f.exception() is not None:
                 log.debug("first token of %s not sent: %s", job.request_id, f.exception())
+
         fut.add_done_callback(done)
         cf.wait([fut], timeout=wait_s)
 
-    def _handoff(self, fl: InFlight, export, off: int | None, view, finish_reason: str = "",
-                 text: str | None = None) -> None:
+    def _handoff(
+        self, fl: InFlight, export, off: int | None, view, finish_reason: str = "", text: str | None = None
+    ) -> None:
         job = fl.job
         span = fl.kv_span
         transport = "none"
         kept = export.start > 0  # the engine keeps the KV for this handoff (on_output)
         try:  # (building the message too: a failure there held the job, its KV and its entry for good)
             seq = convert.sequence_to_pb(
-                export, finish_reason=finish_reason, queue_ms=fl.queue_ms, prefill_ms=fl.prefill_ms,
+                export,
+                finish_reason=finish_reason,
+                queue_ms=fl.queue_ms,
+                prefill_ms=fl.prefill_ms,
                 traceparent=tracing.traceparent_of(fl.kv_span),
             )
             if text is not None:
@@ -710,8 +834,13 @@ class PrefillWorker:
                 except grpc.RpcError as e:
                     if not start or not _wants_it_whole(e):
                         raise
-                    log.info("%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it "
-                             "whole", job.request_id, job.decode_worker, start, e.details())
+                    log.info(
+                        "%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it whole",
+                        job.request_id,
+                        job.decode_worker,
+                        start,
+                        e.details(),
+                    )
                     self.metrics.kv_resent.inc()
                     if export.start:  # the region holds a part: a new one, the whole, from the engine's KV
                         view.release()  # first: a handoff waiting for room must not hold any
@@ -723,9 +852,14 @@ class PrefillWorker:
                     start = 0
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 secs = time.time() - fl.t_end
-                span.set_attributes({"splitserve.kv.bytes": nbytes,
-                                     "splitserve.kv.tokens": export.num_tokens, "splitserve.kv.start_token": start,
-                                     "splitserve.kv.gbps": nbytes / max(secs, 1e-9) / 1e9})
+                span.set_attributes(
+                    {
+                        "splitserve.kv.bytes": nbytes,
+                        "splitserve.kv.tokens": export.num_tokens,
+                        "splitserve.kv.start_token": start,
+                        "splitserve.kv.gbps": nbytes / max(secs, 1e-9) / 1e9,
+                    }
+                )
                 self.metrics.kv_unsent.inc(start)
                 self.metrics.kv_bytes.labels(transport).inc(nbytes)
                 self.metrics.kv_seconds.labels(transport).observe(secs)
@@ -738,26 +872,36 @@ class PrefillWorker:
             elif e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A job claimed from a prefill worker that died after (or as) its handoff went
                 # through: the stream runs on. Before, this failed it, INTERNAL.
-                log.info("request %s: decode worker %s has its KV already (%s)", job.request_id, job.decode_worker,
-                         e.details())
+                log.info(
+                    "request %s: decode worker %s has its KV already (%s)",
+                    job.request_id,
+                    job.decode_worker,
+                    e.details(),
+                )
                 try:
                     self._update(job, {"state": "decoding"})  # (back from the pickup's 'prefilling'; with its leg)
                 except redis.RedisError as e2:
                     log.warning("could not record %s's state: %s", job.request_id, e2)
             else:
-                log.warning("handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details())
+                log.warning(
+                    "handoff of %s to %s failed: %s %s", job.request_id, job.decode_address, e.code(), e.details()
+                )
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
                 # Unreachable: the worker may be lost (killed), which its router sees too and resumes the
                 # request on another, even if this failure is recorded first (RESUME_LUA: 'lost_to').
-                self._give_up(job, code,
-                              f"KV handoff to decode worker {job.decode_worker} failed: {e.code().name}: {e.details()}",
-                              lost_to=job.decode_worker if e.code() == grpc.StatusCode.UNAVAILABLE else "")
+                self._give_up(
+                    job,
+                    code,
+                    f"KV handoff to decode worker {job.decode_worker} failed: {e.code().name}: {e.details()}",
+                    lost_to=job.decode_worker if e.code() == grpc.StatusCode.UNAVAILABLE else "",
+                )
         except Exception as e:  # noqa: BLE001 - never lose the worker
             log.exception("handoff of %s failed", job.request_id)
             span.set_status(tracing.Status(tracing.StatusCode.ERROR, repr(e)[:300]))
-            self._give_up(job, grpc.StatusCode.INTERNAL,
-                          f"KV handoff to decode worker {job.decode_worker} failed: {e!r}"[:300])
+            self._give_up(
+                job, grpc.StatusCode.INTERNAL, f"KV handoff to decode worker {job.decode_worker} failed: {e!r}"[:300]
+            )
         finally:
             span.end()
             if view is not None:
@@ -774,8 +918,9 @@ class PrefillWorker:
                 self._update(job, {"t_prefill_end": fl.t_end})
             except REDIS_UNREACHABLE as e:
                 if self._unanswered(e):
-                    log.warning("could not record the end of %s's prefill (again once Redis answers): %s",
-                                job.request_id, e)
+                    log.warning(
+                        "could not record the end of %s's prefill (again once Redis answers): %s", job.request_id, e
+                    )
                 with self.lock:
                     self.unrecorded.append((job, {"t_prefill_end": fl.t_end}))
             except redis.RedisError as e:
@@ -800,8 +945,15 @@ class PrefillWorker:
         """End the request's decode stream with this status, so its client hears now, not at its deadline."""
         self._fail_stream(job.request_id, job.decode_address, code, message, handoff_lost, job.leg)
 
-    def _fail_stream(self, request_id: str, address: str, code: grpc.StatusCode, message: str,
-                     handoff_lost: bool = False, leg: int | None = None) -> None:
+    def _fail_stream(
+        self,
+        request_id: str,
+        address: str,
+        code: grpc.StatusCode,
+        message: str,
+        handoff_lost: bool = False,
+        leg: int | None = None,
+    ) -> None:
         """An address this worker has not dialled (one read from a malformed entry) gets a channel of
         its own, closed afterwards, so unreadable entries cannot grow the cached stubs."""
         channel = None
@@ -811,8 +963,12 @@ class PrefillWorker:
             else:
                 channel = grpc.insecure_channel(address, options=options(self.s.keepalive_s))
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-            stub.Fail(w_pb.FailRequest(request_id=request_id, code=code.value[0], message=message,
-                                       handoff_lost=handoff_lost, leg=leg), timeout=5)
+            stub.Fail(
+                w_pb.FailRequest(
+                    request_id=request_id, code=code.value[0], message=message, handoff_lost=handoff_lost, leg=leg
+                ),
+                timeout=5,
+            )
         except (grpc.RpcError, ValueError) as e:  # NOT_FOUND: the stream has ended; ValueError: a bad address
             log.info("could not end %s's decode stream with %s: %s", request_id, code.name, e)
         finally:
@@ -836,10 +992,18 @@ class PrefillWorker:
         n = export.num_tokens
         nbytes = payload_nbytes(self.engine.model.shape, n, start)
         handle = w_pb.KVHandle(
-            arena=self.arena.name if transport == "shm" else "", offset=off or 0, length=nbytes,
-            num_tokens=n, layout_version=kv_transfer.layout_version(start), dtype=export.dtype,
-            fingerprint=export.fingerprint, producer=self.address, host_id=self.host,
-            lease_deadline_unix=time.time() + HANDOFF_LEASE_S, transport=transport, start_token=start,
+            arena=self.arena.name if transport == "shm" else "",
+            offset=off or 0,
+            length=nbytes,
+            num_tokens=n,
+            layout_version=kv_transfer.layout_version(start),
+            dtype=export.dtype,
+            fingerprint=export.fingerprint,
+            producer=self.address,
+            host_id=self.host,
+            lease_deadline_unix=time.time() + HANDOFF_LEASE_S,
+            transport=transport,
+            start_token=start,
         )
         req = w_pb.PutKVRequest(sequence=seq, handle=handle)
         if transport == "shm":
@@ -933,8 +1097,11 @@ class PrefillWorker:
         """Links to the prefill span of every request the last step carried."""
         if not tracing.enabled():
             return []
-        return [tracing.Link(fl.span.get_span_context()) for rid in self.engine.last_stats.request_ids
-                if (fl := self.inflight.get(rid)) is not None and fl.span is not None]
+        return [
+            tracing.Link(fl.span.get_span_context())
+            for rid in self.engine.last_stats.request_ids
+            if (fl := self.inflight.get(rid)) is not None and fl.span is not None
+        ]
 
     def _observe_step(self, t0: float, links: list) -> None:
         """Metrics, and a batch span linked to the prefill span of every request it carried."""
@@ -942,11 +1109,19 @@ class PrefillWorker:
         st = self.engine.last_stats
         if not st.num_tokens or not tracing.enabled():
             return
-        tracing.tracer().start_span("prefill batch", start_time=tracing.ns(t0), links=links, attributes={
-            "splitserve.prefill_worker": self.name, "splitserve.batch.sequences": st.num_seqs,
-            "splitserve.batch.tokens": st.num_tokens, "splitserve.batch.prefill_tokens": st.num_prefill_tokens,
-            "splitserve.batch.forward_ms": st.forward_time_s * 1000, "splitserve.batch.cuda_graphs": st.graphed,
-        }).end(end_time=tracing.ns(t0 + st.step_time_s))
+        tracing.tracer().start_span(
+            "prefill batch",
+            start_time=tracing.ns(t0),
+            links=links,
+            attributes={
+                "splitserve.prefill_worker": self.name,
+                "splitserve.batch.sequences": st.num_seqs,
+                "splitserve.batch.tokens": st.num_tokens,
+                "splitserve.batch.prefill_tokens": st.num_prefill_tokens,
+                "splitserve.batch.forward_ms": st.forward_time_s * 1000,
+                "splitserve.batch.cuda_graphs": st.graphed,
+            },
+        ).end(end_time=tracing.ns(t0 + st.step_time_s))
 
     # -- loop ---------------------------------------------------------------------------
 
@@ -979,12 +1154,23 @@ class PrefillWorker:
                     continue
                 e = self.engine
                 self._own_stream()  # before the registry entry: routers send jobs there only when both are there
-                k, args = registration(self.keys, WorkerInfo(
-                    worker_id=self.name, role="prefill", address=self.address, host_id=self.host,
-                    running=len(self.inflight), waiting=e.num_waiting,
-                    free_kv_tokens=(self.arena.size - self.arena.used_bytes) // max(1, e.model.shape.kv_bytes_per_token),
-                    metrics=self.metrics_address, arena=self.arena.name, kv_capacity_tokens=e.kv_capacity_tokens,
-                ), lease)
+                k, args = registration(
+                    self.keys,
+                    WorkerInfo(
+                        worker_id=self.name,
+                        role="prefill",
+                        address=self.address,
+                        host_id=self.host,
+                        running=len(self.inflight),
+                        waiting=e.num_waiting,
+                        free_kv_tokens=(self.arena.size - self.arena.used_bytes)
+                        // max(1, e.model.shape.kv_bytes_per_token),
+                        metrics=self.metrics_address,
+                        arena=self.arena.name,
+                        kv_capacity_tokens=e.kv_capacity_tokens,
+                    ),
+                    lease,
+                )
                 self.register(keys=k, args=args)
                 self._restore_lost()
                 self._ack_later()
@@ -1028,10 +1214,21 @@ class PrefillWorker:
             there = p.execute()
         for fl in (fl for fl, n in zip(held, there) if not n):
             j = fl.job
-            fields = {"state": "prefilling", "prompt_tokens": j.prompt_len, "priority": j.priority,
-                      "t_received": j.t_received, "t_admitted": j.t_admitted, "decode_worker": j.decode_worker,
-                      "t_prefill_start": fl.t_start, "prefill_worker": self.name, "dequeued": 1, "restored": 1}
-            if self.restore_script(keys=[self.keys.req(j.request_id)], args=[self.s.request_ttl_s, *update_args(fields)]):
+            fields = {
+                "state": "prefilling",
+                "prompt_tokens": j.prompt_len,
+                "priority": j.priority,
+                "t_received": j.t_received,
+                "t_admitted": j.t_admitted,
+                "decode_worker": j.decode_worker,
+                "t_prefill_start": fl.t_start,
+                "prefill_worker": self.name,
+                "dequeued": 1,
+                "restored": 1,
+            }
+            if self.restore_script(
+                keys=[self.keys.req(j.request_id)], args=[self.s.request_ttl_s, *update_args(fields)]
+            ):
                 log.warning("request %s: Redis had lost its hash (restarted empty?); put back", j.request_id)
 
     def run(self) -> None:
@@ -1140,8 +1337,11 @@ class PrefillWorker:
             for fl in left:  # left unacked (outcome None): the next claim takes them
                 self._abandon(fl, {"splitserve.given_back": True}, None)
         self.metrics.jobs.labels("given_back").inc(len(entries))
-        log.info("drain over: %d job(s) not prefilled given up to the other workers (%d waiting for an earlier leg)",
-                 len(entries), len(deferred))
+        log.info(
+            "drain over: %d job(s) not prefilled given up to the other workers (%d waiting for an earlier leg)",
+            len(entries),
+            len(deferred),
+        )
 
     def _leave(self) -> None:
         """Out of the registry (the heartbeat has left it already, unless the drain was shorter than a
@@ -1158,7 +1358,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill_worker %(levelname)s %(message)s")
     try:
         settings = parse_settings("prefill_worker", argv)
-        tracing.setup_tracing("prefill", settings.worker_name("prefill"), settings.trace_file, settings.trace_file_max_bytes)
+        tracing.setup_tracing(
+            "prefill", settings.worker_name("prefill"), settings.trace_file, settings.trace_file_max_bytes
+        )
         worker = PrefillWorker(settings)
     except (ValueError, EngineError) as e:
         print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)
@@ -1166,8 +1368,9 @@ def main(argv: list[str] | None = None) -> int:
     server = grpc.server(cf.ThreadPoolExecutor(max_workers=4), options=options(settings.keepalive_s))
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection([health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME], server)
+    reflection.enable_server_reflection(
+        [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     server.start()
     worker.address = settings.address(port)
@@ -1177,7 +1380,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_stall(stalled: bool) -> None:
         if not worker.stop.is_set():
-            hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING)
+            hs.set(
+                "", health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+            )
+
     worker.on_stall = on_stall
     worker.on_drain = lambda: hs.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
@@ -1186,8 +1392,13 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info("prefill worker %s serving on %s, arena %s (%d MiB)", worker.name, worker.address, worker.arena.name,
-             settings.arena_bytes >> 20)
+    log.info(
+        "prefill worker %s serving on %s, arena %s (%d MiB)",
+        worker.name,
+        worker.address,
+        worker.arena.name,
+        settings.arena_bytes >> 20,
+    )
     if metrics_port:
         print(f"METRICS {worker.metrics_address}", flush=True)
     print(f"READY {worker.address}", flush=True)

@@ -22,6 +22,7 @@ Other routers' streams are as the entry says. A stream that ended without the wo
 event (cancelled here, or its worker went away) is left to the entry: the worker closes it on
 its own, and a later entry says so.
 """
+
 from __future__ import annotations
 
 from splitserve.service.redis_state import WorkerInfo

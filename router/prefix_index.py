@@ -23,6 +23,7 @@ honest where it can be:
   expecting KV that is still being computed;
 - a worker that restarted (new epoch) or left the registry starts empty.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,9 @@ from collections import OrderedDict
 DEFAULT_BLOCKS = 1 << 16  # per worker, when the worker does not say how much KV it holds
 
 
-def chain(token_ids: list[int], block_size: int, salt: str = "", limit: int | None = None,
-          known: list[int] = ()) -> list[int]:
+def chain(
+    token_ids: list[int], block_size: int, salt: str = "", limit: int | None = None, known: list[int] = ()
+) -> list[int]:
     """The hashes of the full blocks of token_ids, each over its tokens and the hash before it
     (the salt roots the chain, as cache_salt roots the engine's), at most `limit` of them.
     `known`: the hashes of its first blocks, already computed (the chain goes on from them)."""
@@ -40,7 +42,7 @@ def chain(token_ids: list[int], block_size: int, salt: str = "", limit: int | No
     out = list(known[:n])
     h = out[-1] if out else root(salt)
     for i in range(len(out), n):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        h = hash((h, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         out.append(h)
     return out
 

@@ -14,6 +14,7 @@ It stays a guess, as the record is. An entry lost (Redis unreachable, a reader s
 that the stream was trimmed past it) costs a placement by load; the worker looks prompts up by
 their exact tokens.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -94,8 +95,12 @@ class SharedRecord:
             try:
                 async with self.r.pipeline(transaction=False) as p:
                     for worker_id, epoch, hashes in batch:
-                        p.xadd(self.key, {"r": self.id, "w": worker_id, "e": epoch, "h": pack(hashes)},
-                               maxlen=STREAM_MAXLEN, approximate=True)
+                        p.xadd(
+                            self.key,
+                            {"r": self.id, "w": worker_id, "e": epoch, "h": pack(hashes)},
+                            maxlen=STREAM_MAXLEN,
+                            approximate=True,
+                        )
                     p.expire(self.key, STREAM_TTL_S)
                     await p.execute()
             except Exception as e:  # noqa: BLE001 - lost entries cost placements, not requests
@@ -120,7 +125,7 @@ class SharedRecord:
                 last = None
                 await asyncio.sleep(1.0)
                 continue
-            for _stream, entries in (got.items() if isinstance(got, dict) else got or ()):  # RESP3, RESP2
+            for _stream, entries in got.items() if isinstance(got, dict) else got or ():  # RESP3, RESP2
                 for entry_id, fields in entries:
                     last = entry_id
                     try:

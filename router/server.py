@@ -38,20 +38,45 @@ from splitserve.router.placement import Placement, Placements
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.prefix_share import SharedRecord
 from splitserve.service import convert, grpc_server
-from splitserve.service.errors import (REDIS_UNREACHABLE, AlreadyExists, Cancelled, NotFound, Refused, ServiceError,
-                                      Unavailable, code_of, fit_details, status_code)
+from splitserve.service.errors import (
+    REDIS_UNREACHABLE,
+    AlreadyExists,
+    Cancelled,
+    NotFound,
+    Refused,
+    ServiceError,
+    Unavailable,
+    code_of,
+    fit_details,
+    status_code,
+)
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background, settled, until_answered
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, CALL_TIMEOUT_S, DEQUEUE_LUA, FINAL_STATES,
-                                           LOCAL_FIELD, MAY_RUN_AGAIN, PROGRESS_LUA, QUEUE_FIELDS, REAP_LUA, RESUME_LUA,
-                                           TAKE_BACK_LUA,
-                                           Job, Keys, WorkerInfo, connect, priority_class, queue_counts,
-                                           sampling_to_dict)
+from splitserve.service.redis_state import (
+    ABORT_LUA,
+    ADMIT_LUA,
+    CALL_TIMEOUT_S,
+    DEQUEUE_LUA,
+    FINAL_STATES,
+    LOCAL_FIELD,
+    MAY_RUN_AGAIN,
+    PROGRESS_LUA,
+    QUEUE_FIELDS,
+    REAP_LUA,
+    RESUME_LUA,
+    TAKE_BACK_LUA,
+    Job,
+    Keys,
+    WorkerInfo,
+    connect,
+    priority_class,
+    queue_counts,
+    sampling_to_dict,
+)
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
-from splitserve_proto.v1 import generation_pb2_grpc
+from splitserve_proto.v1 import generation_pb2_grpc, worker_pb2_grpc
 from splitserve_proto.v1 import worker_pb2 as w_pb
-from splitserve_proto.v1 import worker_pb2_grpc
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 log = logging.getLogger(__name__)
@@ -85,6 +110,7 @@ class Result:
     and log probabilities, after the `start` tokens (`start_chars` characters of text) its client
     had already (resume_from); `before`: the sample had finished before this attempt (its client
     has it all, the router none of it)."""
+
     start: int = 0
     start_chars: int = 0
     before: bool = False
@@ -105,10 +131,15 @@ class Result:
 
     def message(self, index: int) -> gen_pb.GenerateResponse:
         """As it is kept for a request of n > 1 samples: one of the choices of result_samples."""
-        return gen_pb.GenerateResponse(index=index, token_ids=self.tokens, text="".join(self.texts),
-                                       logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-                                       finish_reason=self.finish_reason,
-                                       usage=gen_pb.Usage(completion_tokens=self.completion_tokens))
+        return gen_pb.GenerateResponse(
+            index=index,
+            token_ids=self.tokens,
+            text="".join(self.texts),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            finish_reason=self.finish_reason,
+            usage=gen_pb.Usage(completion_tokens=self.completion_tokens),
+        )
 
 
 class Recorded(Exception):
@@ -242,8 +273,9 @@ class Frontend:
     """What the router knows of the model: tokenizer, vocabulary, context."""
 
     def __init__(self, settings: Settings):
-        self.tokenizer, config, self.name = load_frontend(ModelSpec(path=settings.model or None,
-                                                                    cache_dir=settings.cache_dir))
+        self.tokenizer, config, self.name = load_frontend(
+            ModelSpec(path=settings.model or None, cache_dir=settings.cache_dir)
+        )
         if self.tokenizer is not None:  # worked out now (~20 ms and ~0.7 s of imports), not at the first request
             self.tokenizer.max_token_chars  # noqa: B018
             if self.tokenizer.chat_template:
@@ -255,8 +287,9 @@ class Frontend:
         self.context = config.context_length
         self.eos = config.eos_with(self.tokenizer)
         # Structured output's formats are compiled here too, so one that does not is refused before it is queued.
-        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab, self.eos,
-                                                                     settings.max_mask_ms)
+        self.grammars = (
+            None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab, self.eos, settings.max_mask_ms)
+        )
 
     def max_request_bytes(self) -> int:
         """The largest GenerateRequest worth reading: a text the context could hold (4 bytes a
@@ -277,27 +310,37 @@ class Frontend:
         count as characters (many are read on a thread)."""
         kind = req.WhichOneof("input")
         if truncating:
-            return len(req.token_ids.ids) if kind == "token_ids" else len(req.prompt) if kind == "prompt" else sum(
-                len(m.content) + len(m.role) for m in req.messages.messages)
+            return (
+                len(req.token_ids.ids)
+                if kind == "token_ids"
+                else len(req.prompt)
+                if kind == "prompt"
+                else sum(len(m.content) + len(m.role) for m in req.messages.messages)
+            )
         if kind == "token_ids":
             if (n := len(req.token_ids.ids)) >= self.context:
-                raise InvalidRequestError("token_ids", f"is {n} tokens; the context length is {self.context}, "
-                                                       "prompt and completion together")
+                raise InvalidRequestError(
+                    "token_ids", f"is {n} tokens; the context length is {self.context}, prompt and completion together"
+                )
             return 0
         if kind == "prompt":
             n = len(req.prompt)
         elif kind == "messages":
             msgs = req.messages.messages
             if len(msgs) > self.context:  # a chat template gives a message at least one token
-                raise InvalidRequestError("messages", f"{len(msgs)} messages cannot fit the context length "
-                                                      f"{self.context}")
+                raise InvalidRequestError(
+                    "messages", f"{len(msgs)} messages cannot fit the context length {self.context}"
+                )
             n = sum(len(m.content) + len(m.role) for m in msgs)
         else:
             return 0
         most = self.context * (self.tokenizer.max_token_chars or 0) if self.tokenizer else 0
         if most and n > most:
-            raise InvalidRequestError(kind, f"is {n} characters: at least {-(-n // self.tokenizer.max_token_chars)} "
-                                            f"tokens, and the context length is {self.context}")
+            raise InvalidRequestError(
+                kind,
+                f"is {n} characters: at least {-(-n // self.tokenizer.max_token_chars)} "
+                f"tokens, and the context length is {self.context}",
+            )
         return n
 
     def prompt_ids(self, req: gen_pb.GenerateRequest) -> list[int]:
@@ -347,10 +390,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         # ... and each prefill worker (the prompts it prefilled): a job goes to the one with most of
         # its prompt, while that one has room (prefill_affinity_jobs; ADMIT_LUA)
         self.prefill_prefixes = PrefixIndex(settings.block_size)
-        self.prefill_affinity = (not self.colocated and settings.prefix_caching and settings.prefill_affinity_jobs > 0)
+        self.prefill_affinity = not self.colocated and settings.prefix_caching and settings.prefill_affinity_jobs > 0
         # only continuous engines cache prefixes (a decode worker's policy is the stack's)
-        self.affinity = (settings.prefix_caching and settings.policy == "continuous"
-                         and settings.prefix_affinity_slack >= 0)
+        self.affinity = (
+            settings.prefix_caching and settings.policy == "continuous" and settings.prefix_affinity_slack >= 0
+        )
         self.peers = Peers(self._open_channel)
         self.active: dict[str, Active] = {}
         self.cut = ""  # why every request is cut off (cut_off: this router is stopping), once it is
@@ -363,8 +407,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics or RouterMetrics()
         self.background = Background()
         # the other routers' records come in, and this one's go out (while run() runs: serve())
-        self.shared = SharedRecord(r, self.keys.prefix_records, self.id, [self.prefixes, self.prefill_prefixes],
-                                   self.metrics)
+        self.shared = SharedRecord(
+            r, self.keys.prefix_records, self.id, [self.prefixes, self.prefill_prefixes], self.metrics
+        )
 
     # -- registry -----------------------------------------------------------------------
 
@@ -439,8 +484,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             await asyncio.sleep(min(self.s.heartbeat_s / 4, max(0.0, until - time.monotonic())))
             await self.refresh_since(time.monotonic())
 
-    def pick(self, need_tokens: int, hashes: list[int] | None = None,
-             exclude: str = "", prefer: str = "") -> tuple[WorkerInfo, Placement, int]:
+    def pick(
+        self, need_tokens: int, hashes: list[int] | None = None, exclude: str = "", prefer: str = ""
+    ) -> tuple[WorkerInfo, Placement, int]:
         """The decode worker for a request of need_tokens (prompt + max_tokens) whose prompt has the
         block hashes `hashes` (PrefixIndex.prompt_chain), its placement, and the prompt tokens it
         is expected to find in its prefix cache. The least loaded worker, unless one expected to
@@ -449,13 +495,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         Never the worker `exclude` (one a request was lost on)."""
         workers = [w for w in self.workers if w.worker_id != exclude]
         if not workers:
-            raise Unavailable("no decode worker is registered" + (f" but {exclude}, which was lost" if exclude else "")
-                              + "; retry shortly")
+            raise Unavailable(
+                "no decode worker is registered"
+                + (f" but {exclude}, which was lost" if exclude else "")
+                + "; retry shortly"
+            )
         largest = max(w.kv_capacity_tokens for w in workers)
         if largest < need_tokens and all(w.kv_capacity_tokens for w in workers):  # 0: an older worker, unknown
-            raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens (× sampling.n) = {need_tokens} "
-                                                             f"tokens can never fit "
-                                      f"in a decode worker's KV cache (the largest holds {largest})")
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt + max_tokens (× sampling.n) = {need_tokens} "
+                f"tokens can never fit "
+                f"in a decode worker's KV cache (the largest holds {largest})",
+            )
 
         def load(w: WorkerInfo) -> tuple:
             return (self.placements.free_kv(w) < need_tokens, self.placements.load(w))
@@ -488,11 +540,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         and low go to their class's stream, read by every worker in its turn). Whether the job goes
         to it is ADMIT_LUA's to say: while that worker is registered and fewer than
         prefill_affinity_jobs of its jobs wait."""
-        if not (self.prefill_affinity and hashes) or priority_class(priority) != "normal" \
-                or len(self.prefill_prefixes.epochs) < 2:
+        if (
+            not (self.prefill_affinity and hashes)
+            or priority_class(priority) != "normal"
+            or len(self.prefill_prefixes.epochs) < 2
+        ):
             return []
-        held = sorted(((self.prefill_prefixes.cached_tokens(w, hashes), w) for w in self.prefill_prefixes.blocks),
-                      reverse=True)
+        held = sorted(
+            ((self.prefill_prefixes.cached_tokens(w, hashes), w) for w in self.prefill_prefixes.blocks), reverse=True
+        )
         if not held or held[0][0] == 0 or (len(held) > 1 and held[1][0] == held[0][0]):
             return []
         return [held[0][1], held[0][0]]
@@ -531,7 +587,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             self._cut(rid, a, why)
 
     @staticmethod
-    def _cut(rid: str, a: "Active", why: str) -> None:
+    def _cut(rid: str, a: Active, why: str) -> None:
         """Its current call is cancelled even if it has ended already (lost, aborted): one cut as it
         resumed on another decode worker has a new call since (_resume)."""
         if not (a.lost or a.aborted):
@@ -539,7 +595,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             log.warning("request %s: %s", rid, why)
         a.call.cancel()
 
-    def _cut_if_stopping(self, rid: str, a: "Active") -> None:
+    def _cut_if_stopping(self, rid: str, a: Active) -> None:
         """A request admitted after its router's drain ran out (its decode worker accepted it late: a
         padded batch running, a stopped worker) is cut off at once, as those running then were: it
         ran on until gRPC's grace ended it, "Cancelling all calls", recorded cancelled. So is one
@@ -584,20 +640,31 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             # again after an outage or a stall (or this router's loop was held up), every router's
             # lease may have run out, and the others must get the time to renew theirs.
             t = time.monotonic()
-            if (self.renewing_since is None or t - self.renewing_since < self.lease_s
-                    or t - self.last_renewal > self.s.heartbeat_s):
+            if (
+                self.renewing_since is None
+                or t - self.renewing_since < self.lease_s
+                or t - self.last_renewal > self.s.heartbeat_s
+            ):
                 return 0
-            dead = [x.decode() for x in await self.redis.zrangebyscore(self.keys.routers, "-inf", self.redis_now())
-                    if x.decode() != self.id]
+            dead = [
+                x.decode()
+                for x in await self.redis.zrangebyscore(self.keys.routers, "-inf", self.redis_now())
+                if x.decode() != self.id
+            ]
         else:
             dead = [router_id]
         n = 0
         for rt in dead:
             members = await self.redis.smembers(self.keys.router_requests(rt))
-            keys = [self.keys.routers, self.keys.router_requests(rt), self.keys.admission,
-                    *(self.keys.req(m.decode()) for m in members)]
-            marked = await self.reap_script(keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s,
-                                                             1 if router_id else 0])
+            keys = [
+                self.keys.routers,
+                self.keys.router_requests(rt),
+                self.keys.admission,
+                *(self.keys.req(m.decode()) for m in members),
+            ]
+            marked = await self.reap_script(
+                keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s, 1 if router_id else 0]
+            )
             if marked and rt != self.id:
                 log.warning("router %s went away: %d of its requests marked failed", rt, marked)
                 self.metrics.reaped.inc(int(marked))
@@ -614,8 +681,10 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         moved = [(rid, a, a.sent) for rid, a in self.active.items() if a.first_token and a.sent != a.recorded]
         if not moved:
             return
-        await self.progress_script(keys=[self.keys.req(rid) for rid, _, _ in moved],
-                                   args=[x for _, a, sent in moved for x in (sent, a.first_token)])
+        await self.progress_script(
+            keys=[self.keys.req(rid) for rid, _, _ in moved],
+            args=[x for _, a, sent in moved for x in (sent, a.first_token)],
+        )
         for _, a, sent in moved:
             a.recorded = sent
 
@@ -630,14 +699,24 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         disaggregation) is held there, not in Redis: not checked.
         While no prefill worker is registered (local_prefill_without_prefill_workers), those still
         queued are taken back for their decode workers to prefill (take_back)."""
-        waiting = [(rid, a) for rid, a in self.active.items()
-                   if not (a.first or a.aborted or a.lost or a.moved or a.local)]
+        waiting = [
+            (rid, a) for rid, a in self.active.items() if not (a.first or a.aborted or a.lost or a.moved or a.local)
+        ]
         if not waiting:
             return
         async with self.redis.pipeline(transaction=False) as p:
             for rid, _ in waiting:
-                p.hmget(self.keys.req(rid), "t_admitted", "reaped", "router", "state", "error", "code", "lost_to",
-                        "decode_worker")
+                p.hmget(
+                    self.keys.req(rid),
+                    "t_admitted",
+                    "reaped",
+                    "router",
+                    "state",
+                    "error",
+                    "code",
+                    "lost_to",
+                    "decode_worker",
+                )
             rows = await p.execute()
         now = time.monotonic()
         restored = []
@@ -695,8 +774,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         and without this it would wait for one to return, or for its deadline. A prefill worker
         that has picked it up keeps it (the script takes back only a request still queued), and one
         that pulls its job later skips it. It then counts as one its decode worker prefills."""
-        took = await self.take_back_script(keys=[self.keys.admission, self.keys.req(rid)],
-                                           args=[len(a.ids), time.time()])
+        took = await self.take_back_script(
+            keys=[self.keys.admission, self.keys.req(rid)], args=[len(a.ids), time.time()]
+        )
         if not int(took):
             return
         if self.active.get(rid) is not a:  # it ended meanwhile, its counts not returned: they go back now
@@ -708,9 +788,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.background.start(self._prefill_at_decode_worker(rid, a))
 
     async def _prefill_at_decode_worker(self, rid: str, a: Active) -> None:
-        req = w_pb.PrefillHereRequest(request_id=rid, prompt_token_ids=a.ids, priority=a.priority,
-                                      sampling=convert.sampling_to_pb(a.params), cache_salt=a.cache_salt,
-                                      queue_ms=(time.time() - a.t_admitted) * 1000)
+        req = w_pb.PrefillHereRequest(
+            request_id=rid,
+            prompt_token_ids=a.ids,
+            priority=a.priority,
+            sampling=convert.sampling_to_pb(a.params),
+            cache_salt=a.cache_salt,
+            queue_ms=(time.time() - a.t_admitted) * 1000,
+        )
         try:
             await self.stub(a.address).PrefillHere(req, timeout=10.0)
         except grpc.aio.AioRpcError as e:
@@ -729,13 +814,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if self.redis_away:
             raise redis.exceptions.ConnectionError(
                 f"it did not answer this router's last call within {CALL_TIMEOUT_S:g} s (asked again every "
-                f"{self.s.heartbeat_s / 2:g} s)")
+                f"{self.s.heartbeat_s / 2:g} s)"
+            )
 
     async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
         """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once). While
         Redis is away, in the background, until it answers (the request goes on meanwhile)."""
-        await self._write(functools.partial(self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)],
-                                            args=[prompt_tokens]), f"{rid}'s queue counts")
+        await self._write(
+            functools.partial(
+                self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)], args=[prompt_tokens]
+            ),
+            f"{rid}'s queue counts",
+        )
 
     async def _write(self, call, what: str, away: bool = False) -> None:
         """A Redis write (call) that the request's path does not wait for while Redis is away (`away`,
@@ -793,16 +883,22 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
     def _check_follows(self, c: gen_pb.Continuation, fmt) -> None:
         """The tokens a client sent again to go on (resume_from) follow the request's format, or the
         request is refused here, naming them, rather than by the worker that would prefill it."""
-        carried = [("resume_from.token_ids", c.token_ids)] if c.token_ids else [
-            (f"resume_from.samples[{k}].token_ids", s.token_ids) for k, s in enumerate(c.samples) if not s.finished]
+        carried = (
+            [("resume_from.token_ids", c.token_ids)]
+            if c.token_ids
+            else [
+                (f"resume_from.samples[{k}].token_ids", s.token_ids) for k, s in enumerate(c.samples) if not s.finished
+            ]
+        )
         for field, tokens in carried:
             try:
                 m = self.front.grammars.matcher(fmt, tokens)
             except ValueError as e:
                 raise InvalidRequestError(field, f"these tokens {e}") from None
             if c.token_ids and m.is_stopped():  # (a sample of n > 1 so ends at once: resume_samples)
-                raise InvalidRequestError(field, f"these tokens complete {fmt.field}, which ends the request: none "
-                                                 "is left to generate")
+                raise InvalidRequestError(
+                    field, f"these tokens complete {fmt.field}, which ends the request: none is left to generate"
+                )
 
     def _continuation(self, request: gen_pb.GenerateRequest, params: SamplingParams) -> Sent:
         """What the client of a stream sent again to go on has (resume_from), checked: the
@@ -810,13 +906,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         c = request.resume_from
         if params.n == 1:
             if c.samples:
-                raise InvalidRequestError("resume_from.samples", "are for sampling.n > 1; with n 1, send "
-                                                                 "resume_from.token_ids and text_chars")
+                raise InvalidRequestError(
+                    "resume_from.samples", "are for sampling.n > 1; with n 1, send resume_from.token_ids and text_chars"
+                )
             self._check_carried("resume_from.token_ids", c.token_ids, params)
             return Sent(c.token_ids, c.text_chars)
         if c.token_ids:
-            raise InvalidRequestError("resume_from.token_ids", f"sampling.n is {params.n}: send each sample's in "
-                                                               "resume_from.samples")
+            raise InvalidRequestError(
+                "resume_from.token_ids", f"sampling.n is {params.n}: send each sample's in resume_from.samples"
+            )
         have = Sent([], 0)
         listed = set()
         for k, sample in enumerate(c.samples):
@@ -829,35 +927,43 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             # One not finished may hold max_tokens: its client had its last token, not the message of
             # its end (a first token sent ahead of its KV is followed by one); resumed, it ends at once.
             if len(sample.token_ids) > params.max_tokens:
-                raise InvalidRequestError(f"{field}.token_ids", f"{len(sample.token_ids)} tokens: more than "
-                                                                f"sampling.max_tokens ({params.max_tokens})")
+                raise InvalidRequestError(
+                    f"{field}.token_ids",
+                    f"{len(sample.token_ids)} tokens: more than sampling.max_tokens ({params.max_tokens})",
+                )
             if not sample.finished:
                 check_vocab(f"{field}.token_ids", sample.token_ids, self.front.vocab)
             have.tokens[sample.index], have.chars[sample.index] = list(sample.token_ids), sample.text_chars
             if sample.finished:
                 have.finished.add(sample.index)
         if len(have.finished) == params.n:
-            raise InvalidRequestError("resume_from.samples", f"all {params.n} samples finished: nothing is left "
-                                                             "to generate")
+            raise InvalidRequestError(
+                "resume_from.samples", f"all {params.n} samples finished: nothing is left to generate"
+            )
         return have
 
     def _check_carried(self, field: str, tokens, params: SamplingParams) -> None:
         if len(tokens) >= params.max_tokens:
-            raise InvalidRequestError(field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) "
-                                             "leaves none to generate")
+            raise InvalidRequestError(
+                field, f"{len(tokens)} tokens: sampling.max_tokens ({params.max_tokens}) leaves none to generate"
+            )
         check_vocab(field, tokens, self.front.vocab)
         # Tokens that end it leave none to generate (a complete format: _check_follows): the engine
         # that took them would refuse them too, naming its own field.
         if not tokens or len(tokens) < params.min_tokens:
             return
         if tokens[-1] in params.stop_token_ids or (not params.ignore_eos and tokens[-1] in self.front.eos):
-            raise InvalidRequestError(field, f"the last, {tokens[-1]}, ends the request (an end-of-sequence or "
-                                             "stop token): none is left to generate")
+            raise InvalidRequestError(
+                field,
+                f"the last, {tokens[-1]}, ends the request (an end-of-sequence or "
+                "stop token): none is left to generate",
+            )
         if params.stop and self.front.tokenizer is not None:
             text = self.front.tokenizer.decode(list(tokens), params.skip_special_tokens)
             if hit := next((s for s in params.stop if s in text), None):
-                raise InvalidRequestError(field, f"their text holds the stop string {hit!r}, which ends the request: "
-                                                 "none is left to generate")
+                raise InvalidRequestError(
+                    field, f"their text holds the stop string {hit!r}, which ends the request: none is left to generate"
+                )
 
     async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list, str]:
         """The id a request with a client-chosen request_id runs under, ADMIT_LUA's extra keys
@@ -876,50 +982,91 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         supersede = have.count() > 0
         first = self.keys.req(rid)
         state, early, aborted, attempts, current, fp_first, was_on = await self.redis.hmget(
-            first, "state", "early", "aborted", "attempts", "current", "fingerprint", "decode_worker")
+            first, "state", "early", "aborted", "attempts", "current", "fingerprint", "decode_worker"
+        )
         if state is None:
             return rid, [], [0, fp], ""
         if early == b"1":
             raise _aborted_first(rid)
         if fp_first is not None and fp_first.decode() != fp:
-            raise AlreadyExists(f"request_id {rid!r} belongs to a different request (its input, sampling or priority "
-                                "differ); send this one with a new request_id")
+            raise AlreadyExists(
+                f"request_id {rid!r} belongs to a different request (its input, sampling or priority "
+                "differ); send this one with a new request_id"
+            )
         latest = current.decode() if current else rid
         if latest != rid:
             state, aborted, was_on = await self.redis.hmget(self.keys.req(latest), "state", "aborted", "decode_worker")
         if state == b"finished":
             if (recorded := await self._recorded(rid, latest, have)) is not None:
                 raise Recorded(recorded)
-            raise AlreadyExists(f"request_id {rid!r} already exists and finished, and its result was not kept (only "
-                                f"one of at most replay_max_tokens = {self.s.replay_max_tokens} tokens, n x "
-                                "max_tokens, is); see GetRequest")
+            raise AlreadyExists(
+                f"request_id {rid!r} already exists and finished, and its result was not kept (only "
+                f"one of at most replay_max_tokens = {self.s.replay_max_tokens} tokens, n x "
+                "max_tokens, is); see GetRequest"
+            )
         if aborted:
             raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
-        if state is not None and state.decode() not in MAY_RUN_AGAIN \
-                and not (supersede and state.decode() not in FINAL_STATES):  # None: the latest's hash expired
-            raise AlreadyExists(f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
-                                "request may be sent again once it has ended")
+        if (
+            state is not None
+            and state.decode() not in MAY_RUN_AGAIN
+            and not (supersede and state.decode() not in FINAL_STATES)
+        ):  # None: the latest's hash expired
+            raise AlreadyExists(
+                f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
+                "request may be sent again once it has ended"
+            )
         n = int(attempts or 1)
-        return (f"{rid}{ATTEMPT_SEP}{n + 1}", [first, self.keys.req(latest)], [n, fp],
-                (was_on or b"").decode() if supersede else "")
+        return (
+            f"{rid}{ATTEMPT_SEP}{n + 1}",
+            [first, self.keys.req(latest)],
+            [n, fp],
+            (was_on or b"").decode() if supersede else "",
+        )
 
     async def _recorded(self, rid: str, attempt: str, have: Sent) -> list[gen_pb.GenerateResponse] | None:
         """The result a finished attempt left in its hash (_mark), as its replay: a message for each
         sample, after the tokens its client has of it (have, resume_from: the last message did not
         reach it), none for a sample it has whole (finished); None if the attempt left none."""
-        tokens, text, reason, n_prompt, n_out, n_cached, logprobs, start, start_chars, samples, starts = \
-            await self.redis.hmget(self.keys.req(attempt), "result_tokens", "result_text", "finish_reason",
-                                   "prompt_tokens", "completion_tokens", "cached_tokens", "result_logprobs",
-                                   "result_start", "result_start_chars", "result_samples", "result_starts")
+        (
+            tokens,
+            text,
+            reason,
+            n_prompt,
+            n_out,
+            n_cached,
+            logprobs,
+            start,
+            start_chars,
+            samples,
+            starts,
+        ) = await self.redis.hmget(
+            self.keys.req(attempt),
+            "result_tokens",
+            "result_text",
+            "finish_reason",
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "result_logprobs",
+            "result_start",
+            "result_start_chars",
+            "result_samples",
+            "result_starts",
+        )
         if samples is not None:  # n > 1: each sample's, and where it started (_mark)
             kept = message_from_text(samples).choices
             begun = [tuple(int(x) for x in s.split(":")) for s in starts.decode().split(",")]
         elif tokens is None:
             return None
         else:
-            kept = [gen_pb.GenerateResponse(token_ids=[int(t) for t in tokens.split(b",") if t],
-                                            text=(text or b"").decode(), finish_reason=(reason or b"").decode(),
-                                            usage=gen_pb.Usage(completion_tokens=int(n_out or 0)))]
+            kept = [
+                gen_pb.GenerateResponse(
+                    token_ids=[int(t) for t in tokens.split(b",") if t],
+                    text=(text or b"").decode(),
+                    finish_reason=(reason or b"").decode(),
+                    usage=gen_pb.Usage(completion_tokens=int(n_out or 0)),
+                )
+            ]
             if logprobs:
                 kept[0].MergeFrom(message_from_text(logprobs))  # (only log probabilities)
             begun = [(int(start or 0), int(start_chars or 0), 0)]
@@ -927,9 +1074,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         for sample, (first, first_chars, before) in zip(kept, begun):
             i = sample.index
             if before and i not in have.finished:
-                raise AlreadyExists(f"request_id {rid!r} already exists and finished; sample {i} had finished before "
-                                    "its last attempt, which went on from resume_from: only what came after was kept, "
-                                    "for a re-send whose resume_from.samples holds that sample finished")
+                raise AlreadyExists(
+                    f"request_id {rid!r} already exists and finished; sample {i} had finished before "
+                    "its last attempt, which went on from resume_from: only what came after was kept, "
+                    "for a re-send whose resume_from.samples holds that sample finished"
+                )
             if i in have.finished:
                 continue
             resp = self._replay_of(rid, sample, first, first_chars, have.tokens.get(i, []), have.chars.get(i, 0))
@@ -938,21 +1087,33 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         return out
 
     @staticmethod
-    def _replay_of(rid: str, kept: gen_pb.GenerateResponse, start: int, start_chars: int, carried: list[int],
-                   chars: int) -> gen_pb.GenerateResponse:
+    def _replay_of(
+        rid: str, kept: gen_pb.GenerateResponse, start: int, start_chars: int, carried: list[int], chars: int
+    ) -> gen_pb.GenerateResponse:
         """A sample's kept result (its tokens after the `start` its attempt went on from) as the
         replay to a client that has `carried` tokens (`chars` characters) of it: what comes after."""
         if len(carried) < start:
-            raise AlreadyExists(f"request_id {rid!r} already exists and finished, going on from {start} tokens its "
-                                "client had (resume_from): only what came after them was kept, for a re-send whose "
-                                "resume_from holds at least those")
+            raise AlreadyExists(
+                f"request_id {rid!r} already exists and finished, going on from {start} tokens its "
+                "client had (resume_from): only what came after them was kept, for a re-send whose "
+                "resume_from holds at least those"
+            )
         skip, skip_chars = len(carried) - start, chars - start_chars
         if carried[start:] != list(kept.token_ids[:skip]) or not 0 <= skip_chars <= len(kept.text):
-            raise AlreadyExists(f"request_id {rid!r} already exists and finished with other tokens than "
-                                "resume_from's (or fewer characters than its text_chars)")
-        resp = gen_pb.GenerateResponse(request_id=rid, index=kept.index, token_ids=kept.token_ids[skip:],
-                                       text=kept.text[skip_chars:], finish_reason=kept.finish_reason, replayed=True,
-                                       usage=kept.usage, logprobs=kept.logprobs[skip:])
+            raise AlreadyExists(
+                f"request_id {rid!r} already exists and finished with other tokens than "
+                "resume_from's (or fewer characters than its text_chars)"
+            )
+        resp = gen_pb.GenerateResponse(
+            request_id=rid,
+            index=kept.index,
+            token_ids=kept.token_ids[skip:],
+            text=kept.text[skip_chars:],
+            finish_reason=kept.finish_reason,
+            replayed=True,
+            usage=kept.usage,
+            logprobs=kept.logprobs[skip:],
+        )
         if not carried:  # they came with the first token
             resp.prompt_logprobs.extend(kept.prompt_logprobs)
         return resp
@@ -1039,10 +1200,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 await self.refresh_since(time.monotonic())
                 if not self.workers:
                     await self._await_registration(deadline)
-            hashes = (self.prefixes.prompt_chain(ids, request.cache_salt)
-                      if self.affinity or self.prefill_affinity else None)
-            worker, placed, expect_cached = self.pick(len(ids) + params.n * params.max_tokens,
-                                                      hashes if self.affinity else None, prefer=was_on)
+            hashes = (
+                self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity or self.prefill_affinity else None
+            )
+            worker, placed, expect_cached = self.pick(
+                len(ids) + params.n * params.max_tokens, hashes if self.affinity else None, prefer=was_on
+            )
             if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
                 expect_cached = 0
             # A stream sent again to go on (its router was lost) goes back to the decode worker that
@@ -1052,17 +1215,23 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             going_on = bool(carried) and worker.worker_id == was_on and self.s.prefix_caching
             local = bool(samples) or going_on or self._prefill_locally(work, expect_cached)
             directed = [] if local else self._prefill_worker_for(hashes, request.priority)
-            adm.set_attributes({"splitserve.prefill.local": local,
-                                "splitserve.prefix.expected_cached_tokens": expect_cached})
+            adm.set_attributes(
+                {"splitserve.prefill.local": local, "splitserve.prefix.expected_cached_tokens": expect_cached}
+            )
         except BaseException as e:
             self._end_admission(adm, e)
             raise
         close_seq = 0  # from the stream's last event
-        dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
-                               attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
-                               | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id})
-        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline,
-                                  priority=request.priority, leg=0)
+        dec = tracing.rpc_span(
+            "splitserve.v1.DecodeWorker/Decode",
+            kind=tracing.SpanKind.CLIENT,
+            parent=rs.ctx,
+            attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
+            | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id},
+        )
+        dreq = w_pb.DecodeRequest(
+            request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=request.priority, leg=0
+        )
         if local:  # the decode worker prefills it itself; the queue counts it until its first token
             dreq.prompt_token_ids.extend(ids + carried)
             dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
@@ -1085,9 +1254,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         sent = sum(sent_by.values())  # completion tokens streamed so far (of all samples)
         cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
         # kept for a replay (_attempt), each sample's: a resumed attempt's after the tokens its client had
-        results = ({i: Result(len(have.tokens.get(i, ())), have.chars.get(i, 0), i in have.finished)
-                    for i in range(params.n)}
-                   if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens else None)
+        results = (
+            {i: Result(len(have.tokens.get(i, ())), have.chars.get(i, 0), i in have.finished) for i in range(params.n)}
+            if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens
+            else None
+        )
         marked = False  # the end recorded (_mark) already
         first_token = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
@@ -1101,36 +1272,70 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         unaccepted = await self._accepted(call, worker, placed)
                     t_admitted = time.time()
                     job = Job(
-                        request_id=rid, token_ids=ids + carried, sampling=sampling_to_dict(params),
-                        decode_worker=worker.worker_id, decode_address=worker.address, decode_epoch=worker.epoch,
-                        decode_host_id=worker.host_id, deadline_unix=deadline,
-                        traceparent=tracing.traceparent_of(rs.span), t_received=t_recv, t_admitted=t_admitted,
-                        priority=request.priority, cache_salt=request.cache_salt, decode_cached_tokens=expect_cached,
-                        resumed=len(carried), resumed_chars=carried_chars,
+                        request_id=rid,
+                        token_ids=ids + carried,
+                        sampling=sampling_to_dict(params),
+                        decode_worker=worker.worker_id,
+                        decode_address=worker.address,
+                        decode_epoch=worker.epoch,
+                        decode_host_id=worker.host_id,
+                        deadline_unix=deadline,
+                        traceparent=tracing.traceparent_of(rs.span),
+                        t_received=t_recv,
+                        t_admitted=t_admitted,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        decode_cached_tokens=expect_cached,
+                        resumed=len(carried),
+                        resumed_chars=carried_chars,
                     )
                     # Disaggregated, the job is queued while the stream opens: a prefill takes longer
                     # than the stream does, and the decode worker holds a handoff that comes first.
                     # Settled: cut off by a cancel while Redis runs it (a slow or stopped Redis), an
                     # admission would be done there but not here, and its counts never returned.
-                    got = await settled(self.admit_script(
-                        keys=[self.keys.admission, self.keys.stream_for(request.priority), self.keys.req(rid),
-                              self.keys.router_requests(self.id), *attempt_keys,
-                              *((self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
-                                if directed else ())],
-                        args=[work, self.s.max_queue_requests, self.s.max_queue_tokens, frac,
-                              self.s.request_ttl_s, job.to_json(), 0 if local else 1, self.id,
-                              *(*attempt_args, "", "")[:2], self.s.prefill_affinity_jobs if directed else "",
-                              1 if resumed and attempt_keys else 0],
-                    ))
+                    got = await settled(
+                        self.admit_script(
+                            keys=[
+                                self.keys.admission,
+                                self.keys.stream_for(request.priority),
+                                self.keys.req(rid),
+                                self.keys.router_requests(self.id),
+                                *attempt_keys,
+                                *(
+                                    (self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
+                                    if directed
+                                    else ()
+                                ),
+                            ],
+                            args=[
+                                work,
+                                self.s.max_queue_requests,
+                                self.s.max_queue_tokens,
+                                frac,
+                                self.s.request_ttl_s,
+                                job.to_json(),
+                                0 if local else 1,
+                                self.id,
+                                *(*attempt_args, "", "")[:2],
+                                self.s.prefill_affinity_jobs if directed else "",
+                                1 if resumed and attempt_keys else 0,
+                            ],
+                        )
+                    )
                     ok, q, t, lt = (int(x) for x in got[:4])
                     if len(got) > 4 and int(got[4]):
                         self.metrics.prefill_directed.inc()
-                        adm.set_attributes({"splitserve.prefill.sent_to": directed[0],
-                                            "splitserve.prefix.expected_prefill_cached_tokens": directed[1]})
+                        adm.set_attributes(
+                            {
+                                "splitserve.prefill.sent_to": directed[0],
+                                "splitserve.prefix.expected_prefill_cached_tokens": directed[1],
+                            }
+                        )
                     queued = local and ok == 1
                     self.queue_seen, self.local_seen = (q, t, time.monotonic()), lt
-                    adm.set_attributes({"splitserve.queue.requests": q, "splitserve.queue.tokens": t,
-                                        "splitserve.admitted": ok == 1})
+                    adm.set_attributes(
+                        {"splitserve.queue.requests": q, "splitserve.queue.tokens": t, "splitserve.admitted": ok == 1}
+                    )
                     if ok == -1:
                         state = ""
                         raise AlreadyExists(f"request_id {public_id!r} already exists (see GetRequest)")
@@ -1153,9 +1358,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     m.local_prefills.inc()
                 if params.structured_output is not None:
                     m.structured.labels(params.structured_output.kind).inc()
-                active = self.active[rid] = Active(call, worker.address, ids, params, request.priority,
-                                                   request.cache_salt, local, queued, t_admitted, carried=resumed,
-                                                   sent=sent)
+                active = self.active[rid] = Active(
+                    call,
+                    worker.address,
+                    ids,
+                    params,
+                    request.priority,
+                    request.cache_salt,
+                    local,
+                    queued,
+                    t_admitted,
+                    carried=resumed,
+                    sent=sent,
+                )
                 self._cut_if_stopping(rid, active)
                 queued = False  # the active request's now (active.queued): a take-back sets it too
                 final = None
@@ -1168,8 +1383,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                                     raise ev
                             else:
                                 ev = await call.read()
-                            lost = ("decode stream ended without a finish" if ev is grpc.aio.EOF
-                                    else ev.error if ev.error and ev.worker_stopping else "")
+                            lost = (
+                                "decode stream ended without a finish"
+                                if ev is grpc.aio.EOF
+                                else ev.error
+                                if ev.error and ev.worker_stopping
+                                else ""
+                            )
                         except grpc.aio.AioRpcError as e:
                             if e.code() != grpc.StatusCode.UNAVAILABLE:
                                 raise
@@ -1183,18 +1403,26 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
                                 active.queued = False
                                 await self._dequeue(rid, work)
-                            self.placements.ended(worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq,
-                                                  len(ids) + sent)
+                            self.placements.ended(
+                                worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq, len(ids) + sent
+                            )
                             close_seq, placed = 0, None
                             dec.__exit__(Unavailable, Unavailable(lost), None)
                             dec = None
                             call.cancel()
                             old = worker
                             active.moved, active.lost_seen = "", 0.0
-                            call, worker, placed, dec = await self._resume(rid, active, old, lost, have, deadline,
-                                                                           context, rs)
-                            log.warning("request %s: decode worker %s lost (%s); resumed on %s after %d tokens", rid,
-                                        old.worker_id, lost, worker.worker_id, active.carried)
+                            call, worker, placed, dec = await self._resume(
+                                rid, active, old, lost, have, deadline, context, rs
+                            )
+                            log.warning(
+                                "request %s: decode worker %s lost (%s); resumed on %s after %d tokens",
+                                rid,
+                                old.worker_id,
+                                lost,
+                                worker.worker_id,
+                                active.carried,
+                            )
                             continue
                         if ev is None:  # (moved, and it may not resume after all)
                             raise UpstreamError(lost, grpc.StatusCode.UNAVAILABLE)
@@ -1216,13 +1444,21 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             if self.affinity:
                                 self._record(worker, full)
                             if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
-                                self._record(WorkerInfo(ev.prefill_worker, "prefill", "", ""), full,
-                                             self.prefill_prefixes)
-                        if ev.token_ids and not active.first and params.prompt_logprobs is not None and not active.carried \
-                                and len(ev.prompt_logprobs) != len(ids) - 1:
-                            raise UpstreamError(f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
-                                                f"{len(ids)}-token prompt (a worker of a release without them?)",
-                                                grpc.StatusCode.INTERNAL)
+                                self._record(
+                                    WorkerInfo(ev.prefill_worker, "prefill", "", ""), full, self.prefill_prefixes
+                                )
+                        if (
+                            ev.token_ids
+                            and not active.first
+                            and params.prompt_logprobs is not None
+                            and not active.carried
+                            and len(ev.prompt_logprobs) != len(ids) - 1
+                        ):
+                            raise UpstreamError(
+                                f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
+                                f"{len(ids)}-token prompt (a worker of a release without them?)",
+                                grpc.StatusCode.INTERNAL,
+                            )
                         if ev.token_ids or ev.finish_reason:
                             active.first = True
                         if ev.token_ids and not first_token:
@@ -1242,8 +1478,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         if last:
                             final = ev
                             if params.n > 1:  # recorded with every sample's tokens
-                                final = w_pb.DecodeEvent(finish_reason=ev.finish_reason, completion_tokens=sent,
-                                                         cached_tokens=ev.cached_tokens)
+                                final = w_pb.DecodeEvent(
+                                    finish_reason=ev.finish_reason,
+                                    completion_tokens=sent,
+                                    cached_tokens=ev.cached_tokens,
+                                )
                         if results is not None:
                             results[ev.index].add(ev)
                             if last and ev.finish_reason != "cancelled":
@@ -1256,8 +1495,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                         yield rid, public_id, len(ids), ev
                         if last:
                             if self.affinity and have.tokens[0]:  # the KV of all but the last token is cached there
-                                self._record(worker, self.prefixes.chain(ids + have.tokens[0][:-1], request.cache_salt,
-                                                                         hashes))
+                                self._record(
+                                    worker, self.prefixes.chain(ids + have.tokens[0][:-1], request.cache_salt, hashes)
+                                )
                             break
                 except asyncio.CancelledError:
                     if active.lost:
@@ -1284,13 +1524,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     raise UpstreamError(active.lost, active.lost_code) from None
                 if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
                     state = "cancelled"
-                    yield rid, public_id, len(ids), w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached)
+                    yield (
+                        rid,
+                        public_id,
+                        len(ids),
+                        w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached),
+                    )
                     await self._mark(rid, state, first_token=first_token)
                     return
                 state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
                 if e.code() == grpc.StatusCode.UNAVAILABLE:  # say which worker, not just "Socket closed"
-                    raise Unavailable(f"decode worker {worker.worker_id} at {worker.address} went away "
-                                      f"({e.details()}); retry") from e
+                    raise Unavailable(
+                        f"decode worker {worker.worker_id} at {worker.address} went away ({e.details()}); retry"
+                    ) from e
                 raise
             finally:
                 if placed is not None:
@@ -1311,8 +1557,13 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
                         why = str(sys.exc_info()[1])  # its decode worker went away, or it could not resume
                     # Redis not answering: recording it would keep the client waiting as long again.
-                    await self._mark(rid, state, error=why, away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE),
-                                     first_token=first_token)
+                    await self._mark(
+                        rid,
+                        state,
+                        error=why,
+                        away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE),
+                        first_token=first_token,
+                    )
         except BaseException as e:
             failed_with = e
             raise
@@ -1346,8 +1597,17 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if lost is not None:
             raise Unavailable(f"decode worker {worker.worker_id} did not accept the request")
 
-    async def _resume(self, rid: str, a: Active, lost: WorkerInfo, why: str, have: Sent, deadline: float, context,
-                      rs: tracing.rpc_span) -> tuple:
+    async def _resume(
+        self,
+        rid: str,
+        a: Active,
+        lost: WorkerInfo,
+        why: str,
+        have: Sent,
+        deadline: float,
+        context,
+        rs: tracing.rpc_span,
+    ) -> tuple:
         """Resume a request whose decode worker was lost (killed, unreachable, or stopped past its
         drain time) on another: its prompt and the tokens its client has (`have`, with the
         characters of their text; none yet, if it was lost before its first token) are prefilled
@@ -1367,21 +1627,37 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         try:
             worker, placed, _ = self.pick(len(ids) + params.n * params.max_tokens, exclude=lost.worker_id)
         except ServiceError as e:
-            raise Unavailable(f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
-                              f"on another: {e}") from None
+            raise Unavailable(
+                f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume on another: {e}"
+            ) from None
         local = bool(samples) or self._prefill_locally(len(tokens))
         a.resumes += 1
         log.info("request %s: decode worker %s lost (%s); resuming on %s", rid, lost.worker_id, why, worker.worker_id)
-        rs.span.add_event("resumed", {"splitserve.decode_worker.lost": lost.worker_id,
-                                      "splitserve.decode_worker": worker.worker_id, "splitserve.lost.reason": why[:300],
-                                      "splitserve.resumed_tokens": carried, "splitserve.prefill.local": local}
-                          | ({"splitserve.resumed_samples": len(samples)} if samples else {}))
-        dec = tracing.rpc_span("splitserve.v1.DecodeWorker/Decode", kind=tracing.SpanKind.CLIENT, parent=rs.ctx,
-                               attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
-                               | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id,
-                                  "splitserve.resumed_tokens": carried})
-        dreq = w_pb.DecodeRequest(request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority,
-                                  leg=a.resumes)
+        rs.span.add_event(
+            "resumed",
+            {
+                "splitserve.decode_worker.lost": lost.worker_id,
+                "splitserve.decode_worker": worker.worker_id,
+                "splitserve.lost.reason": why[:300],
+                "splitserve.resumed_tokens": carried,
+                "splitserve.prefill.local": local,
+            }
+            | ({"splitserve.resumed_samples": len(samples)} if samples else {}),
+        )
+        dec = tracing.rpc_span(
+            "splitserve.v1.DecodeWorker/Decode",
+            kind=tracing.SpanKind.CLIENT,
+            parent=rs.ctx,
+            attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
+            | {
+                "server.address": worker.address,
+                "splitserve.decode_worker": worker.worker_id,
+                "splitserve.resumed_tokens": carried,
+            },
+        )
+        dreq = w_pb.DecodeRequest(
+            request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=a.priority, leg=a.resumes
+        )
         if samples:
             dreq.prompt_token_ids.extend(ids)
             dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in samples)
@@ -1400,16 +1676,38 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 self._raise_unaccepted(await self._accepted(call, worker, placed), worker)
             now = time.time()
             job = Job(
-                request_id=rid, token_ids=tokens, sampling=sampling_to_dict(params), decode_worker=worker.worker_id,
-                decode_address=worker.address, decode_epoch=worker.epoch, decode_host_id=worker.host_id,
-                deadline_unix=deadline, traceparent=tracing.traceparent_of(rs.span), t_received=now, t_admitted=now,
-                priority=a.priority, cache_salt=a.cache_salt, resumed=len(generated), resumed_chars=chars,
+                request_id=rid,
+                token_ids=tokens,
+                sampling=sampling_to_dict(params),
+                decode_worker=worker.worker_id,
+                decode_address=worker.address,
+                decode_epoch=worker.epoch,
+                decode_host_id=worker.host_id,
+                deadline_unix=deadline,
+                traceparent=tracing.traceparent_of(rs.span),
+                t_received=now,
+                t_admitted=now,
+                priority=a.priority,
+                cache_salt=a.cache_salt,
+                resumed=len(generated),
+                resumed_chars=chars,
                 leg=a.resumes,
             )
-            ok, q, t = (int(x) for x in await self.resume_script(
-                keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
-                args=[len(tokens), self.s.max_queue_requests, self.s.max_queue_tokens, self.s.request_ttl_s,
-                      job.to_json(), 0 if local else 1, lost.worker_id]))
+            ok, q, t = (
+                int(x)
+                for x in await self.resume_script(
+                    keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
+                    args=[
+                        len(tokens),
+                        self.s.max_queue_requests,
+                        self.s.max_queue_tokens,
+                        self.s.request_ttl_s,
+                        job.to_json(),
+                        0 if local else 1,
+                        lost.worker_id,
+                    ],
+                )
+            )
             if ok == -2 and not a.aborted and await self.redis.hget(self.keys.req(rid), "aborted") == b"1":
                 # An Abort through another router, whose Cancel could not reach the lost worker: it is
                 # answered as this router's own (before, the stream failed UNAVAILABLE "it has ended").
@@ -1417,9 +1715,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if ok == -2 and a.aborted:
                 raise asyncio.CancelledError()  # (answered as the Abort's: _events)
             if ok != 1:
-                raise Unavailable(f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
-                                  "on another: " + ("it has ended (see GetRequest)" if ok == -2 else
-                                                    f"the queue is full ({q} requests, {t} tokens)"))
+                raise Unavailable(
+                    f"decode worker {lost.worker_id} was lost ({why}), and the request could not resume "
+                    "on another: "
+                    + ("it has ended (see GetRequest)" if ok == -2 else f"the queue is full ({q} requests, {t} tokens)")
+                )
             if not local:
                 self._raise_unaccepted(await self._accepted(call, worker, placed), worker)
         except BaseException as e:
@@ -1499,8 +1799,16 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         else:
             name_tokens(self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
 
-    async def _mark(self, rid: str, state: str, final=None, error: str = "",
-                    results: dict[int, Result] | None = None, away: bool = False, first_token: float = 0.0) -> None:
+    async def _mark(
+        self,
+        rid: str,
+        state: str,
+        final=None,
+        error: str = "",
+        results: dict[int, Result] | None = None,
+        away: bool = False,
+        first_token: float = 0.0,
+    ) -> None:
         """Record how a request ended (with its last decode event, if any, and what it sent of each
         sample, for a replay); the hash then expires sooner. While Redis is away (`away`: the
         request failed for it), in the background until it answers: the caller does not wait."""
@@ -1509,13 +1817,18 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if first_token:
             mapping["t_first_token"] = first_token
         if final is not None:
-            mapping.update(completion_tokens=final.completion_tokens, finish_reason=final.finish_reason,
-                           cached_tokens=final.cached_tokens)
+            mapping.update(
+                completion_tokens=final.completion_tokens,
+                finish_reason=final.finish_reason,
+                cached_tokens=final.cached_tokens,
+            )
         if results is not None and len(results) > 1:  # every sample's, as text (below)
-            mapping["result_samples"] = message_to_text(gen_pb.GenerateResponse(
-                choices=[r.message(i) for i, r in sorted(results.items())]))
-            mapping["result_starts"] = ",".join(f"{r.start}:{r.start_chars}:{int(r.before)}"
-                                                for _, r in sorted(results.items()))
+            mapping["result_samples"] = message_to_text(
+                gen_pb.GenerateResponse(choices=[r.message(i) for i, r in sorted(results.items())])
+            )
+            mapping["result_starts"] = ",".join(
+                f"{r.start}:{r.start_chars}:{int(r.before)}" for _, r in sorted(results.items())
+            )
         elif results is not None:
             # As text: the hash is read whole and decoded (GetRequest).
             result = results[0]
@@ -1523,8 +1836,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             if result.start:
                 mapping.update(result_start=result.start, result_start_chars=result.start_chars)
             if result.logprobs or result.prompt_logprobs:
-                mapping["result_logprobs"] = message_to_text(gen_pb.GenerateResponse(
-                    logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs))
+                mapping["result_logprobs"] = message_to_text(
+                    gen_pb.GenerateResponse(logprobs=result.logprobs, prompt_logprobs=result.prompt_logprobs)
+                )
         if error:
             mapping["error"] = fit_details(error)  # (a worker of another release may send it whole)
 
@@ -1558,43 +1872,63 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     def _server_span(self, method: str, context) -> tracing.rpc_span:
         full = f"{SERVICE}/{method}"
-        return tracing.rpc_span(full, parent=tracing.extract(context.invocation_metadata()),
-                                attributes=tracing.rpc_attributes(full))
+        return tracing.rpc_span(
+            full, parent=tracing.extract(context.invocation_metadata()), attributes=tracing.rpc_attributes(full)
+        )
 
-    def _finish(self, rs: tracing.rpc_span, resp: gen_pb.GenerateResponse, rid: str, n_prompt: int, ev,
-                t0: float, t_first: float | None, ended: list, n: int) -> None:
+    def _finish(
+        self,
+        rs: tracing.rpc_span,
+        resp: gen_pb.GenerateResponse,
+        rid: str,
+        n_prompt: int,
+        ev,
+        t0: float,
+        t_first: float | None,
+        ended: list,
+        n: int,
+    ) -> None:
         """A sample's last message: its finish reason, usage and timings. ended: the finish events of
         the request's samples so far, this one's last; the last sample's (or a cancellation) records
         the request on the span and in the metrics. n: its samples (TPOT is its longest one's steps)."""
         resp.finish_reason = ev.finish_reason
-        resp.usage.CopyFrom(gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens,
-                                         cached_tokens=ev.cached_tokens))
+        resp.usage.CopyFrom(
+            gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens)
+        )
         resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
         if ev.more:
             return
         t = resp.timings
         out = sum(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else ev.completion_tokens
-        rs.span.set_attributes({
-            "gen_ai.usage.output_tokens": out,
-            "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
-            "gen_ai.response.finish_reasons": [e.finish_reason for e in ended],
-            "splitserve.ttft_ms": t.ttft_ms, "splitserve.e2e_ms": t.e2e_ms,
-        })
+        rs.span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": out,
+                "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
+                "gen_ai.response.finish_reasons": [e.finish_reason for e in ended],
+                "splitserve.ttft_ms": t.ttft_ms,
+                "splitserve.e2e_ms": t.e2e_ms,
+            }
+        )
         if resp.finish_reason == "cancelled":
             self.metrics.cancelled.labels("abort").inc()
         self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
         longest = max(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else 0
         self.metrics.observe_finished(t, resp.finish_reason, out, longest if n > 1 else None)
 
-    def _replayed(self, rs: tracing.rpc_span, responses: list[gen_pb.GenerateResponse],
-                  t0: float) -> list[gen_pb.GenerateResponse]:
+    def _replayed(
+        self, rs: tracing.rpc_span, responses: list[gen_pb.GenerateResponse], t0: float
+    ) -> list[gen_pb.GenerateResponse]:
         """A finished request's recorded result, sent again (a message a sample): on the span and in
         the metrics as such."""
         for resp in responses:
             resp.timings.e2e_ms = (time.perf_counter() - t0) * 1000
-        rs.span.set_attributes({"splitserve.replayed": True,
-                                "gen_ai.response.finish_reasons": [r.finish_reason for r in responses],
-                                "gen_ai.usage.output_tokens": sum(r.usage.completion_tokens for r in responses)})
+        rs.span.set_attributes(
+            {
+                "splitserve.replayed": True,
+                "gen_ai.response.finish_reasons": [r.finish_reason for r in responses],
+                "gen_ai.usage.output_tokens": sum(r.usage.completion_tokens for r in responses),
+            }
+        )
         self.metrics.replayed.inc()
         return responses
 
@@ -1619,9 +1953,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                 try:
                     ended = []
                     async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
-                        resp = gen_pb.GenerateResponse(request_id=public_id, token_ids=ev.token_ids, text=ev.text,
-                                                       logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
-                                                       index=ev.index)
+                        resp = gen_pb.GenerateResponse(
+                            request_id=public_id,
+                            token_ids=ev.token_ids,
+                            text=ev.text,
+                            logprobs=ev.logprobs,
+                            prompt_logprobs=ev.prompt_logprobs,
+                            index=ev.index,
+                        )
                         if t_first is None and ev.token_ids:
                             t_first = time.perf_counter()
                             rs.span.add_event("first_token")
@@ -1663,8 +2002,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                             ended.append(ev)
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
                 except Recorded as r:
-                    return joined({resp.index: resp for resp in self._replayed(rs, r.responses, t0)},
-                                  request.sampling.n)
+                    return joined(
+                        {resp.index: resp for resp in self._replayed(rs, r.responses, t0)}, request.sampling.n
+                    )
         except BaseException as e:
             self._record_error(e)
             raise
@@ -1681,12 +2021,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         rid = await self._latest(request.request_id)
         key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
-        state, wid = (x.decode() if isinstance(x, bytes) else str(x or "")
-                      for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s,
-                                                                         EARLY_ABORT_KEEP_S]))
+        state, wid = (
+            x.decode() if isinstance(x, bytes) else str(x or "")
+            for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s, EARLY_ABORT_KEEP_S])
+        )
         if not state:
-            raise NotFound(f"no request {request.request_id!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, "
-                           "it is refused as cancelled)")
+            raise NotFound(
+                f"no request {request.request_id!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, "
+                "it is refused as cancelled)"
+            )
         active = self.active.get(rid)
         if active is not None:
             active.aborted = True
@@ -1702,8 +2045,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         if not address and wid:  # registered since the last registry read
             address = (await self.redis.hget(self.keys.worker("decode", wid), "address") or b"").decode()
         if not address:
-            log.warning("abort %s: its decode worker %s is not registered (its stream ends when the worker goes)",
-                        rid, wid)
+            log.warning(
+                "abort %s: its decode worker %s is not registered (its stream ends when the worker goes)", rid, wid
+            )
             return
         try:
             await self.stub(address).Cancel(w_pb.CancelRequest(request_id=rid), timeout=5.0)
@@ -1724,15 +2068,21 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             raise NotFound(f"no request {rid!r} (unknown, or expired)")
         m = {k.decode(): v.decode() for k, v in m.items()}
         return gen_pb.RequestInfo(
-            request_id=rid, state=m.get("state", ""), attempts=attempts,
+            request_id=rid,
+            state=m.get("state", ""),
+            attempts=attempts,
             timestamps={k[2:]: float(v) for k, v in m.items() if k.startswith("t_")},
-            prefill_worker=m.get("prefill_worker", ""), decode_worker=m.get("decode_worker", ""),
-            prompt_tokens=int(m.get("prompt_tokens", 0)), completion_tokens=int(m.get("completion_tokens", 0)),
-            cached_tokens=int(m.get("cached_tokens", 0)), finish_reason=m.get("finish_reason", ""), error=m.get("error", ""),
-            kv_transport=m.get("kv_transport", ""), kv_bytes=int(m.get("kv_bytes", 0)),
+            prefill_worker=m.get("prefill_worker", ""),
+            decode_worker=m.get("decode_worker", ""),
+            prompt_tokens=int(m.get("prompt_tokens", 0)),
+            completion_tokens=int(m.get("completion_tokens", 0)),
+            cached_tokens=int(m.get("cached_tokens", 0)),
+            finish_reason=m.get("finish_reason", ""),
+            error=m.get("error", ""),
+            kv_transport=m.get("kv_transport", ""),
+            kv_bytes=int(m.get("kv_bytes", 0)),
             resumes=int(m.get("resumed", 0)),
         )
-
 
     async def Tokenize(self, request, context):
         kind = request.WhichOneof("input")
@@ -1744,8 +2094,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             ids = await asyncio.to_thread(self.front.prompt_ids, as_generate)
         else:
             ids = self.front.prompt_ids(as_generate)
-        return gen_pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=self.front.context,
-                                       model=self.front.name)
+        return gen_pb.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=self.front.context, model=self.front.name
+        )
 
     async def Detokenize(self, request, context):
         tok = self.front.tokenizer
@@ -1792,7 +2143,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 log.warning("registry refresh failed: %s", e)
 
     task = asyncio.create_task(refresh())
-    sharing = asyncio.create_task(servicer.shared.run()) if servicer.affinity and settings.share_prefix_records else None
+    sharing = (
+        asyncio.create_task(servicer.shared.run()) if servicer.affinity and settings.share_prefix_records else None
+    )
     address = settings.address(port)
     log.info("router serving on %s", address)
     if metrics_port:
@@ -1812,8 +2165,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # and a drain over before its admission was would cut it off as it came out)
     while (servicer.active or servicer.calls) and time.monotonic() < t_end:
         await asyncio.sleep(0.05)
-    servicer.cut_off(f"router {servicer.id} stopped before this request finished (its drain of "
-                     f"{settings.drain_s:g} s ran out); retry")
+    servicer.cut_off(
+        f"router {servicer.id} stopped before this request finished (its drain of "
+        f"{settings.drain_s:g} s ran out); retry"
+    )
     await stopping
     for peer in servicer.peers.clear():  # their watchers end with them
         await peer.channel.close()

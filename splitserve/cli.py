@@ -29,6 +29,7 @@ def _check_model(args) -> int:
 
 def _at_least(least: int):
     """An argparse type: a whole number >= least (argparse names the flag in its error)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -37,6 +38,7 @@ def _at_least(least: int):
         if value < least:
             raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
         return value
+
     return parse
 
 
@@ -101,22 +103,35 @@ def _up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup: left ignored
             signal.signal(sig, lambda *_: stop.set())
-    print(f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
-          f"{n_prefill} prefill worker(s), {args.routers} router(s) ...", flush=True)
+    print(
+        f"starting: redis ({'external' if settings.redis_url else 'embedded'}), {args.decode} decode worker(s), "
+        f"{n_prefill} prefill worker(s), {args.routers} router(s) ...",
+        flush=True,
+    )
     try:
         stack.start()
         print(f"splitserve is up: router at {', '.join(stack.router_addresses)}  (logs in {stack.run_dir})", flush=True)
-        state = {"router": stack.router_address, "routers": stack.router_addresses, "pid": os.getpid(), "redis_url": stack.settings.redis_url,
-                 "redis_prefix": stack.settings.redis_prefix, "trace_file": stack.settings.trace_file,
-                 "run_dir": stack.run_dir, "metrics": {p.name: p.metrics_address for p in stack.procs}}
+        state = {
+            "router": stack.router_address,
+            "routers": stack.router_addresses,
+            "pid": os.getpid(),
+            "redis_url": stack.settings.redis_url,
+            "redis_prefix": stack.settings.redis_prefix,
+            "trace_file": stack.settings.trace_file,
+            "run_dir": stack.run_dir,
+            "metrics": {p.name: p.metrics_address for p in stack.procs},
+        }
         for name in ("stack.json", "last-stack.json"):  # the last one outlives the stack, for `splitserve traces`
             with open(_state_file(name), "w") as f:
                 json.dump(state, f)
         if stack.settings.trace_file:
             print(f"traces: {stack.settings.trace_file}  (splitserve traces)", flush=True)
         if stack.settings.core_share_board:
-            print("cores: the workers divide this host's cores among those busy (SPLITSERVE_CORE_SHARE=off: "
-                  "each uses all)", flush=True)
+            print(
+                "cores: the workers divide this host's cores among those busy (SPLITSERVE_CORE_SHARE=off: "
+                "each uses all)",
+                flush=True,
+            )
         if args.demo:
             _demo(stack.router_address)
         if args.exit_after_demo:
@@ -146,11 +161,14 @@ def _demo(address: str) -> None:
             if chunk.finish_reason:
                 t = chunk.timings
                 cached = f" ({chunk.usage.cached_tokens} cached)" if chunk.usage.cached_tokens else ""
-                print(f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt{cached} + "
-                      f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (admission "
-                      f"{t.admission_ms:.1f}, queue {t.queue_ms:.1f}, prefill {t.prefill_ms:.0f}, first token "
-                      f"{t.first_token_ms:.1f}; KV transfer alongside {t.kv_transfer_ms:.1f}); "
-                      f"total {t.e2e_ms:.0f} ms]\n", flush=True)
+                print(
+                    f"\n\n[finish: {chunk.finish_reason}; {chunk.usage.prompt_tokens} prompt{cached} + "
+                    f"{chunk.usage.completion_tokens} completion tokens; TTFT {t.ttft_ms:.0f} ms (admission "
+                    f"{t.admission_ms:.1f}, queue {t.queue_ms:.1f}, prefill {t.prefill_ms:.0f}, first token "
+                    f"{t.first_token_ms:.1f}; KV transfer alongside {t.kv_transfer_ms:.1f}); "
+                    f"total {t.e2e_ms:.0f} ms]\n",
+                    flush=True,
+                )
 
 
 def _logit_bias(items: list[str] | None) -> dict[int, float] | None:
@@ -169,8 +187,9 @@ def _print_logprobs(what: str, logprobs) -> None:
     """TokenLogprob messages, one a line, to stderr, then their sum (the text's log probability)."""
     import json
 
-    print(f"[{what}: token id, its text (JSON), log probability, rank; the most likely at its position]",
-          file=sys.stderr)
+    print(
+        f"[{what}: token id, its text (JSON), log probability, rank; the most likely at its position]", file=sys.stderr
+    )
     for lp in logprobs:
         top = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
         print(f"{lp.token_id}\t{json.dumps(lp.token)}\t{lp.logprob:.4f}\t{lp.rank}\t{top}", file=sys.stderr)
@@ -209,8 +228,10 @@ def _print_samples(client, prompt, timeout, resumes, kw) -> int:
                     ends[chunk.index] = (chunk.finish_reason, chunk.usage.completion_tokens)
             choices = [(i, *ends[i], texts.get(i, "")) for i in sorted(ends)]
         else:
-            choices = [(c.index, c.finish_reason, c.usage.completion_tokens, c.text)
-                       for c in client.generate(prompt, timeout=timeout, **kw).choices]
+            choices = [
+                (c.index, c.finish_reason, c.usage.completion_tokens, c.text)
+                for c in client.generate(prompt, timeout=timeout, **kw).choices
+            ]
     except grpc.RpcError as e:
         print(f"splitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -234,15 +255,29 @@ def _generate(args) -> int:
 
     if not (address := _router_address(args)):
         return 2
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, stop=args.stop or None, include_stop_str_in_output=args.include_stop,
-              truncate_prompt_tokens=args.truncate_prompt_tokens,
-              skip_special_tokens=False if args.keep_special_tokens else None, n=args.n, priority=args.priority,
-              request_id=args.request_id,
-              cache_salt=args.cache_salt, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-              repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
-              structured_output=_structured_output(args))
+    kw = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+        include_stop_str_in_output=args.include_stop,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
+        skip_special_tokens=False if args.keep_special_tokens else None,
+        n=args.n,
+        priority=args.priority,
+        request_id=args.request_id,
+        cache_salt=args.cache_salt,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        logit_bias=_logit_bias(args.logit_bias),
+        structured_output=_structured_output(args),
+    )
     if args.chat:
         kw["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -262,11 +297,16 @@ def _generate(args) -> int:
                     print(file=sys.stderr)
                     _print_logprobs("the output's tokens", logprobs)
                 if chunk.finish_reason:
-                    when = ("replayed: the recorded result of this finished request_id" if chunk.replayed
-                            else f"TTFT {chunk.timings.ttft_ms:.0f} ms")
+                    when = (
+                        "replayed: the recorded result of this finished request_id"
+                        if chunk.replayed
+                        else f"TTFT {chunk.timings.ttft_ms:.0f} ms"
+                    )
                     cached = f", {chunk.usage.cached_tokens} prompt tokens cached" if chunk.usage.cached_tokens else ""
-                    print(f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens{cached}, {when}]",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{chunk.finish_reason}, {chunk.usage.completion_tokens} tokens{cached}, {when}]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"\nsplitserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -282,8 +322,11 @@ def _traces(args) -> int:
         state = _read_state() or _read_state("last-stack.json")
         path = (state or {}).get("trace_file", "")
     if not path or not os.path.isfile(path):
-        print("splitserve: error: no span file (pass --file, or start a stack with splitserve up; with an OTLP "
-              "endpoint set, traces go to your collector instead)", file=sys.stderr)
+        print(
+            "splitserve: error: no span file (pass --file, or start a stack with splitserve up; with an OTLP "
+            "endpoint set, traces go to your collector instead)",
+            file=sys.stderr,
+        )
         return 2
     spans = traceview.load_spans(path)
     traces = traceview.find(spans, request_id=args.request_id, last=args.last)
@@ -322,15 +365,19 @@ def describe_request(info, now: float) -> str:
     from splitserve.service.redis_state import FINAL_STATES
 
     state = info.state + (f": {info.finish_reason}" if info.finish_reason else "")
-    lines = [f"request   {info.request_id}" + (f"  (attempt {info.attempts}: the fields are its latest's)"
-                                                 if info.attempts > 1 else ""),
-             f"state     {state}"]
+    lines = [
+        f"request   {info.request_id}"
+        + (f"  (attempt {info.attempts}: the fields are its latest's)" if info.attempts > 1 else ""),
+        f"state     {state}",
+    ]
     where = [f"{role} {w}" for role, w in (("prefill", info.prefill_worker), ("decode", info.decode_worker)) if w]
     if where:
         lines.append(f"workers   {', '.join(where)}" + (f"  (resumed {info.resumes}x)" if info.resumes else ""))
     cached = f" ({info.cached_tokens} cached)" if info.cached_tokens else ""
-    lines.append(f"tokens    {info.prompt_tokens} prompt{cached}, {info.completion_tokens} completion"
-                 + ("" if info.state in FINAL_STATES else " so far (its router's count, every half heartbeat)"))
+    lines.append(
+        f"tokens    {info.prompt_tokens} prompt{cached}, {info.completion_tokens} completion"
+        + ("" if info.state in FINAL_STATES else " so far (its router's count, every half heartbeat)")
+    )
     if info.kv_transport:
         lines.append(f"kv        {info.kv_bytes} bytes over {info.kv_transport}")
     if info.error:
@@ -360,8 +407,10 @@ def _status(args) -> int:
         return 2
     if not url.startswith(("redis://", "rediss://", "unix://")):  # (before: redis-py's traceback)
         where = "--redis-url" if args.redis_url else "the running stack's" if state.get("redis_url") else "REDIS_URL"
-        print(f"splitserve: error: {where} {url!r} is not a Redis URL (redis://HOST:PORT, rediss://… or "
-              "unix://PATH)", file=sys.stderr)
+        print(
+            f"splitserve: error: {where} {url!r} is not a Redis URL (redis://HOST:PORT, rediss://… or unix://PATH)",
+            file=sys.stderr,
+        )
         return 2
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
     r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto")
@@ -369,7 +418,9 @@ def _status(args) -> int:
         q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}
         # normal priority, queued for one prefill worker (prefill affinity)
-        by_class["sent to a prefill worker"] = sum(r.xlen(keys.stream_to(m.decode())) for m in r.smembers(keys.directed))
+        by_class["sent to a prefill worker"] = sum(
+            r.xlen(keys.stream_to(m.decode())) for m in r.smembers(keys.directed)
+        )
         workers, unreadable = [], []
         for k in r.scan_iter(match=keys.worker_pattern("*")):
             try:
@@ -378,27 +429,46 @@ def _status(args) -> int:
             except (ValueError, redis.ResponseError) as e:  # not an entry a worker writes (another release's?)
                 unreadable.append(f"{k.decode(errors='replace')}: {e}")
         sec, usec = r.time()  # router leases are in Redis's clock
-        routers = [(rid.decode(), lease - (sec + usec / 1e6), r.scard(keys.router_requests(rid.decode())))
-                   for rid, lease in r.zrange(keys.routers, 0, -1, withscores=True)]
+        routers = [
+            (rid.decode(), lease - (sec + usec / 1e6), r.scard(keys.router_requests(rid.decode())))
+            for rid, lease in r.zrange(keys.routers, 0, -1, withscores=True)
+        ]
     except redis.RedisError as e:
         print(f"splitserve: error: redis at {url}: {e}", file=sys.stderr)
         return 1
     if state.get("router"):
         print(f"router        {', '.join(state.get('routers') or [state['router']])}")
-    print(f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
-          f"(stream entries incl. in-flight: " + ", ".join(f"{c} {n}" for c, n in by_class.items()) + ")")
-    print(f"routers       {len(routers)} in Redis: " + (", ".join(
-        f"{rid} ({held} requests held, lease {left:.1f}s left)" if left > 0 else f"{rid} (lease ran out {-left:.1f}s ago)"
-        for rid, left, held in routers) or "none"))
-    print(f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
-          f"{sum(w.role == 'decode' for w in workers)} decode")
-    hdr = f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} {'open':>5} " \
-          f"{'free KV tok':>11} {'seen':>6}  metrics"
+    print(
+        f"queue         {q} requests, {t} prompt tokens admitted and waiting for prefill "
+        f"(stream entries incl. in-flight: " + ", ".join(f"{c} {n}" for c, n in by_class.items()) + ")"
+    )
+    print(
+        f"routers       {len(routers)} in Redis: "
+        + (
+            ", ".join(
+                f"{rid} ({held} requests held, lease {left:.1f}s left)"
+                if left > 0
+                else f"{rid} (lease ran out {-left:.1f}s ago)"
+                for rid, left, held in routers
+            )
+            or "none"
+        )
+    )
+    print(
+        f"workers       {sum(w.role == 'prefill' for w in workers)} prefill, "
+        f"{sum(w.role == 'decode' for w in workers)} decode"
+    )
+    hdr = (
+        f"  {'role':8} {'worker':28} {'address':22} {'running':>7} {'waiting':>7} {'pending':>7} {'open':>5} "
+        f"{'free KV tok':>11} {'seen':>6}  metrics"
+    )
     print(hdr)
     now = time.time()
     for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
-        print(f"  {w.role:8} {w.worker_id[:28]:28} {w.address:22} {w.running:7d} {w.waiting:7d} {w.pending:7d} "
-              f"{w.opened - w.closed:5d} {w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}")
+        print(
+            f"  {w.role:8} {w.worker_id[:28]:28} {w.address:22} {w.running:7d} {w.waiting:7d} {w.pending:7d} "
+            f"{w.opened - w.closed:5d} {w.free_kv_tokens:11d} {now - w.updated:5.1f}s  {w.metrics}"
+        )
     for line in unreadable:
         print(f"  left out, not a registry entry: {line}")
     return 0
@@ -414,12 +484,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start Redis, the workers and the router; Ctrl-C drains and stops")
     p.add_argument("--prefill", type=_at_least(0), default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=_at_least(1), default=1, help="decode workers (default 1)")
-    p.add_argument("--routers", type=_at_least(1), default=1,
-                   help="routers (default 1); they share the queue bounds through Redis, and any of them aborts any request")
+    p.add_argument(
+        "--routers",
+        type=_at_least(1),
+        default=1,
+        help="routers (default 1); they share the queue bounds through Redis, and any of them aborts any request",
+    )
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
-    p.add_argument("--colocated", action="store_true",
-                   help="no prefill workers: decode workers prefill prompts themselves (chunked prefill)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill workers: decode workers prefill prompts themselves (chunked prefill)",
+    )
     p.add_argument("--demo", action="store_true", help="send one streamed demo request once up")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_up)
@@ -427,10 +504,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
-    p.add_argument("--resumes", type=_at_least(0), default=0, metavar="N",
-                   help="go on after the router is lost mid-stream, at most N times: the request is sent again with "
-                        "the tokens received (resume_from), to another router when --address names several "
-                        "(ipv4:HOST:PORT,HOST:PORT), calls then balanced over them")
+    p.add_argument(
+        "--resumes",
+        type=_at_least(0),
+        default=0,
+        metavar="N",
+        help="go on after the router is lost mid-stream, at most N times: the request is sent again with "
+        "the tokens received (resume_from), to another router when --address names several "
+        "(ipv4:HOST:PORT,HOST:PORT), calls then balanced over them",
+    )
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=None)
@@ -439,31 +521,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append")
     p.add_argument("--include-stop", action="store_true", help="keep the stop string that ended the text at its end")
-    p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
-                   help="keep only the prompt's last N tokens")
+    p.add_argument(
+        "--truncate-prompt-tokens", type=int, default=None, metavar="N", help="keep only the prompt's last N tokens"
+    )
     p.add_argument("--keep-special-tokens", action="store_true", help="special tokens' text in the output text")
     p.add_argument("-n", "--n", type=int, default=None, help="samples of the prompt (1-16), printed one after another")
     p.add_argument("--presence-penalty", type=float, default=None, help="-2 to 2: against tokens already in the output")
     p.add_argument("--frequency-penalty", type=float, default=None, help="-2 to 2: the same, once per time there")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="> 0 (1 = off): divides the logits of tokens in the prompt or output")
-    p.add_argument("--min-p", type=float, default=None, help="0-1: draw only tokens at least this times as likely "
-                                                             "as the most likely")
-    p.add_argument("--logit-bias", action="append", metavar="TOKEN_ID=BIAS",
-                   help="add BIAS (-100 to 100) to a token's logit; repeatable")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="> 0 (1 = off): divides the logits of tokens in the prompt or output",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="0-1: draw only tokens at least this times as likely as the most likely",
+    )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        metavar="TOKEN_ID=BIAS",
+        help="add BIAS (-100 to 100) to a token's logit; repeatable",
+    )
     fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json-schema", metavar="SCHEMA", help="hold the output to this JSON Schema (JSON text, or "
-                                                             "@FILE)")
+    fmt.add_argument(
+        "--json-schema", metavar="SCHEMA", help="hold the output to this JSON Schema (JSON text, or @FILE)"
+    )
     fmt.add_argument("--json-object", action="store_true", help="hold the output to a JSON object")
-    p.add_argument("--compact-json", action="store_true", help="with --json-schema or --json-object: no whitespace "
-                                                               "between JSON's tokens")
+    p.add_argument(
+        "--compact-json",
+        action="store_true",
+        help="with --json-schema or --json-object: no whitespace between JSON's tokens",
+    )
     fmt.add_argument("--regex", help="hold the output to this regular expression")
     fmt.add_argument("--choice", action="append", help="the output is one of these strings; repeatable")
     fmt.add_argument("--lark", metavar="GRAMMAR", help="hold the output to this Lark grammar (text, or @FILE)")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="print each token's log probability, its rank and the K most likely (0-20)")
-    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                   help="the same for each prompt token after the first, given the tokens before it")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="print each token's log probability, its rank and the K most likely (0-20)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the same for each prompt token after the first, given the tokens before it",
+    )
     p.add_argument("--priority", type=int, default=0, help="lower is served first: < 0 high, 0 normal, > 0 low")
     p.add_argument("--request-id", default="", help="client-chosen id (for splitserve traces, GetRequest, Abort)")
     p.add_argument("--cache-salt", default="", help="share cached prompt prefixes only with requests of this salt")
@@ -477,11 +586,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("traces", help="print a request's trace from the local span file as a timeline")
     p.add_argument("request_id", nargs="?", default=None, help="request id (default: the last --last requests)")
     p.add_argument("--last", type=_at_least(1), default=1, help="how many of the latest requests (default 1)")
-    p.add_argument("--file", default="", help="OTLP-JSON span file, read after its rotated FILE.1 (default: the running or last stack's)")
+    p.add_argument(
+        "--file",
+        default="",
+        help="OTLP-JSON span file, read after its rotated FILE.1 (default: the running or last stack's)",
+    )
     p.set_defaults(func=_traces)
 
-    p = sub.add_parser("request", help="where a request is or was: its state, workers, tokens and timestamps "
-                                       "(GetRequest)")
+    p = sub.add_parser(
+        "request", help="where a request is or was: its state, workers, tokens and timestamps (GetRequest)"
+    )
     p.add_argument("request_id")
     p.add_argument("--address", default=None, help="router address (default: the stack started by splitserve up)")
     p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds")

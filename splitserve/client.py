@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import grpc
 
@@ -58,8 +58,11 @@ from splitserve_proto.v1 import generation_pb2_grpc
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
 # Round robin over the target's addresses; an address that went away is tried again at most 2 s apart
 # (gRPC's default backoff grows to 120 s), so a restarted router soon takes its share again.
-_BALANCE = [("grpc.lb_policy_name", "round_robin"), ("grpc.initial_reconnect_backoff_ms", 250),
-            ("grpc.max_reconnect_backoff_ms", 2000)]
+_BALANCE = [
+    ("grpc.lb_policy_name", "round_robin"),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 MAX_RETRIES = 4  # gRPC makes at most 5 attempts
 KEEPALIVE_S = 30.0
 
@@ -72,10 +75,13 @@ def keepalive_options(keepalive_s: float, when_idle: bool = False) -> list[tuple
     if not keepalive_s:
         return []
     ms = max(1, int(keepalive_s * 1000))
-    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.ping_timeout_ms", ms),  # what bounds an unanswered ping in gRPC 1.85
-            ("grpc.keepalive_permit_without_calls", int(when_idle)),
-            ("grpc.http2.max_pings_without_data", 0)]  # a stream waiting for its first token is pinged too
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # what bounds an unanswered ping in gRPC 1.85
+        ("grpc.keepalive_permit_without_calls", int(when_idle)),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]  # a stream waiting for its first token is pinged too
 
 
 def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False) -> list[tuple]:
@@ -87,13 +93,20 @@ def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance:
     if not retries:
         return options
     service = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-    config = {"methodConfig": [{
-        "name": [{"service": service, "method": m} for m in ("Generate", "GenerateStream")],
-        "retryPolicy": {
-            "maxAttempts": retries + 1, "initialBackoff": "0.1s", "maxBackoff": "5s", "backoffMultiplier": 2,
-            "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
-        },
-    }]}
+    config = {
+        "methodConfig": [
+            {
+                "name": [{"service": service, "method": m} for m in ("Generate", "GenerateStream")],
+                "retryPolicy": {
+                    "maxAttempts": retries + 1,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"],
+                },
+            }
+        ]
+    }
     return [*options, ("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
 
 
@@ -114,7 +127,7 @@ def structured_output_pb(fmt: dict | pb.StructuredOutput) -> pb.StructuredOutput
     compact = bool(fmt.pop("disable_any_whitespace", False)) if isinstance(fmt, dict) else False
     if not (isinstance(fmt, dict) and len(fmt) == 1):
         raise ValueError(f"structured_output: one of json_schema, json_object, regex, choice or lark, got {fmt!r}")
-    (kind, value), = fmt.items()
+    ((kind, value),) = fmt.items()
     if kind == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)
     if kind == "choice":
@@ -184,12 +197,22 @@ def build_request(
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     sp = req.sampling
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("logprobs", logprobs),
-                        ("prompt_logprobs", prompt_logprobs), ("presence_penalty", presence_penalty),
-                        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
-                        ("min_p", min_p), ("truncate_prompt_tokens", truncate_prompt_tokens),
-                        ("skip_special_tokens", skip_special_tokens), ("n", n)):
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("logprobs", logprobs),
+        ("prompt_logprobs", prompt_logprobs),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("repetition_penalty", repetition_penalty),
+        ("min_p", min_p),
+        ("truncate_prompt_tokens", truncate_prompt_tokens),
+        ("skip_special_tokens", skip_special_tokens),
+        ("n", n),
+    ):
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})
@@ -273,7 +296,8 @@ class _Resumer:
         elif self.has_tokens():
             req.resume_from.samples.extend(
                 pb.SampleContinuation(index=i, token_ids=t, text_chars=self.chars[i], finished=i in self.finished)
-                for i, t in sorted(self.tokens.items()))
+                for i, t in sorted(self.tokens.items())
+            )
         return req
 
     def has_tokens(self) -> bool:
@@ -311,8 +335,12 @@ class _Resumer:
             self.left -= 1
             self.resent_at = now
             return 0.0
-        if e.code() == grpc.StatusCode.ALREADY_EXISTS and self.resent_at and now - self.resent_at < RESEND_FOR_S \
-                and "finished" not in (e.details() or ""):
+        if (
+            e.code() == grpc.StatusCode.ALREADY_EXISTS
+            and self.resent_at
+            and now - self.resent_at < RESEND_FOR_S
+            and "finished" not in (e.details() or "")
+        ):
             # it raced another attempt (or met a router that does not supersede); one that finished
             # (and whose result was not kept, or does not go on from these tokens) stays so
             return RESEND_WAIT_S
@@ -324,16 +352,18 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
-                 **kw) -> pb.GenerateResponse:
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
+    ) -> pb.GenerateResponse:
         """resumes: streamed, going on after the router was lost at most this many times (see the
         module's doc), and collected into Generate's one response (collect)."""
         if resumes:
             return collect(self._resumed_stream(_Resumer(prompt, timeout, resumes, kw)), kw.get("n") or 1)
         return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
-    def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
-                        **kw) -> Iterator[pb.GenerateResponse]:
+    def generate_stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
+    ) -> Iterator[pb.GenerateResponse]:
         """resumes: go on after the router was lost at most this many times (see the module's doc)."""
         if not resumes:
             return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
@@ -357,12 +387,14 @@ class Client:
                 call.cancel()
             time.sleep(wait)
 
-    def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 timeout: float | None = None) -> pb.TokenizeResponse:
+    def tokenize(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, timeout: float | None = None
+    ) -> pb.TokenizeResponse:
         return self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
 
-    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
-                   timeout: float | None = None) -> pb.DetokenizeResponse:
+    def detokenize(
+        self, token_ids: list[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
+    ) -> pb.DetokenizeResponse:
         return self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
 
     def abort(self, request_id: str) -> pb.AbortResponse:
@@ -374,7 +406,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -386,21 +418,26 @@ class AsyncClient:
         self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
-                       **kw) -> pb.GenerateResponse:
+    async def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
+    ) -> pb.GenerateResponse:
         """resumes: as Client.generate's."""
         if resumes:
-            return collect([ch async for ch in self.generate_stream(prompt, timeout=timeout, resumes=resumes, **kw)],
-                           kw.get("n") or 1)
+            return collect(
+                [ch async for ch in self.generate_stream(prompt, timeout=timeout, resumes=resumes, **kw)],
+                kw.get("n") or 1,
+            )
         return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
 
-    async def generate_stream(self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0,
-                              **kw) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate_stream(
+        self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
+    ) -> AsyncIterator[pb.GenerateResponse]:
         """resumes: go on after the router was lost at most this many times (see the module's doc)."""
         r = _Resumer(prompt, timeout, resumes, kw)
         while True:
-            call = self.stub.GenerateStream(r.request(), timeout=r.timeout() if resumes else timeout,
-                                            metadata=_trace_metadata())
+            call = self.stub.GenerateStream(
+                r.request(), timeout=r.timeout() if resumes else timeout, metadata=_trace_metadata()
+            )
             try:
                 async for resp in call:
                     r.got(resp)
@@ -416,12 +453,14 @@ class AsyncClient:
                 call.cancel()
             await asyncio.sleep(wait)
 
-    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                       timeout: float | None = None) -> pb.TokenizeResponse:
+    async def tokenize(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, timeout: float | None = None
+    ) -> pb.TokenizeResponse:
         return await self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
 
-    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
-                         timeout: float | None = None) -> pb.DetokenizeResponse:
+    async def detokenize(
+        self, token_ids: list[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
+    ) -> pb.DetokenizeResponse:
         return await self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
 
     async def abort(self, request_id: str) -> pb.AbortResponse:
@@ -433,7 +472,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -45,15 +45,23 @@ from splitserve.lifeline import die_with_parent
 # do (transformers' chat templates: 0.8 s, at their start) and what else every process imports
 # that needs no thread or socket at import: gRPC's Python modules too (~0.3 s of CPU a process),
 # which create no gRPC object (channel, server) and start nothing of gRPC's core when imported.
-PRELOAD = ("torch", "splitserve.engine.engine", "transformers.utils.chat_template_utils", "redis.asyncio",
-           "prometheus_client", "opentelemetry.sdk.trace", "grpc.aio", "grpc_health.v1.health",
-           "grpc_reflection.v1alpha.reflection")
+PRELOAD = (
+    "torch",
+    "splitserve.engine.engine",
+    "transformers.utils.chat_template_utils",
+    "redis.asyncio",
+    "prometheus_client",
+    "opentelemetry.sdk.trace",
+    "grpc.aio",
+    "grpc_health.v1.health",
+    "grpc_reflection.v1alpha.reflection",
+)
 
 
 class ForkedProcess:
     """A child of a `ForkServer`, driven as a `subprocess.Popen` is."""
 
-    def __init__(self, server: "ForkServer", pid: int, args: list[str]):
+    def __init__(self, server: ForkServer, pid: int, args: list[str]):
         self._server = server
         self.pid = pid
         self.args = args
@@ -95,8 +103,14 @@ class ForkServer:
 
     def _start(self) -> subprocess.Popen:
         env = dict(self._env, PYTHONUNBUFFERED="1")  # its children's sys.stdout and stderr: unbuffered
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve.forkserver"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.forkserver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         ready = proc.stdout.readline()
         if ready.strip() != "ready":
             proc.kill()
@@ -166,7 +180,7 @@ def retitle(argv: list[str], name: str) -> None:
     start, end = int(fields[48 - 3]), int(fields[49 - 3])  # proc(5): arg_start, arg_end
     if end <= start:
         return
-    title = b"\0".join(a.encode() for a in argv)[:end - start - 1]
+    title = b"\0".join(a.encode() for a in argv)[: end - start - 1]
     ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)  # its last byte a NUL: read as it is
 
 

@@ -75,9 +75,17 @@ def redis_server_binary() -> str:
 
 
 class Stack:
-    def __init__(self, settings: Settings | None = None, prefill: int = 1, decode: int = 1,
-                 run_dir: str | None = None, prefill_env: dict | None = None, decode_env: dict | None = None,
-                 routers: int = 1, router_env: dict | None = None):
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        prefill: int = 1,
+        decode: int = 1,
+        run_dir: str | None = None,
+        prefill_env: dict | None = None,
+        decode_env: dict | None = None,
+        routers: int = 1,
+        router_env: dict | None = None,
+    ):
         self.stack_id = uuid.uuid4().hex[:8]
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
@@ -100,7 +108,7 @@ class Stack:
 
     # -- start --------------------------------------------------------------------------
 
-    def start(self, timeout: float = 300.0) -> "Stack":
+    def start(self, timeout: float = 300.0) -> Stack:
         try:
             self._start(timeout)
         except BaseException:
@@ -137,10 +145,27 @@ class Stack:
         # does not reach it: the workers and routers drain and leave the registry first, and stop()
         # ends Redis last. Tied all the same: it still exits when this process is killed.
         with open(os.path.join(self.run_dir, "redis.log"), "ab") as out:  # the child keeps its own copy
-            self.redis_proc = subprocess.Popen(tied(
-                [redis_server_binary(), "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
-                 "--save", "", "--appendonly", "no", "--dir", self.run_dir]),
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            self.redis_proc = subprocess.Popen(
+                tied(
+                    [
+                        redis_server_binary(),
+                        "--port",
+                        "0",
+                        "--unixsocket",
+                        sock,
+                        "--unixsocketperm",
+                        "700",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        self.run_dir,
+                    ]
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         import redis
 
@@ -169,8 +194,11 @@ class Stack:
     def _spawn(self, name: str, port: int = 0) -> Proc:
         """Start the process ``name`` (router…, prefill-N or decode-N) with its role's module and env."""
         role = name.split("-")[0]
-        module = {"router": "splitserve.router", "prefill": "splitserve.prefill_worker",
-                  "decode": "splitserve.decode_worker"}[role]
+        module = {
+            "router": "splitserve.router",
+            "prefill": "splitserve.prefill_worker",
+            "decode": "splitserve.decode_worker",
+        }[role]
         extra_env = {"prefill": self.prefill_env, "decode": self.decode_env, "router": self.router_env}[role]
         env = dict(os.environ)
         env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port).to_env())
@@ -181,8 +209,13 @@ class Stack:
             popen = _forkserver.spawn(module, env, log_path)
         else:
             with open(log_path, "wb") as out:  # the child keeps its own copy
-                popen = subprocess.Popen(tied([sys.executable, "-m", module]), env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                popen = subprocess.Popen(
+                    tied([sys.executable, "-m", module]),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
@@ -216,8 +249,10 @@ class Stack:
         r = self.redis()
         keys = Keys(self.settings.redis_prefix)
         while time.time() < deadline:
-            if all(len(list(r.scan_iter(match=keys.worker_pattern(role)))) >= n
-                   for role, n in (("decode", self.n_decode), ("prefill", self.n_prefill))):
+            if all(
+                len(list(r.scan_iter(match=keys.worker_pattern(role)))) >= n
+                for role, n in (("decode", self.n_decode), ("prefill", self.n_prefill))
+            ):
                 time.sleep(self.settings.heartbeat_s)  # the router reads the registry every half heartbeat
                 return
             time.sleep(0.05)
@@ -250,8 +285,9 @@ class Stack:
 
     def stop(self) -> None:
         routers = [p for p in self.procs if p.name.startswith("router")]
-        workers = [p for p in self.procs if p.name.startswith("prefill")] + \
-                  [p for p in self.procs if p.name.startswith("decode")]
+        workers = [p for p in self.procs if p.name.startswith("prefill")] + [
+            p for p in self.procs if p.name.startswith("decode")
+        ]
         for group in (routers, workers):
             for p in group:
                 if p.popen.poll() is None:
@@ -275,7 +311,7 @@ class Stack:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 import torch
-
 from engine_helpers import engine_factory_of
+
 from splitserve.bench.workload import WORKLOAD_DIR
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import load_model

@@ -36,8 +36,12 @@ def _params(rng: random.Random, policy: str, formats: list | None, knobs: random
     from rng, so that a seed draws the same engine, requests and calls as before they were."""
     kw: dict = dict(max_tokens=rng.randint(1, 40), ignore_eos=rng.random() < 0.8)
     if rng.random() < 0.4:
-        kw.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1000),
-                  top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9]))
+        kw.update(
+            temperature=rng.choice([0.7, 1.0, 1.5]),
+            seed=rng.randrange(1000),
+            top_k=rng.choice([0, 5, 50]),
+            top_p=rng.choice([1.0, 0.9]),
+        )
     if policy == "continuous" and rng.random() < 0.2:
         kw.update(n=rng.randint(2, 3), temperature=1.0, seed=rng.randrange(1000))
     if rng.random() < 0.15:
@@ -57,8 +61,9 @@ def _params(rng: random.Random, policy: str, formats: list | None, knobs: random
     if knobs.random() < 0.1:
         kw["min_p"] = knobs.choice([0.05, 0.5])
     if knobs.random() < 0.1:  # two tokens made likely or unlikely (now and then the end-of-sequence token)
-        kw["logit_bias"] = tuple(sorted((t, knobs.choice([-100.0, -5.0, 3.0, 100.0]))
-                                        for t in knobs.sample(range(64), 2)))
+        kw["logit_bias"] = tuple(
+            sorted((t, knobs.choice([-100.0, -5.0, 3.0, 100.0])) for t in knobs.sample(range(64), 2))
+        )
     if formats is not None:
         if rng.random() < 0.3:
             kw.update(stop=tuple(rng.sample(STOPS, rng.randint(1, 2))), include_stop_str_in_output=rng.random() < 0.5)
@@ -121,9 +126,11 @@ def _imported(pre, eng, rid, prompt, params, prio, log: Log) -> bool:
         except CapacityError:
             log.take(eng.step())
     else:
-        raise AssertionError(f"{rid}: no room for its {export.num_tokens} tokens' import in 3000 steps: "
-                             f"{eng.cache.pool.num_free} of {eng.cache.pool.num_blocks} blocks free, "
-                             f"{[(k, q.status.name, q.priority, len(q.block_table)) for k, q in eng.seqs.items()]}")
+        raise AssertionError(
+            f"{rid}: no room for its {export.num_tokens} tokens' import in 3000 steps: "
+            f"{eng.cache.pool.num_free} of {eng.cache.pool.num_blocks} blocks free, "
+            f"{[(k, q.status.name, q.priority, len(q.block_table)) for k, q in eng.seqs.items()]}"
+        )
     if out is not None:
         log.take([out])
     return True
@@ -156,11 +163,18 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
     tokenizer, and requests draw stop strings and these formats (StructuredOutput) too. Raises
     AssertionError."""
     policy = rng.choices(["continuous", "dynamic", "static"], [6, 2, 2])[0]
-    cfg = dict(policy=policy, kv_cache_bytes=rng.randint(4, 40) * BLOCK_BYTES, block_size=BLOCK,
-               prefix_caching=policy == "continuous" and rng.random() < 0.6,
-               max_num_batched_tokens=rng.choice([16, 33, 64, 2048]), max_num_seqs=rng.choice([1, 2, 4, 64]),
-               max_batch_size=rng.choice([1, 3, 8]), static_batch_size=rng.choice([1, 3, 8]), max_wait_ms=0.0,
-               batch_invariant=policy == "continuous" and rng.random() < 0.5)
+    cfg = dict(
+        policy=policy,
+        kv_cache_bytes=rng.randint(4, 40) * BLOCK_BYTES,
+        block_size=BLOCK,
+        prefix_caching=policy == "continuous" and rng.random() < 0.6,
+        max_num_batched_tokens=rng.choice([16, 33, 64, 2048]),
+        max_num_seqs=rng.choice([1, 2, 4, 64]),
+        max_batch_size=rng.choice([1, 3, 8]),
+        static_batch_size=rng.choice([1, 3, 8]),
+        max_wait_ms=0.0,
+        batch_invariant=policy == "continuous" and rng.random() < 0.5,
+    )
     invariant = cfg["batch_invariant"]
     eng = factory(**cfg)
     pre = factory(kv_cache_bytes=64 * BLOCK_BYTES, block_size=BLOCK, batch_invariant=invariant)
@@ -179,8 +193,16 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
             how = "import"
         elif params.max_tokens > 1 and rng.random() < (0.15 if params.n == 1 else 0.5):
             how = "resume"  # its client has its first tokens (its decode worker was lost)
-        reqs.append((f"r{i}", prompt, params, rng.choice([-1, 0, 0, 1]), how,
-                     rng.choice(["", "", "salt"]) if cfg["prefix_caching"] else ""))
+        reqs.append(
+            (
+                f"r{i}",
+                prompt,
+                params,
+                rng.choice([-1, 0, 0, 1]),
+                how,
+                rng.choice(["", "", "salt"]) if cfg["prefix_caching"] else "",
+            )
+        )
     alone = {rid: _alone(factory, prompt, params, invariant) for rid, prompt, params, *_ in reqs}
     log, aborted, refused, live, resumed, ended_had = Log(), set(), {}, [], {}, set()
     pending, steps, idle = list(reqs), 0, 0
@@ -192,12 +214,22 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
                     _imported(pre, eng, rid, prompt, params, prio, log)
                 elif how == "resume" and params.n > 1:
                     resumed[rid] = _resume_samples(eng, rid, prompt, params, prio, salt, alone[rid], rng, log)
-                elif how == "resume" and (n := len(alone[rid].tokens.get(("alone", 0), [])) - 1) > 0 \
-                        and (had := _had(alone[rid], 0, rng.randint(1, n) if rng.random() < 0.8 else n + 1))[0]:
+                elif (
+                    how == "resume"
+                    and (n := len(alone[rid].tokens.get(("alone", 0), [])) - 1) > 0
+                    and (had := _had(alone[rid], 0, rng.randint(1, n) if rng.random() < 0.8 else n + 1))[0]
+                ):
                     if len(had[0]) == n + 1:  # all its tokens (its end's message lost): refused
                         ended_had.add(rid)
-                    eng.add_request(rid, prompt + had[0], params, priority=prio, cache_salt=salt,
-                                    resumed=len(had[0]), resumed_chars=had[1])
+                    eng.add_request(
+                        rid,
+                        prompt + had[0],
+                        params,
+                        priority=prio,
+                        cache_salt=salt,
+                        resumed=len(had[0]),
+                        resumed_chars=had[1],
+                    )
                     resumed[rid] = {0: (len(had[0]), had[1])}
                 else:
                     eng.add_request(rid, prompt, params, priority=prio, cache_salt=salt)
@@ -218,8 +250,9 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
             log.take(outs)
             check_pool(eng.cache.pool, eng.cache.pool.num_used)
             idle = 0 if (outs or eng.last_stats.num_tokens) else idle + 1
-            assert idle < 50, f"50 steps without work, {cfg}: " \
-                              f"{[(k, q.status.name, len(q.block_table)) for k, q in eng.seqs.items()]}"
+            assert idle < 50, (
+                f"50 steps without work, {cfg}: {[(k, q.status.name, len(q.block_table)) for k, q in eng.seqs.items()]}"
+            )
             steps += 1
             assert steps < 5000, f"no end after 5000 steps, {cfg}"
     check_pool(eng.cache.pool)
@@ -227,8 +260,9 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
     assert not eng.seqs and not eng.parked and not pre.seqs and not pre.parked, cfg
     for rid, prompt, params, *_ in reqs:
         if rid in refused:
-            assert "can never fit" in refused[rid] or (rid in ended_had and "nothing is left to generate"
-                                                       in refused[rid]), (rid, refused[rid])
+            assert "can never fit" in refused[rid] or (
+                rid in ended_had and "nothing is left to generate" in refused[rid]
+            ), (rid, refused[rid])
             continue
         assert rid not in ended_had, f"{rid}: resumed with all its tokens, which end it, and not refused"
         if rid in aborted:
@@ -245,8 +279,10 @@ def round_of(factory, rng: random.Random, formats: list | None = None) -> None:
                 assert log.logprobs[key] == len(tokens), (key, log.logprobs[key], len(tokens))
             if params.prompt_logprobs is not None and i == 0:  # (a resumed request's client has them: they
                 # came with sample 0's first token, which comes before any other sample's)
-                assert log.prompt_logprobs[key] == (0 if rid in resumed else len(prompt) - 1), \
-                    (key, log.prompt_logprobs[key])
+                assert log.prompt_logprobs[key] == (0 if rid in resumed else len(prompt) - 1), (
+                    key,
+                    log.prompt_logprobs[key],
+                )
             if params.temperature > 0 and not invariant:
                 continue
             assert (tokens, reason) == (want.tokens[mine][k:], want.reasons[mine]), (key, k, cfg, params)

@@ -6,7 +6,6 @@ import os
 import random
 from typing import NamedTuple
 
-
 BLOCK = 16
 BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 16 * 4  # the tiny model: 2 layers, K and V, 2 KV heads of 16, fp32
 

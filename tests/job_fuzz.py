@@ -16,8 +16,8 @@ import random
 import time
 
 import grpc
-
 from request_fuzz import FIELD, VOCAB, random_sampling
+
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service import convert
@@ -47,18 +47,48 @@ BAD_FIELDS = {
 }
 # sampling knobs as a router never writes them (it checks them first)
 BAD_SAMPLING = {
-    "temperature": ["hot", -1, NAN, INF, None], "top_p": [2, -0.5, "x", NAN], "top_k": [-5, "x", 1.5, 10**30],
-    "min_p": [2, -1, NAN], "max_tokens": [0, -1, "x", 10**12, 1.5], "min_tokens": [-1, 10**9, "x"],
-    "stop": ["abc", [1], [None], [""], ["x" * 10000]], "stop_token_ids": ["x", [VOCAB], [-1], ["a"], [2**62]],
+    "temperature": ["hot", -1, NAN, INF, None],
+    "top_p": [2, -0.5, "x", NAN],
+    "top_k": [-5, "x", 1.5, 10**30],
+    "min_p": [2, -1, NAN],
+    "max_tokens": [0, -1, "x", 10**12, 1.5],
+    "min_tokens": [-1, 10**9, "x"],
+    "stop": ["abc", [1], [None], [""], ["x" * 10000]],
+    "stop_token_ids": ["x", [VOCAB], [-1], ["a"], [2**62]],
     "logit_bias": [[[1]], {"1": 2}, [["a", 1]], [[VOCAB, 1]], [[1, "x"]], "x", [[1, NAN]], [[-1, 5]]],
-    "seed": ["x", -1, 2**80, 1.5], "n": [0, 10**6, "x"], "logprobs": [-1, 10**6, "x"], "prompt_logprobs": [-1, "x"],
-    "structured_output": ["x", {"kind": 5}, {"kind": "json_schema", "value": "{"}, {"kind": "regex", "value": "("},
-                          {"kind": "nope", "value": ""}, {"kind": "regex"}, {"kind": "regex", "value": 5}],
-    "presence_penalty": [NAN, 10**9, "x"], "frequency_penalty": [-10**9], "repetition_penalty": [0, -1, NAN],
-    "ignore_eos": ["yes", None], "include_stop_str_in_output": [2, "x"], "skip_special_tokens": ["x"],
+    "seed": ["x", -1, 2**80, 1.5],
+    "n": [0, 10**6, "x"],
+    "logprobs": [-1, 10**6, "x"],
+    "prompt_logprobs": [-1, "x"],
+    "structured_output": [
+        "x",
+        {"kind": 5},
+        {"kind": "json_schema", "value": "{"},
+        {"kind": "regex", "value": "("},
+        {"kind": "nope", "value": ""},
+        {"kind": "regex"},
+        {"kind": "regex", "value": 5},
+    ],
+    "presence_penalty": [NAN, 10**9, "x"],
+    "frequency_penalty": [-(10**9)],
+    "repetition_penalty": [0, -1, NAN],
+    "ignore_eos": ["yes", None],
+    "include_stop_str_in_output": [2, "x"],
+    "skip_special_tokens": ["x"],
 }
-RAW = ["{not json", "[1, 2]", "null", "5", '"a job"', "[" * 100_000, "{" * 50_000, '{"request_id": "half"}', "",
-       "\udc80", json.dumps({"x": 1}) * 3]
+RAW = [
+    "{not json",
+    "[1, 2]",
+    "null",
+    "5",
+    '"a job"',
+    "[" * 100_000,
+    "{" * 50_000,
+    '{"request_id": "half"}',
+    "",
+    "\udc80",
+    json.dumps({"x": 1}) * 3,
+]
 
 
 def valid_job(rng: random.Random, rid: str, dec: dict, ids: list[int]) -> dict:
@@ -70,13 +100,29 @@ def valid_job(rng: random.Random, rid: str, dec: dict, ids: list[int]) -> dict:
         except InvalidRequestError:
             pass
     if params.max_tokens > 12 or params.n > 2:  # short rounds
-        params = SamplingParams(**{**params.__dict__, "max_tokens": min(params.max_tokens, 12),
-                                   "n": min(params.n, 2), "min_tokens": min(params.min_tokens, 12)})
+        params = SamplingParams(
+            **{
+                **params.__dict__,
+                "max_tokens": min(params.max_tokens, 12),
+                "n": min(params.n, 2),
+                "min_tokens": min(params.min_tokens, 12),
+            }
+        )
     now = time.time()
-    return dict(request_id=rid, token_ids=ids, sampling=sampling_to_dict(params), decode_worker=dec["worker_id"],
-                decode_address=dec["address"], decode_host_id=dec["host_id"],
-                deadline_unix=rng.choice([0, now + 120]), traceparent="", t_received=now, t_admitted=now,
-                priority=rng.choice([0, 0, 0, -1, 1]), cache_salt=rng.choice(["", "", "tenant-a"]))
+    return dict(
+        request_id=rid,
+        token_ids=ids,
+        sampling=sampling_to_dict(params),
+        decode_worker=dec["worker_id"],
+        decode_address=dec["address"],
+        decode_host_id=dec["host_id"],
+        deadline_unix=rng.choice([0, now + 120]),
+        traceparent="",
+        t_received=now,
+        t_admitted=now,
+        priority=rng.choice([0, 0, 0, -1, 1]),
+        cache_salt=rng.choice(["", "", "tenant-a"]),
+    )
 
 
 def random_entry(rng: random.Random, rid: str, dec: dict, ids: list[int]) -> tuple[dict, str]:
@@ -95,8 +141,20 @@ def random_entry(rng: random.Random, rid: str, dec: dict, ids: list[int]) -> tup
         job["sampling"][name] = rng.choice(BAD_SAMPLING[name])
         what = f"sampling.{name}={_short(job['sampling'][name])}"
     elif kind < 0.88:
-        name = rng.choice(["request_id", "token_ids", "sampling", "decode_worker", "decode_address",
-                           "decode_host_id", "deadline_unix", "traceparent", "t_received", "t_admitted"])
+        name = rng.choice(
+            [
+                "request_id",
+                "token_ids",
+                "sampling",
+                "decode_worker",
+                "decode_address",
+                "decode_host_id",
+                "deadline_unix",
+                "traceparent",
+                "t_received",
+                "t_admitted",
+            ]
+        )
         del job[name]
         what = f"no {name}"
     elif kind < 0.95:
@@ -181,8 +239,12 @@ def _code(value: int):
 # What a stream may end with: tokens, or a failure that says why: a job the worker cannot read
 # (INTERNAL "malformed prefill job: ..."), a request the engine refuses (INVALID_ARGUMENT naming the
 # field), one that can never fit (RESOURCE_EXHAUSTED), one whose deadline passed.
-CLEAR = {"INTERNAL": "malformed prefill job: ", "INVALID_ARGUMENT": "", "RESOURCE_EXHAUSTED": "",
-         "DEADLINE_EXCEEDED": ""}
+CLEAR = {
+    "INTERNAL": "malformed prefill job: ",
+    "INVALID_ARGUMENT": "",
+    "RESOURCE_EXHAUSTED": "",
+    "DEADLINE_EXCEEDED": "",
+}
 # a job that names another request or decode worker than the stream's, or none, cannot end it
 MAY_NOT_END = ("request_id=", "no request_id", "decode_address=", "no decode_address", "raw ")
 # values a prefill worker must refuse, not serve (a router refuses them: a salt over 256 characters)

@@ -17,18 +17,42 @@ from splitserve_proto.v1 import generation_pb2 as pb
 VOCAB = 49152
 EOS = 2  # the model's end-of-sequence token (<|im_end|>): resume_from tokens that end the request
 NOT_FINITE = [float("nan"), float("inf"), -float("inf")]
-GOOD = dict(max_tokens=[1, 3, 8], temperature=[0.0, 0.7, 1.0, 2.0, 1e-6], top_p=[1e-6, 0.5, 1.0],
-            top_k=[1, 2, 50, 10**12], seed=[0, 7, 2**63 - 1], min_tokens=[0, 1, 3], ignore_eos=[True, False],
-            logprobs=[0, 1, 5, 20], prompt_logprobs=[0, 1, 20], presence_penalty=[-2.0, 0.0, 1.5, 2.0],
-            frequency_penalty=[-2.0, 0.0, 2.0], repetition_penalty=[0.5, 1.0, 1.3, 2.0], min_p=[0.0, 0.2, 1.0],
-            include_stop_str_in_output=[True, False], truncate_prompt_tokens=[1, 10, 2**31 - 1],
-            skip_special_tokens=[True, False], n=[1, 2, 3, 16])
-BAD = dict(max_tokens=[-1, 0, 2**40, -2**63], temperature=[-1.0, *NOT_FINITE], top_p=[-0.1, 0.0, 1.1, *NOT_FINITE],
-           top_k=[-1], seed=[-1], min_tokens=[-1, 100, 2**40], logprobs=[-1, 21, 2**31 - 1], prompt_logprobs=[-1, 21],
-           presence_penalty=[-3.0, 3.0, *NOT_FINITE], frequency_penalty=[3.0, *NOT_FINITE],
-           repetition_penalty=[-1.0, 0.0, 3.0, *NOT_FINITE], min_p=[-0.1, 1.1, *NOT_FINITE],
-           truncate_prompt_tokens=[-1, 0], n=[-1, 0, 17])
-TEXTS = ["hi", "The capital of France is", "\u00e9\u4e2d\U0001F600", "a\x00b", "\ud7ff", "<|im_start|>", "\n\t "]
+GOOD = dict(
+    max_tokens=[1, 3, 8],
+    temperature=[0.0, 0.7, 1.0, 2.0, 1e-6],
+    top_p=[1e-6, 0.5, 1.0],
+    top_k=[1, 2, 50, 10**12],
+    seed=[0, 7, 2**63 - 1],
+    min_tokens=[0, 1, 3],
+    ignore_eos=[True, False],
+    logprobs=[0, 1, 5, 20],
+    prompt_logprobs=[0, 1, 20],
+    presence_penalty=[-2.0, 0.0, 1.5, 2.0],
+    frequency_penalty=[-2.0, 0.0, 2.0],
+    repetition_penalty=[0.5, 1.0, 1.3, 2.0],
+    min_p=[0.0, 0.2, 1.0],
+    include_stop_str_in_output=[True, False],
+    truncate_prompt_tokens=[1, 10, 2**31 - 1],
+    skip_special_tokens=[True, False],
+    n=[1, 2, 3, 16],
+)
+BAD = dict(
+    max_tokens=[-1, 0, 2**40, -(2**63)],
+    temperature=[-1.0, *NOT_FINITE],
+    top_p=[-0.1, 0.0, 1.1, *NOT_FINITE],
+    top_k=[-1],
+    seed=[-1],
+    min_tokens=[-1, 100, 2**40],
+    logprobs=[-1, 21, 2**31 - 1],
+    prompt_logprobs=[-1, 21],
+    presence_penalty=[-3.0, 3.0, *NOT_FINITE],
+    frequency_penalty=[3.0, *NOT_FINITE],
+    repetition_penalty=[-1.0, 0.0, 3.0, *NOT_FINITE],
+    min_p=[-0.1, 1.1, *NOT_FINITE],
+    truncate_prompt_tokens=[-1, 0],
+    n=[-1, 0, 17],
+)
+TEXTS = ["hi", "The capital of France is", "\u00e9\u4e2d\U0001f600", "a\x00b", "\ud7ff", "<|im_start|>", "\n\t "]
 # what INVALID_ARGUMENT's message starts with: the field, as the proto names it ("sampling.stop[2]: ...")
 FIELD = re.compile(r"^[a-z_]+(\.[a-z_]+|\[\d+\])*: ")
 
@@ -127,7 +151,7 @@ def random_request(rng: random.Random, ids: list[str]) -> pb.GenerateRequest:
     if not r.sampling.HasField("max_tokens"):
         r.sampling.max_tokens = rng.randint(1, 12)
     if rng.random() < 0.2:
-        r.priority = rng.choice([-2**31, -1, 1, 2**31 - 1])
+        r.priority = rng.choice([-(2**31), -1, 1, 2**31 - 1])
     if rng.random() < 0.1:
         r.cache_salt = rng.choice(["a", "\u00e9", "tenant-1"])
     if bad == "salt":
@@ -140,8 +164,11 @@ def random_request(rng: random.Random, ids: list[str]) -> pb.GenerateRequest:
             c.text_chars = rng.choice([0, 1] + ([2**32 - 1] if bad else []))
         else:
             for i in range(min(n, 2)):
-                c.samples.add(index=rng.choice([i, 5]) if bad else i, token_ids=rng.choice([[5], [6, 7], [6, EOS]]),
-                              finished=rng.random() < 0.3)
+                c.samples.add(
+                    index=rng.choice([i, 5]) if bad else i,
+                    token_ids=rng.choice([[5], [6, 7], [6, EOS]]),
+                    finished=rng.random() < 0.3,
+                )
     return r
 
 
@@ -151,8 +178,11 @@ def answer_fault(req: pb.GenerateRequest, answer, unary: bool) -> str:
     n = sp.n if sp.HasField("n") else 1
     most = sp.max_tokens
     carried = list(req.resume_from.token_ids)
-    if carried and len(carried) >= sp.min_tokens and (carried[-1] in sp.stop_token_ids
-                                                      or (carried[-1] == EOS and not sp.ignore_eos)):
+    if (
+        carried
+        and len(carried) >= sp.min_tokens
+        and (carried[-1] in sp.stop_token_ids or (carried[-1] == EOS and not sp.ignore_eos))
+    ):
         return f"resumed with tokens {carried} that end it: none was left to generate"
     if unary:
         outs = list(answer.choices) if n > 1 else [answer]
@@ -188,13 +218,17 @@ def random_side_call(rng: random.Random, ids: list[str]) -> tuple[str, object]:
             r.prompt = rng.choice(TEXTS + ["", "word " * rng.randint(1, 300)])
         elif kind < 0.9:
             for _ in range(rng.randint(0, 3)):
-                r.messages.messages.add(role=rng.choice(["user", "system", "assistant", "", "robot"]),
-                                        content=rng.choice(TEXTS))
+                r.messages.messages.add(
+                    role=rng.choice(["user", "system", "assistant", "", "robot"]), content=rng.choice(TEXTS)
+                )
             r.messages.SetInParent()
         return method, r  # (else: no input)
     if method == "Detokenize":
-        r = pb.DetokenizeRequest(token_ids=rng.choice([[], [1, 2, 3], [rng.randrange(VOCAB) for _ in range(50)],
-                                                       [-1], [VOCAB], [2**62], [0] * 5000]))
+        r = pb.DetokenizeRequest(
+            token_ids=rng.choice(
+                [[], [1, 2, 3], [rng.randrange(VOCAB) for _ in range(50)], [-1], [VOCAB], [2**62], [0] * 5000]
+            )
+        )
         if rng.random() < 0.5:
             r.skip_special_tokens = rng.random() < 0.5
         return method, r

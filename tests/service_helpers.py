@@ -58,7 +58,9 @@ def kv_idle(stack) -> bool:
         return False
     if any(int(w["running"]) or int(w["waiting"]) or int(w["pending"]) or w["opened"] != w["closed"] for w in dec):
         return False
-    capacity = stack.settings.kv_cache_bytes // (2 * 30 * 3 * 64 * 4 * stack.settings.block_size) * stack.settings.block_size
+    capacity = (
+        stack.settings.kv_cache_bytes // (2 * 30 * 3 * 64 * 4 * stack.settings.block_size) * stack.settings.block_size
+    )
     if any(int(w["free_kv_tokens"]) != capacity for w in dec):
         return False
     full_arena = stack.settings.arena_bytes // (2 * 30 * 3 * 64 * 4)
@@ -78,8 +80,13 @@ def keys_without_ttl(stack) -> list[str]:
     r = stack.redis()
     keys = Keys(stack.settings.redis_prefix)
     # the prefill workers' own streams, while listed: removed once their worker is gone and they are empty
-    allowed = {*keys.streams, keys.admission, keys.routers, keys.directed,
-               *(keys.stream_to(m.decode()) for m in r.smembers(keys.directed))}
+    allowed = {
+        *keys.streams,
+        keys.admission,
+        keys.routers,
+        keys.directed,
+        *(keys.stream_to(m.decode()) for m in r.smembers(keys.directed)),
+    }
     bad = []
     for key in r.scan_iter(match=f"{stack.keys.prefix}:*"):
         k = key.decode()
@@ -95,8 +102,22 @@ def start_redis(d) -> tuple:
     from splitserve.stack import redis_server_binary
 
     sock = str(d / "redis.sock")
-    proc = subprocess.Popen([redis_server_binary(), "--port", "0", "--unixsocket", sock, "--save", "",
-                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--port",
+            "0",
+            "--unixsocket",
+            sock,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         client = redis.Redis(unix_socket_path=sock)
 
@@ -105,6 +126,7 @@ def start_redis(d) -> tuple:
                 return client.ping()
             except (redis.ConnectionError, FileNotFoundError):
                 return False
+
         wait_for(up, timeout=10, what="redis-server up")
         client.close()
     except BaseException:

@@ -63,19 +63,36 @@ from splitserve.service.settings import Settings  # noqa: E402
 from splitserve.stack import Stack  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven lighthouse keepers count waves".split()
-CHAOS = ["kill decode-1", "kill prefill-0", "term router-1", "stop decode-0", "stop redis", "kill decode-0",
-         "term prefill-1", "hang decode-1", "kill router", "hang prefill-0"]
+CHAOS = [
+    "kill decode-1",
+    "kill prefill-0",
+    "term router-1",
+    "stop decode-0",
+    "stop redis",
+    "kill decode-0",
+    "term prefill-1",
+    "hang decode-1",
+    "kill router",
+    "hang prefill-0",
+]
 KEEPALIVE_S, CLAIM_IDLE_MS = 2.0, 1500
 HANG_S = 3 * max(KEEPALIVE_S, CLAIM_IDLE_MS / 1000)
 EXPECTED = {"DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}  # besides UNAVAILABLE under chaos
 # The soak sends no bad request: INVALID_ARGUMENT is one the client library made (a resume's re-send)
 PROBLEMS = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT"}
 # Formats a stream may be held to, and stop strings it may end at: checked against its text
-FORMATS = [{"choice": ["red", "green", "blue", "a shade of purple that nobody has named yet"]},
-           {"regex": r"[a-z]+( [a-z]+){3,12}\."},
-           {"json_schema": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                                             "count": {"type": "integer"}},
-                            "required": ["name", "count"], "additionalProperties": False}}]
+FORMATS = [
+    {"choice": ["red", "green", "blue", "a shade of purple that nobody has named yet"]},
+    {"regex": r"[a-z]+( [a-z]+){3,12}\."},
+    {
+        "json_schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 30}, "count": {"type": "integer"}},
+            "required": ["name", "count"],
+            "additionalProperties": False,
+        }
+    },
+]
 STOPS = [[" the"], [".", "!"], ["ing", "ed "]]
 RSS_EVERY_S = 5.0
 RSS_GROWTH = (64 << 20, 0.10)  # bytes, and a fraction of the process's size: the more of the two
@@ -102,17 +119,24 @@ class Tally:
         if not self.invariant:
             return
         temperature = kw.get("temperature", 0.0)
-        key = (prompt, temperature, kw.get("seed", 0) + index if temperature else None,
-               json.dumps(kw.get("structured_output"), sort_keys=True), tuple(kw.get("stop", ())),
-               tuple(kw.get(k) for k in PENALTIES))
+        key = (
+            prompt,
+            temperature,
+            kw.get("seed", 0) + index if temperature else None,
+            json.dumps(kw.get("structured_output"), sort_keys=True),
+            tuple(kw.get("stop", ())),
+            tuple(kw.get(k) for k in PENALTIES),
+        )
         with self.lock:
             self.checked += 1
             other, seen = self.seen.get(key, ("", []))
             k = min(len(seen), len(tokens))
             if seen[:k] != tokens[:k]:
                 at = next(j for j in range(k) if seen[j] != tokens[j])
-                self.problems.append(f"{rid} sample {index}: token {at} is {tokens[at]}, {other}'s was {seen[at]} "
-                                     f"(the same prompt and seed; {len(prompt.split())} words)")
+                self.problems.append(
+                    f"{rid} sample {index}: token {at} is {tokens[at]}, {other}'s was {seen[at]} "
+                    f"(the same prompt and seed; {len(prompt.split())} words)"
+                )
             elif len(tokens) > len(seen):
                 self.seen[key] = (rid, tokens)
 
@@ -150,7 +174,7 @@ def streamed(c: Client, rid: str, prompt: str, kw: dict, tally: Tally) -> str | 
     tokens, finish, text = collections.defaultdict(list), {}, collections.defaultdict(str)
     scored, prompt_tokens = 0, 0  # prompt log probabilities that came, and the prompt's tokens
     for m in c.generate_stream(prompt, timeout=90, resumes=2, **kw):
-        for ch in (m.choices or [m]):
+        for ch in m.choices or [m]:
             tokens[ch.index] += ch.token_ids
             text[ch.index] += ch.text
             scored += len(ch.prompt_logprobs)
@@ -206,8 +230,13 @@ def wrong_end(kw: dict, tokens: list[int], finish: str | None, text: str) -> str
         doc = json.loads(text)
     except ValueError as e:
         return f"text {text[-200:]!r} is not JSON: {e}"
-    ok = isinstance(doc, dict) and sorted(doc) == ["count", "name"] and isinstance(doc["name"], str) \
-        and isinstance(doc["count"], int) and len(doc["name"]) <= 30
+    ok = (
+        isinstance(doc, dict)
+        and sorted(doc) == ["count", "name"]
+        and isinstance(doc["name"], str)
+        and isinstance(doc["count"], int)
+        and len(doc["name"]) <= 30
+    )
     return "" if ok else f"JSON {doc!r} does not follow its schema"
 
 
@@ -225,8 +254,9 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, sa
             prompt = rng.choice(pool)
         else:
             prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 80, 300])))
-        kw = dict(max_tokens=rng.choice([1, 4, 16, 48]), ignore_eos=True, request_id=rid,
-                  priority=rng.choice([-1, 0, 0, 1]))
+        kw = dict(
+            max_tokens=rng.choice([1, 4, 16, 48]), ignore_eos=True, request_id=rid, priority=rng.choice([-1, 0, 0, 1])
+        )
         if rng.random() < 0.15:
             kw.update(n=rng.choice([2, 4]) if samples else 1, temperature=1.0, seed=rng.randrange(100))
         if rng.random() < 0.1:
@@ -251,7 +281,7 @@ def client_loop(i: int, target: str, seed: int, stop_at: float, tally: Tally, sa
                 tally.add("cancelled by its client")
             elif kind < 0.25:  # a tight deadline
                 got = c.generate(prompt, timeout=rng.choice([0.05, 0.3, 1.0]), **kw)
-                for ch in (got.choices or [got]):
+                for ch in got.choices or [got]:
                     tally.check(rid, prompt, kw, ch.index, list(ch.token_ids))
                 tally.add("OK")
             elif kind < 0.3:  # aborted from another thread
@@ -307,8 +337,10 @@ def chaos_loop(stack: Stack, mode: str, stop_at: float, t0: float, every: float,
             stack.restart(name)
         except Exception as e:  # noqa: BLE001 - a process that did not exit on SIGTERM within 30 s, ...
             print("chaos step failed:", traceback.format_exc(), flush=True)
-            tally.add("(a chaos step failed)", problem=f"chaos: {event} at {time.time() - t0:.1f} s failed: "
-                                                       f"{type(e).__name__}: {str(e)[:300]}")
+            tally.add(
+                "(a chaos step failed)",
+                problem=f"chaos: {event} at {time.time() - t0:.1f} s failed: {type(e).__name__}: {str(e)[:300]}",
+            )
 
 
 def rss(pid: int) -> int | None:
@@ -342,16 +374,22 @@ def memory_growth(samples: list[tuple], seconds: float) -> list[tuple[str, int, 
             w[0].append(m)
         elif t >= seconds * 3 / 4:
             w[1].append(m)
-    return [(name, int(statistics.median(a)), int(statistics.median(b)))
-            for (name, _), (a, b) in sorted(windows.items()) if a and b]
+    return [
+        (name, int(statistics.median(a)), int(statistics.median(b)))
+        for (name, _), (a, b) in sorted(windows.items())
+        if a and b
+    ]
 
 
 def grown(growth: list[tuple[str, int, int]]) -> list[str]:
     """The processes whose memory grew by more than RSS_GROWTH."""
     most, frac = RSS_GROWTH
-    return [f"{name}'s memory grew from {a / 2**20:.0f} MB to {b / 2**20:.0f} MB over the run (RSS, medians of its "
-            f"second and last quarters; more than {most / 2**20:.0f} MB and {frac:.0%} is a problem)"
-            for name, a, b in growth if b - a > max(most, frac * a)]
+    return [
+        f"{name}'s memory grew from {a / 2**20:.0f} MB to {b / 2**20:.0f} MB over the run (RSS, medians of its "
+        f"second and last quarters; more than {most / 2**20:.0f} MB and {frac:.0%} is a problem)"
+        for name, a, b in growth
+        if b - a > max(most, frac * a)
+    ]
 
 
 def leaks(stack: Stack) -> list[str]:
@@ -362,9 +400,24 @@ def leaks(stack: Stack) -> list[str]:
         found.append(str(e))
         for role in ("decode", "prefill"):
             for w in workers(stack, role):
-                found.append(f"  {role} " + json.dumps({k: w[k] for k in ("worker_id", "running", "waiting",
-                                                                          "pending", "opened", "closed",
-                                                                          "free_kv_tokens") if k in w}))
+                found.append(
+                    f"  {role} "
+                    + json.dumps(
+                        {
+                            k: w[k]
+                            for k in (
+                                "worker_id",
+                                "running",
+                                "waiting",
+                                "pending",
+                                "opened",
+                                "closed",
+                                "free_kv_tokens",
+                            )
+                            if k in w
+                        }
+                    )
+                )
     r = stack.redis()
     counts = list(queue_counts(r.hmget(stack.keys.admission, *QUEUE_FIELDS)))
     local = int(r.hget(stack.keys.admission, LOCAL_FIELD) or 0)
@@ -396,15 +449,25 @@ def main(argv=None) -> int:
     ap.add_argument("--chaos-every", type=float, default=12.0, help="seconds between chaos events")
     ap.add_argument("--no-chaos", action="store_true")
     ap.add_argument("--kv-mb", type=int, default=96, help="each decode worker's KV cache (small: preemptions)")
-    ap.add_argument("--invariant", action="store_true",
-                    help="batch-invariant engines, and every stream's tokens checked against the others' of its "
-                         "prompt and seed")
+    ap.add_argument(
+        "--invariant",
+        action="store_true",
+        help="batch-invariant engines, and every stream's tokens checked against the others' of its prompt and seed",
+    )
     ap.add_argument("--out", help="write the outcomes and problems here, as JSON")
     a = ap.parse_args(argv)
 
-    settings = Settings.from_env(kv_cache_bytes=a.kv_mb << 20, mode=a.mode, prefill_kv_cache_bytes=128 << 20,
-                                 arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
-                                 keepalive_s=KEEPALIVE_S, batch_invariant=a.invariant or None)
+    settings = Settings.from_env(
+        kv_cache_bytes=a.kv_mb << 20,
+        mode=a.mode,
+        prefill_kv_cache_bytes=128 << 20,
+        arena_bytes=64 << 20,
+        heartbeat_s=0.25,
+        drain_s=2.0,
+        claim_idle_ms=CLAIM_IDLE_MS,
+        keepalive_s=KEEPALIVE_S,
+        batch_invariant=a.invariant or None,
+    )
     stack = Stack(settings, prefill=0 if a.mode == "colocated" else 2, decode=2, routers=2).start()
     print(f"stack up: routers {stack.router_addresses}, logs in {stack.run_dir}", flush=True)
     tally = Tally()
@@ -417,8 +480,10 @@ def main(argv=None) -> int:
     target = "ipv4:" + ",".join(stack.router_addresses)
     try:
         samples = stack.settings.policy == "continuous"
-        threads = [threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally, samples))
-                   for i in range(a.clients)]
+        threads = [
+            threading.Thread(target=client_loop, args=(i, target, a.seed, stop_at, tally, samples))
+            for i in range(a.clients)
+        ]
         if not a.no_chaos:
             threads.append(threading.Thread(target=chaos_loop, args=(stack, a.mode, stop_at, t0, a.chaos_every, tally)))
         threads.append(threading.Thread(target=memory_loop, args=(stack, t0, stop_at, memory)))
@@ -440,34 +505,53 @@ def main(argv=None) -> int:
         problems.append(f"shared-memory segments left: {segments}")
     problems += log_problems(stack.run_dir)
 
-    print(f"\n{sum(tally.outcomes.values())} requests in {a.seconds:g} s ({a.mode}, seed {a.seed}, "
-          f"{'no chaos' if a.no_chaos else f'chaos every {a.chaos_every:g} s'}):")
+    print(
+        f"\n{sum(tally.outcomes.values())} requests in {a.seconds:g} s ({a.mode}, seed {a.seed}, "
+        f"{'no chaos' if a.no_chaos else f'chaos every {a.chaos_every:g} s'}):"
+    )
     for outcome, n in tally.outcomes.most_common():
         print(f"  {n:6d}  {outcome}")
     if tally.messages:
         print("their messages:")
         for message, n in tally.messages.most_common():
             print(f"  {n:6d}  {message}")
-    print(f"{tally.prompt_tokens['cached']} of the {tally.prompt_tokens['prompt']} prompt tokens of whole streams "
-          "from a prefix cache")
-    print("whole streams' samples with a format or stop strings (their text checked), or penalties; streams with "
-          "prompt log probabilities (counted): "
-          + (", ".join(f"{n} {k}" for k, n in sorted(tally.held.items())) or "none"))
+    print(
+        f"{tally.prompt_tokens['cached']} of the {tally.prompt_tokens['prompt']} prompt tokens of whole streams "
+        "from a prefix cache"
+    )
+    print(
+        "whole streams' samples with a format or stop strings (their text checked), or penalties; streams with "
+        "prompt log probabilities (counted): "
+        + (", ".join(f"{n} {k}" for k, n in sorted(tally.held.items())) or "none")
+    )
     if tally.invariant:
         print(f"{tally.checked} samples' tokens checked against {len(tally.seen)} prompts and seeds'")
-    print("memory (RSS, medians of the run's second and last quarters; processes not restarted in between): "
-          + (", ".join(f"{name} {before / 2**20:.0f} -> {after / 2**20:.0f} MB" for name, before, after in growth)
-             or "none"))
+    print(
+        "memory (RSS, medians of the run's second and last quarters; processes not restarted in between): "
+        + (
+            ", ".join(f"{name} {before / 2**20:.0f} -> {after / 2**20:.0f} MB" for name, before, after in growth)
+            or "none"
+        )
+    )
     print(f"\n{len(problems)} problem(s)" + (":" if problems else ""))
     for p in problems:
         print("  " + p)
     if a.out:
         os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"settings": vars(a), "outcomes": dict(tally.outcomes), "messages": dict(tally.messages),
-                       "memory": [{"process": name, "rss_before": before, "rss_after": after}
-                                  for name, before, after in growth],
-                       "problems": problems}, f, indent=1)
+            json.dump(
+                {
+                    "settings": vars(a),
+                    "outcomes": dict(tally.outcomes),
+                    "messages": dict(tally.messages),
+                    "memory": [
+                        {"process": name, "rss_before": before, "rss_after": after} for name, before, after in growth
+                    ],
+                    "problems": problems,
+                },
+                f,
+                indent=1,
+            )
     return 1 if problems else 0
 
 

@@ -57,10 +57,10 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_more_values():
 
 def test_goodput_counts_requests_meeting_both_limits():
     results = [
-        _result(0, ttft=0.1, e2e=1.1, n=11),   # TPOT 0.1: good
-        _result(1, ttft=0.3, e2e=1.3, n=11),   # TTFT over
-        _result(2, ttft=0.1, e2e=3.1, n=11),   # TPOT 0.3: over
-        _result(3, ttft=0.2, e2e=0.2, n=1),    # one token: TPOT not defined, TTFT ok: good
+        _result(0, ttft=0.1, e2e=1.1, n=11),  # TPOT 0.1: good
+        _result(1, ttft=0.3, e2e=1.3, n=11),  # TTFT over
+        _result(2, ttft=0.1, e2e=3.1, n=11),  # TPOT 0.3: over
+        _result(3, ttft=0.2, e2e=0.2, n=1),  # one token: TPOT not defined, TTFT ok: good
         _result(4, 0, 0, 0, ok=False, code="RESOURCE_EXHAUSTED"),
         _result(5, 0, 0, 0, ok=False, code="RESOURCE_EXHAUSTED"),
         _result(6, 0, 0, 0, ok=False, code="DEADLINE_EXCEEDED"),
@@ -87,8 +87,10 @@ def test_prefilled_locally_counts_the_successes_their_decode_worker_prefilled():
     assert s["prefilled_locally"] == 2  # the failure is not counted
     assert s["prefill_unknown"] == 1  # the router no longer knew it
     line = cli._local_prefills_line([("static", s)])
-    assert line == ["prefilled by their decode worker (colocated, or conditional disaggregation): "
-                    "static 2 of 4 (1 no longer known to the router)"], line
+    assert line == [
+        "prefilled by their decode worker (colocated, or conditional disaggregation): "
+        "static 2 of 4 (1 no longer known to the router)"
+    ], line
 
 
 def test_knee_rule():
@@ -103,9 +105,17 @@ def test_knee_rule():
 
 @pytest.fixture(scope="module")
 def tiny_stack(tiny_model_dir):
-    settings = Settings.from_env(model=tiny_model_dir, heartbeat_s=0.25, drain_s=3.0, kv_cache_bytes=64 << 20,
-                                 prefill_kv_cache_bytes=64 << 20, arena_bytes=32 << 20, max_queue_requests=5,
-                                 admit_fraction=1.0, max_num_seqs=4)
+    settings = Settings.from_env(
+        model=tiny_model_dir,
+        heartbeat_s=0.25,
+        drain_s=3.0,
+        kv_cache_bytes=64 << 20,
+        prefill_kv_cache_bytes=64 << 20,
+        arena_bytes=32 << 20,
+        max_queue_requests=5,
+        admit_fraction=1.0,
+        max_num_seqs=4,
+    )
     with Stack(settings) as stack:
         yield stack
     assert stack.shm_segments() == []
@@ -113,8 +123,10 @@ def tiny_stack(tiny_model_dir):
 
 def _items(n, seed=0):
     rng = random.Random(seed)
-    return [WorkItem(f"t{i}", "", [rng.randrange(10, 500) for _ in range(rng.randint(4, 40))], rng.randint(2, 12))
-            for i in range(n)]
+    return [
+        WorkItem(f"t{i}", "", [rng.randrange(10, 500) for _ in range(rng.randint(4, 40))], rng.randint(2, 12))
+        for i in range(n)
+    ]
 
 
 def test_every_request_is_accounted_for_under_overload(tiny_stack):
@@ -147,10 +159,34 @@ def test_every_request_is_accounted_for_under_overload(tiny_stack):
 
 def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
     out = tmp_path / "b"
-    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--address", tiny_stack.router_address,
-           "--input-len", "4-30", "--output-len", "2-9", "--vocab", "500", "--requests", "10", "--warmup", "1",
-           "--concurrency", "1,3", "--ttft-slo-ms", "5000", "--tpot-slo-ms", "5000", "--high-priority", "0.3",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "bench",
+        "--address",
+        tiny_stack.router_address,
+        "--input-len",
+        "4-30",
+        "--output-len",
+        "2-9",
+        "--vocab",
+        "500",
+        "--requests",
+        "10",
+        "--warmup",
+        "1",
+        "--concurrency",
+        "1,3",
+        "--ttft-slo-ms",
+        "5000",
+        "--tpot-slo-ms",
+        "5000",
+        "--high-priority",
+        "0.3",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
@@ -169,8 +205,10 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
     assert (out / "latency_vs_throughput.png").stat().st_size > 1000
     assert (out / "latency_vs_concurrency.png").stat().st_size > 1000
     assert "concurrency=3" in run.stdout and "TTFT p50" in run.stdout and "priority high" in run.stdout
-    assert "prefilled by their decode worker (colocated, or conditional disaggregation): concurrency=1 0 of 10, " \
-           "concurrency=3 0 of 10" in run.stdout
+    assert (
+        "prefilled by their decode worker (colocated, or conditional disaggregation): concurrency=1 0 of 10, "
+        "concurrency=3 0 of 10" in run.stdout
+    )
 
 
 def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there_are_no_plots(tiny_stack, tmp_path):
@@ -179,9 +217,32 @@ def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there
     be log-scaled" traceback at the first plot, no results.json, and the largest concurrency tried
     printed as the knee."""
     out = tmp_path / "f"
-    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--address", tiny_stack.router_address, "--sweep",
-           "--max-concurrency", "2", "--timeout", "0.001", "--input-len", "4-10", "--output-len", "2-4",
-           "--vocab", "500", "--requests", "4", "--warmup", "0", "--no-progress", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "bench",
+        "--address",
+        tiny_stack.router_address,
+        "--sweep",
+        "--max-concurrency",
+        "2",
+        "--timeout",
+        "0.001",
+        "--input-len",
+        "4-10",
+        "--output-len",
+        "2-4",
+        "--vocab",
+        "500",
+        "--requests",
+        "4",
+        "--warmup",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]  # none succeeded
 
@@ -190,7 +251,9 @@ def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there
 
     report = json.loads((out / "results.json").read_text(), parse_constant=refuse)
     assert [(p["label"], p["succeeded"], p["errors"]) for p in report["points"]] == [
-        ("concurrency=1", 0, {"DEADLINE_EXCEEDED": 4}), ("concurrency=2", 0, {"DEADLINE_EXCEEDED": 4})]
+        ("concurrency=1", 0, {"DEADLINE_EXCEEDED": 4}),
+        ("concurrency=2", 0, {"DEADLINE_EXCEEDED": 4}),
+    ]
     assert (report["knee"], report["degraded_at"]) == (None, 1)
     assert report["points"][0]["e2e_s"]["p99"] is None and report["points"][0]["ttft_s"]["mean"] is None
     assert list(out.glob("*.png")) == []
@@ -198,8 +261,9 @@ def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there
     assert "no plots: no request succeeded" in run.stdout and "Traceback" not in run.stderr
 
 
-def test_bench_against_an_address_where_nothing_answers_stops_at_once_naming_it(tiny_stack, capsys, tmp_path,
-                                                                                monkeypatch):
+def test_bench_against_an_address_where_nothing_answers_stops_at_once_naming_it(
+    tiny_stack, capsys, tmp_path, monkeypatch
+):
     """Before: every request of every run was sent, failed UNAVAILABLE, and the plots of nothing
     failed. Now: refused before anything is sent or written (exit 2), naming --address."""
     import argparse
@@ -214,8 +278,21 @@ def test_bench_against_an_address_where_nothing_answers_stops_at_once_naming_it(
     monkeypatch.setattr(cli, "check_answers", functools.partial(cli.check_answers, wait_s=1.0))
     root = argparse.ArgumentParser()
     cli.add_parser(root.add_subparsers())
-    args = root.parse_args(["bench", "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "out"),
-                            "--input-len", "4", "--output-len", "2", "--vocab", "500"])
+    args = root.parse_args(
+        [
+            "bench",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--out",
+            str(tmp_path / "out"),
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--vocab",
+            "500",
+        ]
+    )
     assert cli.main(args) == 2
     assert f"--address 127.0.0.1:{port}: nothing answers there within 1 s" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -226,11 +303,39 @@ def test_the_stacks_own_measurements_of_a_run_are_the_work_it_was_sent(tiny_mode
     """--compare starts each stack itself, so it reads every process's /metrics after the warm-up
     and after the run: their difference counts exactly the measured requests' work."""
     out = tmp_path / "c"
-    env = {**os.environ, "SPLITSERVE_KV_CACHE_BYTES": str(64 << 20), "SPLITSERVE_PREFILL_KV_CACHE_BYTES": str(64 << 20),
-           "SPLITSERVE_ARENA_BYTES": str(32 << 20), "SPLITSERVE_HEARTBEAT_S": "0.25", "SPLITSERVE_DRAIN_S": "3"}
-    cmd = [sys.executable, "-m", "splitserve.cli", "bench", "--compare", "colocated,disaggregated",
-           "--model", tiny_model_dir, "--input-len", "20-60", "--output-len", "3-9", "--vocab", "500",
-           "--requests", "6", "--warmup", "2", "--rate", "20", "--no-progress", "--out", str(out)]
+    env = {
+        **os.environ,
+        "SPLITSERVE_KV_CACHE_BYTES": str(64 << 20),
+        "SPLITSERVE_PREFILL_KV_CACHE_BYTES": str(64 << 20),
+        "SPLITSERVE_ARENA_BYTES": str(32 << 20),
+        "SPLITSERVE_HEARTBEAT_S": "0.25",
+        "SPLITSERVE_DRAIN_S": "3",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli",
+        "bench",
+        "--compare",
+        "colocated,disaggregated",
+        "--model",
+        tiny_model_dir,
+        "--input-len",
+        "20-60",
+        "--output-len",
+        "3-9",
+        "--vocab",
+        "500",
+        "--requests",
+        "6",
+        "--warmup",
+        "2",
+        "--rate",
+        "20",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "results.json").read_text())
@@ -263,12 +368,18 @@ def test_server_metrics_are_differences_of_two_reads():
 
     def text(steps, bucket_counts, total):
         les = ("0.005", "0.01", "+Inf")
-        rows = ["# TYPE splitserve_engine_steps_total counter", f"splitserve_engine_steps_total {steps}",
-                "# TYPE splitserve_iteration_duration_seconds histogram"]
+        rows = [
+            "# TYPE splitserve_engine_steps_total counter",
+            f"splitserve_engine_steps_total {steps}",
+            "# TYPE splitserve_iteration_duration_seconds histogram",
+        ]
         rows += [f'splitserve_iteration_duration_seconds_bucket{{le="{le}"}} {c}' for le, c in zip(les, bucket_counts)]
-        rows += [f"splitserve_iteration_duration_seconds_count {bucket_counts[-1]}",
-                 f"splitserve_iteration_duration_seconds_sum {total}",
-                 "# TYPE other_total counter", "other_total 5"]
+        rows += [
+            f"splitserve_iteration_duration_seconds_count {bucket_counts[-1]}",
+            f"splitserve_iteration_duration_seconds_sum {total}",
+            "# TYPE other_total counter",
+            "other_total 5",
+        ]
         return "\n".join(rows) + "\n"
 
     before = server_metrics.parse(text(10, (4, 9, 10), 0.06))
@@ -280,28 +391,38 @@ def test_server_metrics_are_differences_of_two_reads():
     assert row["step_s"]["count"] == 100 and row["step_s"]["mean"] == pytest.approx(0.02)
     assert row["step_s"]["p50_le"] is None and row["step_s"]["p99_le"] is None  # above the largest bucket
     assert server_metrics.lines({"d": row}) == [
-        "  d: 100 steps, mean 20.0 ms (median over the largest bucket, p99 over the largest bucket), "
-        "0% graphed"]
+        "  d: 100 steps, mean 20.0 ms (median over the largest bucket, p99 over the largest bucket), 0% graphed"
+    ]
     after = server_metrics.parse(text(110, (54, 108, 110), 0.66))  # of 100: 50 <= 5 ms, 49 <= 10 ms, 1 more
     row = server_metrics.summarize({"d": before}, {"d": after})["d"]
     assert row["step_s"]["p50_le"] == 0.005 and row["step_s"]["p99_le"] == 0.01
     assert server_metrics.lines({"d": row}) == [
-        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed"]
+        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed"
+    ]
     # a CUDA worker's: the forwards' time on the device besides
-    device = ("# TYPE splitserve_iteration_device_seconds histogram\n"
-              'splitserve_iteration_device_seconds_bucket{le="+Inf"} %d\n'
-              "splitserve_iteration_device_seconds_count %d\nsplitserve_iteration_device_seconds_sum %g\n")
-    row = server_metrics.summarize({"d": server_metrics.parse(text(10, (4, 9, 10), 0.06) + device % (10, 10, 0.03))},
-                                   {"d": server_metrics.parse(text(110, (54, 108, 110), 0.66)
-                                                              + device % (110, 110, 0.43))})["d"]
+    device = (
+        "# TYPE splitserve_iteration_device_seconds histogram\n"
+        'splitserve_iteration_device_seconds_bucket{le="+Inf"} %d\n'
+        "splitserve_iteration_device_seconds_count %d\nsplitserve_iteration_device_seconds_sum %g\n"
+    )
+    row = server_metrics.summarize(
+        {"d": server_metrics.parse(text(10, (4, 9, 10), 0.06) + device % (10, 10, 0.03))},
+        {"d": server_metrics.parse(text(110, (54, 108, 110), 0.66) + device % (110, 110, 0.43))},
+    )["d"]
     assert row["step_device_s"]["count"] == 100 and row["step_device_s"]["mean"] == pytest.approx(0.004)
     assert server_metrics.lines({"d": row}) == [
-        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed; forward on the device mean 4.0 ms"]
+        "  d: 100 steps, mean 6.0 ms (median <= 5 ms, p99 <= 10 ms), 0% graphed; forward on the device mean 4.0 ms"
+    ]
 
 
 def test_bench_rejects_a_bad_compare():
-    run = subprocess.run([sys.executable, "-m", "splitserve.cli", "bench", "--compare", "static,fast"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "SPLITSERVE_BENCH_DIR": "/nonexistent"})
+    run = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "--compare", "static,fast"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SPLITSERVE_BENCH_DIR": "/nonexistent"},
+    )
     assert run.returncode == 2
 
 
@@ -333,11 +454,16 @@ def test_a_workload_of_prompts_alone_is_tokenized_and_ids_default_to_the_line(tm
     from splitserve.bench.workload import load_workload
 
     path = tmp_path / "w.jsonl"
-    path.write_text('{"prompt": "abc", "max_tokens": 2}\n\n{"id": "b", "prompt": "hello", "max_tokens": 5}\n'
-                    '{"prompt": "no ids", "prompt_token_ids": [4, 5], "max_tokens": 1}\n')
+    path.write_text(
+        '{"prompt": "abc", "max_tokens": 2}\n\n{"id": "b", "prompt": "hello", "max_tokens": 5}\n'
+        '{"prompt": "no ids", "prompt_token_ids": [4, 5], "max_tokens": 1}\n'
+    )
     items = load_workload(str(path), tokenize=lambda p: [ord(c) for c in p])
     assert [(i.id, i.prompt_token_ids, i.max_tokens) for i in items] == [
-        ("1", [97, 98, 99], 2), ("b", [104, 101, 108, 108, 111], 5), ("4", [4, 5], 1)]
+        ("1", [97, 98, 99], 2),
+        ("b", [104, 101, 108, 108, 111], 5),
+        ("4", [4, 5], 1),
+    ]
     with pytest.raises(ValueError, match="w.jsonl:1: prompt_token_ids is required here"):
         load_workload(str(path))  # callers that cannot tokenize say so
 

@@ -128,15 +128,15 @@ def test_retries_repeat_a_full_queue_but_not_a_message_too_large_to_read():
     message over the server's receive limit is sent once: gRPC keeps at most 256 KB of a call to
     send again, and any such message is larger than that."""
     counter = _CountCalls()
-    server = grpc.server(futures.ThreadPoolExecutor(4), interceptors=[counter],
-                         options=grpc_server.options(max_receive=4 << 20))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(4), interceptors=[counter], options=grpc_server.options(max_receive=4 << 20)
+    )
     generation_pb2_grpc.add_GenerationServicer_to_server(_QueueFull(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         with Client(f"127.0.0.1:{port}", retries=4) as c:
-            for prompt, attempts, details in (("hi", 5, "queue is full"),
-                                              ("x" * (5 << 20), 1, "larger than max")):
+            for prompt, attempts, details in (("hi", 5, "queue is full"), ("x" * (5 << 20), 1, "larger than max")):
                 counter.calls = 0
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate(prompt, max_tokens=4, timeout=30)
@@ -179,6 +179,7 @@ def test_calls_are_spread_round_robin_over_every_address_of_the_target():
                     await ac.channel.channel_ready()
                     await asyncio.sleep(0.5)
                     return {(await ac.generate("hi", timeout=10)).request_id for _ in range(8)}
+
             assert asyncio.run(run()) == {"a", "b"}
 
             servers[0].stop(None).wait()
@@ -215,16 +216,19 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         if have and request.prompt == "finished meanwhile":
             self.carried.append((have, request.resume_from.text_chars))
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists and "
-                                                          "finished, and its result was not kept")
+            context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request.request_id!r} already exists and finished, and its result was not kept",
+            )
         if have and not self.refused_once:
             self.refused_once = True
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} already exists")
         self.carried.append((have, request.resume_from.text_chars))
         for i in range(len(have), min(len(have) + 3, len(self.WORDS))):
             last = i == len(self.WORDS) - 1
-            yield generation_pb2.GenerateResponse(token_ids=[100 + i], text=self.WORDS[i],
-                                                  finish_reason="length" if last else "")
+            yield generation_pb2.GenerateResponse(
+                token_ids=[100 + i], text=self.WORDS[i], finish_reason="length" if last else ""
+            )
         if len(have) + 3 < len(self.WORDS) or request.prompt == "cut after its end":
             context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
 
@@ -233,12 +237,17 @@ class _CutOff(generation_pb2_grpc.GenerationServicer):
         self.carried.append(sorted(have.items()))
         done1 = have.get(1, ([], 0, False))
         for j in range(len(done1[0]), 2) if not done1[2] else ():
-            yield generation_pb2.GenerateResponse(index=1, token_ids=[200 + j], text="xy"[j],
-                                                  finish_reason="stop" if j == 1 else "")
+            yield generation_pb2.GenerateResponse(
+                index=1, token_ids=[200 + j], text="xy"[j], finish_reason="stop" if j == 1 else ""
+            )
         h0 = have.get(0, ([], 0, False))[0]
         for i in range(len(h0), min(len(h0) + 3, len(self.WORDS))):
-            yield generation_pb2.GenerateResponse(index=0, token_ids=[100 + i], text=self.WORDS[i],
-                                                  finish_reason="length" if i == len(self.WORDS) - 1 else "")
+            yield generation_pb2.GenerateResponse(
+                index=0,
+                token_ids=[100 + i],
+                text=self.WORDS[i],
+                finish_reason="length" if i == len(self.WORDS) - 1 else "",
+            )
         if len(h0) + 3 < len(self.WORDS):
             context.abort(grpc.StatusCode.UNAVAILABLE, "router stopping: its drain time is over")
 
@@ -262,7 +271,9 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
     try:
         with Client(f"127.0.0.1:{port}") as c:
             chunks = list(c.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30))
-            assert [t for ch in chunks for t in ch.token_ids] == whole and "".join(ch.text for ch in chunks) == "abcdefg"
+            assert [t for ch in chunks for t in ch.token_ids] == whole and "".join(
+                ch.text for ch in chunks
+            ) == "abcdefg"
             assert router.carried == [([], 0), (whole[:3], 3), (whole[:6], 6)]
             router.carried = []  # generate(resumes=N): streamed, and collected into Generate's one response
             one = c.generate("hi", max_tokens=7, resumes=2, timeout=30)
@@ -302,25 +313,42 @@ def test_a_stream_cut_off_after_tokens_is_sent_again_with_them_and_goes_on(monke
             chunks = list(c.generate_stream("hi", n=2, max_tokens=7, resumes=2, timeout=30))
             assert [t for ch in chunks if ch.index == 0 for t in ch.token_ids] == whole
             assert [t for ch in chunks if ch.index == 1 for t in ch.token_ids] == [200, 201]
-            assert router.carried == [[], [(0, (whole[:3], 3, False)), (1, ([200, 201], 2, True))],
-                                      [(0, (whole[:6], 6, False)), (1, ([200, 201], 2, True))]]
+            assert router.carried == [
+                [],
+                [(0, (whole[:3], 3, False)), (1, ([200, 201], 2, True))],
+                [(0, (whole[:6], 6, False)), (1, ([200, 201], 2, True))],
+            ]
             one = c.generate("hi", n=2, max_tokens=7, resumes=2, timeout=30)
             assert [(list(ch.token_ids), ch.text, ch.finish_reason, ch.index) for ch in one.choices] == [
-                (whole, "abcdefg", "length", 0), ([200, 201], "xy", "stop", 1)]
+                (whole, "abcdefg", "length", 0),
+                ([200, 201], "xy", "stop", 1),
+            ]
             assert list(one.token_ids) == whole and one.text == "abcdefg"
 
         async def run():
             router.carried, router.refused_once, router.lost_resend = [], False, True
             async with AsyncClient(f"127.0.0.1:{port}") as ac:
-                streamed = [t async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2,
-                                                                   timeout=30) for t in ch.token_ids]
+                streamed = [
+                    t
+                    async for ch in ac.generate_stream("hi", request_id="r", max_tokens=7, resumes=2, timeout=30)
+                    for t in ch.token_ids
+                ]
                 return streamed, await ac.generate("hi", max_tokens=7, resumes=2, timeout=30)
+
         streamed, one = asyncio.run(run())
         assert streamed == whole and (list(one.token_ids), one.text) == (whole, "abcdefg")
-        assert router.carried == [([], 0), (whole[:3], -1), (whole[:3], 3), (whole[:6], 6),
-                                  ([], 0), (whole[:3], 3), (whole[:6], 6)]
+        assert router.carried == [
+            ([], 0),
+            (whole[:3], -1),
+            (whole[:3], 3),
+            (whole[:6], 6),
+            ([], 0),
+            (whole[:3], 3),
+            (whole[:6], 6),
+        ]
 
         from splitserve import cli
+
         capsys.readouterr()
         router.carried, router.lost_resend = [], True
         generate = ["generate", "hi", "--address", f"127.0.0.1:{port}", "--max-tokens", "7", "--timeout", "30"]

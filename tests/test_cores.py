@@ -82,8 +82,10 @@ def test_a_stale_stamp_stops_counting(tmp_path):
 
 def test_a_dead_process_gives_its_slot_back(tmp_path):
     path = tmp_path / "cores"
-    code = ("import sys, time; from splitserve.engine.cores import CoreShare; "
-            "s = CoreShare(sys.argv[1], 2, lambda n: None); s.tick(force=True); print(s.slot, flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from splitserve.engine.cores import CoreShare; "
+        "s = CoreShare(sys.argv[1], 2, lambda n: None); s.tick(force=True); print(s.slot, flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "0"
@@ -131,8 +133,7 @@ def test_an_engine_on_a_board_runs_its_share_of_threads_and_the_same_tokens(tiny
         torch.set_num_threads(before)
 
 
-def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_engine_factory, tmp_path,
-                                                                          monkeypatch):
+def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_engine_factory, tmp_path, monkeypatch):
     """Loading computes (fp32 weights, packing): started beside a busy engine, an engine loads on
     its share of the cores. Before, it loaded on all of them: two workers starting side by side
     took twice the CPU time and twice as long."""
@@ -211,8 +212,9 @@ def test_a_board_that_cannot_be_opened_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("role", ["decode_worker", "prefill_worker"])
 def test_a_worker_refuses_a_board_it_cannot_open_in_one_line(tmp_path, role, smol_folder):
     env = {**os.environ, "SPLITSERVE_CORE_SHARE": str(tmp_path / "missing" / "cores"), "SPLITSERVE_MODEL": smol_folder}
-    proc = subprocess.run([sys.executable, "-m", f"splitserve.{role}"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"splitserve.{role}"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert f"splitserve {role}: error: core_share '{tmp_path / 'missing' / 'cores'}'" in proc.stderr
@@ -229,8 +231,9 @@ def _cgroup(tmp_path, lines: list[str], files: dict[str, str]):
     return str(root), str(proc)
 
 
-@pytest.mark.parametrize("raw, board", [("", ""), ("off", ""), ("False", ""), ("0", ""),
-                                        ("/run/x/cores", "/run/x/cores")])
+@pytest.mark.parametrize(
+    "raw, board", [("", ""), ("off", ""), ("False", ""), ("0", ""), ("/run/x/cores", "/run/x/cores")]
+)
 def test_the_core_share_setting_names_a_board_or_is_off(raw, board):
     from splitserve.service.settings import Settings
 
@@ -240,7 +243,7 @@ def test_the_core_share_setting_names_a_board_or_is_off(raw, board):
 
 
 def test_core_share_on_is_the_stacks_own_board_and_refused_by_a_process_on_its_own(tmp_path, monkeypatch):
-    """"on" is no file name: before, a worker given it made a board called "on" in its working
+    """ "on" is no file name: before, a worker given it made a board called "on" in its working
     directory. A stack gives its workers its own board; a process started alone says what to set."""
     from splitserve.service.process import parse_settings
     from splitserve.service.settings import Settings
@@ -263,17 +266,28 @@ def test_core_share_on_is_the_stacks_own_board_and_refused_by_a_process_on_its_o
 def test_the_cgroup_cpu_quota_is_read_from_v2_and_v1_the_smallest_on_the_path_wins(tmp_path):
     from splitserve.engine.config import cgroup_cpu_limit
 
-    root, proc = _cgroup(tmp_path / "v2", ["0::/kubepods/pod1/ctr"], {
-        "cpu.max": "max 100000", "kubepods/cpu.max": "800000 100000", "kubepods/pod1/ctr/cpu.max": "150000 100000"})
+    root, proc = _cgroup(
+        tmp_path / "v2",
+        ["0::/kubepods/pod1/ctr"],
+        {"cpu.max": "max 100000", "kubepods/cpu.max": "800000 100000", "kubepods/pod1/ctr/cpu.max": "150000 100000"},
+    )
     assert cgroup_cpu_limit(root, proc) == 1.5
     root, proc = _cgroup(tmp_path / "v2none", ["0::/"], {"cpu.max": "max 100000"})
     assert cgroup_cpu_limit(root, proc) is None
-    root, proc = _cgroup(tmp_path / "v1", ["4:memory:/x", "1:cpu,cpuacct:/docker/abc", "0::/"], {
-        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
-        "cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"})
+    root, proc = _cgroup(
+        tmp_path / "v1",
+        ["4:memory:/x", "1:cpu,cpuacct:/docker/abc", "0::/"],
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000",
+        },
+    )
     assert cgroup_cpu_limit(root, proc) == 2.0
-    root, proc = _cgroup(tmp_path / "v1none", ["1:cpu:/"], {"cpu/cpu.cfs_quota_us": "-1",
-                                                            "cpu/cpu.cfs_period_us": "100000"})
+    root, proc = _cgroup(
+        tmp_path / "v1none", ["1:cpu:/"], {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}
+    )
     assert cgroup_cpu_limit(root, proc) is None
     assert cgroup_cpu_limit(root, str(tmp_path / "no-such-file")) is None
 

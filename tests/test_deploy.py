@@ -10,9 +10,9 @@ import subprocess
 import pytest
 import yaml
 
-from splitserve.service.redis_state import Keys
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.observability.tracing import OTEL_ENV
+from splitserve.service.redis_state import Keys
 from splitserve.service.settings import Settings, env_name
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -33,8 +33,9 @@ def _tool(name: str) -> str:
 def rendered(request, tmp_path_factory):
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl (with kustomize built in) is needed to render the overlays"
-    out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / request.param)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / request.param)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
     folder = tmp_path_factory.mktemp(request.param)
@@ -78,8 +79,12 @@ def test_objects_validate_against_kubernetes_schemas(rendered):
     core = [d for d in docs if d["kind"] not in KEDA_KINDS]
     core_path = path.with_name("core.yaml")
     core_path.write_text(yaml.safe_dump_all(core))
-    out = subprocess.run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", K8S_VERSION, str(core_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [_tool("kubernetes-validate"), "--strict", "--kubernetes-version", K8S_VERSION, str(core_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count(" passed for resource ") == len(core), out.stdout
 
@@ -88,7 +93,9 @@ def test_keda_objects_are_well_formed(rendered):
     _, docs, _ = rendered
     names = {d["metadata"]["name"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
     auths = {d["metadata"]["name"] for d in docs if d["kind"] == "TriggerAuthentication"}
-    secrets_used = {r["name"] for d in docs if d["kind"] == "TriggerAuthentication" for r in d["spec"]["secretTargetRef"]}
+    secrets_used = {
+        r["name"] for d in docs if d["kind"] == "TriggerAuthentication" for r in d["spec"]["secretTargetRef"]
+    }
     assert secrets_used == {"splitserve-redis"}
     exported = {m.name for m in DecodeMetrics().registry.collect()}
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
@@ -136,8 +143,12 @@ def test_every_process_exposes_metrics_and_sends_traces(rendered):
 
 def test_checkov_reports_no_unsuppressed_failure(rendered):
     _, _, path = rendered
-    out = subprocess.run([_tool("checkov"), "-f", str(path), "--framework", "kubernetes", "--quiet", "--compact",
-                          "-o", "json"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [_tool("checkov"), "-f", str(path), "--framework", "kubernetes", "--quiet", "--compact", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.stdout)
     reports = report if isinstance(report, list) else [report]
     failed = [(c["check_id"], c["resource"]) for r in reports for c in r.get("results", {}).get("failed_checks", [])]
@@ -147,8 +158,22 @@ def test_checkov_reports_no_unsuppressed_failure(rendered):
 
 
 def test_checkov_dockerfile():
-    out = subprocess.run([_tool("checkov"), "-f", str(REPO / "deploy" / "docker" / "Dockerfile"), "--framework",
-                          "dockerfile", "--quiet", "--compact", "-o", "json"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            _tool("checkov"),
+            "-f",
+            str(REPO / "deploy" / "docker" / "Dockerfile"),
+            "--framework",
+            "dockerfile",
+            "--quiet",
+            "--compact",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.stdout)
     reports = report if isinstance(report, list) else [report]
     failed = [c["check_id"] for r in reports for c in r.get("results", {}).get("failed_checks", [])]
@@ -188,8 +213,15 @@ def test_every_env_var_set_is_read_by_the_code(rendered):
 
 
 def test_settings_in_the_configmap_parse():
-    docs = [d for d in yaml.safe_load_all(subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / "dev")],
-                                                          capture_output=True, text=True).stdout) if d]
+    docs = [
+        d
+        for d in yaml.safe_load_all(
+            subprocess.run(
+                ["kubectl", "kustomize", str(K8S / "overlays" / "dev")], capture_output=True, text=True
+            ).stdout
+        )
+        if d
+    ]
     cm = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
     s = Settings.from_env(cm)
     assert s.drain_s < min(
@@ -203,8 +235,12 @@ def test_settings_in_the_configmap_parse():
 
 
 def test_yamllint_is_clean():
-    out = subprocess.run([_tool("yamllint"), "-s", "-c", str(REPO / ".yamllint"), str(REPO / "deploy")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [_tool("yamllint"), "-s", "-c", str(REPO / ".yamllint"), str(REPO / "deploy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

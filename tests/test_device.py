@@ -71,10 +71,12 @@ def test_cuda_penalties_and_logit_bias_give_the_cpu_engines_tokens(tiny_engine_f
     """The penalties' gathers and scatters, and the logit bias, on device logits (decode steps
     replaying graphs); the same tokens as on the CPU."""
     prompts = random_prompts(4, seed=41)
-    params = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
-              SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=-1.2, presence_penalty=-0.6),
-              SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0}),
-              SamplingParams(max_tokens=16, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=-1.2, presence_penalty=-0.6),
+        SamplingParams(max_tokens=16, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0}),
+        SamplingParams(max_tokens=16, ignore_eos=True),
+    ]
     want = tiny_engine_factory().generate(prompts, params)
     assert tiny_engine_factory(device="cuda").generate(prompts, params) == want
 
@@ -95,8 +97,9 @@ def test_cuda_steps_report_the_forwards_time_on_the_device(tiny_engine_factory):
         kinds.add(s.graphed)
         m.observe_step(eng)
     assert True in kinds  # events around graph replays too
-    assert m.registry.get_sample_value("splitserve_iteration_device_seconds_count") == \
-        m.registry.get_sample_value("splitserve_engine_steps_total")
+    assert m.registry.get_sample_value("splitserve_iteration_device_seconds_count") == m.registry.get_sample_value(
+        "splitserve_engine_steps_total"
+    )
 
 
 @cuda
@@ -214,8 +217,14 @@ def test_graph_step_bodies_give_the_eager_tokens_on_the_cpu(tiny_engine_factory,
     prompts = random_prompts(11, lo=3, hi=150, seed=43)
     params = [SamplingParams(max_tokens=4 + 9 * i, ignore_eos=True) for i in range(11)]
     want = tiny_engine_factory().generate(prompts, params)
-    eng = tiny_engine_factory(policy=policy, attention_backend="torch", max_batch_size=5, static_batch_size=5,
-                              max_wait_ms=1, max_num_batched_tokens=100)  # prefill in chunks, with decodes
+    eng = tiny_engine_factory(
+        policy=policy,
+        attention_backend="torch",
+        max_batch_size=5,
+        static_batch_size=5,
+        max_wait_ms=1,
+        max_num_batched_tokens=100,
+    )  # prefill in chunks, with decodes
     graph_bodies_without_capture(eng)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)

@@ -119,7 +119,9 @@ def test_export_import_continues_exactly(smol_loaded, prompts):
 
 def test_streamed_text_is_the_decoded_output(engine):
     tok = engine.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello in Japanese and add an emoji 🎉."}]))
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "Say hello in Japanese and add an emoji 🎉."}])
+    )
     engine.add_request("text", prompt, SamplingParams(max_tokens=40))
     ids, text = [], ""
     while engine.has_unfinished():
@@ -161,8 +163,11 @@ def test_stop_string_truncates_and_reports_stop(engine, prompts, reference, incl
     stop = full.split()[2]  # a word that appears in the greedy output
     later = full.split()[4]  # one found after it: the first found ends the text, whatever the list's order
     assert full.index(later) > full.index(stop)
-    engine.add_request("stop", prompts[0], SamplingParams(max_tokens=NEW_TOKENS, stop=(later, stop),
-                                                          include_stop_str_in_output=include))
+    engine.add_request(
+        "stop",
+        prompts[0],
+        SamplingParams(max_tokens=NEW_TOKENS, stop=(later, stop), include_stop_str_in_output=include),
+    )
     text, outs = "", []
     while engine.has_unfinished():
         for out in engine.step():
@@ -249,8 +254,9 @@ def _seeded(eng, prompt, *, before=(), join_at=-1, join=()) -> tuple[list[int], 
     before it (before) or joining it at a step (join_at, join)."""
     for i, p in enumerate(before):
         eng.add_request(f"before{i}", p, SamplingParams(max_tokens=4))
-    eng.add_request("seeded", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True,
-                                                     logprobs=0))
+    eng.add_request(
+        "seeded", prompt, SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True, logprobs=0)
+    )
     tokens, logprobs, cached, step = [], [], 0, 0
     while eng.has_unfinished():
         if step == join_at:
@@ -272,9 +278,13 @@ def test_batch_invariant_gives_a_request_the_same_logits_whatever_shares_its_ste
     three differed within float error when measured: MKL rounds a row with the rows beside it, and
     a fresh prompt's attention is torch's, a later chunk's the paged kernel's.) Only for
     continuous batching on the CPU."""
+
     def engine(budget: int = 2048) -> LLMEngine:
-        return LLMEngine(EngineConfig(kv_cache_bytes=128 << 20, max_num_batched_tokens=budget, batch_invariant=True),
-                         loaded=smol_loaded)
+        return LLMEngine(
+            EngineConfig(kv_cache_bytes=128 << 20, max_num_batched_tokens=budget, batch_invariant=True),
+            loaded=smol_loaded,
+        )
+
     prompt = min((p for p in prompts if len(p) > 256), key=len)
     other = prompts[0]
     eng = engine()
@@ -288,7 +298,9 @@ def test_batch_invariant_gives_a_request_the_same_logits_whatever_shares_its_ste
     with pytest.raises(ValueError, match="batch_invariant needs continuous batching"):
         EngineConfig(batch_invariant=True, policy="static")
     from splitserve.service.settings import Settings
+
     with pytest.raises(ValueError, match="SPLITSERVE_BATCH_INVARIANT: batch_invariant needs policy continuous"):
-        Settings.from_env({"SPLITSERVE_BATCH_INVARIANT": "true", "SPLITSERVE_POLICY": "dynamic",
-                           "SPLITSERVE_MODE": "colocated"})
+        Settings.from_env(
+            {"SPLITSERVE_BATCH_INVARIANT": "true", "SPLITSERVE_POLICY": "dynamic", "SPLITSERVE_MODE": "colocated"}
+        )
     assert Settings.from_env({"SPLITSERVE_BATCH_INVARIANT": "1"}).engine_config("prefill").batch_invariant

@@ -22,11 +22,15 @@ def test_same_seed_same_tokens_alone_and_in_a_busy_batch(tiny_engine_factory):
     seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = eng.generate([prompt], seeded)[0]
     # the same request amid greedy and other random requests that join at other steps
-    eng.add_request("noise-0", random_prompts(1, seed=9)[0], SamplingParams(max_tokens=30, temperature=1.3, ignore_eos=True))
+    eng.add_request(
+        "noise-0", random_prompts(1, seed=9)[0], SamplingParams(max_tokens=30, temperature=1.3, ignore_eos=True)
+    )
     eng.step()
     eng.add_request("seeded", prompt, seeded)
     for i, p in enumerate(random_prompts(6, seed=5)):
-        eng.add_request(f"noise-{i + 1}", p, SamplingParams(max_tokens=10 + i, temperature=0.7 * (i % 2), ignore_eos=True))
+        eng.add_request(
+            f"noise-{i + 1}", p, SamplingParams(max_tokens=10 + i, temperature=0.7 * (i % 2), ignore_eos=True)
+        )
     got = drain(eng).tokens
     assert got["seeded"] == alone
     other_seed = eng.generate([prompt], SamplingParams(**{**seeded.__dict__, "seed": 99}))[0]
@@ -120,8 +124,13 @@ def test_an_urgent_request_preempts_a_less_urgent_running_one_never_a_peer(tiny_
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = dict(zip(["low-0", "low-1", "high", "peer"], tiny_engine_factory().generate(prompts, params)))
     # room for two running at once: by the slot limit, or by 18 blocks (two at full length)
-    eng = tiny_engine_factory(**({"max_num_seqs": 2} if short_of == "sequence slots"
-                                 else {"kv_cache_bytes": 18 * 16 * 2 * 2 * 2 * 16 * 4, "block_size": 16}))
+    eng = tiny_engine_factory(
+        **(
+            {"max_num_seqs": 2}
+            if short_of == "sequence slots"
+            else {"kv_cache_bytes": 18 * 16 * 2 * 2 * 2 * 16 * 4, "block_size": 16}
+        )
+    )
     got, finished = {}, []
 
     def step():
@@ -284,8 +293,12 @@ def test_kv_import_refuses_foreign_or_broken_kv_naming_the_handoffs_field(tiny_e
         ({"prompt_len": 0}, buf, "sequence.prompt_len", "at least one"),
         ({"prompt_len": n}, buf, "sequence.prompt_len", "the token sampled"),
         ({"token_ids": export.token_ids[:-1] + [512]}, buf, "sequence.token_ids", "outside the vocabulary"),
-        ({"params": SamplingParams(max_tokens=5, stop_token_ids=[2**62])}, buf, "sampling.stop_token_ids",
-         "outside the vocabulary"),
+        (
+            {"params": SamplingParams(max_tokens=5, stop_token_ids=[2**62])},
+            buf,
+            "sampling.stop_token_ids",
+            "outside the vocabulary",
+        ),
         ({"resumed": n}, buf, "sequence.resumed_tokens", "resumed tokens"),
     ]:
         bad = type(export)(**{**export.__dict__, **change})
@@ -293,8 +306,9 @@ def test_kv_import_refuses_foreign_or_broken_kv_naming_the_handoffs_field(tiny_e
             b.import_kv(bad, payload)
         assert b.cache.pool.num_used == 0 and not b.seqs, change
     static = tiny_engine_factory(policy="static")
-    with pytest.raises(KVImportError, match="^handle: KV import needs the continuous policy; this engine batches "
-                                            "static$"):
+    with pytest.raises(
+        KVImportError, match="^handle: KV import needs the continuous policy; this engine batches static$"
+    ):
         static.import_kv(export, buf)
     b.import_kv(export, buf)  # the genuine one is accepted
     drain(b)
@@ -343,8 +357,12 @@ def _outcomes(eng, faults: dict | None = None) -> dict[str, tuple]:
         step += 1
         for out in eng.step():
             toks, _, _, plp = got.get(out.request_id, ([], None, None, []))
-            got[out.request_id] = (toks + out.new_token_ids, out.finish_reason, out.exception,
-                                   plp + list(out.prompt_logprobs or []))
+            got[out.request_id] = (
+                toks + out.new_token_ids,
+                out.finish_reason,
+                out.exception,
+                plp + list(out.prompt_logprobs or []),
+            )
         if step in (faults or {}):
             faults[step]()
     return got
@@ -364,7 +382,8 @@ def _fault_requests(max_tokens: int, names: list[str]) -> dict[str, SamplingPara
 
 
 def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it_had_not_been_there(
-        tiny_engine_factory):
+    tiny_engine_factory,
+):
     """Faults the checks missed, put into three sequences as a corrupt state: one in the model's
     forward (a token outside the vocabulary), one in sampling after the other rows drew (a negative
     number of log probabilities), one in taking its token (counts of another kind). Each ends
@@ -381,13 +400,21 @@ def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it
     for rid, prompt in zip(params, prompts):
         eng.add_request(rid, prompt, params[rid])
     object.__setattr__(eng.seqs["bad-lp"].params, "logprobs", -5)  # torch.topk: k out of range
-    got = _outcomes(eng, {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
-                                2: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6)})
+    got = _outcomes(
+        eng,
+        {
+            1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
+            2: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6),
+        },
+    )
     for rid in alone:
         assert got[rid] == alone[rid], rid
     assert len(got["prompt-lp"][3]) == len(prompts[2]) - 1 and len(got["seeded"][0]) == 10
-    for rid, cause in [("bad-lp", "RuntimeError: selected index k out of range"), ("bad-token", "IndexError: "),
-                       ("bad-take", "KeyError: ")]:
+    for rid, cause in [
+        ("bad-lp", "RuntimeError: selected index k out of range"),
+        ("bad-token", "IndexError: "),
+        ("bad-take", "KeyError: "),
+    ]:
         _, reason, exc, _ = got[rid]
         assert reason == "error" and isinstance(exc, StepFailed), (rid, reason, exc)
         assert str(exc).startswith(f"engine step failed: {cause}"), (rid, str(exc))
@@ -398,7 +425,8 @@ def test_a_sequence_that_fails_its_step_ends_alone_and_the_others_go_on_as_if_it
 
 @pytest.mark.parametrize("policy", ["static", "dynamic"])
 def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling_or_token_ends_alone(
-        tiny_engine_factory, policy):
+    tiny_engine_factory, policy
+):
     """The padded policies' batch is one rectangle, but a row that fails it ends alone: one whose
     forward raises (a token outside the vocabulary: the rectangle is run again in halves down to
     that row, which is fed padding from then on), one whose sampling raises (a negative number of
@@ -418,8 +446,14 @@ def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling
             eng.add_request(rid, prompt, params[rid])
         if faulty:
             object.__setattr__(eng.seqs["bad-lp"].params, "logprobs", -5)  # torch.topk: k out of range
-        faults = {1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
-                  3: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6)} if faulty else {}
+        faults = (
+            {
+                1: lambda: setattr(eng.seqs["bad-take"], "output_counts", {}),
+                3: lambda: eng.seqs["bad-token"].token_ids.__setitem__(-1, 10**6),
+            }
+            if faulty
+            else {}
+        )
         return eng, _outcomes(eng, faults)
 
     _, want = run(False)
@@ -428,9 +462,11 @@ def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling
     eng, got = run(True)
     assert [got[rid] for rid in ("greedy", "seeded")] == [want[rid] for rid in ("greedy", "seeded")]
     assert len(got["seeded"][0]) == 8 and got["seeded"][1] == "length"
-    for rid, cause, tokens in [("bad-lp", "RuntimeError: selected index k out of range", (0,)),
-                               ("bad-take", "KeyError: ", (1, 2)),  # (its token is in, or not, as it fails)
-                               ("bad-token", "IndexError: ", (2, 3, 4))]:
+    for rid, cause, tokens in [
+        ("bad-lp", "RuntimeError: selected index k out of range", (0,)),
+        ("bad-take", "KeyError: ", (1, 2)),  # (its token is in, or not, as it fails)
+        ("bad-token", "IndexError: ", (2, 3, 4)),
+    ]:
         toks, reason, exc, _ = got[rid]
         assert (len(toks) in tokens, reason, type(exc)) == (True, "error", StepFailed), (rid, toks, reason, exc)
         assert str(exc).startswith(f"engine step failed: {cause}"), (rid, str(exc))
@@ -443,7 +479,8 @@ def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling
 
 
 def test_a_step_that_fails_for_every_sequence_ends_each_with_an_error_and_the_engine_serves_on(
-        tiny_engine_factory, monkeypatch):
+    tiny_engine_factory, monkeypatch
+):
     """A forward that fails whatever it runs (a broken device, say): halving finds every sequence
     failing alone, in 2n - 1 runs; each ends "error", no KV block is held, and the next request runs."""
     eng = tiny_engine_factory()
@@ -460,8 +497,10 @@ def test_a_step_that_fails_for_every_sequence_ends_each_with_an_error_and_the_en
         eng.add_request(f"r{i}", p, SamplingParams(max_tokens=5, ignore_eos=True))
     got = _outcomes(eng)
     assert sorted(got) == ["r0", "r1", "r2", "r3"]
-    assert all(reason == "error" and str(exc) == "engine step failed: RuntimeError: device lost"
-               for _, reason, exc, _ in got.values()), got
+    assert all(
+        reason == "error" and str(exc) == "engine step failed: RuntimeError: device lost"
+        for _, reason, exc, _ in got.values()
+    ), got
     assert calls == [4, 2, 1, 1, 2, 1, 1] and eng.cache.pool.num_used == 0
     monkeypatch.setattr(eng.model, "forward", forward)
     assert eng.generate([prompts[0]], SamplingParams(max_tokens=5, ignore_eos=True))[0] == want

@@ -35,7 +35,7 @@ def test_rope_qkv_rotates_q_and_k_and_writes_the_cache(hq, hkv, d, write):
     want = x[:, : hq + hkv] * cos + torch.roll(x[:, : hq + hkv], d // 2, dims=-1) * sin
     torch.testing.assert_close(q, want[:, :hq])
     torch.testing.assert_close(k, want[:, hq:])
-    assert torch.equal(v, x[:, hq + hkv:])
+    assert torch.equal(v, x[:, hq + hkv :])
     if write:
         assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v)
         untouched = torch.ones(slots_n, dtype=torch.bool, device=DEVICE)
@@ -58,10 +58,10 @@ def test_paged_decode_equals_sdpa_over_each_context(hq, hkv, d):
         tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(S)]).to(DEVICE)
         lens_t = torch.tensor(lens, device=DEVICE)
         q = rnd(S, hq, d, seed=6)
-        got = ops.paged_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5)
-        torch.testing.assert_close(got, fused.reference_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5))
+        got = ops.paged_decode(q, kc, vc, tables, lens_t, bs, d**-0.5)
+        torch.testing.assert_close(got, fused.reference_decode(q, kc, vc, tables, lens_t, bs, d**-0.5))
         out = torch.full((S + 2, hq * d), 7.0, device=DEVICE)
-        ops.paged_decode(q, kc, vc, tables, lens_t, bs, d ** -0.5, out=out[1 : S + 1])
+        ops.paged_decode(q, kc, vc, tables, lens_t, bs, d**-0.5, out=out[1 : S + 1])
         torch.testing.assert_close(out[1 : S + 1], got, rtol=0, atol=0)
         assert (out[0] == 7).all() and (out[-1] == 7).all()
 
@@ -100,18 +100,29 @@ def test_the_self_check_runs_each_variant_the_engine_uses(monkeypatch):
                 def launch(*args, **kw):
                     seen.append((key, kw[key]))
                     return real[grid](*args, **kw)
+
                 return launch
+
         monkeypatch.setattr(fused, name, Spy())
+
     spy("_combine_kernel", "SP")
     spy("_paged_decode_kernel", "BS")
-    for bs, max_context, want in ((16, 3000, {("SP", 16), ("SP", 32), ("BS", 16)}),
-                                  (32, 2048, {("SP", 16), ("BS", 32)})):
+    for bs, max_context, want in (
+        (16, 3000, {("SP", 16), ("SP", 32), ("BS", 16)}),
+        (32, 2048, {("SP", 16), ("BS", 32)}),
+    ):
         seen.clear()
         assert fused.self_check(ops, DEVICE, block_size=bs, max_context=max_context) == ""
         assert set(seen) == want, (bs, seen)
-    monkeypatch.setattr(ops, "paged_decode", lambda q, kc, vc, t, n, bs, scale: (  # wrong past 16 splits
-        torch.zeros(q.shape[0], q.shape[1] * q.shape[2], device=q.device) if t.shape[1] > 16
-        else fused.reference_decode(q, kc, vc, t, n, bs, scale)))
+    monkeypatch.setattr(
+        ops,
+        "paged_decode",
+        lambda q, kc, vc, t, n, bs, scale: (  # wrong past 16 splits
+            torch.zeros(q.shape[0], q.shape[1] * q.shape[2], device=q.device)
+            if t.shape[1] > 16
+            else fused.reference_decode(q, kc, vc, t, n, bs, scale)
+        ),
+    )
     assert fused.self_check(ops, DEVICE, max_context=2048) == ""
     assert fused.self_check(ops, DEVICE, max_context=4100) == "paged decode attention (32 splits)"
 
@@ -128,6 +139,7 @@ def test_kernels_that_fail_their_check_or_do_not_suit_are_not_used(monkeypatch, 
 
         def broken(ops, device, bs, max_context):
             raise RuntimeError("no kernel image is available for execution on the device")
+
         monkeypatch.setattr(fused, "self_check", broken)
         assert fused.load(9, 3, 64, DEVICE) is None
     warned = [r.getMessage() for r in caplog.records]
@@ -178,6 +190,7 @@ def test_the_model_with_fused_kernels_gives_the_same_tokens(tiny_engine_factory,
         def counted(*a, real=real, key=key, **kw):
             calls[key] += 1
             return real(*a, **kw)
+
         setattr(eng.model.fused, name, counted)
     assert eng.generate(prompts, params) == want
     assert calls["rope"] > 0 and calls["silu"] > 0

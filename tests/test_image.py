@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from splitserve.client import Client
-from splitserve.engine.engine import LLMEngine
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.stack import Stack, redis_server_binary
 
@@ -40,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # This host's quirks, not the image's: crun refuses its hybrid cgroup layout (runc does not),
 # and its rlimits cannot be raised (no CAP_SYS_RESOURCE) while podman raises them by default.
 PODMAN_RUN = os.environ.get(
-    "SPLITSERVE_PODMAN_RUN", "podman --runtime runc run --ulimit nofile=16384:16384 --ulimit nproc=4096:4096").split()
+    "SPLITSERVE_PODMAN_RUN", "podman --runtime runc run --ulimit nofile=16384:16384 --ulimit nproc=4096:4096"
+).split()
 
 pytestmark = pytest.mark.skipif(
     not IMAGE or shutil.which("podman") is None or os.geteuid() != 0,
@@ -108,8 +109,13 @@ class Cluster:
 
     def __init__(self, overlay: str):
         self.overlay = overlay
-        out = subprocess.run(["kubectl", "kustomize", os.path.join(REPO, "deploy", "k8s", "overlays", overlay)],
-                             capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            ["kubectl", "kustomize", os.path.join(REPO, "deploy", "k8s", "overlays", overlay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         self.docs = [d for d in yaml.safe_load_all(out.stdout) if d]
         self.tag = f"splitserve-test-{secrets.token_hex(3)}"
         self.dir = tempfile.mkdtemp(prefix=f"{self.tag}-")
@@ -123,13 +129,28 @@ class Cluster:
     def deployments(self) -> list[dict]:
         return [d for d in self.docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "splitserve-redis"]
 
-    def start(self, timeout: float = 300) -> "Cluster":
+    def start(self, timeout: float = 300) -> Cluster:
         password = secrets.token_hex(8)
         port = _free_port()
         self.redis = subprocess.Popen(
-            [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--requirepass", password,
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                redis_server_binary(),
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--requirepass",
+                password,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         self.collector = Collector()
         config = {d["metadata"]["name"]: d.get("data", {}) for d in self.docs if d["kind"] == "ConfigMap"}
@@ -147,7 +168,9 @@ class Cluster:
         while not all(Stack._healthy(a) for a in addresses):
             dead = [c for c in self.containers if self.inspect(c, "Status") != "running"]
             assert not dead, f"{dead} stopped:\n" + "\n".join(self.logs(c) for c in dead)
-            assert time.time() < deadline, "containers not healthy in time:\n" + "\n".join(map(self.logs, self.containers))
+            assert time.time() < deadline, "containers not healthy in time:\n" + "\n".join(
+                map(self.logs, self.containers)
+            )
             time.sleep(0.5)
         time.sleep(2)  # the router reads the worker registry every half heartbeat
         return self
@@ -164,8 +187,10 @@ class Cluster:
             os.makedirs(path)
             empty = v["emptyDir"]
             if empty.get("medium") == "Memory":
-                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={_size(empty['sizeLimit'])},mode=1777", "tmpfs", path],
-                               check=True)
+                subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", f"size={_size(empty['sizeLimit'])},mode=1777", "tmpfs", path],
+                    check=True,
+                )
                 self.mounts.append(path)
             else:
                 os.chmod(path, 0o1777)
@@ -177,7 +202,11 @@ class Cluster:
             env: dict[str, str] = {}
             for ref in c.get("envFrom", []):
                 env.update({k: self._remap(v) for k, v in config[ref["configMapRef"]["name"]].items()})
-            fields = {"status.podIP": "127.0.0.1", "metadata.name": pod_name, "metadata.namespace": dep["metadata"]["namespace"]}
+            fields = {
+                "status.podIP": "127.0.0.1",
+                "metadata.name": pod_name,
+                "metadata.namespace": dep["metadata"]["namespace"],
+            }
             for e in c.get("env", []):
                 if "value" in e:  # $(NAME) expands the container's variables defined before it, as the kubelet does
                     value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), self._remap(e["value"]))
@@ -191,8 +220,16 @@ class Cluster:
             env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{self.collector.port}"
             env["OTEL_BSP_SCHEDULE_DELAY"] = "200"
             name = f"{pod_name}-{c['name']}"
-            args = [*PODMAN_RUN, "-d", "--name", name, "--network", "host",
-                    "--user", f"{sc.get('runAsUser', psc['runAsUser'])}:{sc.get('runAsGroup', psc['runAsGroup'])}"]
+            args = [
+                *PODMAN_RUN,
+                "-d",
+                "--name",
+                name,
+                "--network",
+                "host",
+                "--user",
+                f"{sc.get('runAsUser', psc['runAsUser'])}:{sc.get('runAsGroup', psc['runAsGroup'])}",
+            ]
             if first:
                 args += ["--ipc", f"container:{first}", "--uts", f"container:{first}"]
             else:
@@ -213,7 +250,9 @@ class Cluster:
 
     def inspect(self, name: str, state: str) -> str:
         """A field of the container's state: Status, ExitCode, ..."""
-        out = subprocess.run(["podman", "inspect", "--format", f"{{{{.State.{state}}}}}", name], capture_output=True, text=True)
+        out = subprocess.run(
+            ["podman", "inspect", "--format", f"{{{{.State.{state}}}}}", name], capture_output=True, text=True
+        )
         return out.stdout.strip()
 
     def logs(self, name: str) -> str:
@@ -294,6 +333,9 @@ def test_overlay_runs_from_the_image(overlay, transport, expected):
     finally:
         cluster.stop()
         cluster.remove()
-    left = subprocess.run(["podman", "ps", "-a", "--filter", f"name={cluster.tag}", "--format", "{{.Names}}"],
-                          capture_output=True, text=True).stdout.split()
+    left = subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"name={cluster.tag}", "--format", "{{.Names}}"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert left == []

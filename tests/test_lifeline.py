@@ -45,8 +45,11 @@ def read(path) -> str:
 
 
 # A child that says which signals it ignores, then waits for SIGTERM.
-CHILD = ["/bin/sh", "-c", 'grep SigIgn /proc/$$/status; trap "echo GOT SIGTERM; exit 0" TERM; echo WAITING; '
-         'while :; do sleep 0.05; done']
+CHILD = [
+    "/bin/sh",
+    "-c",
+    'grep SigIgn /proc/$$/status; trap "echo GOT SIGTERM; exit 0" TERM; echo WAITING; while :; do sleep 0.05; done',
+]
 
 OWNER = """
 import subprocess, sys, threading, time
@@ -64,8 +67,11 @@ time.sleep(120)
 
 def test_a_process_started_from_the_main_thread_gets_sigterm_when_its_starter_is_killed(tmp_path):
     main_log, thread_log = tmp_path / "main.log", tmp_path / "thread.log"
-    owner = subprocess.Popen([sys.executable, "-c", OWNER.format(child=CHILD), str(main_log), str(thread_log)],
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER.format(child=CHILD), str(main_log), str(thread_log)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     main = other = None
     try:
         main, other = map(int, owner.stdout.readline().split())
@@ -93,27 +99,41 @@ def test_a_process_started_from_the_main_thread_gets_sigterm_when_its_starter_is
 
 # `splitserve up` as started from a terminal: SIGHUP at its default, even where this test runs with it
 # ignored (under nohup), which `up` leaves so.
-UP = "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); from splitserve.cli import main; " \
-     "sys.exit(main(['up']))"
+UP = (
+    "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); from splitserve.cli import main; "
+    "sys.exit(main(['up']))"
+)
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP", "Ctrl-C"])
-def test_splitserve_up_killed_hung_up_on_or_interrupted_leaves_no_process_and_no_segment(tiny_model_dir, tmp_path,
-                                                                                          how):
+def test_splitserve_up_killed_hung_up_on_or_interrupted_leaves_no_process_and_no_segment(tiny_model_dir, tmp_path, how):
     """Killed, ``up`` cannot stop its stack: each of its processes is sent SIGTERM by the kernel, and
     drains and exits as when stopped. Hung up on (its terminal closed), it drains and stops it.
     Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the workers and the
     router drain while Redis, in a process group of its own, serves until they have left the
     registry, so no log holds a warning."""
     prefix = f"splitserve-up{uuid.uuid4().hex[:6]}-"
-    env = {**os.environ, "SPLITSERVE_MODEL": tiny_model_dir, "SPLITSERVE_SHM_PREFIX": prefix,
-           "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache"), "SPLITSERVE_KV_CACHE_BYTES": str(64 << 20),
-           "SPLITSERVE_PREFILL_KV_CACHE_BYTES": str(64 << 20), "SPLITSERVE_ARENA_BYTES": str(32 << 20),
-           "SPLITSERVE_HEARTBEAT_S": "0.25", "SPLITSERVE_DRAIN_S": "3"}
+    env = {
+        **os.environ,
+        "SPLITSERVE_MODEL": tiny_model_dir,
+        "SPLITSERVE_SHM_PREFIX": prefix,
+        "SPLITSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        "SPLITSERVE_KV_CACHE_BYTES": str(64 << 20),
+        "SPLITSERVE_PREFILL_KV_CACHE_BYTES": str(64 << 20),
+        "SPLITSERVE_ARENA_BYTES": str(32 << 20),
+        "SPLITSERVE_HEARTBEAT_S": "0.25",
+        "SPLITSERVE_DRAIN_S": "3",
+    }
     env.pop("REDIS_URL", None)
     # Ctrl-C: `up` leads a process group of its own, as a shell's foreground job does.
-    up = subprocess.Popen([sys.executable, "-c", UP], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, start_new_session=how == "Ctrl-C")
+    up = subprocess.Popen(
+        [sys.executable, "-c", UP],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=how == "Ctrl-C",
+    )
     procs, lines = [], []
     try:
         for line in up.stdout:
@@ -142,8 +162,13 @@ def test_splitserve_up_killed_hung_up_on_or_interrupted_leaves_no_process_and_no
             if how == "Ctrl-C":
                 assert [line for line in log.splitlines() if "WARNING" in line or "ERROR" in line] == [], name
         # The state file a killed `up` could not remove names no running stack (before: its dead router's address).
-        gen = subprocess.run([sys.executable, "-m", "splitserve.cli", "generate", "hello"], env=env,
-                             capture_output=True, text=True, timeout=60)
+        gen = subprocess.run(
+            [sys.executable, "-m", "splitserve.cli", "generate", "hello"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert gen.returncode == 2 and "no running stack" in gen.stderr, gen.stderr
         assert os.path.isfile(tmp_path / "cache" / "stack.json") == (how == "SIGKILL")
     finally:

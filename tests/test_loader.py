@@ -60,7 +60,7 @@ def test_cli_prints_one_line_and_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [f"splitserve: error: model path does not exist: {tmp_path / 'missing.gguf'}"]
 
 
@@ -119,8 +119,13 @@ def test_check_model_fills_the_cache_dir_the_workers_read(tmp_path, tiny_model_d
     from splitserve.service.settings import Settings
 
     env = dict(os.environ, SPLITSERVE_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
-    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "check-model", "--model", tiny_model_dir],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "check-model", "--model", tiny_model_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert Settings.from_env(env).cache_dir == str(tmp_path / "cache")
     kernels = sorted(os.listdir(tmp_path / "cache" / "kernels"))
@@ -312,8 +317,10 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
     data = path.read_bytes()
     short = tmp_path / "short.gguf"
     short.write_bytes(data[: len(data) - 100])
-    with pytest.raises(ModelLoadError, match=f"corrupt or unreadable GGUF file {short}: tensor blk.1.ffn_down.weight "
-                                             "runs past the end of the file"):
+    with pytest.raises(
+        ModelLoadError,
+        match=f"corrupt or unreadable GGUF file {short}: tensor blk.1.ffn_down.weight runs past the end of the file",
+    ):
         resolve_folder(ModelSpec(path=str(short), cache_dir=str(tmp_path / "cache")))
     header = tmp_path / "header.gguf"
     header.write_bytes(data[:300])
@@ -322,8 +329,9 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
 
     f64 = tmp_path / "f64.gguf"
     _write_gguf(f64, "llama", "tiny", tied=True, kinds={"blk.1.attn_norm.weight": "F64"})
-    with pytest.raises(ModelLoadError, match=f"GGUF file {f64}: tensor blk.1.attn_norm.weight \\(F64\\) cannot be "
-                                             "de-quantized"):
+    with pytest.raises(
+        ModelLoadError, match=f"GGUF file {f64}: tensor blk.1.attn_norm.weight \\(F64\\) cannot be de-quantized"
+    ):
         resolve_folder(ModelSpec(path=str(f64), cache_dir=str(tmp_path / "cache")))
 
     other = tmp_path / "gpt2.gguf"
@@ -425,14 +433,33 @@ def test_two_processes_starting_at_once_on_a_new_gguf_file_make_each_cache_entry
     path.parent.mkdir()
     _write_gguf(path, "llama", "tiny", tied=False)
     cache = tmp_path / "cache"
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_AT_ONCE, str(path), str(cache), str(tmp_path / f"go{i}"),
-                               str(tmp_path / f"go{1 - i}")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                TWO_AT_ONCE,
+                str(path),
+                str(cache),
+                str(tmp_path / f"go{i}"),
+                str(tmp_path / f"go{1 - i}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     both = "".join(outs)
-    for made in ("converting ", "compiled the paged_attention kernel", "compiled the small_gemm kernel",
-                 "weights laid out for the model, kept at", "small-GEMM weights packed in"):
+    for made in (
+        "converting ",
+        "compiled the paged_attention kernel",
+        "compiled the small_gemm kernel",
+        "weights laid out for the model, kept at",
+        "small-GEMM weights packed in",
+    ):
         assert both.count(made) == 1, (made, outs)
     tokens = [next(line for line in out.splitlines() if line.startswith("TOKENS")) for out in outs]
     assert tokens[0] == tokens[1], outs

@@ -177,8 +177,9 @@ def test_prompt_logprobs_are_the_models_distribution_over_chunks(tiny_engine_fac
         assert len(tokens[f"r{i}"]) == sp.max_tokens
     assert prompt["r5"] == []
     # asking for them changes no token: the same prompts alone, without
-    plain = tiny_engine_factory().generate(prompts[:2], [SamplingParams(max_tokens=6, ignore_eos=True),
-                                                         SamplingParams(max_tokens=5, ignore_eos=True)])
+    plain = tiny_engine_factory().generate(
+        prompts[:2], [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True)]
+    )
     assert plain == [tokens["r0"], tokens["r1"]]
 
 

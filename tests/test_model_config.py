@@ -21,15 +21,32 @@ from splitserve.engine.model_config import ROPE_FILE, read_config, resolve
 def _configs():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    small = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=512)
+    small = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    )
     return {
         "llama-defaults": LlamaConfig(**small),  # no KV heads, head_dim or eps in the file: the defaults
         "llama-gqa": LlamaConfig(**small, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, eos_token_id=[2, 7]),
-        "llama3-rope": LlamaConfig(**small, num_key_value_heads=2, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
-        "linear-rope": LlamaConfig(**small, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        "llama3-rope": LlamaConfig(
+            **small,
+            num_key_value_heads=2,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+        "linear-rope": LlamaConfig(
+            **small, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        ),
         "mistral-window": MistralConfig(**small, num_key_value_heads=2, sliding_window=256),
         "qwen2": Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=False, sliding_window=128),
     }
@@ -84,11 +101,13 @@ def test_a_start_from_the_cache_imports_no_transformers_config_and_the_router_no
         from splitserve.engine.loader import load_frontend
         tok, cfg, name = load_frontend(ModelSpec())
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
-        heavy = [m for m in sys.modules if m == "torch" or m.startswith(("transformers.models", "transformers.configuration_utils"))]
+        heavy = [m for m in sys.modules
+                 if m == "torch" or m.startswith(("transformers.models", "transformers.configuration_utils"))]
         print("router", cfg.context_length, heavy)
         from splitserve.engine.engine import LLMEngine
         eng = LLMEngine(EngineConfig(kv_cache_bytes=16 << 20))
-        print("engine", eng.max_model_len, [m for m in sys.modules if m.startswith(("transformers.models", "transformers.configuration_utils"))])
+        print("engine", eng.max_model_len,
+              [m for m in sys.modules if m.startswith(("transformers.models", "transformers.configuration_utils"))])
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

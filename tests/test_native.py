@@ -40,8 +40,13 @@ def test_kernel_matches_sdpa_on_decode_and_chunks(kernel, hq, hkv, D):
         off += ctx
     q = torch.randn(q_start, hq, D)
     batch = RaggedBatch(
-        input_ids=torch.zeros(q_start, dtype=torch.long), positions=None, slot_mapping=None, logits_rows=None,
-        seqs=seqs, ctx_slots=torch.cat(slots), ctx_info=torch.tensor(info),
+        input_ids=torch.zeros(q_start, dtype=torch.long),
+        positions=None,
+        slot_mapping=None,
+        logits_rows=None,
+        seqs=seqs,
+        ctx_slots=torch.cat(slots),
+        ctx_info=torch.tensor(info),
     )
     want = batch.attention(q, None, None, kc, vc, D**-0.5, None)
     got = batch.attention(q, None, None, kc, vc, D**-0.5, kernel)
@@ -143,8 +148,11 @@ def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry
     from splitserve.engine import pack_cache
 
     sg = _small_gemm()
-    weights = {(0, "w_qkv"): _block_weight("q4_1", 576, 960), (0, "w_o"): _block_weight("q8_0", 64, 32, seed=1),
-               "lm_head": torch.randn(64, 44)}  # (44 columns: tiles padded to 48)
+    weights = {
+        (0, "w_qkv"): _block_weight("q4_1", 576, 960),
+        (0, "w_o"): _block_weight("q8_0", 64, 32, seed=1),
+        "lm_head": torch.randn(64, 44),
+    }  # (44 columns: tiles padded to 48)
     fitted = {key: sg.pack(w) for key, w in weights.items()}
     assert [p.fmt for p in fitted.values()] == ["q4_1", "q8_0", ""]
     dest = pack_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
@@ -209,8 +217,20 @@ def test_an_installed_copy_has_the_kernel_sources(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(root, name), tree / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(tree)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(tree),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("splitserve-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -11,8 +11,8 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from service_helpers import kv_idle, scrape, wait_for
+
 from splitserve.client import Client
 from splitserve.engine.sampling import SamplingParams
 from splitserve.observability import traceview
@@ -21,31 +21,62 @@ from splitserve.observability.tracing import exporter_kind
 from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
-BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
-            drain_s=3.0)
+BASE = dict(
+    kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25, drain_s=3.0
+)
 
 ROUTER_METRICS = {
-    "splitserve_queue_requests", "splitserve_queue_tokens", "splitserve_requests_refused",
-    "splitserve_requests_cancelled", "splitserve_request_success", "splitserve_time_to_first_token_seconds",
-    "splitserve_time_per_output_token_seconds", "splitserve_e2e_request_latency_seconds",
-    "splitserve_request_admission_time_seconds", "splitserve_request_queue_time_seconds",
-    "splitserve_request_prefill_time_seconds", "splitserve_request_kv_transfer_time_seconds",
-    "splitserve_request_first_token_time_seconds", "splitserve_prompt_tokens", "splitserve_generation_tokens",
-    "splitserve_local_prefills", "splitserve_requests_taken_back", "splitserve_prompt_tokens_cached",
+    "splitserve_queue_requests",
+    "splitserve_queue_tokens",
+    "splitserve_requests_refused",
+    "splitserve_requests_cancelled",
+    "splitserve_request_success",
+    "splitserve_time_to_first_token_seconds",
+    "splitserve_time_per_output_token_seconds",
+    "splitserve_e2e_request_latency_seconds",
+    "splitserve_request_admission_time_seconds",
+    "splitserve_request_queue_time_seconds",
+    "splitserve_request_prefill_time_seconds",
+    "splitserve_request_kv_transfer_time_seconds",
+    "splitserve_request_first_token_time_seconds",
+    "splitserve_prompt_tokens",
+    "splitserve_generation_tokens",
+    "splitserve_local_prefills",
+    "splitserve_requests_taken_back",
+    "splitserve_prompt_tokens_cached",
     "splitserve_requests_sent_to_prefill_worker",
 }
 ENGINE_METRICS = {
-    "splitserve_num_requests_running", "splitserve_num_requests_waiting", "splitserve_kv_cache_blocks_used",
-    "splitserve_kv_cache_blocks_free", "splitserve_kv_cache_usage_perc", "splitserve_iteration_sequences",
-    "splitserve_iteration_tokens", "splitserve_iteration_token_budget_usage", "splitserve_iteration_duration_seconds",
-    "splitserve_num_preemptions", "splitserve_padding_tokens", "splitserve_engine_steps", "splitserve_engine_threads",
-    "splitserve_engine_graphed_steps", "splitserve_kv_cache_blocks_cached", "splitserve_prefix_cache_hit_tokens",
+    "splitserve_num_requests_running",
+    "splitserve_num_requests_waiting",
+    "splitserve_kv_cache_blocks_used",
+    "splitserve_kv_cache_blocks_free",
+    "splitserve_kv_cache_usage_perc",
+    "splitserve_iteration_sequences",
+    "splitserve_iteration_tokens",
+    "splitserve_iteration_token_budget_usage",
+    "splitserve_iteration_duration_seconds",
+    "splitserve_num_preemptions",
+    "splitserve_padding_tokens",
+    "splitserve_engine_steps",
+    "splitserve_engine_threads",
+    "splitserve_engine_graphed_steps",
+    "splitserve_kv_cache_blocks_cached",
+    "splitserve_prefix_cache_hit_tokens",
 }
-PREFILL_METRICS = ENGINE_METRICS | {"splitserve_kv_transfer_bytes", "splitserve_kv_transfer_seconds",
-                                    "splitserve_prefill_jobs", "splitserve_arena_used_bytes",
-                                    "splitserve_prefill_jobs_started"}
-DECODE_METRICS = ENGINE_METRICS | {"splitserve_kv_received_bytes", "splitserve_kv_adopt_seconds",
-                                   "splitserve_decode_streams_open", "splitserve_decode_aborted"}
+PREFILL_METRICS = ENGINE_METRICS | {
+    "splitserve_kv_transfer_bytes",
+    "splitserve_kv_transfer_seconds",
+    "splitserve_prefill_jobs",
+    "splitserve_arena_used_bytes",
+    "splitserve_prefill_jobs_started",
+}
+DECODE_METRICS = ENGINE_METRICS | {
+    "splitserve_kv_received_bytes",
+    "splitserve_kv_adopt_seconds",
+    "splitserve_decode_streams_open",
+    "splitserve_decode_aborted",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +94,7 @@ def families(address: str) -> set[str]:
 
 def trace_of(stack, rid: str, need: set[str]) -> list[traceview.Span]:
     """Wait until the span file holds the request's spans named in ``need``."""
+
     def ready():
         if not os.path.exists(stack.settings.trace_file):
             return None
@@ -78,9 +110,16 @@ def trace_of(stack, rid: str, need: set[str]) -> list[traceview.Span]:
 
 def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     with Client(stack.router_address) as c:
-        chunks = list(c.generate_stream("The three primary colors are", max_tokens=12, request_id="traced-1",
-                                        presence_penalty=0.25, prompt_logprobs=1,
-                                        structured_output={"regex": "[a-z ,]{1,60}"}))
+        chunks = list(
+            c.generate_stream(
+                "The three primary colors are",
+                max_tokens=12,
+                request_id="traced-1",
+                presence_penalty=0.25,
+                prompt_logprobs=1,
+                structured_output={"regex": "[a-z ,]{1,60}"},
+            )
+        )
     assert chunks[-1].finish_reason
     gen = "splitserve.v1.Generation/GenerateStream"
     dec = "splitserve.v1.DecodeWorker/Decode"
@@ -104,9 +143,14 @@ def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     dec_server = one(dec, "splitserve-decode")
     kv = one("kv transfer", "splitserve-prefill")
     parents = {
-        "admission": root, "queue wait": root, "prefill": root, "finish": root,
-        (dec, "splitserve-router"): root, (dec, "splitserve-decode"): dec_client,
-        (put, "splitserve-decode"): kv, ("decode", "splitserve-decode"): dec_server,
+        "admission": root,
+        "queue wait": root,
+        "prefill": root,
+        "finish": root,
+        (dec, "splitserve-router"): root,
+        (dec, "splitserve-decode"): dec_client,
+        (put, "splitserve-decode"): kv,
+        ("decode", "splitserve-decode"): dec_server,
         ("kv transfer", "splitserve-prefill"): root,
     }
     for key, parent in parents.items():
@@ -138,8 +182,9 @@ def test_one_streamed_request_is_one_trace_correctly_parented(stack):
 def test_ttft_parts_add_up_to_the_measured_ttft(stack):
     with Client(stack.router_address) as c:
         for i in range(3):  # a warm path, then measure
-            last = list(c.generate_stream(f"Tell me a fact about the number {i}.", max_tokens=4,
-                                          request_id=f"ttft-{i}"))[-1]
+            last = list(
+                c.generate_stream(f"Tell me a fact about the number {i}.", max_tokens=4, request_id=f"ttft-{i}")
+            )[-1]
     t = last.timings
     parts = [t.admission_ms, t.queue_ms, t.prefill_ms, t.first_token_ms]
     assert all(p > 0 for p in parts), parts
@@ -167,16 +212,32 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
     wait_for(lambda: kv_idle(stack), what="idle")
     r, p, d = [scrape(a) for a in (router, prefill, decode)]
     moved = {
-        "router": [(before[0], r, k) for k in ("splitserve_request_success_total{finished_reason=length}",
-                                               "splitserve_time_to_first_token_seconds_count",
-                                               "splitserve_request_prefill_time_seconds_count",
-                                               "splitserve_generation_tokens_total")],
-        "prefill": [(before[1], p, k) for k in ("splitserve_prefill_jobs_total{outcome=prefilled}",
-                                                "splitserve_kv_transfer_bytes_total{transport=shm}",
-                                                "splitserve_engine_steps_total", "splitserve_iteration_tokens_count")],
-        "decode": [(before[2], d, k) for k in ("splitserve_kv_received_bytes_total{transport=shm}",
-                                               "splitserve_engine_decode_tokens_total",
-                                               "splitserve_iteration_sequences_count")],
+        "router": [
+            (before[0], r, k)
+            for k in (
+                "splitserve_request_success_total{finished_reason=length}",
+                "splitserve_time_to_first_token_seconds_count",
+                "splitserve_request_prefill_time_seconds_count",
+                "splitserve_generation_tokens_total",
+            )
+        ],
+        "prefill": [
+            (before[1], p, k)
+            for k in (
+                "splitserve_prefill_jobs_total{outcome=prefilled}",
+                "splitserve_kv_transfer_bytes_total{transport=shm}",
+                "splitserve_engine_steps_total",
+                "splitserve_iteration_tokens_count",
+            )
+        ],
+        "decode": [
+            (before[2], d, k)
+            for k in (
+                "splitserve_kv_received_bytes_total{transport=shm}",
+                "splitserve_engine_decode_tokens_total",
+                "splitserve_iteration_sequences_count",
+            )
+        ],
     }
     for role, checks in moved.items():
         for old, new, key in checks:
@@ -214,8 +275,11 @@ def test_a_prompt_that_starts_like_an_earlier_one_is_prefilled_from_the_cache(st
     assert 64 <= hits["cache-3"] <= hits["cache-2"]
     # The client is told (Usage.cached_tokens), and so are GetRequest, a replay and the request's span.
     assert [r.usage.cached_tokens for r in (first, again, other)] == [hits[f"cache-{i}"] for i in (1, 2, 3)]
-    root = next(s for s in trace_of(stack, "cache-2", {"splitserve.v1.Generation/Generate"})
-                if s.name == "splitserve.v1.Generation/Generate")
+    root = next(
+        s
+        for s in trace_of(stack, "cache-2", {"splitserve.v1.Generation/Generate"})
+        if s.name == "splitserve.v1.Generation/Generate"
+    )
     assert root.attrs["gen_ai.usage.cache_read.input_tokens"] == hits["cache-2"]
     with Client(stack.router_address) as c:
         assert c.get_request("cache-3").cached_tokens == hits["cache-3"]
@@ -228,7 +292,9 @@ def test_a_prompt_that_starts_like_an_earlier_one_is_prefilled_from_the_cache(st
     after = scrape(prefill)
     key = "splitserve_prefix_cache_hit_tokens_total"
     assert after[key] - before.get(key, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
-    key = "splitserve_prompt_tokens_cached_total"  # the router's count, from the clients' usage (the replay ran nothing)
+    key = (
+        "splitserve_prompt_tokens_cached_total"  # the router's count, from the clients' usage (the replay ran nothing)
+    )
     assert scrape(router)[key] - router_before.get(key, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
     assert after["splitserve_kv_cache_blocks_used"] == 0 and after["splitserve_kv_cache_blocks_cached"] > 0
 
@@ -239,8 +305,10 @@ def test_a_salted_prompt_shares_cached_prefixes_only_under_its_salt(stack):
     naming the field."""
     prompt = "You are a harbour pilot; answer in one short, calm sentence. " * 8 + "When is the tide?"
     with Client(stack.router_address) as c:
-        hits = [c.generate(prompt, max_tokens=2, cache_salt=salt, request_id=f"salt-{i}").usage
-                for i, salt in enumerate(["tenant-a", "tenant-b", "", "tenant-a", "tenant-b"])]
+        hits = [
+            c.generate(prompt, max_tokens=2, cache_salt=salt, request_id=f"salt-{i}").usage
+            for i, salt in enumerate(["tenant-a", "tenant-b", "", "tenant-a", "tenant-b"])
+        ]
         assert [u.cached_tokens for u in hits] == [0, 0, 0] + [(hits[0].prompt_tokens - 1) // 16 * 16] * 2
         with pytest.raises(grpc.RpcError) as other:
             c.generate(prompt, max_tokens=2, cache_salt="tenant-c", request_id="salt-0")
@@ -253,8 +321,9 @@ def test_a_salted_prompt_shares_cached_prefixes_only_under_its_salt(stack):
 def test_a_cancelled_request_ends_its_trace_cancelled(stack):
     before = scrape(stack.proc("router").metrics_address)
     with Client(stack.router_address) as c:
-        stream = c.generate_stream("Write a long story about a lighthouse keeper.", max_tokens=300, ignore_eos=True,
-                                   request_id="traced-cancel")
+        stream = c.generate_stream(
+            "Write a long story about a lighthouse keeper.", max_tokens=300, ignore_eos=True, request_id="traced-cancel"
+        )
         for got, _ in enumerate(stream):
             if got >= 3:
                 stream.cancel()
@@ -276,11 +345,23 @@ def test_traces_and_status_commands(stack):
     with Client(stack.router_address) as c:
         reply = c.generate("Hello there!", max_tokens=3, request_id="cli-1")
     # The root span ends after the reply is sent, so it can reach the file after the decode spans.
-    trace_of(stack, "cli-1", {"splitserve.v1.Generation/Generate", "admission", "queue wait", "prefill",
-                              "kv transfer", "splitserve.v1.DecodeWorker/PutKV", "decode"})
+    trace_of(
+        stack,
+        "cli-1",
+        {
+            "splitserve.v1.Generation/Generate",
+            "admission",
+            "queue wait",
+            "prefill",
+            "kv transfer",
+            "splitserve.v1.DecodeWorker/PutKV",
+            "decode",
+        },
+    )
     exe = [sys.executable, "-m", "splitserve.cli"]
-    out = subprocess.run([*exe, "traces", "cli-1", "--file", stack.settings.trace_file], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [*exe, "traces", "cli-1", "--file", stack.settings.trace_file], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "request cli-1" in lines[0]
@@ -292,34 +373,51 @@ def test_traces_and_status_commands(stack):
     summary = re.fullmatch(r"summary: TTFT ([\d.]+) ms \(admission .*, the rest [\d.]+\); 3 tokens, .*", lines[-1])
     ttft = float(summary[1])
     assert abs(ttft - reply.timings.ttft_ms) < 20, (lines[-1], reply.timings)  # the TTFT its client was told
-    missing = subprocess.run([*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [*exe, "traces", "no-such-request", "--file", stack.settings.trace_file],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 1 and "no trace for request 'no-such-request'" in missing.stderr
-    req = subprocess.run([*exe, "request", "cli-1", "--address", stack.router_address], capture_output=True,
-                         text=True, timeout=60)
+    req = subprocess.run(
+        [*exe, "request", "cli-1", "--address", stack.router_address], capture_output=True, text=True, timeout=60
+    )
     assert req.returncode == 0, req.stderr
     lines = req.stdout.splitlines()
     assert lines[:2] == ["request   cli-1", "state     finished: length"], req.stdout
     assert lines[2] == f"workers   prefill prefill-0-{stack.stack_id}, decode decode-0-{stack.stack_id}", req.stdout
     assert re.fullmatch(r"tokens    \d+ prompt, 3 completion", lines[3]) and lines[4].endswith("bytes over shm")
-    stamps = [ln.split() for ln in lines[lines.index("timeline  ms after the first") + 1:]]
+    stamps = [ln.split() for ln in lines[lines.index("timeline  ms after the first") + 1 :]]
     assert stamps[0] == ["0.0", "received"] and stamps[-1][1] == "finished", req.stdout
     assert [float(t) for t, _ in stamps] == sorted(float(t) for t, _ in stamps)
     at = {name: float(t) for t, name in stamps}
     assert {"admitted", "prefill_start", "prefill_end", "kv_done", "first_token"} <= set(at), req.stdout
     assert at["prefill_end"] <= at["first_token"] <= at["finished"]
     assert abs(at["first_token"] - reply.timings.ttft_ms) < 20, (at, reply.timings)  # the TTFT its client was told
-    unknown = subprocess.run([*exe, "request", "no-such-request", "--address", stack.router_address],
-                             capture_output=True, text=True, timeout=60)
+    unknown = subprocess.run(
+        [*exe, "request", "no-such-request", "--address", stack.router_address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
-    st = subprocess.run([*exe, "status", "--redis-url", stack.settings.redis_url, "--prefix",
-                         stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
+    st = subprocess.run(
+        [*exe, "status", "--redis-url", stack.settings.redis_url, "--prefix", stack.settings.redis_prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert st.returncode == 0, st.stderr
     assert "1 prefill, 1 decode" in st.stdout
-    assert re.search(rf"routers +1 in Redis: router-{stack.stack_id} \(0 requests held, lease \d+\.\ds left\)",
-                     st.stdout), st.stdout
-    assert re.search(r"stream entries incl\. in-flight: high 0, normal [01], low 0, "
-                     r"sent to a prefill worker [01]\)", st.stdout), st.stdout
+    assert re.search(
+        rf"routers +1 in Redis: router-{stack.stack_id} \(0 requests held, lease \d+\.\ds left\)", st.stdout
+    ), st.stdout
+    assert re.search(
+        r"stream entries incl\. in-flight: high 0, normal [01], low 0, "
+        r"sent to a prefill worker [01]\)",
+        st.stdout,
+    ), st.stdout
     assert stack.proc("decode-0").metrics_address in st.stdout
 
 
@@ -329,8 +427,9 @@ def test_a_running_requests_progress_is_in_get_request_and_its_end_keeps_its_las
     it ends, the count its end wrote stays."""
     exe = [sys.executable, "-m", "splitserve.cli", "request", "progress-1", "--address", stack.router_address]
     with Client(stack.router_address) as c:
-        stream = c.generate_stream("Write a long story about a lighthouse keeper.", max_tokens=1000, ignore_eos=True,
-                                   request_id="progress-1")
+        stream = c.generate_stream(
+            "Write a long story about a lighthouse keeper.", max_tokens=1000, ignore_eos=True, request_id="progress-1"
+        )
         got, t_first = 0, 0.0
         for resp in stream:
             t_first = t_first or time.time()
@@ -338,8 +437,11 @@ def test_a_running_requests_progress_is_in_get_request_and_its_end_keeps_its_las
             if got >= 20:
                 break
         # The router has streamed `got` tokens at least; its count is in Redis half a heartbeat later.
-        info = wait_for(lambda: (i := c.get_request("progress-1")).completion_tokens >= got and i,
-                        timeout=10, what="the count so far")
+        info = wait_for(
+            lambda: (i := c.get_request("progress-1")).completion_tokens >= got and i,
+            timeout=10,
+            what="the count so far",
+        )
         assert info.state == "decoding" and got <= info.completion_tokens < 1000, info
         at = info.timestamps
         assert at["prefill_end"] <= at["first_token"] <= t_first + 0.005, (at, t_first)  # (one clock: one host)
@@ -347,8 +449,11 @@ def test_a_running_requests_progress_is_in_get_request_and_its_end_keeps_its_las
         out = subprocess.run(exe, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
-        tokens = re.fullmatch(r"tokens    \d+ prompt, (\d+) completion so far \(its router's count, every half "
-                              r"heartbeat\)", lines[3])
+        tokens = re.fullmatch(
+            r"tokens    \d+ prompt, (\d+) completion so far \(its router's count, every half "
+            r"heartbeat\)",
+            lines[3],
+        )
         assert tokens and int(tokens[1]) >= info.completion_tokens, out.stdout
         assert any(ln.endswith("  first_token") for ln in lines), out.stdout  # (the KV may land after it)
         assert re.fullmatch(r" +[\d.]+  now: decoding, [\d.]+ ms after (first_token|kv_done)", lines[-1]), out.stdout
@@ -362,8 +467,23 @@ def test_a_running_requests_progress_is_in_get_request_and_its_end_keeps_its_las
 
 def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     exe = [sys.executable, "-m", "splitserve.cli", "generate", "--address", stack.router_address]
-    out = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
-                          "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            *exe,
+            "The capital of France is",
+            "--max-tokens",
+            "5",
+            "--request-id",
+            "cli-gen",
+            "--priority",
+            "-1",
+            "--top-k",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     with Client(stack.router_address) as c:
         info = c.get_request("cli-gen")
@@ -371,27 +491,57 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     assert out.stdout == ref.text and ref.text
     assert info.state == "finished" and f"[{info.finish_reason}, {info.completion_tokens} tokens" in out.stderr
     assert stack.redis().hget(stack.keys.req("cli-gen"), "priority") == b"-1"
-    again = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--request-id", "cli-gen",
-                            "--priority", "-1", "--top-k", "1"], capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [
+            *exe,
+            "The capital of France is",
+            "--max-tokens",
+            "5",
+            "--request-id",
+            "cli-gen",
+            "--priority",
+            "-1",
+            "--top-k",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and again.stdout == ref.text, again.stderr
     assert "replayed: the recorded result of this finished request_id" in again.stderr
-    resuming = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--top-k", "1", "--resumes", "1"],
-                              capture_output=True, text=True, timeout=120)  # (nothing lost: the same stream)
+    resuming = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "5", "--top-k", "1", "--resumes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # (nothing lost: the same stream)
     assert resuming.returncode == 0 and resuming.stdout == ref.text, resuming.stderr
     seeded = [*exe, "Hi", "-n", "2", "--seed", "7", "--max-tokens", "6"]
-    samples = [subprocess.run([*seeded, *more], capture_output=True, text=True, timeout=120)
-               for more in ([], ["--resumes", "1"])]  # unary; streamed, as resumes needs (nothing lost)
+    samples = [
+        subprocess.run([*seeded, *more], capture_output=True, text=True, timeout=120)
+        for more in ([], ["--resumes", "1"])
+    ]  # unary; streamed, as resumes needs (nothing lost)
     assert [p.returncode for p in samples] == [0, 0] and samples[0].stdout == samples[1].stdout, samples
     assert [re.findall(r"^\[sample (\d+): ", p.stderr, re.M) for p in samples] == [["0", "1"]] * 2, samples
-    lp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
-                        capture_output=True, text=True, timeout=120)
-    rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$',
-                      lp.stderr, re.M)
+    lp = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "3", "--logprobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    rows = re.findall(
+        r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t(\d+):-?\d+\.\d{3} \d+:-?\d+\.\d{3}$', lp.stderr, re.M
+    )
     assert lp.returncode == 0 and [int(r[0]) for r in rows] == list(ref.token_ids[:3]), lp.stderr
     assert all(float(r[2]) <= 0 and r[3] == "1" and r[4] == r[0] for r in rows)  # greedy: each the most likely
     assert "".join(json.loads(r[1]) for r in rows) == lp.stdout  # the tokens' texts
-    plp = subprocess.run([*exe, "The capital of France is", "--max-tokens", "2", "--prompt-logprobs", "1"],
-                         capture_output=True, text=True, timeout=120)
+    plp = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "2", "--prompt-logprobs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plp.returncode == 0 and "[the prompt's tokens after the first: token id" in plp.stderr, plp.stderr
     rows = re.findall(r'^(\d+)\t("(?:[^"\\]|\\.)*")\t(-?\d+\.\d{4})\t(\d+)\t\d+:-?\d+\.\d{3}$', plp.stderr, re.M)
     assert len(rows) == ref.usage.prompt_tokens - 1 and plp.stdout == ref.text[: len(plp.stdout)] and plp.stdout
@@ -401,31 +551,62 @@ def test_generate_command_streams_and_names_the_bad_field(stack, tmp_path):
     bad = subprocess.run([*exe, "Hello", "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr, bad.stderr
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}},
-                                  "required": ["capital"], "additionalProperties": False}))
-    js = subprocess.run([*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--max-tokens", "40"],
-                        capture_output=True, text=True, timeout=120)
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"capital": {"enum": ["Paris", "Lyon"]}},
+                "required": ["capital"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    js = subprocess.run(
+        [*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--max-tokens", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert js.returncode == 0 and json.loads(js.stdout)["capital"] in ("Paris", "Lyon"), js.stderr
-    tight = subprocess.run([*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--compact-json",
-                            "--max-tokens", "40"], capture_output=True, text=True, timeout=120)
+    tight = subprocess.run(
+        [*exe, "The capital of France as JSON:", "--json-schema", f"@{schema}", "--compact-json", "--max-tokens", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert tight.returncode == 0 and tight.stdout in ('{"capital":"Paris"}', '{"capital":"Lyon"}'), tight.stderr
-    kept = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--stop", ref.text.split()[1],
-                           "--include-stop"], capture_output=True, text=True, timeout=120)
-    assert kept.returncode == 0 and kept.stdout == ref.text[: ref.text.index(ref.text.split()[1]) +
-                                                           len(ref.text.split()[1])], (kept.stdout, ref.text)
-    short = subprocess.run([*exe, "The capital of France is", "--max-tokens", "5", "--truncate-prompt-tokens", "2"],
-                           capture_output=True, text=True, timeout=120)
+    kept = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "5", "--stop", ref.text.split()[1], "--include-stop"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        kept.returncode == 0
+        and kept.stdout == ref.text[: ref.text.index(ref.text.split()[1]) + len(ref.text.split()[1])]
+    ), (kept.stdout, ref.text)
+    short = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "5", "--truncate-prompt-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     with Client(stack.router_address) as c:
         two = c.generate("The capital of France is", max_tokens=5, truncate_prompt_tokens=2)
     assert short.returncode == 0 and short.stdout == two.text and two.usage.prompt_tokens == 2, short.stderr
-    three = subprocess.run([*exe, "The capital of France is", "--max-tokens", "4", "-n", "3", "--temperature", "1",
-                            "--seed", "9"], capture_output=True, text=True, timeout=120)
+    three = subprocess.run(
+        [*exe, "The capital of France is", "--max-tokens", "4", "-n", "3", "--temperature", "1", "--seed", "9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     with Client(stack.router_address) as c:
         samples = c.generate("The capital of France is", max_tokens=4, n=3, temperature=1.0, seed=9).choices
     assert three.returncode == 0 and three.stdout == "".join(s.text + "\n" for s in samples), three.stderr
     assert [f"[sample {i}: length, 4 tokens]" for i in range(3)] == re.findall(r"\[sample .*\]", three.stderr)
-    pick = subprocess.run([*exe, "Is the sky green?", "--choice", "yes", "--choice", "no"], capture_output=True,
-                          text=True, timeout=120)
+    pick = subprocess.run(
+        [*exe, "Is the sky green?", "--choice", "yes", "--choice", "no"], capture_output=True, text=True, timeout=120
+    )
     assert pick.returncode == 0 and pick.stdout in ("yes", "no") and "[stop, " in pick.stderr, pick.stderr
     bad = subprocess.run([*exe, "Hello", "--regex", "(unclosed"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "structured_output.regex" in bad.stderr
@@ -435,43 +616,72 @@ def test_a_running_request_is_described_with_its_tokens_so_far_and_the_time_sinc
     from splitserve.cli import describe_request
     from splitserve_proto.v1 import generation_pb2 as pb
 
-    info = pb.RequestInfo(request_id="r-1", state="decoding", attempts=2, prefill_worker="p0", decode_worker="d0",
-                          prompt_tokens=300, cached_tokens=64, completion_tokens=17, kv_transport="grpc", kv_bytes=4096,
-                          timestamps={"kv_done": 100.5, "received": 100.0, "admitted": 100.01})
+    info = pb.RequestInfo(
+        request_id="r-1",
+        state="decoding",
+        attempts=2,
+        prefill_worker="p0",
+        decode_worker="d0",
+        prompt_tokens=300,
+        cached_tokens=64,
+        completion_tokens=17,
+        kv_transport="grpc",
+        kv_bytes=4096,
+        timestamps={"kv_done": 100.5, "received": 100.0, "admitted": 100.01},
+    )
     lines = describe_request(info, now=103.0).splitlines()
-    assert lines == ["request   r-1  (attempt 2: the fields are its latest's)", "state     decoding",
-                     "workers   prefill p0, decode d0",
-                     "tokens    300 prompt (64 cached), 17 completion so far "
-                     "(its router's count, every half heartbeat)",
-                     "kv        4096 bytes over grpc", "timeline  ms after the first", "         0.0  received",
-                     "        10.0  admitted", "       500.0  kv_done",
-                     "      3000.0  now: decoding, 2500.0 ms after kv_done"]
+    assert lines == [
+        "request   r-1  (attempt 2: the fields are its latest's)",
+        "state     decoding",
+        "workers   prefill p0, decode d0",
+        "tokens    300 prompt (64 cached), 17 completion so far (its router's count, every half heartbeat)",
+        "kv        4096 bytes over grpc",
+        "timeline  ms after the first",
+        "         0.0  received",
+        "        10.0  admitted",
+        "       500.0  kv_done",
+        "      3000.0  now: decoding, 2500.0 ms after kv_done",
+    ]
 
 
 def test_a_traces_summary_splits_its_ttft_into_contiguous_parts_and_rates_its_tokens():
     ms = 10**6
 
     def span(name, start, end, parent="r" * 16, **attrs):
-        return traceview.Span(trace_id="t" * 32, span_id=name[:4].ljust(16, "x"), parent_id=parent, name=name,
-                              service="s", kind="internal", start_ns=start * ms, end_ns=end * ms, attrs=attrs)
+        return traceview.Span(
+            trace_id="t" * 32,
+            span_id=name[:4].ljust(16, "x"),
+            parent_id=parent,
+            name=name,
+            service="s",
+            kind="internal",
+            start_ns=start * ms,
+            end_ns=end * ms,
+            attrs=attrs,
+        )
 
     root = span("splitserve.v1.Generation/GenerateStream", 0, 1500, parent="", **{"gen_ai.usage.output_tokens": 51})
     root.span_id, root.events = "r" * 16, [(300 * ms, "first_token")]
     # Its admission span ends once the decode worker has accepted the stream, after the job was
     # queued (the queue wait's start) and picked up: admission is received -> queued.
-    legs = [span("admission", 0, 105), span("queue wait", 4, 100), span("prefill", 100, 290),
-            span("decode", 295, 1500, **{"splitserve.decode.max_token_gap_ms": 80.5,
-                                         "splitserve.decode.preemptions": 1})]
+    legs = [
+        span("admission", 0, 105),
+        span("queue wait", 4, 100),
+        span("prefill", 100, 290),
+        span("decode", 295, 1500, **{"splitserve.decode.max_token_gap_ms": 80.5, "splitserve.decode.preemptions": 1}),
+    ]
     assert traceview.summary([root, *legs]) == (
         "summary: TTFT 300.0 ms (admission 4.0, queue wait 96.0, prefill 190.0, the rest 10.0); 51 tokens, the last "
-        "1200.0 ms after the first (24.0 ms a token); longest gap 80.5 ms; preempted 1x")
+        "1200.0 ms after the first (24.0 ms a token); longest gap 80.5 ms; preempted 1x"
+    )
     assert traceview.render([root, *legs]).splitlines()[-1] == traceview.summary([root, *legs])
     # colocated (its decode worker prefilled it), two samples of 26 tokens side by side, no preemption
     root.attrs["gen_ai.request.choice.count"] = 2
     legs[3].attrs.pop("splitserve.decode.preemptions")
     assert traceview.summary([root, legs[0], legs[3]]) == (
         "summary: TTFT 300.0 ms (admission 105.0, to its first token 195.0); 51 tokens over 2 samples, the last "
-        "1200.0 ms after the first (48.0 ms a token); longest gap 80.5 ms")
+        "1200.0 ms after the first (48.0 ms a token); longest gap 80.5 ms"
+    )
     root.events, root.attrs["rpc.grpc.status_code"] = [], 8
     assert traceview.summary([root, legs[0]]) == "summary: no token sent in 1500.0 ms (RESOURCE_EXHAUSTED)"
     assert traceview.summary(legs) is None  # its router's span not in the file yet
@@ -480,22 +690,37 @@ def test_a_traces_summary_splits_its_ttft_into_contiguous_parts_and_rates_its_to
 def test_a_trace_whose_root_has_not_reached_the_file_says_it_is_incomplete():
     """A request still running (or one whose router has not exported yet) has its workers' spans
     in the file but not the router's: the timeline says so, rather than pass the rest off as whole."""
+
     def span(sid, parent, name, start):
-        return traceview.Span(trace_id="t" * 32, span_id=sid, parent_id=parent, name=name, service="s",
-                              kind="internal", start_ns=start, end_ns=start + 10**6,
-                              attrs={"splitserve.request_id": "r1"})
+        return traceview.Span(
+            trace_id="t" * 32,
+            span_id=sid,
+            parent_id=parent,
+            name=name,
+            service="s",
+            kind="internal",
+            start_ns=start,
+            end_ns=start + 10**6,
+            attrs={"splitserve.request_id": "r1"},
+        )
 
     root = span("a" * 16, "", "splitserve.v1.Generation/GenerateStream", 0)
-    kids = [span("b" * 16, root.span_id, "admission", 10), span("c" * 16, root.span_id, "prefill", 20),
-            span("d" * 16, "c" * 16, "kv transfer", 30)]
+    kids = [
+        span("b" * 16, root.span_id, "admission", 10),
+        span("c" * 16, root.span_id, "prefill", 20),
+        span("d" * 16, "c" * 16, "kv transfer", 30),
+    ]
     kids[1].attrs["splitserve.prefix_cache.tokens"] = 32  # of its prompt, found in the prefix cache
     whole = traceview.render([root, *kids]).splitlines()
     assert not any(ln.startswith("incomplete") for ln in whole), whole
     assert whole[2].split()[2] == root.name and whole[3].split()[2] == "admission"
     part = traceview.render(kids).splitlines()
     assert part[1].startswith("incomplete: 2 span(s)") and "still running" in part[1], part
-    assert [ln[23:] for ln in part[3:]] == ["admission [s] request=r1", "prefill [s] request=r1 cached=32",
-                                        "  kv transfer [s]"]  # the rest nested
+    assert [ln[23:] for ln in part[3:]] == [
+        "admission [s] request=r1",
+        "prefill [s] request=r1 cached=32",
+        "  kv transfer [s]",
+    ]  # the rest nested
 
 
 def test_tpot_of_a_request_with_samples_is_its_longest_samples():
@@ -544,8 +769,15 @@ def test_exporter_is_chosen_from_the_standard_variables():
     assert exporter_kind({}, trace_file="") == "none"
     assert exporter_kind({}, trace_file="/tmp/x") == "file"
     assert exporter_kind({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, trace_file="/tmp/x") == "otlp-grpc"
-    assert exporter_kind({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces",
-                          "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == "otlp-http"
+    assert (
+        exporter_kind(
+            {
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            }
+        )
+        == "otlp-http"
+    )
     assert exporter_kind({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}) == "none"
     assert exporter_kind({"OTEL_SDK_DISABLED": "true"}, trace_file="/tmp/x") == "none"
     assert exporter_kind({"OTEL_TRACES_EXPORTER": "console"}) == "console"
@@ -562,7 +794,6 @@ def test_span_file_is_otlp_json_with_hex_ids(stack):
     assert time.time() * 1e9 - int(span["startTimeUnixNano"]) < 3600e9
 
 
-
 def _otlp_json_by_protobuf(spans) -> dict:
     """The reference: the OTLP exporter's protobuf, through protobuf's JSON mapping, ids as hex."""
     import base64
@@ -572,8 +803,10 @@ def _otlp_json_by_protobuf(spans) -> dict:
 
     def hex_ids(obj):
         if isinstance(obj, dict):
-            return {k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else hex_ids(v)
-                    for k, v in obj.items()}
+            return {
+                k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else hex_ids(v)
+                for k, v in obj.items()
+            }
         return [hex_ids(v) for v in obj] if isinstance(obj, list) else obj
 
     return hex_ids(MessageToDict(encode_spans(spans)))
@@ -587,28 +820,59 @@ def test_span_file_encoding_equals_the_otlp_exporters_protobuf_as_json():
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.trace import (Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags,
-                                     TraceState)
-    from opentelemetry.trace import set_span_in_context
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        TraceState,
+        set_span_in_context,
+    )
 
     from splitserve.observability.otlp_json import Encoder
 
     spans = []
-    for role, limits in (("router", SpanLimits()), ("decode", SpanLimits(max_span_attributes=3, max_events=1,
-                                                                          max_links=1))):
+    for role, limits in (
+        ("router", SpanLimits()),
+        ("decode", SpanLimits(max_span_attributes=3, max_events=1, max_links=1)),
+    ):
         mem = InMemorySpanExporter()
         provider = TracerProvider(resource=Resource.create({"splitserve.role": role, "n": 3}), span_limits=limits)
         provider.add_span_processor(SimpleSpanProcessor(mem))
         tracers = (provider.get_tracer("splitserve"), provider.get_tracer("other", "1.2", schema_url="https://s/1"))
-        remote = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED),
-                             trace_state=TraceState([("k", "v"), ("a", "b")]))
-        attrs = {"s": "x", "empty": "", "t": True, "f": False, "zero": 0, "big": 2**62, "neg": -5, "d": 1.5,
-                 "nan": math.nan, "inf": math.inf, "ninf": -math.inf, "ints": (1, 2), "strs": ["a", ""],
-                 "none": ()}
+        remote = SpanContext(
+            0xABC,
+            0xDEF,
+            is_remote=True,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_state=TraceState([("k", "v"), ("a", "b")]),
+        )
+        attrs = {
+            "s": "x",
+            "empty": "",
+            "t": True,
+            "f": False,
+            "zero": 0,
+            "big": 2**62,
+            "neg": -5,
+            "d": 1.5,
+            "nan": math.nan,
+            "inf": math.inf,
+            "ninf": -math.inf,
+            "ints": (1, 2),
+            "strs": ["a", ""],
+            "none": (),
+        }
         for kind in SpanKind:
             root = tracers[0].start_span(f"root-{kind.name}", kind=kind, attributes=attrs)
-            child = tracers[1].start_span("", context=set_span_in_context(root), links=[
-                Link(remote, {"why": "batch"}), Link(root.get_span_context())])
+            child = tracers[1].start_span(
+                "",
+                context=set_span_in_context(root),
+                links=[Link(remote, {"why": "batch"}), Link(root.get_span_context())],
+            )
             child.add_event("first_token", {"n": 1})
             child.add_event("", timestamp=0)
             child.set_status(Status(StatusCode.ERROR, "worker went away"))

@@ -10,13 +10,13 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from service_helpers import wait_for
 
 from splitserve.prefill_worker.worker import TokenStreams
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve_proto.v1 import worker_pb2 as w
 from splitserve_proto.v1 import worker_pb2_grpc
-from service_helpers import wait_for
 
 
 @pytest.fixture
@@ -41,6 +41,7 @@ def test_a_new_run_at_an_address_gets_a_new_channel_that_connects_at_once():
     """A server restarted at its address (a new run) is reached through a new channel at once,
     where the channel that saw it die fails every call until gRPC's next reconnection attempt;
     a run seen before the current one (placed before the restart) changes nothing."""
+
     def serve(port: int = 0):
         server = grpc.server(cf.ThreadPoolExecutor(2), options=options())
         health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
@@ -158,6 +159,7 @@ def test_first_tokens_share_one_stream_per_decode_worker_and_fall_back_to_calls(
     peers = Peers(lambda address: grpc.insecure_channel(address))
     streams = TokenStreams()
     try:
+
         def send(address, rid):
             return streams.send(address, peers.get(address).stub, w.FirstTokenRequest(request_id=rid, token_ids=[1]), 5)
 

@@ -17,28 +17,40 @@ def test_penalties_on_hand_made_logits():
     seen = Seen(torch.tensor([0, 1]), torch.tensor([2.0, 1.0]), torch.tensor([0, 4, 5]))
     # three rows: those penalties; only a frequency penalty (the prompt is not looked at); none
     rows = logits.repeat(3, 1)
-    penalize(rows, [SampleRow(p, None, seen=seen),
-                    SampleRow(SamplingParams(frequency_penalty=-1.0), None, seen=Seen(torch.tensor([2]),
-                                                                                    torch.tensor([3.0]))),
-                    SampleRow(SamplingParams(), None)])
+    penalize(
+        rows,
+        [
+            SampleRow(p, None, seen=seen),
+            SampleRow(SamplingParams(frequency_penalty=-1.0), None, seen=Seen(torch.tensor([2]), torch.tensor([3.0]))),
+            SampleRow(SamplingParams(), None),
+        ],
+    )
     assert rows[0].tolist() == pytest.approx([2.0 / 2 - 0.5 * 2 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, -4.0, 0.5])
     assert rows[1].tolist() == pytest.approx([2.0, -1.0, 3.5, 3.0, -2.0, 1.0])
     assert rows[2].tolist() == logits.tolist()
     # in sample(): greedy takes the penalized row's best, an unpenalized row beside it is untouched
     two = torch.stack([logits, logits])
-    got = sample(two, [SampleRow(SamplingParams(repetition_penalty=4.0), None, seen=Seen(
-        torch.tensor([3]), torch.tensor([1.0]))), SampleRow(SamplingParams(), None)])
+    got = sample(
+        two,
+        [
+            SampleRow(SamplingParams(repetition_penalty=4.0), None, seen=Seen(torch.tensor([3]), torch.tensor([1.0]))),
+            SampleRow(SamplingParams(), None),
+        ],
+    )
     assert got == [0, 3]  # 3.0 / 4 < 2.0
 
 
-@pytest.mark.parametrize("field,kw", [
-    ("sampling.presence_penalty", {"presence_penalty": 2.5}),
-    ("sampling.presence_penalty", {"presence_penalty": float("nan")}),
-    ("sampling.frequency_penalty", {"frequency_penalty": -2.01}),
-    ("sampling.repetition_penalty", {"repetition_penalty": 0.0}),
-    ("sampling.repetition_penalty", {"repetition_penalty": 11.0}),
-    ("sampling.repetition_penalty", {"repetition_penalty": float("inf")}),
-])
+@pytest.mark.parametrize(
+    "field,kw",
+    [
+        ("sampling.presence_penalty", {"presence_penalty": 2.5}),
+        ("sampling.presence_penalty", {"presence_penalty": float("nan")}),
+        ("sampling.frequency_penalty", {"frequency_penalty": -2.01}),
+        ("sampling.repetition_penalty", {"repetition_penalty": 0.0}),
+        ("sampling.repetition_penalty", {"repetition_penalty": 11.0}),
+        ("sampling.repetition_penalty", {"repetition_penalty": float("inf")}),
+    ],
+)
 def test_penalties_out_of_range_name_the_field(field, kw):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
@@ -70,8 +82,11 @@ def greedy_reference(tiny_model_dir):
 
 # The tiny random model seldom repeats a token within 16: negative frequency and presence
 # penalties (which favour repeats) are what change its output.
-PENALTIES = [dict(repetition_penalty=1.8), dict(frequency_penalty=-1.2, presence_penalty=-0.6),
-             dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.3)]
+PENALTIES = [
+    dict(repetition_penalty=1.8),
+    dict(frequency_penalty=-1.2, presence_penalty=-0.6),
+    dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.3),
+]
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
@@ -95,8 +110,9 @@ def test_penalties_count_the_tokens_sampled_before_a_handoff(tiny_engine_factory
     prefill, decode = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=72, lo=30, hi=31)[0]
     # favouring repeats strongly: the token sampled before the handoff shapes the rest
-    sp = SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=-1.0,
-                        presence_penalty=-2.0)
+    sp = SamplingParams(
+        max_tokens=20, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=-1.0, presence_penalty=-2.0
+    )
     export, payload = exported(prefill, "h", prompt, sp)
     tokens = decode.import_kv(export, payload).new_token_ids
     seen = decode._sample_row(decode.seqs["h"]).seen  # what its next sample looks at

@@ -7,8 +7,8 @@ from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, drain, exported, rand
 
 from splitserve.engine import kv_transfer
 from splitserve.engine.errors import InvalidRequestError, KVPrefixMissing
-from splitserve.engine.kv_transfer import payload_nbytes
 from splitserve.engine.kv_cache import BlockPool
+from splitserve.engine.kv_transfer import payload_nbytes
 from splitserve.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -82,8 +82,9 @@ def test_sharing_preempting_cancelling_and_evicting_give_the_uncached_tokens_and
     of a roomy engine without the cache, and no block is held at the end."""
     rng = random.Random(15)
     stems = random_prompts(3, lo=20, hi=70, seed=16)
-    prompts = [rng.choice(stems)[: rng.randrange(10, 70)] + random_prompts(1, lo=1, hi=30, seed=100 + i)[0]
-               for i in range(14)]
+    prompts = [
+        rng.choice(stems)[: rng.randrange(10, 70)] + random_prompts(1, lo=1, hi=30, seed=100 + i)[0] for i in range(14)
+    ]
     params = [SamplingParams(max_tokens=rng.randrange(5, 30), ignore_eos=True) for _ in prompts]
     want = tiny_engine_factory().generate(prompts, params)
     small = tiny_engine_factory(**cached(kv_cache_bytes=14 * BLOCK_BYTES))
@@ -280,7 +281,8 @@ def test_imported_kv_shares_the_blocks_of_a_prefix_already_cached_and_is_not_cop
 
 
 def test_kv_sent_without_a_cached_prefix_is_adopted_where_the_prefix_is_cached_and_refused_where_not(
-        tiny_engine_factory):
+    tiny_engine_factory,
+):
     """A producer sends only the KV past the first 64 tokens: a decode engine holding those 64
     (from an earlier request, under the same salt) adopts it and generates what the whole
     handoff would; one that holds fewer refuses it (KVPrefixMissing, naming both counts),

@@ -1,4 +1,5 @@
 """The router's record of what each decode worker holds in its prefix cache (router/prefix_index.py)."""
+
 from dataclasses import dataclass
 
 from splitserve.router.prefix_index import PrefixIndex, chain
@@ -72,10 +73,20 @@ def test_the_chain_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("from splitserve.router.prefix_index import chain; "
-            "print(chain(list(range(40)), 16, 'tenant-a'), chain(list(range(40)), 16))")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "random")}
+    code = (
+        "from splitserve.router.prefix_index import chain; "
+        "print(chain(list(range(40)), 16, 'tenant-a'), chain(list(range(40)), 16))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2", "random")
+    }
     assert outs == {f"{chain(list(range(40)), 16, 'tenant-a')} {chain(list(range(40)), 16)}\n"}
 
 
@@ -134,6 +145,7 @@ def _counting(apply, into: list, who: str):
         done = apply(fields)
         into.append((who, done))
         return done
+
     return wrapped
 
 
@@ -160,8 +172,7 @@ def test_a_shared_record_goes_to_the_index_that_knows_its_workers_run():
     # Entries no router wrote (another release's, a hand's): fields not UTF-8 name no worker here
     # (before: UnicodeDecodeError, which ended the router's reading of every entry after it); hashes
     # of a length that is not whole are read as far as they are whole.
-    for odd in ({b"r": b"router-a", b"w": b"\xfe\xff", b"e": b""}, {b"r": b"router-a", b"w": b"d0", b"e": b"\xc3"},
-                {}):
+    for odd in ({b"r": b"router-a", b"w": b"\xfe\xff", b"e": b""}, {b"r": b"router-a", b"w": b"d0", b"e": b"\xc3"}, {}):
         assert not shared.apply({b"h": pack(chain), **odd}), odd
     assert shared.apply({**entry("p0", ""), b"r": b"\xff"})  # (its writer's id matters only if it is this router's)
     assert shared.apply({**entry("p1", ""), b"h": pack(chain)[:-3]})

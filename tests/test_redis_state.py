@@ -7,10 +7,25 @@ import grpc
 import pytest
 import redis
 
-from splitserve.service.redis_state import (ABORT_LUA, ADMIT_LUA, DEQUEUE_LUA, FORGET_STREAM_LUA, GROUP, OWN_STREAM_LUA,
-                                           PICKUP_LUA, REAP_LUA, RESUME_LUA, TAKE_BACK_LUA, UPDATE_LUA, Job, Keys,
-                                           failed, run_scripts, update_args)
 from splitserve.service.errors import MAX_DETAILS_BYTES
+from splitserve.service.redis_state import (
+    ABORT_LUA,
+    ADMIT_LUA,
+    DEQUEUE_LUA,
+    FORGET_STREAM_LUA,
+    GROUP,
+    OWN_STREAM_LUA,
+    PICKUP_LUA,
+    REAP_LUA,
+    RESUME_LUA,
+    TAKE_BACK_LUA,
+    UPDATE_LUA,
+    Job,
+    Keys,
+    failed,
+    run_scripts,
+    update_args,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +67,10 @@ def test_reap_fails_a_dead_routers_unended_requests_and_leaves_a_live_router_alo
 
     def run(router, force=0):
         members = r.smembers(keys.router_requests(router))
-        return reap(keys=[keys.routers, keys.router_requests(router), keys.admission, *(keys.req(m) for m in members)],
-                    args=[router, time.time(), 60, force])
+        return reap(
+            keys=[keys.routers, keys.router_requests(router), keys.admission, *(keys.req(m) for m in members)],
+            args=[router, time.time(), 60, force],
+        )
 
     assert run("live") == 0  # within its lease: untouched
     assert r.zscore(keys.routers, "live") is not None and r.scard(keys.router_requests("live")) == 5
@@ -89,8 +106,13 @@ def test_local_prefills_leave_the_queue_counts_once_by_their_router_or_by_its_re
     assert r.hgetall(keys.admission) == {"requests": "3", "tokens": "300", "local_tokens": "200"}
     r.zadd(keys.routers, {"dead": time.time() - 1})
     members = r.smembers(keys.router_requests("dead"))
-    assert reap(keys=[keys.routers, keys.router_requests("dead"), keys.admission, *(keys.req(m) for m in members)],
-                args=["dead", time.time(), 60, 0]) == 3  # a, b, c failed; d had finished
+    assert (
+        reap(
+            keys=[keys.routers, keys.router_requests("dead"), keys.admission, *(keys.req(m) for m in members)],
+            args=["dead", time.time(), 60, 0],
+        )
+        == 3
+    )  # a, b, c failed; d had finished
     # a and d (d's router died between its end and returning its counts) are returned; b was
     # already; c, queued for a prefill worker, is returned when a prefill worker skips it.
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "100", "local_tokens": "0"}
@@ -116,7 +138,11 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
 
     assert picked("b") == "prefilling"  # b is picked up first: it left the queue counts
     assert [take(keys=[keys.admission, keys.req(rid)], args=[100, 7.5]) for rid in ("a", "b", "c", "gone")] == [
-        1, 0, 0, 0]
+        1,
+        0,
+        0,
+        0,
+    ]
     assert take(keys=[keys.admission, keys.req("a")], args=[100, 8.0]) == 0  # once
     assert r.hget(keys.req("a"), "local") == "1" and r.hget(keys.req("a"), "t_taken_back") == "7.5"
     assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "200", "local_tokens": "100"}
@@ -169,7 +195,9 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
         return resume(keys=[keys.admission, stream, keys.req(rid)], args=[120, *bounds, 60, job, 0 if local else 1])
 
     for rid, state in (("a", "decoding"), ("b", "decoding"), ("f", "finished"), ("x", "failed"), ("ab", "decoding")):
-        r.hset(keys.req(rid), mapping={"state": state, "prompt_tokens": 100, "dequeued": 1, "decode_worker": "decode-0"})
+        r.hset(
+            keys.req(rid), mapping={"state": state, "prompt_tokens": 100, "dequeued": 1, "decode_worker": "decode-0"}
+        )
     abort(keys=[keys.req("ab")], args=[time.time(), 60, 5])
     assert [resumed(rid)[0] for rid in ("f", "x", "ab", "gone")] == [-2] * 4  # ended, aborted, or not there
     assert resumed("a", bounds=(1, 500)) == [0, 1, 10]  # the queue is full (by its bounds)
@@ -178,9 +206,13 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     assert resumed("a") == [1, 2, 130]
     got = r.hgetall(keys.req("a"))
     assert {k: got[k] for k in ("state", "resumed", "decode_worker", "t_resumed")} == {
-        "state": "queued", "resumed": "1", "decode_worker": "decode-9", "t_resumed": "12.5"}
+        "state": "queued",
+        "resumed": "1",
+        "decode_worker": "decode-9",
+        "t_resumed": "12.5",
+    }
     assert r.ttl(keys.req("a")) > 0
-    (_, fields), = r.xrange(stream)
+    ((_, fields),) = r.xrange(stream)
     assert fields["tokens"] == "120" and json.loads(fields["job"])["request_id"] == "a"
     assert pickup(keys=[keys.admission, keys.req("a")], args=[120, 1, time.time(), "prefill-x", 0, 1]) == "prefilling"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
@@ -198,10 +230,17 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     # the first job's worker fails it (its handoff to the lost worker): ignored, all of it; so is
     # the lost worker's late 'decoding' (before, it wrote its name and times over the new leg's)
     before = r.hgetall(keys.req("q"))
-    assert update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff",
-                                                          "t_x": 1})) == 1
-    assert update(keys=[keys.req("q")], args=update_args({"state": "decoding", "decode_worker": "decode-0",
-                                                          "t_kv_done": 3, "_leg": 0})) == 1
+    assert (
+        update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff", "t_x": 1}))
+        == 1
+    )
+    assert (
+        update(
+            keys=[keys.req("q")],
+            args=update_args({"state": "decoding", "decode_worker": "decode-0", "t_kv_done": 3, "_leg": 0}),
+        )
+        == 1
+    )
     assert r.hgetall(keys.req("q")) == before and before["decode_worker"] == "decode-9"
     update(keys=[keys.req("q")], args=update_args({"_leg": 1, "t_x": 1}))
     assert r.hget(keys.req("q"), "t_x") == "1" and "_leg" not in r.hgetall(keys.req("q"))
@@ -241,11 +280,20 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
     r.hset(keys.req("x"), mapping={"state": "failed", "prompt_tokens": 3})
 
     def send(attempt_id, expected, latest, supersede=0):
-        job = json.dumps({"request_id": attempt_id, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d",
-                          "priority": 0})
-        return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
-                           keys.req("x"), keys.req(latest)],
-                     args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected, "fp-x", "", supersede])[0]
+        job = json.dumps(
+            {"request_id": attempt_id, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d", "priority": 0}
+        )
+        return admit(
+            keys=[
+                keys.admission,
+                keys.stream,
+                keys.req(attempt_id),
+                keys.router_requests("rt"),
+                keys.req("x"),
+                keys.req(latest),
+            ],
+            args=[3, 100, 1000, 1.0, 60, job, 1, "rt", expected, "fp-x", "", supersede],
+        )[0]
 
     assert send("x#2", 1, "x") == 1
     assert r.hget(keys.req("x#2"), "fingerprint") == "fp-x"  # what a later retry must match
@@ -285,11 +333,28 @@ def test_a_request_sent_again_to_go_on_supersedes_its_running_attempt_but_not_an
     r.hset(keys.req("y"), mapping={"state": "decoding", "prompt_tokens": 3})
 
     def send(attempt_id, expected, latest, max_requests=100):
-        job = json.dumps({"request_id": attempt_id, "t_admitted": 2.0, "t_received": 2.0, "decode_worker": "d",
-                          "priority": 0, "token_ids": [1, 2, 3, 7, 8], "resumed": 2})
-        return admit(keys=[keys.admission, keys.stream, keys.req(attempt_id), keys.router_requests("rt"),
-                           keys.req("y"), keys.req(latest)],
-                     args=[5, max_requests, 1000, 1.0, 60, job, 1, "rt", expected, "fp-y", "", 1])[0]
+        job = json.dumps(
+            {
+                "request_id": attempt_id,
+                "t_admitted": 2.0,
+                "t_received": 2.0,
+                "decode_worker": "d",
+                "priority": 0,
+                "token_ids": [1, 2, 3, 7, 8],
+                "resumed": 2,
+            }
+        )
+        return admit(
+            keys=[
+                keys.admission,
+                keys.stream,
+                keys.req(attempt_id),
+                keys.router_requests("rt"),
+                keys.req("y"),
+                keys.req(latest),
+            ],
+            args=[5, max_requests, 1000, 1.0, 60, job, 1, "rt", expected, "fp-y", "", 1],
+        )[0]
 
     r.hset(keys.admission, "requests", 1)
     assert send("y#2", 1, "y", max_requests=1) == 0  # the queue is full: the running one is left alone
@@ -373,14 +438,26 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
     asyncio.run(go())
 
 
-async def _write_decode_entry(ar, keys, wid: str, opened: int, closed: int, epoch: str = "e1",
-                             free: int = 10_000) -> None:
+async def _write_decode_entry(
+    ar, keys, wid: str, opened: int, closed: int, epoch: str = "e1", free: int = 10_000
+) -> None:
     from splitserve.service.redis_state import WorkerInfo
 
-    await ar.hset(keys.worker("decode", wid), mapping=WorkerInfo(
-        worker_id=wid, role="decode", address=f"127.0.0.1:{len(wid)}", host_id="h", running=opened - closed,
-        free_kv_tokens=free, kv_capacity_tokens=10_000, opened=opened, closed=closed, epoch=epoch,
-    ).to_mapping())
+    await ar.hset(
+        keys.worker("decode", wid),
+        mapping=WorkerInfo(
+            worker_id=wid,
+            role="decode",
+            address=f"127.0.0.1:{len(wid)}",
+            host_id="h",
+            running=opened - closed,
+            free_kv_tokens=free,
+            kv_capacity_tokens=10_000,
+            opened=opened,
+            closed=closed,
+            epoch=epoch,
+        ).to_mapping(),
+    )
 
 
 def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
@@ -419,7 +496,7 @@ def test_a_routers_pick_corrects_stale_registry_entries_by_its_own_streams(r):
                 if i % 2 == 0:
                     await router.refresh_workers()  # no worker has written since: the picks still count
             assert Counter({k: len(v) for k, v in streams.items()}) == {"d0": 3, "d1": 3}
-            for wid, ps in streams.items():  # each worker accepts its three: streams 1, 2, 3 there
+            for ps in streams.values():  # each worker accepts its three: streams 1, 2, 3 there
                 for n, placed in enumerate(ps, 1):
                     router.placements.accepted(placed, "e1", n)
             assert [router.placements.load(w) for w in router.workers] == [3, 3]
@@ -622,15 +699,21 @@ def test_a_job_goes_to_its_prefill_workers_own_stream_only_while_that_worker_is_
     mine, entry = keys.stream_to("p1"), keys.worker("prefill", "p1")
 
     def send(rid, bound=2, attempt_keys=(), attempt_args=("", "")):
-        job = json.dumps({"request_id": rid, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d",
-                          "priority": 0})
-        return admit(keys=[keys.admission, keys.stream, keys.req(rid), keys.router_requests("rt"), *attempt_keys,
-                           mine, entry],
-                     args=[5, 100, 1000, 1.0, 60, job, 1, "rt", *attempt_args, bound])
+        job = json.dumps({"request_id": rid, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d", "priority": 0})
+        return admit(
+            keys=[keys.admission, keys.stream, keys.req(rid), keys.router_requests("rt"), *attempt_keys, mine, entry],
+            args=[5, 100, 1000, 1.0, 60, job, 1, "rt", *attempt_args, bound],
+        )
 
     assert send("a") == [1, 1, 5, 0, 0]  # not registered: the shared stream
     r.set(entry, "x")
-    assert send("b") == [1, 2, 10, 0, 0]  # registered, but its stream is not there (XADD would make one without the group)
+    assert send("b") == [
+        1,
+        2,
+        10,
+        0,
+        0,
+    ]  # registered, but its stream is not there (XADD would make one without the group)
     assert own(keys=[mine, keys.directed], args=[GROUP, "p1"]) == 1
     assert own(keys=[mine, keys.directed], args=[GROUP, "p1"]) == 1  # again: the stream and its group are kept
     assert r.smembers(keys.directed) == {"p1"}
@@ -665,8 +748,8 @@ def test_a_write_redis_did_not_take_is_made_once_it_answers_and_given_up_past_it
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-
     from service_helpers import start_redis
+
     from splitserve.service.process import until_answered
 
     proc, sock = start_redis(tmp_path)
@@ -677,8 +760,10 @@ def test_a_write_redis_did_not_take_is_made_once_it_answers_and_given_up_past_it
         # (no retries within a call: redis-py's own would take ~3.7 s to fail each)
         ar = aioredis.Redis(unix_socket_path=sock, socket_timeout=2, retry=Retry(NoBackoff(), 0))
         try:
+
             def write(key):
                 return functools.partial(ar.hset, key, mapping={"t_kv_done": "1.5"})
+
             short = asyncio.create_task(until_answered(write("t:gave-up"), "a write", 0.1, 0.5, at_once=True))
             long = asyncio.create_task(until_answered(write("t:later"), "a write", 0.1, 60, at_once=True))
             await asyncio.sleep(1.5)
@@ -787,6 +872,7 @@ def test_a_cancel_that_comes_as_the_call_waited_for_completes_is_not_lost():
         with pytest.raises(asyncio.TimeoutError):
             await aio.wait_for(asyncio.sleep(1), 0)
         assert await aio.wait_for(asyncio.sleep(0, "done"), None) == "done"
+
     asyncio.run(times_out())
 
 
@@ -829,6 +915,7 @@ def test_work_handed_to_another_thread_is_waited_for_past_a_cancel_and_the_cance
         done.set_result("imported")
         task.cancel()  # in the same turn
         return await task
+
     assert asyncio.run(cancelled_as_it_completes()) == ("imported", True)
 
 
@@ -904,13 +991,34 @@ def test_a_job_takes_values_as_a_router_writes_them_and_refuses_others_naming_th
     """Job.from_dict, the prefill worker's reading of a stream entry: a router's job comes back as
     it was; a value a router would not write is refused, naming the field (a cache_salt over the
     256 characters a router takes was served)."""
-    job = Job(request_id="j-1", token_ids=[1, 2, 3], sampling={"max_tokens": 4}, decode_worker="decode-0",
-              decode_address="127.0.0.1:1", decode_host_id="h", deadline_unix=0, traceparent="",
-              t_received=1.7e9, t_admitted=1.7e9, priority=-1, cache_salt="x" * 256, leg=2)
+    job = Job(
+        request_id="j-1",
+        token_ids=[1, 2, 3],
+        sampling={"max_tokens": 4},
+        decode_worker="decode-0",
+        decode_address="127.0.0.1:1",
+        decode_host_id="h",
+        deadline_unix=0,
+        traceparent="",
+        t_received=1.7e9,
+        t_admitted=1.7e9,
+        priority=-1,
+        cache_salt="x" * 256,
+        leg=2,
+    )
     d = json.loads(job.to_json())
     assert Job.from_dict(d) == job
-    for name, value in [("cache_salt", "x" * 257), ("cache_salt", 5), ("priority", 2**31), ("priority", True),
-                        ("deadline_unix", float("inf")), ("t_admitted", "x"), ("leg", -1), ("request_id", ""),
-                        ("token_ids", [1.5]), ("sampling", [])]:
+    for name, value in [
+        ("cache_salt", "x" * 257),
+        ("cache_salt", 5),
+        ("priority", 2**31),
+        ("priority", True),
+        ("deadline_unix", float("inf")),
+        ("t_admitted", "x"),
+        ("leg", -1),
+        ("request_id", ""),
+        ("token_ids", [1.5]),
+        ("sampling", []),
+    ]:
         with pytest.raises(ValueError, match=f"^job's {name} is not "):
             Job.from_dict({**d, name: value})

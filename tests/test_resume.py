@@ -11,7 +11,9 @@ from engine_helpers import engine_factory_of
 from splitserve.engine.errors import InvalidRequestError, KVImportError
 from splitserve.engine.sampling import SamplingParams
 
-PROMPT = "<|im_start|>user\nName three rivers of Europe and say one thing about each.<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = (
+    "<|im_start|>user\nName three rivers of Europe and say one thing about each.<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture
@@ -50,8 +52,9 @@ def test_a_resumed_request_goes_on_where_its_client_left_off(engine_factory, smo
     """Greedy, and sampled with a seed (its generator goes on where it was: one draw a token)."""
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     # a stop string holds text back while it may be starting: the client's text lags its tokens
-    sp = SamplingParams(max_tokens=40, stop=["Danube flows"], logprobs=1,
-                        **({} if seed is None else {"temperature": 0.9, "seed": seed}))
+    sp = SamplingParams(
+        max_tokens=40, stop=["Danube flows"], logprobs=1, **({} if seed is None else {"temperature": 0.9, "seed": seed})
+    )
     ref = engine_factory()
     ref.add_request("r", prompt, sp)
     events = streamed(ref, "r")
@@ -83,7 +86,7 @@ def test_a_resumed_request_goes_on_where_its_client_left_off(engine_factory, smo
     prefill.release("h")
     assert export.resumed == k and export.prompt_len == len(prompt) and export.num_tokens == len(prompt) + k
     first = decode.import_kv(export, buf)
-    assert first.new_token_ids == want[k:k + 1]
+    assert first.new_token_ids == want[k : k + 1]
     rest = [(list(first.new_token_ids), first.new_text, first)] + streamed(decode, "h")
     tokens, text, got_reason = whole(rest)
     assert have + tokens == want and have_text + text == want_text and got_reason == reason
@@ -105,8 +108,9 @@ def test_samples_of_a_resumed_request_go_on_each_where_its_client_left_off(engin
     finished) goes on from its own tokens, sample 0 with the request's generator and sample i with
     seed + i, as if never stopped; a sample not yet started (0 tokens) starts as it would have."""
     prompt = smol_loaded.tokenizer.encode(PROMPT)
-    sp = SamplingParams(max_tokens=30, n=3, temperature=0.9, seed=5, stop=["Danube flows"], logprobs=1,
-                        prompt_logprobs=0)
+    sp = SamplingParams(
+        max_tokens=30, n=3, temperature=0.9, seed=5, stop=["Danube flows"], logprobs=1, prompt_logprobs=0
+    )
     ref = engine_factory()
     ref.add_request("r", prompt, sp)
     events = by_sample(ref, "r")
@@ -131,7 +135,7 @@ def test_samples_of_a_resumed_request_go_on_each_where_its_client_left_off(engin
         assert all(not out.prompt_logprobs for _, _, out in rest)  # they went with sample 0's first token
         ref_logprobs = [lp.logprob for _, _, out in events[i] for lp in out.new_logprobs]
         got_logprobs = [lp.logprob for _, _, out in rest for lp in out.new_logprobs]
-        assert got_logprobs == pytest.approx(ref_logprobs[len(tokens):], abs=2e-3)
+        assert got_logprobs == pytest.approx(ref_logprobs[len(tokens) :], abs=2e-3)
     assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
 
 
@@ -141,7 +145,7 @@ def test_a_resumed_sample_whose_tokens_end_it_hands_out_only_the_text_its_client
     (it counts it), or had the token without it; the end hands out only what it lacks."""
     tok = smol_loaded.tokenizer
     prompt = tok.encode(PROMPT)
-    cut = next(t for t in tok.encode("Earth \U0001F30D and \u4e16\u754c") if tok.decode([t]).endswith("\ufffd"))
+    cut = next(t for t in tok.encode("Earth \U0001f30d and \u4e16\u754c") if tok.decode([t]).endswith("\ufffd"))
     text = tok.decode([cut])
     sp = SamplingParams(max_tokens=1, n=3)
     eng = engine_factory()
@@ -154,8 +158,9 @@ def test_a_resumed_sample_whose_tokens_end_it_hands_out_only_the_text_its_client
 def test_abort_stops_every_resumed_sample(engine_factory, smol_loaded):
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     eng = engine_factory()
-    eng.resume_samples("r", prompt, SamplingParams(max_tokens=30, n=3, seed=1, temperature=1.0),
-                       [(1, [11, 12], 2), (2, [], 0)])  # sample 0 had finished
+    eng.resume_samples(
+        "r", prompt, SamplingParams(max_tokens=30, n=3, seed=1, temperature=1.0), [(1, [11, 12], 2), (2, [], 0)]
+    )  # sample 0 had finished
     eng.step()
     eng.abort_request("r")
     assert not eng.seqs and not eng.children and eng.cache.pool.num_used == 0
@@ -164,8 +169,12 @@ def test_abort_stops_every_resumed_sample(engine_factory, smol_loaded):
 def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory, smol_loaded):
     prompt = smol_loaded.tokenizer.encode(PROMPT)
     eng = engine_factory()
-    for resumed, params, ids in ((len(prompt), SamplingParams(), prompt), (-1, SamplingParams(), prompt),
-                                 (2, SamplingParams(n=2), prompt), (1, SamplingParams(), prompt + [10**6])):
+    for resumed, params, ids in (
+        (len(prompt), SamplingParams(), prompt),
+        (-1, SamplingParams(), prompt),
+        (2, SamplingParams(n=2), prompt),
+        (1, SamplingParams(), prompt + [10**6]),
+    ):
         with pytest.raises(InvalidRequestError) as e:
             eng.add_request("r", ids, params, resumed=resumed)
         assert e.value.field == "resumed"
@@ -174,21 +183,33 @@ def test_a_request_that_cannot_resume_is_refused_naming_the_field(engine_factory
     tok = smol_loaded.tokenizer
     eos = next(iter(eng.eos_token_ids))
     said = tok.encode(" the Rhine and the Danube")
-    for tail, params, reason in (([11, 12], SamplingParams(max_tokens=2), "length"), ([11, eos], SamplingParams(), "eos"),
-                                 ([11, 12], SamplingParams(stop_token_ids=[12]), "stop"),
-                                 (said, SamplingParams(stop=["Danube"]), "stop")):
+    for tail, params, reason in (
+        ([11, 12], SamplingParams(max_tokens=2), "length"),
+        ([11, eos], SamplingParams(), "eos"),
+        ([11, 12], SamplingParams(stop_token_ids=[12]), "stop"),
+        (said, SamplingParams(stop=["Danube"]), "stop"),
+    ):
         with pytest.raises(InvalidRequestError) as e:
             eng.add_request("r", prompt + tail, params, resumed=len(tail), resumed_chars=3)
         assert e.value.field == "resumed" and f"end it ({reason})" in str(e.value), tail
         assert not eng.seqs
-    for tail, params in (([11, eos], SamplingParams(ignore_eos=True)), ([11, eos], SamplingParams(min_tokens=3)),
-                         ([11, 12], SamplingParams(max_tokens=3))):  # these go on
+    for tail, params in (
+        ([11, eos], SamplingParams(ignore_eos=True)),
+        ([11, eos], SamplingParams(min_tokens=3)),
+        ([11, 12], SamplingParams(max_tokens=3)),
+    ):  # these go on
         eng.add_request("r", prompt + tail, params, resumed=2, resumed_chars=0)
         eng.abort_request("r")
     assert not eng.seqs and eng.cache.pool.num_used == 0
     n3 = SamplingParams(n=3)
-    for samples, params in (([], n3), ([(0, [], 0), (0, [], 0)], n3), ([(3, [], 0)], n3), ([(0, [5], 1)], SamplingParams()),
-                            ([(0, [5], 1), (1, [7], -1)], n3), ([(0, [5], 1), (1, [10**6], 1)], n3)):
+    for samples, params in (
+        ([], n3),
+        ([(0, [], 0), (0, [], 0)], n3),
+        ([(3, [], 0)], n3),
+        ([(0, [5], 1)], SamplingParams()),
+        ([(0, [5], 1), (1, [7], -1)], n3),
+        ([(0, [5], 1), (1, [10**6], 1)], n3),
+    ):
         with pytest.raises(InvalidRequestError) as e:
             eng.resume_samples("r", prompt, params, samples)
         assert e.value.field == "resumed_samples", samples

@@ -1,4 +1,5 @@
 """EngineRunner: the one thread that builds and steps a worker's engine."""
+
 import asyncio
 import threading
 
@@ -20,8 +21,9 @@ async def _served(runner: EngineRunner, max_tokens: int) -> tuple[str, list[int]
             done.set_result(out.finish_reason)
 
     runner.sinks["r"] = sink
-    await runner.submit(lambda e: e.add_request("r", [5, 6, 7, 8],
-                                                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+    await runner.submit(
+        lambda e: e.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    )
     return await asyncio.wait_for(done, 30), tokens
 
 
@@ -67,8 +69,9 @@ def test_a_step_that_raises_outside_the_engines_isolation_fails_its_requests_and
 
     async def go():
         loop = asyncio.get_running_loop()
-        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
-                                                loaded=tiny_loaded), loop)
+        runner = EngineRunner(
+            lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1), loaded=tiny_loaded), loop
+        )
         engine = await runner.start()
         schedule, failures = engine.scheduler.schedule, []
 
@@ -102,10 +105,12 @@ def test_a_sink_that_raises_loses_no_other_requests_output(tiny_loaded):
     """A step's outputs go to their sinks in one callback on the event loop: one sink raising (its
     own request's fault) used to leave the outputs after it in that step undelivered. Now each
     request, the ones stepped beside a failing sink included, gets all its tokens."""
+
     async def go():
         loop = asyncio.get_running_loop()
-        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
-                                                loaded=tiny_loaded), loop)
+        runner = EngineRunner(
+            lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1), loaded=tiny_loaded), loop
+        )
         await runner.start()
         got = {rid: [] for rid in ("a", "b", "c")}
         ended = {rid: loop.create_future() for rid in got}
@@ -117,6 +122,7 @@ def test_a_sink_that_raises_loses_no_other_requests_output(tiny_loaded):
                     ended[rid].set_result(out.finish_reason)
                 if rid == "a":
                     raise RuntimeError("a sink's fault")
+
             return sink
 
         for rid in got:
@@ -125,6 +131,7 @@ def test_a_sink_that_raises_loses_no_other_requests_output(tiny_loaded):
         def add(e):
             for i, rid in enumerate(got):
                 e.add_request(rid, [5 + i, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+
         await runner.submit(add)
         reasons = await asyncio.wait_for(asyncio.gather(*ended.values()), 30)
         runner.stop()
@@ -146,8 +153,11 @@ def test_an_on_step_that_raises_does_not_stop_the_engines_thread(tiny_loaded):
 
     async def go():
         loop = asyncio.get_running_loop()
-        runner = EngineRunner(lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1),
-                                                loaded=tiny_loaded), loop, on_step=on_step)
+        runner = EngineRunner(
+            lambda: LLMEngine(EngineConfig(kv_cache_bytes=16 << 20, num_threads=1), loaded=tiny_loaded),
+            loop,
+            on_step=on_step,
+        )
         await runner.start()
         served = await _served(runner, 5)
         runner.stop()

@@ -116,11 +116,13 @@ def test_a_resumed_sample_its_tokens_already_end_ends_at_once(tiny_engine_factor
     alone1 = alone(eng, prompt, kw, 8)
     last = {"length": alone(eng, prompt, kw, 7), "eos": [11, 2], "stop": [11, 40]}[ends]
     carried = last if ends == "length" else last[:2]
-    sp = SamplingParams(n=2, seed=7, **{**kw, "ignore_eos": ends != "eos"},
-                        stop_token_ids=[40] if ends == "stop" else [])
+    sp = SamplingParams(
+        n=2, seed=7, **{**kw, "ignore_eos": ends != "eos"}, stop_token_ids=[40] if ends == "stop" else []
+    )
     outs = eng.resume_samples("r", prompt, sp, [(0, carried, len(carried)), (1, alone1[:1], 1)])
-    assert [(o.index, o.new_token_ids, o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == \
-        [(0, [], True, ends, len(carried))]
+    assert [(o.index, o.new_token_ids, o.finished, o.finish_reason, o.num_output_tokens) for o in outs] == [
+        (0, [], True, ends, len(carried))
+    ]
     assert set(eng.seqs) == {"r/1"} and eng.children == {"r": ["r/1"]}
     got = collect(eng)
     assert got == {1: (alone1[1:], "length")}
@@ -158,8 +160,10 @@ def test_a_prompt_that_needs_the_blocks_a_waiting_sample_holds_takes_them_and_bo
     long_prompt, prompt = random_prompts(2, lo=104, hi=105, seed=31)
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
     sp = SamplingParams(n=2, max_tokens=8, ignore_eos=True, temperature=1.0, seed=5)
-    want = {"long": run(tiny_engine_factory(), "long", long_prompt, greedy),
-            "s": run(tiny_engine_factory(), "s", prompt[:72], sp)}
+    want = {
+        "long": run(tiny_engine_factory(), "long", long_prompt, greedy),
+        "s": run(tiny_engine_factory(), "s", prompt[:72], sp),
+    }
     eng = tiny_engine_factory(kv_cache_bytes=9 * BLOCK_BYTES, max_num_seqs=1, max_num_batched_tokens=64)
     assert eng.cache.pool.num_blocks == 9
     got: dict[str, dict] = {}
@@ -175,10 +179,13 @@ def test_a_prompt_that_needs_the_blocks_a_waiting_sample_holds_takes_them_and_bo
     assert got == want
 
 
-@pytest.mark.parametrize("kw, says", [
-    (dict(n=0), "must be in [1, 16]"),
-    (dict(n=17), "must be in [1, 16]"),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(n=0), "must be in [1, 16]"),
+        (dict(n=17), "must be in [1, 16]"),
+    ],
+)
 def test_n_out_of_range_names_the_field(kw, says):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kw)
@@ -235,11 +242,18 @@ def test_outputs_delivered_before_an_adoption_resumes_go_out_after_its_first_tok
     prefill, decode = tiny_engine_factory(), tiny_engine_factory()
     prompt = random_prompts(1, seed=87, lo=40, hi=41)[0]
     for n in (3, 1):
-        export, payload = exported(prefill, f"r{n}", prompt, SamplingParams(n=n, max_tokens=5, ignore_eos=True,
-                                                                            temperature=1.0, seed=6))
+        export, payload = exported(
+            prefill, f"r{n}", prompt, SamplingParams(n=n, max_tokens=5, ignore_eos=True, temperature=1.0, seed=6)
+        )
         seq = convert.sequence_to_pb(export)
-        handle = w_pb.KVHandle(num_tokens=export.num_tokens, fingerprint=export.fingerprint, dtype=export.dtype,
-                               layout_version=export.layout_version, length=len(payload), transport="grpc")
+        handle = w_pb.KVHandle(
+            num_tokens=export.num_tokens,
+            fingerprint=export.fingerprint,
+            dtype=export.dtype,
+            layout_version=export.layout_version,
+            length=len(payload),
+            transport="grpc",
+        )
 
         class Runner:
             engine, sinks = decode, {}
@@ -260,8 +274,9 @@ def test_outputs_delivered_before_an_adoption_resumes_go_out_after_its_first_tok
             svc = DecodeServicer(Settings(), Runner(), redis, Keys("t"), "decode-t")
             slot = svc.slots[seq.request_id] = Slot(seq.request_id, 0.0)
             svc.runner.sinks[seq.request_id] = lambda out: svc._from_engine(slot, out)
-            await svc._adopt(slot, seq, handle, payload, SimpleNamespace(span=SimpleNamespace(
-                set_attributes=lambda attrs: None)))
+            await svc._adopt(
+                slot, seq, handle, payload, SimpleNamespace(span=SimpleNamespace(set_attributes=lambda attrs: None))
+            )
             while decode.has_unfinished():
                 for out in decode.step():
                     svc._from_engine(slot, out)
@@ -271,7 +286,7 @@ def test_outputs_delivered_before_an_adoption_resumes_go_out_after_its_first_tok
             return events
 
         events = asyncio.run(adopt())
-        assert events[0].index == 0 and list(events[0].token_ids) == export.token_ids[export.prompt_len:]
+        assert events[0].index == 0 and list(events[0].token_ids) == export.token_ids[export.prompt_len :]
         tokens: dict[int, list[int]] = {}
         for ev in events:
             tokens.setdefault(ev.index, []).extend(ev.token_ids)

@@ -83,22 +83,32 @@ def test_logit_bias_moves_greedy_and_random_rows_and_adds_to_penalties():
     from splitserve.engine.sampling import Seen
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
-    rows = [SampleRow(SamplingParams(logit_bias={3: 3.5}), None),  # -1 + 3.5 beats 2
-            SampleRow(SamplingParams(logit_bias={0: -100.0, 1: -100.0}), None),  # all but banned
-            SampleRow(SamplingParams(logit_bias={2: 2.5}, frequency_penalty=1.0), None,
-                      seen=Seen(torch.tensor([2]), torch.tensor([1.0])))]  # 0 + 2.5 - 1: not enough
+    rows = [
+        SampleRow(SamplingParams(logit_bias={3: 3.5}), None),  # -1 + 3.5 beats 2
+        SampleRow(SamplingParams(logit_bias={0: -100.0, 1: -100.0}), None),  # all but banned
+        SampleRow(
+            SamplingParams(logit_bias={2: 2.5}, frequency_penalty=1.0),
+            None,
+            seen=Seen(torch.tensor([2]), torch.tensor([1.0])),
+        ),
+    ]  # 0 + 2.5 - 1: not enough
     assert sample(logits.clone(), rows) == [3, 2, 0]
     p = SamplingParams(temperature=1.0, seed=3, logit_bias={1: -100.0})
     gen = new_generator(p)
     assert 1 not in {sample(logits[:1].clone(), [SampleRow(p, gen)])[0] for _ in range(200)}
 
 
-@pytest.mark.parametrize("kw,field", [
-    (dict(min_p=1.5), "sampling.min_p"), (dict(min_p=-0.1), "sampling.min_p"),
-    (dict(logit_bias={5: 101.0}), "sampling.logit_bias"), (dict(logit_bias={-1: 1.0}), "sampling.logit_bias"),
-    (dict(logit_bias={5: float("nan")}), "sampling.logit_bias"),
-    (dict(logit_bias={i: 1.0 for i in range(1025)}), "sampling.logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(min_p=1.5), "sampling.min_p"),
+        (dict(min_p=-0.1), "sampling.min_p"),
+        (dict(logit_bias={5: 101.0}), "sampling.logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "sampling.logit_bias"),
+        (dict(logit_bias={5: float("nan")}), "sampling.logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(1025)}), "sampling.logit_bias"),
+    ],
+)
 def test_min_p_and_logit_bias_out_of_range_name_the_field(kw, field):
     from splitserve.engine.errors import InvalidRequestError
 
@@ -107,8 +117,16 @@ def test_min_p_and_logit_bias_out_of_range_name_the_field(kw, field):
     assert e.value.field == field
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1e-39), dict(temperature=1e-300), dict(temperature=5e-324),
-                                dict(temperature=1.0, top_p=1e-300), dict(temperature=1e-300, top_k=5, top_p=1e-9)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1e-39),
+        dict(temperature=1e-300),
+        dict(temperature=5e-324),
+        dict(temperature=1.0, top_p=1e-300),
+        dict(temperature=1e-300, top_k=5, top_p=1e-9),
+    ],
+)
 def test_temperatures_and_top_p_below_float32s_range_draw_the_most_likely_token(kw):
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1))
     best = int(logits.argmax())
@@ -119,8 +137,12 @@ def test_temperatures_and_top_p_below_float32s_range_draw_the_most_likely_token(
 
 def test_a_seeded_draw_is_the_same_alone_and_in_a_batch_and_greedy_rows_take_the_argmax():
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=11), SamplingParams(),
-              SamplingParams(temperature=1.3, top_k=40, seed=12), SamplingParams(temperature=0.6, seed=13)]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_k=40, seed=12),
+        SamplingParams(temperature=0.6, seed=13),
+    ]
 
     def run(rows_of):
         gens = [new_generator(p) for p in params]

@@ -11,8 +11,8 @@ import time
 
 import grpc
 import pytest
-
 from service_helpers import departed_streams, heartbeat, keys_without_ttl, kv_idle, scrape, wait_for, workers
+
 from splitserve.client import Client, collect
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -26,13 +26,22 @@ from splitserve.stack import Stack
 
 # Every prompt goes to a prefill worker (local_prefill_queue_tokens 0, and none prefilled by its decode
 # worker while the prefill workers are stopped and out of the registry): these tests are of the handoff.
-BASE = dict(kv_cache_bytes=256 << 20, prefill_kv_cache_bytes=256 << 20, arena_bytes=64 << 20, heartbeat_s=0.25,
-            drain_s=3.0, claim_idle_ms=1500, local_prefill_queue_tokens=0, local_prefill_without_prefill_workers=False)
+BASE = dict(
+    kv_cache_bytes=256 << 20,
+    prefill_kv_cache_bytes=256 << 20,
+    arena_bytes=64 << 20,
+    heartbeat_s=0.25,
+    drain_s=3.0,
+    claim_idle_ms=1500,
+    local_prefill_queue_tokens=0,
+    local_prefill_without_prefill_workers=False,
+)
 
 
 def _start(**kw):
-    extra = {k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers")
-             if k in kw}
+    extra = {
+        k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers") if k in kw
+    }
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
     return stack
 
@@ -42,8 +51,11 @@ def _assert_idle(stack):
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
     for p in stack.procs:  # and the prefill engines' own blocks (those kept for a handoff included)
         if p.name.startswith("prefill") and p.popen.poll() is None and p.metrics_address:
-            wait_for(lambda p=p: scrape(p.metrics_address).get("splitserve_kv_cache_blocks_used") == 0, timeout=5,
-                     what=f"{p.name}'s KV blocks back to zero")
+            wait_for(
+                lambda p=p: scrape(p.metrics_address).get("splitserve_kv_cache_blocks_used") == 0,
+                timeout=5,
+                what=f"{p.name}'s KV blocks back to zero",
+            )
     wait_for(lambda: departed_streams(stack) == [], timeout=20, what="departed prefill workers' streams removed")
     assert keys_without_ttl(stack) == []
     assert _queue_counts(stack) == [0, 0]  # every admitted request left the queue's counts
@@ -86,8 +98,9 @@ def reference_prompts(mixed_workload):
 @pytest.fixture(scope="module")
 def reference_outputs(smol_loaded, reference_prompts):
     eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20), loaded=smol_loaded)
-    return eng.generate([p for p, _ in reference_prompts],
-                        [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reference_prompts])
+    return eng.generate(
+        [p for p, _ in reference_prompts], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in reference_prompts]
+    )
 
 
 # A seeded random request asking for the 3 most likely tokens at each position (the logprobs tests)
@@ -132,8 +145,9 @@ def _continuation(*samples):
     """resume_from for n > 1: (index, tokens, finished) of each sample, one character a token."""
     from splitserve_proto.v1 import generation_pb2 as pb
 
-    return pb.Continuation(samples=[pb.SampleContinuation(index=i, token_ids=t, text_chars=len(t), finished=f)
-                                    for i, t, f in samples])
+    return pb.Continuation(
+        samples=[pb.SampleContinuation(index=i, token_ids=t, text_chars=len(t), finished=f) for i, t, f in samples]
+    )
 
 
 def _same_logprobs(got, tokens: list[int], want) -> None:
@@ -179,8 +193,9 @@ def test_disaggregated_equals_in_process_over_grpc_bytes(reference_prompts, refe
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
-def test_colocated_equals_in_process_and_cancels_free_everything(policy, reference_prompts, reference_outputs,
-                                                                 reference_logprobs, reference_prompt_logprobs):
+def test_colocated_equals_in_process_and_cancels_free_everything(
+    policy, reference_prompts, reference_outputs, reference_logprobs, reference_prompt_logprobs
+):
     # No prefill workers: the decode worker prefills (chunked, or padded batches for static).
     s = _start(mode="colocated", policy=policy, prefill=0, max_queue_requests=64, max_queue_tokens=1 << 20)
     try:
@@ -206,8 +221,9 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
             info = c.get_request(rest.request_id)
             assert (info.prompt_tokens, info.completion_tokens) == (len(p0), n0)  # (the prompt's: not its tokens too)
             assert c.get_request(again.request_id).cached_tokens == again.usage.cached_tokens
-            salted = [c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, cache_salt="t", timeout=300)
-                      for _ in range(2)]
+            salted = [
+                c.generate(token_ids=p0, max_tokens=n0, ignore_eos=True, cache_salt="t", timeout=300) for _ in range(2)
+            ]
             assert [list(r.token_ids) for r in salted] == [out0] * 2
             assert [r.usage.cached_tokens for r in salted] == [0, again.usage.cached_tokens]
             ids, tokens, want = reference_logprobs
@@ -219,20 +235,28 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
                 _same_logprobs(scored.prompt_logprobs, pids[1:], pwant)
                 # n samples: the decode worker prefills, then makes the others from the first's KV
                 three = c.generate(token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True)
-                alone = [c.generate(token_ids=p0, max_tokens=6, temperature=1.0, seed=4 + i, ignore_eos=True)
-                         for i in range(3)]
+                alone = [
+                    c.generate(token_ids=p0, max_tokens=6, temperature=1.0, seed=4 + i, ignore_eos=True)
+                    for i in range(3)
+                ]
                 for i, choice in enumerate(three.choices):
                     assert list(choice.token_ids) == list(alone[i].token_ids), i
                 # Sent again to go on (resume_from.samples): sample 0 after 2 tokens, sample 1
                 # finished, sample 2 not started. 0 and 2 go on, each its own; 1 is not run again.
                 from splitserve_proto.v1 import generation_pb2 as pb
+
                 chars0 = len(c.detokenize(alone[0].token_ids[:2]).text)
-                cont = pb.Continuation(samples=[
-                    pb.SampleContinuation(index=0, token_ids=alone[0].token_ids[:2], text_chars=chars0),
-                    pb.SampleContinuation(index=1, token_ids=alone[1].token_ids, text_chars=len(alone[1].text),
-                                          finished=True)])
-                rest = c.generate(token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True,
-                                  resume_from=cont)
+                cont = pb.Continuation(
+                    samples=[
+                        pb.SampleContinuation(index=0, token_ids=alone[0].token_ids[:2], text_chars=chars0),
+                        pb.SampleContinuation(
+                            index=1, token_ids=alone[1].token_ids, text_chars=len(alone[1].text), finished=True
+                        ),
+                    ]
+                )
+                rest = c.generate(
+                    token_ids=p0, max_tokens=6, n=3, temperature=1.0, seed=4, ignore_eos=True, resume_from=cont
+                )
                 assert [ch.index for ch in rest.choices] == [0, 2]
                 assert list(rest.choices[0].token_ids) == list(alone[0].token_ids[2:])
                 assert rest.choices[0].text == alone[0].text[chars0:] and rest.choices[1].text == alone[2].text
@@ -254,8 +278,9 @@ def test_colocated_equals_in_process_and_cancels_free_everything(policy, referen
                     break
             wait_for(lambda: _state(c, "co-cancel") == "cancelled", what="cancelled")
             got = []
-            t = _consume(c.generate_stream("Count to a thousand:", max_tokens=300, ignore_eos=True,
-                                           request_id="co-abort"), got)
+            t = _consume(
+                c.generate_stream("Count to a thousand:", max_tokens=300, ignore_eos=True, request_id="co-abort"), got
+            )
             wait_for(lambda: len(got) >= 3, what="first tokens")
             assert c.abort("co-abort").found
             t.join(30)
@@ -276,7 +301,8 @@ def _timed_stream(address: str, prompt: str, kw: dict, times: list):
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_batch_invariant_gives_a_seeded_request_the_same_log_probabilities_whatever_shares_its_steps(
-        mode, mixed_workload):
+    mode, mixed_workload
+):
     """SPLITSERVE_BATCH_INVARIANT: a seeded request's tokens and log probabilities are those of its
     run alone, bit for bit, colocated while three long prompts are prefilled in the steps that
     decode it, disaggregated when it is sent with three long prompts, which the prefill worker
@@ -312,13 +338,15 @@ def test_batch_invariant_gives_a_seeded_request_the_same_log_probabilities_whate
         _finish(s)
 
 
-def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_decode_worker(reference_prompts,
-                                                                                             reference_outputs):
+def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_decode_worker(
+    reference_prompts, reference_outputs
+):
     """Disaggregated, with local prefill on: prompts of at most local_prefill_max_tokens, and every
     prompt while prefill workers are behind by more than local_prefill_queue_tokens, are prefilled
     by their decode worker. Greedy output stays the in-process engine's, and the counts go back."""
-    s = _start(local_prefill_max_tokens=100, local_prefill_queue_tokens=150, max_queue_requests=64,
-               max_queue_tokens=1 << 20)
+    s = _start(
+        local_prefill_max_tokens=100, local_prefill_queue_tokens=150, max_queue_requests=64, max_queue_tokens=1 << 20
+    )
     try:
         got = _concurrent_generate(s.router_address, reference_prompts)
         assert [list(r.token_ids) for r in got] == reference_outputs
@@ -341,15 +369,25 @@ def test_conditional_disaggregation_prefills_short_prompts_and_overflow_on_the_d
                 out_a = {}
                 # a salt of their own: the router has seen a decode worker compute these prompts
                 # above, and would expect it to hold all but a few of their tokens (prefix affinity)
-                t = threading.Thread(target=lambda: out_a.update(
-                    r=c.generate(token_ids=a, max_tokens=n_a, ignore_eos=True, request_id="cond-a", timeout=120,
-                                 cache_salt="cond")))
+                t = threading.Thread(
+                    target=lambda: out_a.update(
+                        r=c.generate(
+                            token_ids=a,
+                            max_tokens=n_a,
+                            ignore_eos=True,
+                            request_id="cond-a",
+                            timeout=120,
+                            cache_salt="cond",
+                        )
+                    )
+                )
                 t.start()
                 wait_for(lambda: _state(c, "cond-a") == "queued", what="a long prompt queued for prefill")
                 # More than 150 tokens now wait for the (stopped) prefill worker: the next long prompt
                 # is prefilled by its decode worker, and finishes while the prefill worker is stopped.
-                out_b = c.generate(token_ids=b, max_tokens=n_b, ignore_eos=True, request_id="cond-b", timeout=120,
-                                   cache_salt="cond")
+                out_b = c.generate(
+                    token_ids=b, max_tokens=n_b, ignore_eos=True, request_id="cond-b", timeout=120, cache_salt="cond"
+                )
                 assert list(out_b.token_ids) == reference_outputs[ib]
                 assert c.get_request("cond-b").prefill_worker == ""
                 assert _state(c, "cond-a") == "queued"
@@ -382,10 +420,16 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             streaming, ends = threading.Event(), []
 
             def long_one():
-                for chunk in c.generate_stream(token_ids=first + tok.encode(" Go on."), max_tokens=400,
-                                               ignore_eos=True, request_id="aff-long", timeout=180):
+                for chunk in c.generate_stream(
+                    token_ids=first + tok.encode(" Go on."),
+                    max_tokens=400,
+                    ignore_eos=True,
+                    request_id="aff-long",
+                    timeout=180,
+                ):
                     streaming.set()
                     ends.append(chunk.finish_reason)
+
             long = threading.Thread(target=long_one)
             long.start()
             assert streaming.wait(60), "the long stream did not start"
@@ -393,8 +437,11 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             assert (il.decode_worker, il.prefill_worker) == (home, "")
             # router-1 has seen none of these: it learns of aff-a's prompt and completion and of
             # aff-long's prompt from router 0's entries (and its registry read, of aff-long's stream)
-            wait_for(lambda: scrape(s.proc("router-1").metrics_address).get(applied, 0) >= 3, timeout=10,
-                     what="router 0's prefix records applied at router 1")
+            wait_for(
+                lambda: scrape(s.proc("router-1").metrics_address).get(applied, 0) >= 3,
+                timeout=10,
+                what="router 0's prefix records applied at router 1",
+            )
             time.sleep(4 * s.settings.heartbeat_s)
             turn = first + list(a.token_ids) + tok.encode(" Now say it again, shorter.")
             b = c1.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-b", timeout=120)
@@ -403,8 +450,9 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             # the blocks of the first prompt and all but the last of its completion's tokens
             assert b.usage.cached_tokens >= (len(first) + 7) // 16 * 16 > len(turn) - 64
             assert not ends[-1]  # the long stream still runs: home still the busier worker
-            salted = c1.generate(token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-c", cache_salt="x",
-                                 timeout=120)
+            salted = c1.generate(
+                token_ids=turn, max_tokens=6, ignore_eos=True, request_id="aff-c", cache_salt="x", timeout=120
+            )
             ic = c.get_request("aff-c")
             assert ic.decode_worker != home and ic.prefill_worker and salted.usage.cached_tokens == 0
             assert list(salted.token_ids) == list(b.token_ids)
@@ -417,18 +465,23 @@ def test_a_chats_next_turn_goes_to_the_decode_worker_holding_its_prefix_which_co
             assert ends[-1] == "cancelled"
             # Asking for the prompt's log probabilities: its prefix cache cannot serve them, so the
             # prompt is too long to prefill locally after all.
-            scored = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, prompt_logprobs=0,
-                                request_id="aff-d", timeout=120)
+            scored = c.generate(
+                token_ids=turn, max_tokens=6, ignore_eos=True, prompt_logprobs=0, request_id="aff-d", timeout=120
+            )
             assert c.get_request("aff-d").prefill_worker and scored.usage.cached_tokens == 0
             assert list(scored.token_ids) == list(b.token_ids) and len(scored.prompt_logprobs) == len(turn) - 1
     finally:
         _finish(s)
 
 
-@pytest.mark.parametrize("transport, shared", [("grpc", False), ("grpc", True), ("shm", False)],
-                         ids=["grpc-records-unshared", "grpc-records-shared", "shm-records-unshared"])
+@pytest.mark.parametrize(
+    "transport, shared",
+    [("grpc", False), ("grpc", True), ("shm", False)],
+    ids=["grpc-records-unshared", "grpc-records-shared", "shm-records-unshared"],
+)
 def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whole_when_it_was_evicted(
-        smol_loaded, transport, shared):
+    smol_loaded, transport, shared
+):
     """Two routers, one decode worker with a small KV cache. A chat's next turn (via router 0,
     which saw the last one) is handed over without the KV of the last turn's prompt and
     completion, which the decode worker holds: fewer bytes (sent over gRPC, or written to the
@@ -452,20 +505,31 @@ def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whol
             ib = c.get_request("part-b")
             held = (len(first) + 7) // 16 * 16  # its prompt's and all but its last token's blocks
             assert (ib.kv_transport, ib.kv_bytes) == (transport, 64 + per_token * (len(turn) - held))
-            whole = c.generate(token_ids=turn, max_tokens=6, ignore_eos=True, cache_salt="x", request_id="part-bx",
-                               timeout=120)
+            whole = c.generate(
+                token_ids=turn, max_tokens=6, ignore_eos=True, cache_salt="x", request_id="part-bx", timeout=120
+            )
             assert c.get_request("part-bx").kv_bytes == 64 + per_token * len(turn)
             assert list(whole.token_ids) == list(b.token_ids)
             prefill = scrape(s.proc("prefill-0").metrics_address)
             assert prefill["splitserve_kv_unsent_tokens_total"] == held
             assert scrape(s.proc("decode-0").metrics_address)["splitserve_kv_shared_tokens_total"] >= held
             for i in range(8):  # 72 blocks through the other router: the decode worker holds 54
-                other.generate(token_ids=tok.encode(f"Flood {i}: " + "stone river cloud " * 45), max_tokens=2,
-                               ignore_eos=True, cache_salt="flood", timeout=120)
+                other.generate(
+                    token_ids=tok.encode(f"Flood {i}: " + "stone river cloud " * 45),
+                    max_tokens=2,
+                    ignore_eos=True,
+                    cache_salt="flood",
+                    timeout=120,
+                )
             applied = scrape(s.proc("router").metrics_address).get("splitserve_prefix_records_applied_total", 0)
             if shared:  # each flood request's first token and end
-                wait_for(lambda: scrape(s.proc("router").metrics_address).get(
-                    "splitserve_prefix_records_applied_total", 0) >= 16, timeout=10, what="router 1's records")
+                wait_for(
+                    lambda: (
+                        scrape(s.proc("router").metrics_address).get("splitserve_prefix_records_applied_total", 0) >= 16
+                    ),
+                    timeout=10,
+                    what="router 1's records",
+                )
             else:
                 assert applied == 0
             turn2 = turn + list(b.token_ids) + tok.encode(" Once more.")
@@ -474,13 +538,16 @@ def test_kv_handed_over_leaves_out_what_the_decode_worker_holds_and_is_sent_whol
             assert (id_.kv_transport, id_.kv_bytes) == (transport, 64 + per_token * len(turn2))  # sent whole
             refusals = 0 if shared else 1
             assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == refusals
-            assert scrape(s.proc("decode-0").metrics_address).get(
-                'splitserve_kv_handoffs_refused_total{code=FAILED_PRECONDITION}', 0) == refusals
+            assert (
+                scrape(s.proc("decode-0").metrics_address).get(
+                    "splitserve_kv_handoffs_refused_total{code=FAILED_PRECONDITION}", 0
+                )
+                == refusals
+            )
             again = c.generate(token_ids=turn2, max_tokens=6, ignore_eos=True, cache_salt="y", timeout=120)
             assert list(again.token_ids) == list(d.token_ids) and d.finish_reason == "length"
     finally:
         _finish(s)
-
 
 
 def _sitecustomize(tmp_path, text: str) -> dict:
@@ -498,7 +565,8 @@ kv_transfer.LAYOUT_VERSIONS = (kv_transfer.LAYOUT_VERSION,)
 
 
 def test_kv_without_its_first_tokens_refused_by_a_decode_worker_of_the_release_before_is_sent_whole(
-        smol_loaded, tmp_path):
+    smol_loaded, tmp_path
+):
     """In a rolling update, a prefill worker of this release hands a chat's next turn over shared
     memory without the KV its decode worker holds (layout version 2), to a decode worker of the
     release before, which refuses it (INVALID_ARGUMENT naming handle.layout_version). The prefill
@@ -518,10 +586,13 @@ def test_kv_without_its_first_tokens_refused_by_a_decode_worker_of_the_release_b
             ib = c.get_request("old-b")
             assert (ib.state, ib.kv_transport, ib.kv_bytes) == ("finished", "shm", 64 + per_token * len(turn))
         assert scrape(s.proc("prefill-0").metrics_address)["splitserve_kv_resent_whole_total"] == 1
-        assert scrape(s.proc("decode-0").metrics_address)[
-            "splitserve_kv_handoffs_refused_total{code=INVALID_ARGUMENT}"] == 1
+        assert (
+            scrape(s.proc("decode-0").metrics_address)["splitserve_kv_handoffs_refused_total{code=INVALID_ARGUMENT}"]
+            == 1
+        )
     finally:
         _finish(s)
+
 
 PREFILL_OUTPUT_FAULTS = """\
 # Faults in a prefill worker's handing on of an ended prefill, by request id: before its first token
@@ -589,21 +660,25 @@ def test_a_prefill_whose_handing_on_raises_fails_alone_and_the_prefill_worker_se
                     for kind in ("first", "export", "done"):
                         rid = f"boom-{kind}-{i}"
                         with pytest.raises(grpc.RpcError) as e:
-                            c.generate("Tell me a story", max_tokens=1 if kind == "done" else 8, request_id=rid,
-                                       timeout=60)
+                            c.generate(
+                                "Tell me a story", max_tokens=1 if kind == "done" else 8, request_id=rid, timeout=60
+                            )
                         assert e.value.code() == grpc.StatusCode.INTERNAL, (rid, e.value.details())
                         assert f"could not be handed on: RuntimeError: {kind} fault" in e.value.details(), rid
                         assert c.get_request(rid).state == "failed", rid
-            assert scrape(s.proc("prefill-0").metrics_address)['splitserve_prefill_jobs_total{outcome=failed}'] == 9
+            assert scrape(s.proc("prefill-0").metrics_address)["splitserve_prefill_jobs_total{outcome=failed}"] == 9
             assert len(c.generate("Tell me a story", max_tokens=8, ignore_eos=True, timeout=60).token_ids) == 8
         r = s.redis()
-        wait_for(lambda: all(r.xlen(k) == 0 and r.xpending(k, "prefill")["pending"] == 0 for k in s.keys.streams),
-                 what="every entry acked and deleted")
+        wait_for(
+            lambda: all(r.xlen(k) == 0 and r.xpending(k, "prefill")["pending"] == 0 for k in s.keys.streams),
+            what="every entry acked and deleted",
+        )
         assert s.proc("prefill-0").popen.poll() is None
         key = s.keys.worker("prefill", workers(s, "prefill")[0]["worker_id"])  # its heartbeat beats on
         beat = float(r.hget(key, "updated"))
-        wait_for(lambda: float(r.hget(key, "updated") or 0) > beat + 1, timeout=10,
-                 what="the prefill worker's heartbeat")
+        wait_for(
+            lambda: float(r.hget(key, "updated") or 0) > beat + 1, timeout=10, what="the prefill worker's heartbeat"
+        )
     finally:
         _finish(s)
 
@@ -643,8 +718,9 @@ def test_a_decode_output_that_cannot_be_sent_fails_its_request_alone(tmp_path):
                         rid = f"boom-{kind}-{i}"
                         chunks, err = [], None
                         try:
-                            for chunk in c.generate_stream("Tell me a story", max_tokens=40, ignore_eos=True,
-                                                           request_id=rid, timeout=60):
+                            for chunk in c.generate_stream(
+                                "Tell me a story", max_tokens=40, ignore_eos=True, request_id=rid, timeout=60
+                            ):
                                 chunks.append(chunk)
                         except grpc.RpcError as e:
                             err = e
@@ -668,7 +744,9 @@ def test_unary_streaming_and_chat_forms(client, smol_loaded):
     assert "".join(c.text for c in chunks) == unary.text == tok.decode(list(unary.token_ids))
     assert len(chunks) >= 2 and chunks[-1].finish_reason == "length"
     last = chunks[-1]
-    assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens == len(tok.encode("The three primary colors are"))
+    assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens == len(
+        tok.encode("The three primary colors are")
+    )
     assert last.timings.ttft_ms > 0 and last.timings.prefill_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
     chat = client.generate(messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=40)
     assert chat.finish_reason == "eos" and "4" in chat.text
@@ -703,12 +781,14 @@ def test_a_status_grpc_could_not_send_as_its_call_ended_is_one_line_at_info_not_
             try:
                 raise ExecuteBatchError('Failed "execute_batch": (<SendStatusFromServerOperation>,)')
             except ExecuteBatchError:
-                grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]" % "/x.Y/Decode")
+                grpc_log.exception("ExecuteBatchError raised in core by servicer method [/x.Y/Decode]")
                 grpc_log.exception("Unexpected [ExecuteBatchError] raised by servicer method [/x.Y/Z]")
         quiet, other = caplog.records[-2:]
         assert (quiet.levelname, quiet.exc_info, other.levelname) == ("INFO", None, "ERROR")
-        assert quiet.getMessage() == ("ExecuteBatchError raised in core by servicer method [/x.Y/Decode]: its status "
-                                      "was not sent, the call had ended (its client went)")
+        assert quiet.getMessage() == (
+            "ExecuteBatchError raised in core by servicer method [/x.Y/Decode]: its status "
+            "was not sent, the call had ended (its client went)"
+        )
         assert other.exc_info is not None
         assert sum(type(f).__name__ == "_EndedCalls" for f in grpc_log.filters) == 1
     finally:
@@ -805,6 +885,7 @@ def test_a_streamed_message_that_can_no_longer_be_written_ends_the_handler_as_a_
         async def main():
             async def continuation(details):
                 return grpc.unary_stream_rpc_method_handler(stream)
+
             wrapped = await ErrorInterceptor().intercept_service(continuation, types.SimpleNamespace(method="/x.Y/Z"))
             handler, context = wrapped.unary_stream, Context()
             try:  # as gRPC runs it: a handler that yields has its messages written by gRPC
@@ -818,6 +899,7 @@ def test_a_streamed_message_that_can_no_longer_be_written_ends_the_handler_as_a_
             except asyncio.CancelledError as e:
                 return f"CancelledError: {e}"
             return "returned"
+
         ended = asyncio.run(main())
         return written, closed, aborted, ended
 
@@ -841,16 +923,23 @@ def test_a_status_message_too_long_for_grpcs_trailers_is_cut_and_the_status_kept
     def sent_size(text: str) -> int:
         return sum(1 if 0x20 <= b < 0x7F and b != 0x25 else 3 for b in text.encode())
 
-    messages = ["field: short", "field: " + "x" * 100_000, "field: " + "\u4e2d" * 30_000, "field: " + "%" * 20_000,
-                "field: " + "\U0001F600" * 9000, "field: " + "y" * (MAX_DETAILS_BYTES - 7)]
+    messages = [
+        "field: short",
+        "field: " + "x" * 100_000,
+        "field: " + "\u4e2d" * 30_000,
+        "field: " + "%" * 20_000,
+        "field: " + "\U0001f600" * 9000,
+        "field: " + "y" * (MAX_DETAILS_BYTES - 7),
+    ]
 
     async def main():
         async def fail(request, context):
             raise Invalid(messages[int(request.decode())])
 
         server = grpc_server.new_server()
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
-            "Fail": grpc.unary_unary_rpc_method_handler(fail)})])
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler("t.T", {"Fail": grpc.unary_unary_rpc_method_handler(fail)})]
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
@@ -946,8 +1035,10 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
         ({"prompt": "hi", "logit_bias": {49152: 1.0}}, "sampling.logit_bias"),
         ({"prompt": "hi", "logit_bias": {5: -200.0}}, "sampling.logit_bias"),
         ({"prompt": "hi", "structured_output": {"json_schema": "{not json"}}, "sampling.structured_output.json_schema"),
-        ({"prompt": "hi", "structured_output": {"json_schema": {"type": "objekt"}}},
-         "sampling.structured_output.json_schema: Invalid type: objekt"),
+        (
+            {"prompt": "hi", "structured_output": {"json_schema": {"type": "objekt"}}},
+            "sampling.structured_output.json_schema: Invalid type: objekt",
+        ),
         ({"prompt": "hi", "structured_output": {"regex": "(ab"}}, "sampling.structured_output.regex"),
         ({"prompt": "hi", "structured_output": {"regex": "a{200000}"}}, "sampling.structured_output.regex: too costly"),
         ({"prompt": "hi", "structured_output": {"lark": "start: undefined"}}, "sampling.structured_output.lark"),
@@ -955,44 +1046,81 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
         ({"prompt": "hi", "truncate_prompt_tokens": 0}, "sampling.truncate_prompt_tokens: must be >= 1"),
         ({"prompt": "hi", "n": 17}, "sampling.n: must be in [1, 16]"),
         ({"prompt": "hi", "n": 0}, "sampling.n: must be in [1, 16]"),
-        ({"prompt": "hi", "structured_output": {"choice": ["a"], "disable_any_whitespace": True}},
-         "sampling.structured_output.disable_any_whitespace: applies to json_schema and json_object"),
+        (
+            {"prompt": "hi", "structured_output": {"choice": ["a"], "disable_any_whitespace": True}},
+            "sampling.structured_output.disable_any_whitespace: applies to json_schema and json_object",
+        ),
         ({"prompt": "hi", "structured_output": {"json_object": False}}, "sampling.structured_output.json_object"),
-        ({"prompt": "hi", "structured_output": __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"])
-          .StructuredOutput()}, "sampling.structured_output: set, but with none"),
+        (
+            {
+                "prompt": "hi",
+                "structured_output": __import__(
+                    "splitserve_proto.v1.generation_pb2", fromlist=["x"]
+                ).StructuredOutput(),
+            },
+            "sampling.structured_output: set, but with none",
+        ),
         ({"prompt": "word " * 200_000}, "prompt: is 1000000 characters"),  # refused before tokenizing
         ({"messages": [{"role": "user", "content": "hi"}] * 8193}, "messages: 8193 messages"),
-        ({"prompt": "hi", "n": 2, "resume_from": ([5], 1)},
-         "resume_from.token_ids: sampling.n is 2: send each sample's"),
-        ({"prompt": "hi", "resume_from": _continuation((0, [5], False))},
-         "resume_from.samples: are for sampling.n > 1"),
-        ({"prompt": "hi", "n": 2, "resume_from": _continuation((2, [5], False))},
-         "resume_from.samples[0].index: 2 is not below sampling.n (2)"),
-        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], False), (0, [6], False))},
-         "resume_from.samples[1].index: sample 0 is listed twice"),
-        ({"prompt": "hi", "n": 2, "max_tokens": 3, "resume_from": _continuation((1, [5, 6, 7, 8], False))},
-         "resume_from.samples[0].token_ids: 4 tokens: more than sampling.max_tokens (3)"),
-        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [49152], False))},
-         "resume_from.samples[1].token_ids: token id 49152"),
-        ({"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [6], True))},
-         "resume_from.samples: all 2 samples finished"),
+        (
+            {"prompt": "hi", "n": 2, "resume_from": ([5], 1)},
+            "resume_from.token_ids: sampling.n is 2: send each sample's",
+        ),
+        (
+            {"prompt": "hi", "resume_from": _continuation((0, [5], False))},
+            "resume_from.samples: are for sampling.n > 1",
+        ),
+        (
+            {"prompt": "hi", "n": 2, "resume_from": _continuation((2, [5], False))},
+            "resume_from.samples[0].index: 2 is not below sampling.n (2)",
+        ),
+        (
+            {"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], False), (0, [6], False))},
+            "resume_from.samples[1].index: sample 0 is listed twice",
+        ),
+        (
+            {"prompt": "hi", "n": 2, "max_tokens": 3, "resume_from": _continuation((1, [5, 6, 7, 8], False))},
+            "resume_from.samples[0].token_ids: 4 tokens: more than sampling.max_tokens (3)",
+        ),
+        (
+            {"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [49152], False))},
+            "resume_from.samples[1].token_ids: token id 49152",
+        ),
+        (
+            {"prompt": "hi", "n": 2, "resume_from": _continuation((0, [5], True), (1, [6], True))},
+            "resume_from.samples: all 2 samples finished",
+        ),
         ({"prompt": "hi", "max_tokens": 3, "resume_from": ([5, 6, 7], 3)}, "resume_from.token_ids: 3 tokens"),
         ({"prompt": "hi", "resume_from": ([5, 49152], 3)}, "resume_from.token_ids: token id 49152"),
         ({"prompt": "hi", "resume_from": ([5, 2], 3)}, "resume_from.token_ids: the last, 2, ends the request"),
-        ({"prompt": "hi", "stop_token_ids": [7], "resume_from": ([5, 7], 3)},
-         "resume_from.token_ids: the last, 7, ends the request"),
-        ({"prompt": "hi", "stop": ["Danube"], "resume_from": ([260, 37939], 11)},  # " the Danube"
-         "resume_from.token_ids: their text holds the stop string 'Danube'"),
-        ({"prompt": "hi", "structured_output": {"choice": ["yes", "no"]}, "resume_from": ([10407], 3)},  # "yes"
-         "resume_from.token_ids: these tokens complete sampling.structured_output.choice"),
+        (
+            {"prompt": "hi", "stop_token_ids": [7], "resume_from": ([5, 7], 3)},
+            "resume_from.token_ids: the last, 7, ends the request",
+        ),
+        (
+            {"prompt": "hi", "stop": ["Danube"], "resume_from": ([260, 37939], 11)},  # " the Danube"
+            "resume_from.token_ids: their text holds the stop string 'Danube'",
+        ),
+        (
+            {"prompt": "hi", "structured_output": {"choice": ["yes", "no"]}, "resume_from": ([10407], 3)},  # "yes"
+            "resume_from.token_ids: these tokens complete sampling.structured_output.choice",
+        ),
         # tokens sent again that the format does not allow ("12 pears"): refused by the router, naming them, in
         # one line (before: by the prefill worker, naming the format, with llguidance's whole parser state)
-        ({"prompt": "hi", "structured_output": {"regex": "[0-9]+ apples"}, "resume_from": ([33, 34, 41684], 8)},
-         'resume_from.token_ids: these tokens do not follow sampling.structured_output.regex: Parser Error: '
-         'token " pears"'),
-        ({"prompt": "hi", "n": 2, "structured_output": {"choice": ["yes", "no"]},  # "maybe"; the finished one: not run
-          "resume_from": _continuation((0, [27066], True), (1, [27066], False))},
-         "resume_from.samples[1].token_ids: these tokens do not follow sampling.structured_output.choice"),
+        (
+            {"prompt": "hi", "structured_output": {"regex": "[0-9]+ apples"}, "resume_from": ([33, 34, 41684], 8)},
+            "resume_from.token_ids: these tokens do not follow sampling.structured_output.regex: Parser Error: "
+            'token " pears"',
+        ),
+        (
+            {
+                "prompt": "hi",
+                "n": 2,
+                "structured_output": {"choice": ["yes", "no"]},  # "maybe"; the finished one: not run
+                "resume_from": _continuation((0, [27066], True), (1, [27066], False)),
+            },
+            "resume_from.samples[1].token_ids: these tokens do not follow sampling.structured_output.choice",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
@@ -1042,10 +1170,13 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
 
     with cf.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(send, range(len(requests))))
-    wrong = [(code, detail, str(requests[i])[:400]) for i, (code, detail) in enumerate(answers)
-             if (code == "OK" and detail) or code not in ("OK", "INVALID_ARGUMENT", "ALREADY_EXISTS",
-                                                          "cancelled by the client")
-             or (code == "INVALID_ARGUMENT" and (not FIELD.match(detail) or "<state>" in detail))]
+    wrong = [
+        (code, detail, str(requests[i])[:400])
+        for i, (code, detail) in enumerate(answers)
+        if (code == "OK" and detail)
+        or code not in ("OK", "INVALID_ARGUMENT", "ALREADY_EXISTS", "cancelled by the client")
+        or (code == "INVALID_ARGUMENT" and (not FIELD.match(detail) or "<state>" in detail))
+    ]
     assert wrong == [], wrong
     counts = collections.Counter(code for code, _ in answers)
     assert counts["OK"] >= 60 and counts["INVALID_ARGUMENT"] >= 60, counts  # both kinds, many of each
@@ -1067,9 +1198,14 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
 
     with cf.ThreadPoolExecutor(6) as pool:
         calls = list(pool.map(call, range(len(side))))
-    wrong = [c for c in calls if (c[1] == "OK" and c[2]) or c[1] not in ("OK", "INVALID_ARGUMENT", "NOT_FOUND")
-             or (c[1] == "INVALID_ARGUMENT" and not FIELD.match(c[2]))
-             or (c[1] == "NOT_FOUND" and c[0] not in ("GetRequest", "Abort"))]
+    wrong = [
+        c
+        for c in calls
+        if (c[1] == "OK" and c[2])
+        or c[1] not in ("OK", "INVALID_ARGUMENT", "NOT_FOUND")
+        or (c[1] == "INVALID_ARGUMENT" and not FIELD.match(c[2]))
+        or (c[1] == "NOT_FOUND" and c[0] not in ("GetRequest", "Abort"))
+    ]
     assert wrong == [], wrong
     counts = collections.Counter((method, code) for method, code, _ in calls)
     assert all(counts[m, "OK"] >= 5 for m in ("Tokenize", "Detokenize", "GetRequest", "Abort")), counts
@@ -1094,8 +1230,9 @@ def _greedy_clients_beside(stack, client, n: int = 2):
         background = [pool.submit(other_requests) for _ in range(n)]
         try:
             yield
-            wait_for(lambda: len(others) >= 10 or any(f.done() for f in background), timeout=60,
-                     what="10 requests beside")
+            wait_for(
+                lambda: len(others) >= 10 or any(f.done() for f in background), timeout=60, what="10 requests beside"
+            )
         finally:
             stop.set()
         for f in background:
@@ -1121,11 +1258,18 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     dec = workers(stack, "decode")[0]
     arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
-    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(6) as pool, \
-            _greedy_clients_beside(stack, client):
+    with (
+        grpc.insecure_channel(dec["address"]) as ch,
+        cf.ThreadPoolExecutor(6) as pool,
+        _greedy_clients_beside(stack, client),
+    ):
         stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
-        rounds = list(pool.map(lambda i: round_of(stub, random.Random(i), f"wfz-{i}", _fingerprint(stack), arena,
-                                                  dec["host_id"]), range(100)))
+        rounds = list(
+            pool.map(
+                lambda i: round_of(stub, random.Random(i), f"wfz-{i}", _fingerprint(stack), arena, dec["host_id"]),
+                range(100),
+            )
+        )
     answers = [a for r in rounds for a in r]
     wrong = [f for a in answers if (f := fault(*a))]
     assert wrong == [], wrong
@@ -1157,17 +1301,23 @@ def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     dec = workers(stack, "decode")[0]
     before, r = _queue_counts(stack), stack.redis()
-    with grpc.insecure_channel(dec["address"]) as ch, cf.ThreadPoolExecutor(6) as pool, \
-            _greedy_clients_beside(stack, client):
+    with (
+        grpc.insecure_channel(dec["address"]) as ch,
+        cf.ThreadPoolExecutor(6) as pool,
+        _greedy_clients_beside(stack, client),
+    ):
         stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
         rounds = list(pool.map(lambda i: round_of(stack, stub, random.Random(i), f"jfz-{i}", dec), range(120)))
     wrong = [f"round {i}: {f}" for i, (what, out) in enumerate(rounds) if (f := fault(what, out))]
     assert wrong == [], wrong
     counts = collections.Counter((bool(what), out[0]) for what, out in rounds)
-    assert counts[False, "OK"] >= 20 and counts[True, "INTERNAL"] >= 10 and counts[True, "INVALID_ARGUMENT"] >= 10, \
+    assert counts[False, "OK"] >= 20 and counts[True, "INTERNAL"] >= 10 and counts[True, "INVALID_ARGUMENT"] >= 10, (
         counts
-    wait_for(lambda: all(r.xlen(s) == 0 and r.xpending(s, "prefill")["pending"] == 0 for s in stack.keys.streams),
-             what="every entry acked and deleted")
+    )
+    wait_for(
+        lambda: all(r.xlen(s) == 0 and r.xpending(s, "prefill")["pending"] == 0 for s in stack.keys.streams),
+        what="every entry acked and deleted",
+    )
     wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
     assert all(p.popen.poll() is None for p in stack.procs)
 
@@ -1210,9 +1360,13 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
     here = workers(stack, "prefill")[0]["host_id"]  # arenas a decode worker on this host maps (warm_arenas)
     dec_key = stack.keys.worker("decode", workers(stack, "decode")[0]["worker_id"])
     good = {"role": "decode", "address": "127.0.0.1:1", "host_id": "elsewhere"}
-    entries = {"no-address": {"role": "decode", "host_id": "h"}, "count": {**good, "running": "abc"},
-               "minus": {**good, "free_kv_tokens": "-5"}, "time": {**good, "updated": "nan"},
-               "bytes": {**good, "epoch": b"\xff\xfe"}}
+    entries = {
+        "no-address": {"role": "decode", "host_id": "h"},
+        "count": {**good, "running": "abc"},
+        "minus": {**good, "free_kv_tokens": "-5"},
+        "time": {**good, "updated": "nan"},
+        "bytes": {**good, "epoch": b"\xff\xfe"},
+    }
     bad = []
 
     def put(role: str, name: str, m: dict) -> None:
@@ -1224,8 +1378,11 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
     for role in ("decode", "prefill"):
         for name, m in entries.items():
             put(role, name, m)
-    for name, m in {"host": {"host_id": b"\xff", "arena": "splitserve-x"}, "arena": {"host_id": here, "arena": b"\xfe"},
-                    "path": {"host_id": here, "arena": "../../etc/passwd"}}.items():
+    for name, m in {
+        "host": {"host_id": b"\xff", "arena": "splitserve-x"},
+        "arena": {"host_id": here, "arena": b"\xfe"},
+        "path": {"host_id": here, "arena": "../../etc/passwd"},
+    }.items():
         put("prefill", name, {**m, "address": "127.0.0.1:1"})
     bad.append(stack.keys.worker("decode", "a-string"))
     r.set(bad[-1], "not a hash", px=60_000)
@@ -1234,19 +1391,37 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
 
     def beats() -> None:
         beat = float(r.hget(dec_key, "updated"))
-        wait_for(lambda: float(r.hget(dec_key, "updated") or 0) > beat + 1, timeout=10,
-                 what="the decode worker's heartbeat")
+        wait_for(
+            lambda: float(r.hget(dec_key, "updated") or 0) > beat + 1, timeout=10, what="the decode worker's heartbeat"
+        )
 
     try:
-        wait_for(lambda: sum("left out" in line for line in open(router_log)) >= len(unreadable), timeout=10,
-                 what="the router telling each entry it left out")
+        wait_for(
+            lambda: sum("left out" in line for line in open(router_log)) >= len(unreadable),
+            timeout=10,
+            what="the router telling each entry it left out",
+        )
         for prompt in ("The capital of France is", "1, 2, 3,", "Write a haiku about"):
             assert len(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=60).token_ids) == 4
-        st = subprocess.run([sys.executable, "-m", "splitserve.cli", "status", "--redis-url", stack.settings.redis_url,
-                             "--prefix", stack.settings.redis_prefix], capture_output=True, text=True, timeout=60)
+        st = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.cli",
+                "status",
+                "--redis-url",
+                stack.settings.redis_url,
+                "--prefix",
+                stack.settings.redis_prefix,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert st.returncode == 0 and "2 prefill, 1 decode" in st.stdout, (st.stdout, st.stderr)  # (and bad-path)
-        assert sum("left out, not a registry entry" in line for line in st.stdout.splitlines()) == len(unreadable), \
+        assert sum("left out, not a registry entry" in line for line in st.stdout.splitlines()) == len(unreadable), (
             st.stdout
+        )
         assert "registry entry's running is not a count: 'abc'" in st.stdout and "has no address" in st.stdout
         told = [line for line in open(router_log) if "left out" in line]
         told_keys = sorted(line.split("registry entry ")[1].split(" left out")[0] for line in told)
@@ -1272,12 +1447,17 @@ def test_the_router_tokenizes_long_inputs_off_its_event_loop():
 
     front = Frontend(Settings.from_env())
     on_loop_thread, encode = [], front.prompt_ids
-    front.prompt_ids = lambda req: on_loop_thread.append(threading.current_thread() is threading.main_thread()) \
-        or encode(req)
+    front.prompt_ids = lambda req: (
+        on_loop_thread.append(threading.current_thread() is threading.main_thread()) or encode(req)
+    )
     router = RouterServicer(Settings.from_env(), front, aioredis.Redis())  # _validate uses no Redis
     chat = pb.Messages(messages=[pb.ChatMessage(role="user", content="word " * 20)] * 50)
-    requests = [pb.GenerateRequest(prompt="word " * 100), pb.GenerateRequest(prompt="word " * 2000),
-                pb.GenerateRequest(messages=chat), pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000))]
+    requests = [
+        pb.GenerateRequest(prompt="word " * 100),
+        pb.GenerateRequest(prompt="word " * 2000),
+        pb.GenerateRequest(messages=chat),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 5000)),
+    ]
     assert [front.check_input_size(r) > INLINE_TOKENIZE_CHARS for r in requests] == [False, True, True, False]
     ids = [asyncio.run(router._validate(r))[1] for r in requests]
     assert on_loop_thread == [True, False, False, True]
@@ -1311,8 +1491,10 @@ def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothin
 
     before = set(stack.redis().keys("*"))
     for rid in ("", "x" * 129, "has space", "{tag}", "a\nb", "\u00e9"):
-        for call in (lambda: client.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10),
-                     lambda: client.stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=10)):
+        for call in (
+            lambda: client.stub.Abort(pb.AbortRequest(request_id=rid), timeout=10),
+            lambda: client.stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=10),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (rid, e.value.details())
@@ -1331,8 +1513,9 @@ def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothin
 
 def test_cancel_mid_stream_frees_everything(stack, client):
     wait_for(lambda: kv_idle(stack), what="idle before the test")
-    stream = client.generate_stream("Write a very long story about a lighthouse.", max_tokens=400, ignore_eos=True,
-                                    request_id="cancel-mid-stream")
+    stream = client.generate_stream(
+        "Write a very long story about a lighthouse.", max_tokens=400, ignore_eos=True, request_id="cancel-mid-stream"
+    )
     got = 0
     for chunk in stream:
         got += len(chunk.token_ids)
@@ -1341,14 +1524,19 @@ def test_cancel_mid_stream_frees_everything(stack, client):
             # waiting for their KV), and as one open stream (opened - closed, the load the router
             # goes by); a stream counted twice sent the next ones all to the other workers.
             def counted_once():
-                return [(w["running"], w["pending"], int(w["opened"]) - int(w["closed"]))
-                        for w in workers(stack, "decode")] == [("1", "0", 1)]
+                return [
+                    (w["running"], w["pending"], int(w["opened"]) - int(w["closed"])) for w in workers(stack, "decode")
+                ] == [("1", "0", 1)]
+
             wait_for(counted_once, timeout=5, what="the decoding stream counted once in the registry")
             stream.cancel()
             break
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a mid-stream cancel")
-    wait_for(lambda: [w["opened"] == w["closed"] for w in workers(stack, "decode")] == [True], timeout=5,
-             what="the cancelled stream closed in the registry")
+    wait_for(
+        lambda: [w["opened"] == w["closed"] for w in workers(stack, "decode")] == [True],
+        timeout=5,
+        what="the cancelled stream closed in the registry",
+    )
     # The decode worker's gauges say so too (an autoscaler reads num_requests_running): no step ran
     # after the abort, and they must not keep that last step's sequence and blocks.
     m = scrape(stack.proc("decode-0").metrics_address)
@@ -1360,8 +1548,9 @@ def test_abort_ends_the_stream_with_cancelled(stack, client):
     results = []
 
     def consume():
-        results.extend(client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
-                                              request_id="to-abort"))
+        results.extend(
+            client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True, request_id="to-abort")
+        )
 
     t = threading.Thread(target=consume)
     t.start()
@@ -1395,8 +1584,10 @@ def _consume(stream, into: list) -> threading.Thread:
 
 def test_abort_at_another_router_ends_the_stream_and_frees_its_kv(stack, client, other_router):
     got = []
-    t = _consume(client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
-                                        request_id="abort-elsewhere"), got)
+    t = _consume(
+        client.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True, request_id="abort-elsewhere"),
+        got,
+    )
     wait_for(lambda: sum(len(c.token_ids) for c in got) >= 3, what="first tokens")
     reply = other_router.abort("abort-elsewhere")
     assert reply.found and reply.state in ("prefilling", "decoding")
@@ -1413,8 +1604,10 @@ def test_abort_at_another_router_ends_the_stream_and_frees_its_kv(stack, client,
 def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, client, other_router):
     with _prefill_paused(stack):  # the job stays queued
         got = []
-        t = _consume(client.generate_stream("A queued request", max_tokens=50, request_id="abort-queued-elsewhere",
-                                            timeout=120), got)
+        t = _consume(
+            client.generate_stream("A queued request", max_tokens=50, request_id="abort-queued-elsewhere", timeout=120),
+            got,
+        )
         wait_for(lambda: _state(client, "abort-queued-elsewhere") == "queued", what="request queued")
         other_router.abort("abort-queued-elsewhere")
         t.join(10)  # before: the stream waited for a prefill that never comes, until its deadline
@@ -1435,8 +1628,10 @@ def test_an_abort_that_overtakes_its_request_refuses_it_as_cancelled(stack, clie
         client.abort("overtaken")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     before = scrape(stack.proc("router").metrics_address)
-    for call in (lambda: client.generate("Count to one thousand:", max_tokens=50, request_id="overtaken"),
-                 lambda: list(client.generate_stream("Count to one thousand:", max_tokens=50, request_id="overtaken"))):
+    for call in (
+        lambda: client.generate("Count to one thousand:", max_tokens=50, request_id="overtaken"),
+        lambda: list(client.generate_stream("Count to one thousand:", max_tokens=50, request_id="overtaken")),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted before it arrived" in e.value.details()
@@ -1447,12 +1642,15 @@ def test_an_abort_that_overtakes_its_request_refuses_it_as_cancelled(stack, clie
         client.get_request("overtaken")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "Abort" in e.value.details()
     assert 0 < stack.redis().ttl(stack.keys.req("overtaken")) <= 60
-    assert client.generate("Count to one thousand:", max_tokens=4, request_id="not-overtaken").usage.completion_tokens == 4
+    assert (
+        client.generate("Count to one thousand:", max_tokens=4, request_id="not-overtaken").usage.completion_tokens == 4
+    )
     wait_for(lambda: kv_idle(stack), what="KV idle")
 
 
 def _outcome(stream, into: dict) -> threading.Thread:
     """Consume a stream in a thread; into["tokens"] counts its tokens (into["ids"]), into["code"] its ending."""
+
     def run():
         into["tokens"], into["ids"] = 0, []
         try:
@@ -1473,19 +1671,29 @@ def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(
     name = f"router-1-{stack.stack_id}"
     decoding, queued = {}, {}
     with Client(router.address) as doomed:
-        t1 = _outcome(doomed.generate_stream("Count to one thousand:", max_tokens=400, ignore_eos=True,
-                                             request_id="orphan-decoding", timeout=120), decoding)
+        t1 = _outcome(
+            doomed.generate_stream(
+                "Count to one thousand:", max_tokens=400, ignore_eos=True, request_id="orphan-decoding", timeout=120
+            ),
+            decoding,
+        )
         wait_for(lambda: decoding.get("tokens", 0) >= 3, timeout=60, what="first tokens")
         with _prefill_paused(stack):  # the second one stays queued
-            t2 = _outcome(doomed.generate_stream("A queued request", max_tokens=50, request_id="orphan-queued",
-                                                 timeout=120), queued)
+            t2 = _outcome(
+                doomed.generate_stream("A queued request", max_tokens=50, request_id="orphan-queued", timeout=120),
+                queued,
+            )
             wait_for(lambda: _state(client, "orphan-queued") == "queued", what="request queued")
             router.popen.kill()
             router.popen.wait()
             # Once its lease (10 heartbeats) has run out the other router marks them failed, naming
             # the router; before, GetRequest said "decoding" / "queued" for an hour.
-            wait_for(lambda: {_state(client, "orphan-decoding"), _state(client, "orphan-queued")} == {"failed"},
-                     timeout=20, interval=0.1, what="the dead router's requests marked failed")
+            wait_for(
+                lambda: {_state(client, "orphan-decoding"), _state(client, "orphan-queued")} == {"failed"},
+                timeout=20,
+                interval=0.1,
+                what="the dead router's requests marked failed",
+            )
         t1.join(30)
         t2.join(30)
     assert decoding["code"] == queued["code"] == "UNAVAILABLE"  # their client lost its router
@@ -1500,14 +1708,18 @@ def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(
     assert scrape(stack.proc("router").metrics_address)["splitserve_requests_reaped_total"] == 2
     # Restarted under the same id and port, it serves again (other_router's channel reconnects).
     stack.restart("router-1")
-    wait_for(lambda: other_router.generate("hi", max_tokens=2, ignore_eos=True, timeout=30).token_ids,
-             timeout=30, what="the restarted router serving")
+    wait_for(
+        lambda: other_router.generate("hi", max_tokens=2, ignore_eos=True, timeout=30).token_ids,
+        timeout=30,
+        what="the restarted router serving",
+    )
 
 
 def test_a_reused_request_id_is_refused_and_leaves_the_first_request_alone(stack, client):
     got = []
-    t = _consume(client.generate_stream("Tell me about rivers.", max_tokens=40, ignore_eos=True, request_id="twice"),
-                 got)
+    t = _consume(
+        client.generate_stream("Tell me about rivers.", max_tokens=40, ignore_eos=True, request_id="twice"), got
+    )
     wait_for(lambda: got, what="first tokens")
     with pytest.raises(grpc.RpcError) as e:
         client.generate("Something else.", max_tokens=4, request_id="twice")
@@ -1578,8 +1790,9 @@ def test_cancel_while_queued_is_never_prefilled(stack, client):
 
 def test_deadline_exceeded(stack, client):
     with pytest.raises(grpc.RpcError) as e:
-        client.generate("Tell me everything about the ocean.", max_tokens=500, ignore_eos=True, timeout=1.0,
-                        request_id="deadline")
+        client.generate(
+            "Tell me everything about the ocean.", max_tokens=500, ignore_eos=True, timeout=1.0, request_id="deadline"
+        )
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV freed after a deadline")
 
@@ -1610,7 +1823,9 @@ def test_only_requests_of_at_most_replay_max_tokens_keep_their_result(small_queu
         c.generate("Rivers.", max_tokens=9, ignore_eos=True, request_id="nine", timeout=60)
         r = small_queue_stack.redis()
         assert r.hget(small_queue_stack.keys.req("nine"), "result_tokens") is None
-        assert r.hget(small_queue_stack.keys.req("eight"), "result_tokens") == ",".join(map(str, kept.token_ids)).encode()
+        assert (
+            r.hget(small_queue_stack.keys.req("eight"), "result_tokens") == ",".join(map(str, kept.token_ids)).encode()
+        )
         with pytest.raises(grpc.RpcError) as e:
             c.generate("Rivers.", max_tokens=9, ignore_eos=True, request_id="nine", timeout=60)
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "replay_max_tokens = 8" in e.value.details()
@@ -1621,6 +1836,7 @@ def test_a_client_with_retries_waits_out_a_full_queue_as_the_router_hints(small_
     refused = "splitserve_requests_refused_total{reason=queue_full}"
     router_metrics = stack.proc("router").metrics_address
     with _prefill_paused(stack):  # on leaving, the queue drains; a retry after the 500 ms hint gets in
+
         def filler(i):
             with Client(stack.router_address) as c:
                 c.generate(f"Filler {i}.", max_tokens=2, ignore_eos=True, timeout=120)
@@ -1662,8 +1878,14 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
             t = time.perf_counter()
             try:
                 with Client(stack.router_address) as c:
-                    r = c.generate(f"Flood request {rid}.", max_tokens=8, ignore_eos=True, timeout=120,
-                                   request_id=rid, priority=priority)
+                    r = c.generate(
+                        f"Flood request {rid}.",
+                        max_tokens=8,
+                        ignore_eos=True,
+                        timeout=120,
+                        request_id=rid,
+                        priority=priority,
+                    )
                 res = ("ok", time.perf_counter() - t, len(r.token_ids), None)
             except grpc.RpcError as e:
                 md = dict(e.trailing_metadata() or ())
@@ -1678,8 +1900,11 @@ def test_flood_is_refused_fast_and_admitted_requests_complete(small_queue_stack)
         threads = [threading.Thread(target=one, args=(f"normal-{i}",)) for i in range(40)]
         for t in threads:
             t.start()
-        wait_for(lambda: codes("normal").count("RESOURCE_EXHAUSTED") >= 34, timeout=60,
-                 what="refusals while the queue is full")
+        wait_for(
+            lambda: codes("normal").count("RESOURCE_EXHAUSTED") >= 34,
+            timeout=60,
+            what="refusals while the queue is full",
+        )
         high = [threading.Thread(target=one, args=(f"high-{i}", -1)) for i in range(3)]
         for t in high:
             t.start()
@@ -1714,8 +1939,14 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
 
         def one(rid, priority=0):
             with Client(stack.router_address) as c:
-                done[rid] = c.generate(token_ids=prompts[rid], max_tokens=2, ignore_eos=True, timeout=120,
-                                       request_id=rid, priority=priority)
+                done[rid] = c.generate(
+                    token_ids=prompts[rid],
+                    max_tokens=2,
+                    ignore_eos=True,
+                    timeout=120,
+                    request_id=rid,
+                    priority=priority,
+                )
 
         with Client(stack.router_address) as c:
             normal = [threading.Thread(target=one, args=(rid,)) for rid in prompts if rid != "high"]
@@ -1724,8 +1955,11 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
                     t.start()
                 wait_for(lambda: all(_state(c, f"normal-{i}") == "queued" for i in range(8)), what="8 queued")
             # The high job arrives once the worker is busy with the normal ones.
-            wait_for(lambda: any(_state(c, f"normal-{i}") != "queued" for i in range(8)), interval=0.01,
-                     what="a normal job pulled")
+            wait_for(
+                lambda: any(_state(c, f"normal-{i}") != "queued" for i in range(8)),
+                interval=0.01,
+                what="a normal job pulled",
+            )
             high = threading.Thread(target=one, args=("high", -1))
             high.start()
             for t in normal + [high]:
@@ -1733,8 +1967,9 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
             assert sorted(done) == sorted(prompts) and all(len(r.token_ids) == 2 for r in done.values())
             ts = {rid: c.get_request(rid).timestamps for rid in prompts}
         # Held at once: picked up and not yet prefilled. Pulling by job count alone took all 8.
-        held = max(sum(t["prefill_start"] <= s["prefill_start"] < t["prefill_end"] for t in ts.values())
-                   for s in ts.values())
+        held = max(
+            sum(t["prefill_start"] <= s["prefill_start"] < t["prefill_end"] for t in ts.values()) for s in ts.values()
+        )
         assert held <= 3, ts
         # Pulled at the next forward, ahead of the normal jobs still in the stream.
         end = {rid: t["prefill_end"] for rid, t in ts.items()}
@@ -1751,13 +1986,16 @@ def test_a_prompt_cancelled_while_prefilling_stops_between_its_chunks(mixed_work
         ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]][:1500]
         assert len(ids) == 1500
         prefill_metrics = stack.proc("prefill-0").metrics_address
-        key = 'splitserve_prefill_jobs_total{outcome=%s}'
+        key = "splitserve_prefill_jobs_total{outcome=%s}"
         with Client(stack.router_address) as c:
             stream = c.generate_stream(token_ids=ids, max_tokens=4, request_id="long-cancelled", timeout=120)
             wait_for(lambda: _state(c, "long-cancelled") == "prefilling", interval=0.01, what="prefilling")
             stream.cancel()
-            wait_for(lambda: scrape(prefill_metrics).get(key % "cancelled_prefilling") == 1.0, timeout=10,
-                     what="the prefill worker aborted the cancelled prompt")
+            wait_for(
+                lambda: scrape(prefill_metrics).get(key % "cancelled_prefilling") == 1.0,
+                timeout=10,
+                what="the prefill worker aborted the cancelled prompt",
+            )
             info = c.get_request("long-cancelled")
             assert info.state == "cancelled" and "prefill_end" not in info.timestamps
             assert scrape(prefill_metrics).get(key % "prefilled", 0.0) == 0.0
@@ -1788,8 +2026,11 @@ def test_requests_whose_deadline_passes_while_redis_runs_their_admission_return_
             finally:
                 os.kill(s.redis_proc.pid, signal.SIGCONT)
             local = lambda: int(s.redis().hget(s.keys.admission, LOCAL_FIELD) or 0)  # noqa: E731
-            wait_for(lambda: _queue_counts(s) == [0, 0] and local() == 0, timeout=10,
-                     what="the cut-off requests' queue counts returned")
+            wait_for(
+                lambda: _queue_counts(s) == [0, 0] and local() == 0,
+                timeout=10,
+                what="the cut-off requests' queue counts returned",
+            )
             assert len(c.generate("And then", max_tokens=2, ignore_eos=True).token_ids) == 2
     finally:
         _finish(s)
@@ -1812,25 +2053,34 @@ def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_regis
             try:
                 for key in r.scan_iter(match=s.keys.worker_pattern("decode")):
                     r.delete(key)  # as if its lease had lapsed
-                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
-                         what="the router read the empty registry")
+                wait_for(
+                    lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
+                    what="the router read the empty registry",
+                )
                 late = pool.submit(c.generate, "Placed once it is back", max_tokens=2, ignore_eos=True, timeout=30)
-                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_requests_in_flight"] == 1,
-                         interval=0.01, what="the request at the router")
+                wait_for(
+                    lambda: scrape(s.proc("router").metrics_address)["splitserve_requests_in_flight"] == 1,
+                    interval=0.01,
+                    what="the request at the router",
+                )
                 time.sleep(s.settings.heartbeat_s / 4)
                 assert not late.done()
             finally:
                 os.kill(worker, signal.SIGCONT)
             assert len(late.result().token_ids) == 2
             # None registers within the wait: the request fails so, a wait later, not at its deadline.
-            wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 1,
-                     what="the router's gauge past the first empty read")
+            wait_for(
+                lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 1,
+                what="the router's gauge past the first empty read",
+            )
             os.kill(worker, signal.SIGSTOP)
             try:
                 for key in r.scan_iter(match=s.keys.worker_pattern("decode")):
                     r.delete(key)
-                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
-                         what="the router read the empty registry")
+                wait_for(
+                    lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 0,
+                    what="the router read the empty registry",
+                )
                 t0 = time.monotonic()
                 with pytest.raises(grpc.RpcError) as e:
                     c.generate("None comes", max_tokens=2, timeout=30)
@@ -1857,10 +2107,18 @@ def test_a_request_admitted_after_its_routers_drain_ran_out_is_cut_off_as_the_ot
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
             worker, router = s.proc("decode-0").popen.pid, s.proc("router")
             with _stopped(worker):  # it cannot accept the stream meanwhile
-                late = pool.submit(lambda: list(c.generate_stream("Accepted late", request_id="late", max_tokens=2000,
-                                                                  ignore_eos=True, timeout=120)))
-                wait_for(lambda: scrape(router.metrics_address)["splitserve_requests_in_flight"] == 1,
-                         interval=0.01, what="the request in admission")
+                late = pool.submit(
+                    lambda: list(
+                        c.generate_stream(
+                            "Accepted late", request_id="late", max_tokens=2000, ignore_eos=True, timeout=120
+                        )
+                    )
+                )
+                wait_for(
+                    lambda: scrape(router.metrics_address)["splitserve_requests_in_flight"] == 1,
+                    interval=0.01,
+                    what="the request in admission",
+                )
                 _cut_off_as_the_drain_runs_out(s, late, router, worker)
         s.restart("router")
     finally:
@@ -1888,6 +2146,7 @@ def _resuming_on_a_stopped_worker(s, c: Client, pool: cf.Executor, rid: str, pro
     def stream():
         for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=2000, ignore_eos=True, timeout=120):
             got.append(chunk)
+
     ended = pool.submit(stream)
     wait_for(lambda: sum(len(m.token_ids) for m in got) >= 5, what="the stream part-way")
     on = c.get_request(rid).decode_worker.rsplit("-", 1)[0]
@@ -1931,11 +2190,16 @@ def test_a_request_resuming_as_its_routers_drain_runs_out_is_cut_off_as_the_othe
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
             router = s.proc("router")
-            with _resuming_on_a_stopped_worker(s, c, pool, "late", "Resumed as its router stops", down) as \
-                    (late, _, other):
+            with _resuming_on_a_stopped_worker(s, c, pool, "late", "Resumed as its router stops", down) as (
+                late,
+                _,
+                other,
+            ):
+
                 def resuming():
                     with open(router.log_path) as f:
                         return "resuming on " + other.name in f.read()
+
                 wait_for(resuming, interval=0.01, what="the request resuming on the stopped worker")
                 _cut_off_as_the_drain_runs_out(s, late, router, other.popen.pid)
         s.restart("router")
@@ -1955,10 +2219,16 @@ def test_a_request_aborted_as_it_resumes_on_another_decode_worker_ends_cancelled
     try:
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(1) as pool:
             assert len(c.generate("warm", max_tokens=1).token_ids) == 1
-            with _resuming_on_a_stopped_worker(s, c, pool, "aborted", "Aborted as it resumes", down) as \
-                    (ended, got, other):
-                wait_for(lambda: stack_redis_hget(s, "aborted", "decode_worker").startswith(other.name + "-"),
-                         interval=0.01, what="the resume queued for the stopped worker")
+            with _resuming_on_a_stopped_worker(s, c, pool, "aborted", "Aborted as it resumes", down) as (
+                ended,
+                got,
+                other,
+            ):
+                wait_for(
+                    lambda: stack_redis_hget(s, "aborted", "decode_worker").startswith(other.name + "-"),
+                    interval=0.01,
+                    what="the resume queued for the stopped worker",
+                )
                 assert c.abort("aborted").found
                 time.sleep(0.5)
                 assert not ended.done()
@@ -1982,8 +2252,12 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             held = {}
             with Client(stack.router_addresses[1]) as c1:
                 with _prefill_paused(stack):
-                    t = _outcome(c1.generate_stream("Held across a stall", max_tokens=3, ignore_eos=True,
-                                                    request_id="stalled", timeout=120), held)
+                    t = _outcome(
+                        c1.generate_stream(
+                            "Held across a stall", max_tokens=3, ignore_eos=True, request_id="stalled", timeout=120
+                        ),
+                        held,
+                    )
                     wait_for(lambda: _state(c, "stalled") == "queued", what="request queued")
                     os.kill(stack.redis_proc.pid, signal.SIGSTOP)
                     try:
@@ -1996,13 +2270,15 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             assert held["code"] == "OK" and held["tokens"] == 3, held
             lost = {}
             with _prefill_paused(stack):  # a job that stays queued until Redis has lost it
-                t = _outcome(c.generate_stream("A queued request", max_tokens=5, request_id="lost", timeout=120),
-                             lost)
+                t = _outcome(c.generate_stream("A queued request", max_tokens=5, request_id="lost", timeout=120), lost)
                 wait_for(lambda: _state(c, "lost") == "queued", what="request queued")
                 stack.redis_proc.kill()
                 stack.redis_proc.wait()
-                for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("any"),
-                             lambda: c.abort("any")):
+                for call in (
+                    lambda: c.generate("hi", max_tokens=3, timeout=30),
+                    lambda: c.get_request("any"),
+                    lambda: c.abort("any"),
+                ):
                     with pytest.raises(grpc.RpcError) as e:
                         call()
                     # retryable, and says why: before, INTERNAL "internal error: ConnectionError ..."
@@ -2024,14 +2300,19 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                 except grpc.RpcError as e:
                     assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
                     return False
+
             wait_for(served, timeout=30, interval=0.5, what="served again after Redis came back empty")
 
             # A request a prefill worker is running when Redis comes back empty completes: the worker
             # puts its hash back at its next heartbeat, within the router's grace of two heartbeats
             # for a missing hash (before, the router ended it UNAVAILABLE like a lost queued job).
             midway = {}
-            t = _outcome(c.generate_stream(token_ids=list(range(100, 1100)), max_tokens=3, ignore_eos=True,
-                                           request_id="midway", timeout=120), midway)
+            t = _outcome(
+                c.generate_stream(
+                    token_ids=list(range(100, 1100)), max_tokens=3, ignore_eos=True, request_id="midway", timeout=120
+                ),
+                midway,
+            )
             wait_for(lambda: _state(c, "midway") == "prefilling", interval=0.02, what="its prefill started")
             stack.redis_proc.kill()
             stack.redis_proc.wait()
@@ -2052,14 +2333,20 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # Its stream entry is acked once Redis answers again, and not claimed and prefilled again.
             # (ids of their own: midway's are in the prefix cache, and would make it one forward)
             t0 = time.monotonic()
-            assert len(c.generate(token_ids=list(range(3400, 4600)), max_tokens=3, ignore_eos=True,
-                                  timeout=60).token_ids) == 3
+            assert (
+                len(c.generate(token_ids=list(range(3400, 4600)), max_tokens=3, ignore_eos=True, timeout=60).token_ids)
+                == 3
+            )
             with_redis = time.monotonic() - t0
             prefill_metrics = stack.proc("prefill-0").metrics_address
-            prefilled = scrape(prefill_metrics)['splitserve_prefill_jobs_total{outcome=prefilled}']
+            prefilled = scrape(prefill_metrics)["splitserve_prefill_jobs_total{outcome=prefilled}"]
             away = {}
-            t = _outcome(c.generate_stream(token_ids=list(range(2100, 3300)), max_tokens=3, ignore_eos=True,
-                                           request_id="away", timeout=120), away)
+            t = _outcome(
+                c.generate_stream(
+                    token_ids=list(range(2100, 3300)), max_tokens=3, ignore_eos=True, request_id="away", timeout=120
+                ),
+                away,
+            )
             wait_for(lambda: _state(c, "away") == "prefilling", interval=0.02, what="its prefill started")
             os.kill(stack.redis_proc.pid, signal.SIGSTOP)
             t0 = time.monotonic()
@@ -2074,8 +2361,11 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                     c.generate("hi", max_tokens=3, timeout=30)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details(), e.value
                 assert time.monotonic() - t0 < 10  # one call timeout (5 s), not two
-                for call in (lambda: c.generate("hi", max_tokens=3, timeout=30), lambda: c.get_request("away"),
-                             lambda: c.abort("any")):
+                for call in (
+                    lambda: c.generate("hi", max_tokens=3, timeout=30),
+                    lambda: c.get_request("away"),
+                    lambda: c.abort("any"),
+                ):
                     t0 = time.monotonic()
                     with pytest.raises(grpc.RpcError) as e:
                         call()
@@ -2086,24 +2376,33 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             t.join(60)
             assert away["code"] == "OK", away
             r = stack.redis()
-            wait_for(lambda: r.xlen(stack.keys.stream) == 0 and r.xpending(stack.keys.stream, "prefill")["pending"] == 0,
-                     timeout=20, what="its entry acked and deleted once Redis answered")
+            wait_for(
+                lambda: r.xlen(stack.keys.stream) == 0 and r.xpending(stack.keys.stream, "prefill")["pending"] == 0,
+                timeout=20,
+                what="its entry acked and deleted once Redis answered",
+            )
             # The router refuses calls until its lease renewal is answered again (half a heartbeat at most
             # after Redis is; a call that comes first is UNAVAILABLE as above, to retry)
-            wait_for(lambda: _state_unless_refused(c, "away") == "finished", timeout=10,
-                     what="its end recorded once Redis answered")
+            wait_for(
+                lambda: _state_unless_refused(c, "away") == "finished",
+                timeout=10,
+                what="its end recorded once Redis answered",
+            )
             # and what its workers recorded meanwhile (before, its prefill's end and its KV's adoption
             # were left out of its timestamps for good)
-            wait_for(lambda: {"prefill_end", "kv_done"} <= set(c.get_request("away").timestamps), timeout=10,
-                     what="its prefill's end and its KV's adoption recorded once Redis answered")
+            wait_for(
+                lambda: {"prefill_end", "kv_done"} <= set(c.get_request("away").timestamps),
+                timeout=10,
+                what="its prefill's end and its KV's adoption recorded once Redis answered",
+            )
             info = c.get_request("away")
             ts = info.timestamps
             assert ts["prefill_start"] <= ts["prefill_end"] <= ts["kv_done"] <= ts["finished"], dict(ts)
             assert info.kv_transport == "shm" and info.kv_bytes > 0, info
             assert c.get_request("midway").state == "finished"
             got = scrape(prefill_metrics)
-            assert got['splitserve_prefill_jobs_total{outcome=prefilled}'] == prefilled + 1
-            assert got.get('splitserve_prefill_jobs_total{outcome=claimed}', 0.0) == 0.0
+            assert got["splitserve_prefill_jobs_total{outcome=prefilled}"] == prefilled + 1
+            assert got.get("splitserve_prefill_jobs_total{outcome=claimed}", 0.0) == 0.0
     finally:
         _finish(stack)
 
@@ -2128,19 +2427,32 @@ def test_a_worker_stuck_in_one_step_reports_not_serving_and_lets_its_lease_lapse
             health = health_pb2_grpc.HealthStub(ch)
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
             out = {}
-            t = _outcome(c.generate_stream(token_ids=list(range(100, 2000)), max_tokens=3, ignore_eos=True,
-                                           timeout=120), out)
+            t = _outcome(
+                c.generate_stream(token_ids=list(range(100, 2000)), max_tokens=3, ignore_eos=True, timeout=120), out
+            )
             seen = []
 
             def stalled_and_unregistered():
-                seen.append((health.Check(health_pb2.HealthCheckRequest(), timeout=10).status,
-                             len(workers(s, role)), scrape(worker.metrics_address)["splitserve_engine_stalled"]))
+                seen.append(
+                    (
+                        health.Check(health_pb2.HealthCheckRequest(), timeout=10).status,
+                        len(workers(s, role)),
+                        scrape(worker.metrics_address)["splitserve_engine_stalled"],
+                    )
+                )
                 return seen[-1] == (health_pb2.HealthCheckResponse.NOT_SERVING, 0, 1.0)
+
             wait_for(stalled_and_unregistered, timeout=60, interval=0.05, what="NOT_SERVING, unregistered, stalled")
             t.join(120)
             assert out["code"] == "OK" and out["tokens"] == 3, out
-            wait_for(lambda: (health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
-                              and len(workers(s, role)) == 1), timeout=10, what="serving again")
+            wait_for(
+                lambda: (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
+                    and len(workers(s, role)) == 1
+                ),
+                timeout=10,
+                what="serving again",
+            )
             assert scrape(worker.metrics_address)["splitserve_engine_stalled"] == 0
     finally:
         _finish(s)
@@ -2155,8 +2467,13 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
     # blocks, and every other prompt (560 tokens) needs 36, so their handoffs wait for blocks.
     # The hog's 540 steps must outlast four prefills: the decode worker gets one thread.
     kv_per_token = 30 * 2 * 3 * 64 * 4
-    stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, arena_bytes=256 << 20, max_queue_requests=64,
-                   max_queue_tokens=1 << 20, decode_env={"SPLITSERVE_THREADS": "1"})
+    stack = _start(
+        kv_cache_bytes=64 * 16 * kv_per_token,
+        arena_bytes=256 << 20,
+        max_queue_requests=64,
+        max_queue_tokens=1 << 20,
+        decode_env={"SPLITSERVE_THREADS": "1"},
+    )
     try:
         ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
         assert len(ids) >= 1000
@@ -2165,16 +2482,29 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
 
         def one(rid, priority=0):
             with Client(stack.router_address) as c:
-                for r in c.generate_stream(token_ids=prompts[rid], max_tokens=2, ignore_eos=True, timeout=120,
-                                           request_id=rid, priority=priority):
+                for r in c.generate_stream(
+                    token_ids=prompts[rid],
+                    max_tokens=2,
+                    ignore_eos=True,
+                    timeout=120,
+                    request_id=rid,
+                    priority=priority,
+                ):
                     if r.finish_reason:
                         done[rid] = r.finish_reason
 
         with Client(stack.router_address) as c:
             # the hog is as urgent as "high", so no handoff here may preempt it (see the next test)
             # (salted: normal-0 starts with its prompt, and would share its blocks, needing only 6 more)
-            hog = c.generate_stream(token_ids=ids[:480], max_tokens=540, ignore_eos=True, timeout=120, request_id="hog",
-                                    priority=-1, cache_salt="hog")
+            hog = c.generate_stream(
+                token_ids=ids[:480],
+                max_tokens=540,
+                ignore_eos=True,
+                timeout=120,
+                request_id="hog",
+                priority=-1,
+                cache_salt="hog",
+            )
             hog_tokens = []
 
             def drain_hog():
@@ -2221,8 +2551,9 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
         ids = [t for it in mixed_workload[:12] for t in it["prompt_token_ids"]]
         low_tokens, low_done = [], []
         with Client(stack.router_address) as c:
-            low = c.generate_stream(token_ids=ids[:480], max_tokens=200, ignore_eos=True, timeout=120,
-                                    request_id="low", priority=1)
+            low = c.generate_stream(
+                token_ids=ids[:480], max_tokens=200, ignore_eos=True, timeout=120, request_id="low", priority=1
+            )
 
             arrived = []
 
@@ -2235,8 +2566,7 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
             low_thread = threading.Thread(target=drain_low)
             low_thread.start()
             wait_for(lambda: low_tokens, what="the low request's first token")
-            urgent = c.generate(token_ids=ids[400:960], max_tokens=2, ignore_eos=True, timeout=120,
-                                request_id="urgent")
+            urgent = c.generate(token_ids=ids[400:960], max_tokens=2, ignore_eos=True, timeout=120, request_id="urgent")
             low_thread.join(120)
             assert urgent.finish_reason == "length" and len(urgent.token_ids) == 2
             kv_done = c.get_request("urgent").timestamps["kv_done"]
@@ -2244,15 +2574,20 @@ def test_an_urgent_handoff_preempts_a_less_urgent_decode_and_both_complete(mixed
             # the low one was preempted, recomputed, and produced what it produces alone
             preemptions = scrape(stack.proc("decode-0").metrics_address)["splitserve_num_preemptions_total"]
             assert preemptions >= 1
-            assert low_tokens == list(c.generate(token_ids=ids[:480], max_tokens=200, ignore_eos=True,
-                                                 timeout=120).token_ids)
+            assert low_tokens == list(
+                c.generate(token_ids=ids[:480], max_tokens=200, ignore_eos=True, timeout=120).token_ids
+            )
+
         # Its trace says so: the decode span holds an event at each preemption, their count, and the
         # longest gap between its tokens (the wait to be recomputed in it); the urgent one's holds none.
         def decode_spans():
             if not os.path.exists(stack.settings.trace_file):
                 return None
-            found = {sp.attrs.get("splitserve.request_id"): sp for sp in traceview.load_spans(stack.settings.trace_file)
-                     if sp.name == "decode"}
+            found = {
+                sp.attrs.get("splitserve.request_id"): sp
+                for sp in traceview.load_spans(stack.settings.trace_file)
+                if sp.name == "decode"
+            }
             return found if {"low", "urgent"} <= set(found) else None
 
         spans = wait_for(decode_spans, timeout=20, what="the decode spans")
@@ -2274,8 +2609,10 @@ def test_requests_that_can_never_fit_fail_at_once_naming_the_field():
     stack = _start(kv_cache_bytes=64 * 16 * kv_per_token, prefill_kv_cache_bytes=16 * 16 * kv_per_token)
     try:
         with Client(stack.router_address) as c:
-            wait_for(lambda: all(w["kv_capacity_tokens"] == "1024" for w in workers(stack, "decode")),
-                     what="the decode worker's capacity in the registry")
+            wait_for(
+                lambda: all(w["kv_capacity_tokens"] == "1024" for w in workers(stack, "decode")),
+                what="the decode worker's capacity in the registry",
+            )
             # Refused by the router, from the registry: the decode worker can never hold it.
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(token_ids=list(range(100, 120)), max_tokens=2000, timeout=60)
@@ -2311,7 +2648,8 @@ def test_every_server_serves_health_check_and_watch_and_reflection(stack):
             assert next(watch).status == serving, name  # before: INTERNAL on the aio servers (the interceptor)
             watch.cancel()
             replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
             names = {s.name for r in replies for s in r.list_services_response.service}
             assert {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names, (name, names)
             if service:
@@ -2324,9 +2662,20 @@ def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, 
     corrupt = b"\xff\xff\xff\xff"
     dec = workers(stack, "decode")[0]["address"]
     calls = [  # every kind of handler: unary, server streaming, client streaming
-        (stack.router_address, "/splitserve.v1.Generation/Generate", "unary", bad_utf8, "splitserve.v1.GenerateRequest"),
-        (stack.router_address, "/splitserve.v1.Generation/GenerateStream", "stream", corrupt,
-         "splitserve.v1.GenerateRequest"),
+        (
+            stack.router_address,
+            "/splitserve.v1.Generation/Generate",
+            "unary",
+            bad_utf8,
+            "splitserve.v1.GenerateRequest",
+        ),
+        (
+            stack.router_address,
+            "/splitserve.v1.Generation/GenerateStream",
+            "stream",
+            corrupt,
+            "splitserve.v1.GenerateRequest",
+        ),
         (dec, "/splitserve.v1.DecodeWorker/PutKV", "unary", corrupt, "splitserve.v1.PutKVRequest"),
         (dec, "/splitserve.v1.DecodeWorker/PutKVStream", "client-stream", corrupt, "splitserve.v1.KVChunk"),
         (dec, "/splitserve.v1.DecodeWorker/FirstTokens", "client-stream", corrupt, "splitserve.v1.FirstTokenRequest"),
@@ -2347,10 +2696,9 @@ def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, 
 
 
 def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack, client):
+    from splitserve.service.errors import MAX_DETAILS_BYTES, fit_details
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
-
-    from splitserve.service.errors import MAX_DETAILS_BYTES, fit_details
 
     dec = workers(stack, "decode")[0]
     ch = grpc.insecure_channel(dec["address"])
@@ -2361,8 +2709,17 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
     seq.sampling.max_tokens = 4
     arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
-    ok = dict(arena=arena, offset=0, length=64 + 30 * 2 * 4 * 3 * 64 * 4, num_tokens=4, layout_version=1,
-              dtype="float32", fingerprint=_fingerprint(stack), host_id=dec["host_id"], transport="shm")
+    ok = dict(
+        arena=arena,
+        offset=0,
+        length=64 + 30 * 2 * 4 * 3 * 64 * 4,
+        num_tokens=4,
+        layout_version=1,
+        dtype="float32",
+        fingerprint=_fingerprint(stack),
+        host_id=dec["host_id"],
+        transport="shm",
+    )
     cases = [
         ({"arena": "splitserve-nonexistent"}, "handle.arena"),
         ({"arena": "../../etc/passwd"}, "handle.arena"),
@@ -2390,9 +2747,13 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         # decode worker of the release before says to KV sent without its first tokens).
         assert _wants_it_whole(e.value) == (words == "handle.layout_version"), change
     other = w.SequenceState(request_id="bad-handle", prompt_len=3, token_ids=[1, 2, 3, 4, 5])  # not its prompt
-    for put in (lambda: stub.PutKV(w.PutKVRequest(sequence=other, handle=w.KVHandle(**ok)), timeout=10),
-                lambda: stub.PutKVStream(iter([w.KVChunk(header=w.PutKVRequest(
-                    sequence=other, handle=w.KVHandle(**{**ok, "transport": "grpc"})))]), timeout=10)):
+    for put in (
+        lambda: stub.PutKV(w.PutKVRequest(sequence=other, handle=w.KVHandle(**ok)), timeout=10),
+        lambda: stub.PutKVStream(
+            iter([w.KVChunk(header=w.PutKVRequest(sequence=other, handle=w.KVHandle(**{**ok, "transport": "grpc"})))]),
+            timeout=10,
+        ),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             put()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.prompt_len" in e.value.details()
@@ -2406,12 +2767,13 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     unsized = stub.Decode(w.DecodeRequest(request_id="no-size"))  # (a prompt_tokens of 0 is not checked)
     assert next(unsized).accepted
     for rid, change, field in (
-            ("bad-handle", dict(finish_reason="weird"), "sequence.finish_reason"),
-            ("bad-handle", dict(finish_reason="cancelled"), "sequence.finish_reason"),
-            ("bad-handle", dict(finish_reason="length", resumed_tokens=2), "sequence.resumed_tokens"),
-            ("no-size", dict(finish_reason="length", prompt_len=0), "sequence.prompt_len"),
-            ("no-size", dict(finish_reason="length", prompt_len=5), "sequence.prompt_len"),
-            ("no-size", dict(finish_reason="length", token_ids=[1, 2, 3, 4, 10**9]), "sequence.token_ids")):
+        ("bad-handle", dict(finish_reason="weird"), "sequence.finish_reason"),
+        ("bad-handle", dict(finish_reason="cancelled"), "sequence.finish_reason"),
+        ("bad-handle", dict(finish_reason="length", resumed_tokens=2), "sequence.resumed_tokens"),
+        ("no-size", dict(finish_reason="length", prompt_len=0), "sequence.prompt_len"),
+        ("no-size", dict(finish_reason="length", prompt_len=5), "sequence.prompt_len"),
+        ("no-size", dict(finish_reason="length", token_ids=[1, 2, 3, 4, 10**9]), "sequence.token_ids"),
+    ):
         odd = w.SequenceState(**{"request_id": rid, "prompt_len": 4, "token_ids": [1, 2, 3, 4, 5], **change})
         with pytest.raises(grpc.RpcError) as e:
             stub.PutKV(w.PutKVRequest(sequence=odd), timeout=10)
@@ -2420,14 +2782,20 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     unsized.cancel()
     # Handoffs for a request with no open stream: NOT_FOUND once its stream has not opened in
     # time (all three at once: each waits for it up to STREAM_WAIT_S).
-    nobody = [stub.PutKV.future(w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]),
-                                               handle=w.KVHandle(**ok)), timeout=10),
-              stub.FirstToken.future(w.FirstTokenRequest(request_id="nobody", token_ids=[5]), timeout=10),
-              stub.Fail.future(w.FailRequest(request_id="nobody", code=8), timeout=10)]
+    nobody = [
+        stub.PutKV.future(
+            w.PutKVRequest(sequence=w.SequenceState(request_id="nobody", token_ids=[1, 2]), handle=w.KVHandle(**ok)),
+            timeout=10,
+        ),
+        stub.FirstToken.future(w.FirstTokenRequest(request_id="nobody", token_ids=[5]), timeout=10),
+        stub.Fail.future(w.FailRequest(request_id="nobody", code=8), timeout=10),
+    ]
     assert [f.exception().code() for f in nobody] == [grpc.StatusCode.NOT_FOUND] * 3
     # FirstToken: checked like PutKV; a token is relayed once, a repeat is ignored.
-    for req, field in ((w.FirstTokenRequest(token_ids=[5]), "request_id"),
-                       (w.FirstTokenRequest(request_id="bad-handle"), "token_ids")):
+    for req, field in (
+        (w.FirstTokenRequest(token_ids=[5]), "request_id"),
+        (w.FirstTokenRequest(request_id="bad-handle"), "token_ids"),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             stub.FirstToken(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
@@ -2436,8 +2804,11 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     ev = next(decode)
     assert list(ev.token_ids) == [5] and ev.text == "x" and ev.timings.prefill_ms == 3.0 and ev.first_token_unix > 0
     # Fail: checked the same way; it ends the stream with the status the producer gives.
-    for req, field in ((w.FailRequest(code=8), "request_id"), (w.FailRequest(request_id="bad-handle"), "code"),
-                       (w.FailRequest(request_id="bad-handle", code=99), "code")):
+    for req, field in (
+        (w.FailRequest(code=8), "request_id"),
+        (w.FailRequest(request_id="bad-handle"), "code"),
+        (w.FailRequest(request_id="bad-handle", code=99), "code"),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             stub.Fail(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
@@ -2452,12 +2823,19 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     # PrefillHere (a request taken back from the prefill queue): checked the same way; refused for
     # a stream whose first token came from a prefill worker, and for one with no stream here.
     for req, code, words in (
-            (w.PrefillHereRequest(prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-            (w.PrefillHereRequest(request_id="bad-handle"), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-            (w.PrefillHereRequest(request_id="never-seen-here", prompt_token_ids=[1]), grpc.StatusCode.NOT_FOUND,
-             "never-seen-here"),
-            (w.PrefillHereRequest(request_id="bad-handle", prompt_token_ids=[1]), grpc.StatusCode.FAILED_PRECONDITION,
-             "bad-handle")):
+        (w.PrefillHereRequest(prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (w.PrefillHereRequest(request_id="bad-handle"), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        (
+            w.PrefillHereRequest(request_id="never-seen-here", prompt_token_ids=[1]),
+            grpc.StatusCode.NOT_FOUND,
+            "never-seen-here",
+        ),
+        (
+            w.PrefillHereRequest(request_id="bad-handle", prompt_token_ids=[1]),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "bad-handle",
+        ),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             stub.PrefillHere(req, timeout=10)
         assert e.value.code() == code and words in e.value.details(), (req, e.value.details())
@@ -2553,8 +2931,11 @@ def test_first_tokens_come_on_the_prefill_workers_stream_and_bad_messages_are_dr
         wait_for(lambda: scrape(dec["metrics"])["splitserve_decode_streams_open"] == 0, what="the stream closed")
         late = stub.FirstTokens(iter([w.FirstTokenRequest(request_id="ft-early", token_ids=[9])]), timeout=10)
         assert isinstance(late, w.FirstTokenResponse)  # its stream has ended: dropped, the call is fine
-    wait_for(lambda: dropped(scrape(dec["metrics"]), "no_stream") > dropped(before, "no_stream"), timeout=10,
-             what="the late token dropped")
+    wait_for(
+        lambda: dropped(scrape(dec["metrics"]), "no_stream") > dropped(before, "no_stream"),
+        timeout=10,
+        what="the late token dropped",
+    )
     m = scrape(dec["metrics"])
     assert dropped(m, "invalid") == dropped(before, "invalid") + 2
     assert dropped(m, "no_stream") == dropped(before, "no_stream") + 1
@@ -2586,10 +2967,19 @@ def _admitted_by_hand(stack, stub, rid: str, n: int):
 def _job_json(dec: dict, rid: str, token_ids: list[int], max_tokens: int = 3) -> dict:
     from splitserve.service.redis_state import sampling_to_dict
 
-    return dict(request_id=rid, token_ids=token_ids,
-                sampling=sampling_to_dict(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-                decode_worker=dec["worker_id"], decode_address=dec["address"], decode_host_id=dec["host_id"],
-                deadline_unix=0, traceparent="", t_received=time.time(), t_admitted=time.time(), priority=0)
+    return dict(
+        request_id=rid,
+        token_ids=token_ids,
+        sampling=sampling_to_dict(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+        decode_worker=dec["worker_id"],
+        decode_address=dec["address"],
+        decode_host_id=dec["host_id"],
+        deadline_unix=0,
+        traceparent="",
+        t_received=time.time(),
+        t_admitted=time.time(),
+        priority=0,
+    )
 
 
 def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(stack, client):
@@ -2607,11 +2997,15 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     salt = _admitted_by_hand(stack, stub, "salt", 3)  # its cache_salt is a number, which could pass for a cache entry
     r.hincrby(f"{p}:admission", "requests", 2)  # two unreadable entries that admission counted
     r.hincrby(f"{p}:admission", "tokens", 7 + 5)
-    for fields in ({"job": "{not json", "tokens": "7"}, {"job": "[1, 2]"}, {"job": json.dumps({"request_id": "half"}),
-                   "tokens": "5"}, {"something": "else", "tokens": "-4"}, {"job": "{}", "tokens": "lots"},
-                   {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"}), "tokens": "3"},
-                   {"job": json.dumps(job | {"request_id": "salt", "token_ids": [1, 2, 3], "cache_salt": 7}),
-                    "tokens": "3"}):
+    for fields in (
+        {"job": "{not json", "tokens": "7"},
+        {"job": "[1, 2]"},
+        {"job": json.dumps({"request_id": "half"}), "tokens": "5"},
+        {"something": "else", "tokens": "-4"},
+        {"job": "{}", "tokens": "lots"},
+        {"job": json.dumps(job | {"request_id": "typo", "token_ids": "1 2 3"}), "tokens": "3"},
+        {"job": json.dumps(job | {"request_id": "salt", "token_ids": [1, 2, 3], "cache_salt": 7}), "tokens": "3"},
+    ):
         r.xadd(stream, fields)
     for call, field in ((typo, "token_ids"), (salt, "cache_salt")):
         ended = list(call)
@@ -2627,10 +3021,13 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
     events = list(decode)
     ch.close()
     assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
-    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == \
-        [t for e in events for t in e.token_ids]
-    wait_for(lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0,
-             what="every entry acked and deleted")
+    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == [
+        t for e in events for t in e.token_ids
+    ]
+    wait_for(
+        lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0,
+        what="every entry acked and deleted",
+    )
     # every count admission took came back, and the entries admission never counted took none
     wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
     assert all(pr.popen.poll() is None for pr in stack.procs)
@@ -2673,9 +3070,13 @@ def test_a_job_queued_alone_is_picked_up_beside_its_forward_and_dropped_if_it_en
     r, p = stack.redis(), stack.keys.prefix
     stream = f"{p}:prefill"
     dec, pre = workers(stack, "decode")[0], workers(stack, "prefill")[0]
-    jobs = lambda m, outcome: m.get(f"splitserve_prefill_jobs_total{{outcome={outcome}}}", 0)  # noqa: E731
-    firsts = lambda: sum(v for k, v in scrape(dec["metrics"]).items()  # noqa: E731
-                         if k.startswith("splitserve_first_tokens_total"))
+
+    def jobs(m, outcome):
+        return m.get(f"splitserve_prefill_jobs_total{{outcome={outcome}}}", 0)
+
+    def firsts():
+        return sum(v for k, v in scrape(dec["metrics"]).items() if k.startswith("splitserve_first_tokens_total"))
+
     ids = [1, 504, 3277, 28, 8296, 30]
     before, m0, f0 = _queue_counts(stack), scrape(pre["metrics"]), firsts()
     with grpc.insecure_channel(dec["address"]) as ch:
@@ -2683,8 +3084,10 @@ def test_a_job_queued_alone_is_picked_up_beside_its_forward_and_dropped_if_it_en
         gone = _admitted_by_hand(stack, stub, "alone-ended", len(ids))
         r.hset(f"{p}:req:alone-ended", "state", "cancelled")  # as Abort leaves it, before any pickup
         r.xadd(stream, {"job": json.dumps(_job_json(dec, "alone-ended", ids)), "tokens": str(len(ids)), "queued": "1"})
-        wait_for(lambda: jobs(scrape(pre["metrics"]), "skipped_cancelled") == jobs(m0, "skipped_cancelled") + 1,
-                 what="the ended job skipped")
+        wait_for(
+            lambda: jobs(scrape(pre["metrics"]), "skipped_cancelled") == jobs(m0, "skipped_cancelled") + 1,
+            what="the ended job skipped",
+        )
         wait_for(lambda: r.xlen(stream) == 0 and r.xpending(stream, "prefill")["pending"] == 0, what="its entry acked")
         wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
         assert r.hget(f"{p}:req:alone-ended", "state") == b"cancelled"
@@ -2696,8 +3099,9 @@ def test_a_job_queued_alone_is_picked_up_beside_its_forward_and_dropped_if_it_en
         r.xadd(stream, {"job": json.dumps(_job_json(dec, "alone-served", ids)), "tokens": str(len(ids)), "queued": "1"})
         events = list(served)
     assert sum(len(e.token_ids) for e in events) == 3 and events[-1].finish_reason == "length", events
-    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == \
-        [t for e in events for t in e.token_ids]
+    assert list(client.generate(token_ids=ids, max_tokens=3, ignore_eos=True).token_ids) == [
+        t for e in events for t in e.token_ids
+    ]
     wait_for(lambda: _queue_counts(stack) == before, what=f"admission counts back to {before}")
     wait_for(lambda: kv_idle(stack), timeout=20, what="KV blocks and arena regions back to zero")
 
@@ -2716,9 +3120,14 @@ def test_a_job_pulled_by_a_worker_that_died_before_picking_it_up_returns_its_cou
     ids = [1, 504, 3277, 28, 8296, 30, 17]
     decode = _admitted_by_hand(stack, worker_pb2_grpc.DecodeWorkerStub(ch), "ghosted", len(ids))
     # queued and read by a consumer that then "dies", in one step, so no live worker reads it first
-    r.eval("redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'tokens', ARGV[2]) "
-           "return redis.call('XREADGROUP', 'GROUP', 'prefill', 'ghost', 'COUNT', 1, 'STREAMS', KEYS[1], '>')",
-           1, stream, json.dumps(_job_json(dec, "ghosted", ids)), len(ids))
+    r.eval(
+        "redis.call('XADD', KEYS[1], '*', 'job', ARGV[1], 'tokens', ARGV[2]) "
+        "return redis.call('XREADGROUP', 'GROUP', 'prefill', 'ghost', 'COUNT', 1, 'STREAMS', KEYS[1], '>')",
+        1,
+        stream,
+        json.dumps(_job_json(dec, "ghosted", ids)),
+        len(ids),
+    )
     assert _queue_counts(stack) == [before[0] + 1, before[1] + len(ids)]
     events = list(decode)  # claimed after claim_idle_ms by the live worker, then served
     ch.close()
@@ -2758,15 +3167,19 @@ def _fingerprint(stack) -> str:
 def _kv_chunks(stack, seq, num_tokens: int) -> list:
     """PutKVStream's chunks of a whole payload of num_tokens tokens' KV (zeros) for seq, for the
     stack's model: the handle as a prefill worker sends it."""
-    from splitserve_proto.v1 import worker_pb2 as w
     from worker_fuzz import whole_payload
+
+    from splitserve_proto.v1 import worker_pb2 as w
 
     fp = _fingerprint(stack)
     payload = bytes(whole_payload(fp, num_tokens))
-    h = w.KVHandle(length=len(payload), num_tokens=num_tokens, layout_version=1, dtype="float32", fingerprint=fp,
-                   transport="grpc")
-    return [w.KVChunk(header=w.PutKVRequest(sequence=seq, handle=h), data=payload[: 1 << 16]),
-            w.KVChunk(data=payload[1 << 16:])]
+    h = w.KVHandle(
+        length=len(payload), num_tokens=num_tokens, layout_version=1, dtype="float32", fingerprint=fp, transport="grpc"
+    )
+    return [
+        w.KVChunk(header=w.PutKVRequest(sequence=seq, handle=h), data=payload[: 1 << 16]),
+        w.KVChunk(data=payload[1 << 16 :]),
+    ]
 
 
 def _decode_0(stack) -> str:
@@ -2798,8 +3211,11 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         # A long prompt prefilled by the decode worker itself: its engine's steps take a while,
         # and a command (an import) waits for the step running to end.
-        busy = w.DecodeRequest(request_id="keeps-the-engine-busy", prompt_tokens=2000,
-                               prompt_token_ids=[(17 * i) % 4000 + 100 for i in range(2000)])
+        busy = w.DecodeRequest(
+            request_id="keeps-the-engine-busy",
+            prompt_tokens=2000,
+            prompt_token_ids=[(17 * i) % 4000 + 100 for i in range(2000)],
+        )
         busy.sampling.max_tokens, busy.sampling.ignore_eos = 2, True
         held = stub.Decode(busy, timeout=120)
         assert next(held).accepted
@@ -2816,6 +3232,7 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
         def kept():
             with open(dec.log_path) as f:
                 return f.read().count("adopted all the same") > before
+
         wait_for(kept, timeout=30, what="the import, done after its call was cancelled, kept")
         held.cancel()
         with pytest.raises(grpc.RpcError) as e:  # the job prefilled again, by another prefill worker
@@ -2840,15 +3257,21 @@ def test_a_job_claimed_after_its_handoff_went_through_leaves_its_stream_running(
     rid = f"handed-off-twice-{recorded}"
     got = []
     with _prefill_paused(stack):  # its job stays in the stream, to be read
-        stream = client.generate_stream("Count the stars one by one.", request_id=rid,
-                                        max_tokens=150, ignore_eos=True, timeout=120)
+        stream = client.generate_stream(
+            "Count the stars one by one.", request_id=rid, max_tokens=150, ignore_eos=True, timeout=120
+        )
         events = iter(stream)
         jobs = []
 
         def queued():
-            jobs[:] = [(key, fields) for key in stack.keys.streams for _, fields in r.xrange(key)
-                       if json.loads(fields[b"job"])["request_id"] == rid]
+            jobs[:] = [
+                (key, fields)
+                for key in stack.keys.streams
+                for _, fields in r.xrange(key)
+                if json.loads(fields[b"job"])["request_id"] == rid
+            ]
             return jobs
+
         wait_for(queued, what="the request's job queued")
     key, fields = jobs[0]
     while len(got) < 5:
@@ -2858,18 +3281,25 @@ def test_a_job_claimed_after_its_handoff_went_through_leaves_its_stream_running(
 
     def says(words: str) -> bool:
         return any(words in open(path).read() for path in logs)
+
     if not recorded:
         r.hset(stack.keys.req(rid), "state", "prefilling")  # as its pickup left it, the adoption's write not landed
     r.xadd(key, fields)  # the same job again, as a claim of a dead prefill worker's delivers it
     skipped, again = f"request {rid}: its decode worker has its KV already", f"request {rid}: decode worker"
-    wait_for(lambda: says(skipped) or says(again) or says(f"handoff of {rid}"), timeout=30,
-             what="the job skipped, or prefilled and handed off again")
-    assert says(skipped if recorded else again) and not says(again if recorded else skipped), \
+    wait_for(
+        lambda: says(skipped) or says(again) or says(f"handoff of {rid}"),
+        timeout=30,
+        what="the job skipped, or prefilled and handed off again",
+    )
+    assert says(skipped if recorded else again) and not says(again if recorded else skipped), (
         "skipped at its pickup" if not recorded else "prefilled again"
+    )
     assert not says(f"handoff of {rid}"), "its second handoff taken for a failure"
     if not recorded:
-        wait_for(lambda: r.hget(stack.keys.req(rid), "state") in (b"decoding", b"finished"),
-                 what="its state back to decoding")
+        wait_for(
+            lambda: r.hget(stack.keys.req(rid), "state") in (b"decoding", b"finished"),
+            what="its state back to decoding",
+        )
     for ev in events:
         got.extend(ev.token_ids)
         last = ev
@@ -2941,8 +3371,9 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
 
         def victim_has_jobs():
             info = r.xpending(stream, group)
-            return any(c["name"].decode() == f"prefill-0-{s.stack_id}" and c["pending"] > 0
-                       for c in info.get("consumers", []))
+            return any(
+                c["name"].decode() == f"prefill-0-{s.stack_id}" and c["pending"] > 0 for c in info.get("consumers", [])
+            )
 
         wait_for(victim_has_jobs, timeout=60, what="jobs in flight on the victim")
         victim.popen.kill()  # kill -9 with jobs in flight
@@ -2957,7 +3388,6 @@ def test_kill9_prefill_worker_loses_no_admitted_request(reference_prompts):
         s.procs = [p for p in s.procs if p.name != "prefill-0"]  # gone; its arena is removed by stop()
         s.n_prefill = 1
         _finish(s)
-
 
 
 def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_its_drain_leaves():
@@ -2975,8 +3405,10 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
             return f"{name}-{s.stack_id}"
 
         def held_by(name):  # the entries the worker holds (pulled, not acked): id -> idle ms
-            return {e["message_id"]: e["time_since_delivered"]
-                    for e in r.xpending_range(stream, group, "-", "+", 100, consumername=consumer(name))}
+            return {
+                e["message_id"]: e["time_since_delivered"]
+                for e in r.xpending_range(stream, group, "-", "+", 100, consumername=consumer(name))
+            }
 
         def request_of(entry_id):  # None once the worker acked and deleted it
             entries = r.xrange(stream, entry_id, entry_id)
@@ -3004,8 +3436,14 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
 
             def run(i):
                 with Client(s.router_address) as c:
-                    results[i] = c.generate(token_ids=list(range(first + 10 * i, first + 300 + 10 * i)), max_tokens=4,
-                                            ignore_eos=True, request_id=f"{tag}{i}", timeout=240)
+                    results[i] = c.generate(
+                        token_ids=list(range(first + 10 * i, first + 300 + 10 * i)),
+                        max_tokens=4,
+                        ignore_eos=True,
+                        request_id=f"{tag}{i}",
+                        timeout=240,
+                    )
+
             threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
             for t in threads:
                 t.start()
@@ -3061,13 +3499,16 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
         s.n_prefill = 1
         _finish(s)
 
+
 def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_another_once_that_one_is_gone():
     """Prefill affinity: with two prefill workers, each later turn of a chat is queued for the worker
     that prefilled the turn before, whose prefix cache holds the chat's prompt so far: it computes
     the rest only. A turn queued for a worker that then stops (SIGSTOP: its lease lapses) is taken
     by the other once it has left the registry; its stream is removed when empty, and made again
     when the worker comes back."""
-    s = _start(prefill=2, heartbeat_s=1.0)  # a lease of 3 s: the stopped worker is still registered at the next admission
+    s = _start(
+        prefill=2, heartbeat_s=1.0
+    )  # a lease of 3 s: the stopped worker is still registered at the next admission
     stopped = []
     try:
         r = s.redis()
@@ -3076,18 +3517,28 @@ def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_a
         chats = {k: list(range(1000 + 300 * k, 1100 + 300 * k)) for k in range(3)}
         turns = {k: [] for k in chats}  # (prefill worker, cached tokens, the prompt's tokens before this turn's)
         with Client(s.router_address) as c:
+
             def send(k, rid):
                 ids = chats[k]
                 out = c.generate(token_ids=ids, max_tokens=8, ignore_eos=True, request_id=rid, timeout=60)
-                turns[k].append((c.get_request(rid).prefill_worker, out.usage.cached_tokens,
-                                 len(turns[k]) and turns[k][-1][3], len(ids)))
-                chats[k] = ids + list(out.token_ids) + list(range(5000 + 40 * len(turns[k]) + 7 * k,
-                                                                  5040 + 40 * len(turns[k]) + 7 * k))
+                turns[k].append(
+                    (
+                        c.get_request(rid).prefill_worker,
+                        out.usage.cached_tokens,
+                        len(turns[k]) and turns[k][-1][3],
+                        len(ids),
+                    )
+                )
+                chats[k] = (
+                    ids
+                    + list(out.token_ids)
+                    + list(range(5000 + 40 * len(turns[k]) + 7 * k, 5040 + 40 * len(turns[k]) + 7 * k))
+                )
 
             for turn in range(4):
                 for k in chats:
                     send(k, f"chat{k}-{turn}")
-            for k, got in turns.items():
+            for got in turns.values():
                 assert {w for w, *_ in got} <= set(procs) and len({w for w, *_ in got}) == 1, got
                 for _, cached, before, _ in got[1:]:  # the blocks of the last turn's prompt, and no more
                     assert cached == before // 16 * 16, got
@@ -3101,12 +3552,17 @@ def test_a_chats_next_turn_goes_to_the_prefill_worker_holding_its_start_and_to_a
             send(0, "chat0-stopped")
             assert scrape(router)["splitserve_requests_sent_to_prefill_worker_total"] == 3 * 3 + 1
             assert turns[0][-1][0] == other and turns[0][-1][1] == 0, turns[0]  # computed whole there
-            wait_for(lambda: not r.exists(s.keys.stream_to(holder)), timeout=20, what="the stopped worker's stream removed")
+            wait_for(
+                lambda: not r.exists(s.keys.stream_to(holder)), timeout=20, what="the stopped worker's stream removed"
+            )
             assert r.smembers(s.keys.directed) == {other.encode()}
             os.kill(procs[holder].popen.pid, signal.SIGCONT)
             stopped.remove(procs[holder].popen.pid)
-            wait_for(lambda: r.exists(s.keys.stream_to(holder)) and len(workers(s, "prefill")) == 2, timeout=20,
-                     what="the stopped worker registered again, with its stream")
+            wait_for(
+                lambda: r.exists(s.keys.stream_to(holder)) and len(workers(s, "prefill")) == 2,
+                timeout=20,
+                what="the stopped worker registered again, with its stream",
+            )
             started = {w: scrape(p.metrics_address) for w, p in procs.items()}
             key = "splitserve_prefill_jobs_started_total{stream=%s}"
             # The nine later turns from the workers' own streams; and the stopped turn once more where
@@ -3139,8 +3595,9 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
         n = 0
         try:
             with Client(s.router_address) as cc:
-                for chunk in cc.generate_stream(f"Story number {i}:", max_tokens=tokens, ignore_eos=True,
-                                                request_id=f"{tag}{i}", timeout=120):
+                for chunk in cc.generate_stream(
+                    f"Story number {i}:", max_tokens=tokens, ignore_eos=True, request_id=f"{tag}{i}", timeout=120
+                ):
                     n += len(chunk.token_ids)
             outcomes[i] = ("OK", n, "")
         except grpc.RpcError as e:
@@ -3154,6 +3611,7 @@ def _six_streams_one_worker_lost(s, c, tag: str, victim: str, disrupt) -> None:
         infos = [c.get_request(f"{tag}{i}") for i in range(6) if _state(c, f"{tag}{i}")]
         on = {i.decode_worker.rsplit("-", 1)[0] for i in infos if i.state == "decoding"}
         return on == {"decode-0", "decode-1"}
+
     try:
         wait_for(both_decoding, timeout=120, interval=0.1, what="requests decoding on both workers")
     except AssertionError as e:
@@ -3184,8 +3642,14 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
             for burst in range(3):
                 rids = [f"b{burst}-{i}" for i in range(6)]
                 with cf.ThreadPoolExecutor(6) as pool:
-                    list(pool.map(lambda rid: c.generate("Once upon a time", max_tokens=24, ignore_eos=True,
-                                                         request_id=rid, timeout=120), rids))
+                    list(
+                        pool.map(
+                            lambda rid: c.generate(
+                                "Once upon a time", max_tokens=24, ignore_eos=True, request_id=rid, timeout=120
+                            ),
+                            rids,
+                        )
+                    )
                 placed = collections.Counter(c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid in rids)
                 assert placed == {"decode-0": 3, "decode-1": 3}, (burst, placed)
 
@@ -3197,6 +3661,7 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
                     time.sleep(4.0)
                 finally:
                     os.kill(p.popen.pid, signal.SIGCONT)
+
             _six_streams_one_worker_lost(s, c, "h", "decode-1", hang)
             wait_for(lambda: kv_idle(s), timeout=30, what="the resumed worker freed its dropped streams' KV")
 
@@ -3206,17 +3671,18 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
                 p.popen.kill()
                 p.popen.wait()
                 killed = True
+
             _six_streams_one_worker_lost(s, c, "k", "decode-0", kill)
             # Once the victim's lease has run out, every new request goes to the survivor.
             time.sleep(3 * s.settings.heartbeat_s + 0.5)
-            assert all(len(c.generate("after", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3
-                       for _ in range(4))
+            assert all(
+                len(c.generate("after", max_tokens=3, ignore_eos=True, timeout=60).token_ids) == 3 for _ in range(4)
+            )
     finally:
         if killed:
             s.procs = [p for p in s.procs if p.name != "decode-0"]  # gone
             s.n_decode = 1
         _finish(s)
-
 
 
 def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resumes_the_request():
@@ -3226,10 +3692,9 @@ def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resum
     says so (worker_stopping), and the router resumes the request on the other worker. Before, the
     stream ended with the failure: UNAVAILABLE "KV handoff ... failed" (a soak: 2 of ~830). Here the
     prefill worker's record and Fail are made by hand, while the prefill workers are stopped."""
+    from splitserve.service.redis_state import failed
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
-
-    from splitserve.service.redis_state import failed
 
     s = _start(decode=2)
     try:
@@ -3237,8 +3702,12 @@ def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resum
             want = c.generate("Name a river.", max_tokens=8, ignore_eos=True, timeout=60)
             got = {}
             with _prefill_paused(s):
-                t = _outcome(c.generate_stream("Name a river.", max_tokens=8, ignore_eos=True,
-                                               request_id="relayed", timeout=120), got)
+                t = _outcome(
+                    c.generate_stream(
+                        "Name a river.", max_tokens=8, ignore_eos=True, request_id="relayed", timeout=120
+                    ),
+                    got,
+                )
                 wait_for(lambda: _state(c, "relayed") == "queued", what="request queued")
                 wid = c.get_request("relayed").decode_worker
                 entry = next(e for e in workers(s, "decode") if e["worker_id"] == wid)
@@ -3246,9 +3715,19 @@ def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resum
                 r = s.redis()
                 r.hset(s.keys.req("relayed"), mapping={**failed(grpc.StatusCode.UNAVAILABLE, message), "lost_to": wid})
                 with grpc.insecure_channel(entry["address"]) as ch:
-                    assert worker_pb2_grpc.DecodeWorkerStub(ch).Fail(
-                        w.FailRequest(request_id="relayed", code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                      message=message, handoff_lost=True), timeout=10).ended
+                    assert (
+                        worker_pb2_grpc.DecodeWorkerStub(ch)
+                        .Fail(
+                            w.FailRequest(
+                                request_id="relayed",
+                                code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                message=message,
+                                handoff_lost=True,
+                            ),
+                            timeout=10,
+                        )
+                        .ended
+                    )
                 wait_for(lambda: c.get_request("relayed").resumes == 1, what="the request resumed")
             t.join(60)
             assert got["code"] == "OK" and got["tokens"] == 8, got
@@ -3270,8 +3749,9 @@ def test_a_stream_aborted_through_another_router_as_its_decode_worker_is_lost_en
     down = None
     try:
         with Client(s.router_addresses[0]) as c, Client(s.router_addresses[1]) as other:
-            stream = c.generate_stream("Tell me a long story.", max_tokens=2000, ignore_eos=True,
-                                       request_id="aborted-as-lost", timeout=120)
+            stream = c.generate_stream(
+                "Tell me a long story.", max_tokens=2000, ignore_eos=True, request_id="aborted-as-lost", timeout=120
+            )
             chunks = iter(stream)
             next(chunks)
             wid = c.get_request("aborted-as-lost").decode_worker
@@ -3320,18 +3800,24 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
                     got["r"] = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="lost-handoff", timeout=120)
                 except grpc.RpcError as e:
                     got["r"] = e
+
             t = threading.Thread(target=run)
             t.start()
+
             def prefilling():
                 try:
                     return (i := c.get_request("lost-handoff")).state == "prefilling" and i
                 except grpc.RpcError:  # not admitted yet
                     return None
+
             info = wait_for(prefilling, what="its prefill")
             down = next(p for p in s.procs if info.decode_worker == f"{p.name}-{s.stack_id}")
             os.kill(down.popen.pid, signal.SIGSTOP)
-            wait_for(lambda: scrape(prefill).get("splitserve_engine_prefill_tokens_total", 0) >= before + n,
-                     timeout=60, what="its prefill done")
+            wait_for(
+                lambda: scrape(prefill).get("splitserve_engine_prefill_tokens_total", 0) >= before + n,
+                timeout=60,
+                what="its prefill done",
+            )
             time.sleep(0.5)  # its first token and handoff wait on the stopped worker
             if how == "killed":
                 down.popen.kill()
@@ -3341,8 +3827,12 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
                 def fail_given_up():
                     with open(s.proc("prefill-0").log_path) as f:
                         return "could not end lost-handoff's decode stream" in f.read()
-                wait_for(lambda: s.redis().hget(s.keys.req("lost-handoff"), "lost_to"), timeout=30,
-                         what="the prefill worker gave the handoff up")
+
+                wait_for(
+                    lambda: s.redis().hget(s.keys.req("lost-handoff"), "lost_to"),
+                    timeout=30,
+                    what="the prefill worker gave the handoff up",
+                )
                 wait_for(fail_given_up, timeout=30, what="the prefill worker's Fail to the stopped worker failed")
                 os.kill(down.popen.pid, signal.SIGCONT)
             t.join(120)
@@ -3388,12 +3878,24 @@ def test_a_request_placed_on_a_decode_worker_lost_before_it_accepts_the_stream_r
                 sock.bind(("127.0.0.1", 0))
                 address = f"127.0.0.1:{sock.getsockname()[1]}"  # nothing listens here once it is closed
             entry = workers(s, "decode")[0]
-            heartbeat(s.redis(), s.keys, WorkerInfo(worker_id="ghost", role="decode", address=address,
-                                                    host_id="elsewhere", free_kv_tokens=int(entry["free_kv_tokens"]),
-                                                    kv_capacity_tokens=int(entry["kv_capacity_tokens"])), lease_s=60)
+            heartbeat(
+                s.redis(),
+                s.keys,
+                WorkerInfo(
+                    worker_id="ghost",
+                    role="decode",
+                    address=address,
+                    host_id="elsewhere",
+                    free_kv_tokens=int(entry["free_kv_tokens"]),
+                    kv_capacity_tokens=int(entry["kv_capacity_tokens"]),
+                ),
+                lease_s=60,
+            )
             try:
-                wait_for(lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 2,
-                         what="the router read the ghost's entry")
+                wait_for(
+                    lambda: scrape(s.proc("router").metrics_address)["splitserve_decode_workers"] == 2,
+                    what="the router read the ghost's entry",
+                )
                 resumed0 = scrape(s.proc("router").metrics_address).get("splitserve_requests_resumed_total", 0)
                 got = c.generate(prompt, max_tokens=8, ignore_eos=True, request_id="placed-on-a-ghost", timeout=60)
                 assert list(got.token_ids) == list(want.token_ids) and got.finish_reason == "length"
@@ -3423,19 +3925,34 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
     # Batch-invariant: a resumed stream's prefill of its tokens gives the logits of its unbroken run
     # bit for bit. Without it, they were ~1e-5 off (MKL rounds a row by the rows beside it), and a
     # sampled token that fell that near the edge of its draw differed: a fresh-clone CI run failed so.
-    s = _start(decode=2, keepalive_s=1.0, drain_s=1.0, batch_invariant=True,
-               **({"mode": mode, "prefill": 0} if mode == "colocated" else {}))
+    s = _start(
+        decode=2,
+        keepalive_s=1.0,
+        drain_s=1.0,
+        batch_invariant=True,
+        **({"mode": mode, "prefill": 0} if mode == "colocated" else {}),
+    )
     down = []  # the workers killed or stopped, started again at the end
     # greedy, and (odd streams) sampled with a seed: its generator goes on where it was; the last
     # stream is of three samples (sample j seeded seed + j)
-    sps = [dict(max_tokens=100, ignore_eos=True, stop=["@@@@@@@@"], logprobs=0,
-                **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i})) for i in range(6)]
+    sps = [
+        dict(
+            max_tokens=100,
+            ignore_eos=True,
+            stop=["@@@@@@@@"],
+            logprobs=0,
+            **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i}),
+        )
+        for i in range(6)
+    ]
     sps[5]["n"] = 3
     try:
         prompts = [f"Tell me a story about the number {i}." for i in range(6)]
         with Client(s.router_address) as c, cf.ThreadPoolExecutor(6) as pool:  # side by side, as the rounds run
-            want = {i: list(w.choices) or [w] for i, w in
-                    enumerate(pool.map(lambda i: c.generate(prompts[i], timeout=120, **sps[i]), range(6)))}
+            want = {
+                i: list(w.choices) or [w]
+                for i, w in enumerate(pool.map(lambda i: c.generate(prompts[i], timeout=120, **sps[i]), range(6)))
+            }
         assert len(want[5]) == 3 and len({tuple(w.token_ids) for w in want[5]}) == 3
 
         def run_round(tag: str, disrupt) -> dict:
@@ -3455,6 +3972,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                     outcome[i] = "OK"
                 except grpc.RpcError as e:
                     outcome[i] = f"{e.code().name}: {e.details()}"
+
             threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
@@ -3470,6 +3988,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                         return False
                     seen["on"] = {i: c.get_request(f"{tag}{i}").decode_worker for i in range(6)}
                     return {w.rsplit("-", 1)[0] for w in seen["on"].values()} == {"decode-0", "decode-1"}
+
                 try:
                     wait_for(part_way_on_both, timeout=120, interval=0.02, what="streams part-way on both workers")
                 except AssertionError as e:  # say how far each stream was, and where
@@ -3499,6 +4018,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         def kill(p):
             p.popen.kill()
             p.popen.wait()
+
         killed = run_round("k", kill)
         lost = len(killed)
 
@@ -3512,9 +4032,14 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
                 return False
             trace = [sp for sp in spans if sp.trace_id in ids]
             calls = [sp for sp in trace if sp.name == "splitserve.v1.DecodeWorker/Decode" and sp.kind == "client"]
-            return (len(calls) == 2 and any(name == "resumed" for sp in trace for _, name in sp.events)
-                    and [sp.status.startswith("ERROR: UNAVAILABLE") for sp in sorted(calls, key=lambda x: x.start_ns)]
-                    == [True, False] and calls[1].attrs.get("splitserve.resumed_tokens", 0) >= 5)
+            return (
+                len(calls) == 2
+                and any(name == "resumed" for sp in trace for _, name in sp.events)
+                and [sp.status.startswith("ERROR: UNAVAILABLE") for sp in sorted(calls, key=lambda x: x.start_ns)]
+                == [True, False]
+                and calls[1].attrs.get("splitserve.resumed_tokens", 0) >= 5
+            )
+
         wait_for(one_trace_with_both_legs, timeout=20, what="one trace holding both decode calls and the resume")
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
         s.restart(down.pop())
@@ -3522,6 +4047,7 @@ def test_a_stream_whose_decode_worker_is_killed_or_stops_past_its_drain_time_goe
         def terminate(p):
             p.popen.send_signal(signal.SIGTERM)
             assert p.popen.wait(60) == 0
+
         lost += len(run_round("t", terminate))
         assert scrape(s.proc("router").metrics_address)["splitserve_requests_resumed_total"] - resumed0 == lost
     finally:
@@ -3561,8 +4087,9 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             def run():
                 try:
                     with Client(target, balance=True) as cc:
-                        for chunk in cc.generate_stream(prompt, request_id=tag, timeout=120, resumes=resumes, n=n,
-                                                        **sp):
+                        for chunk in cc.generate_stream(
+                            prompt, request_id=tag, timeout=120, resumes=resumes, n=n, **sp
+                        ):
                             i = chunk.index
                             got[0].setdefault(i, []).extend(chunk.token_ids)
                             got[1][i] = got[1].get(i, "") + chunk.text
@@ -3570,10 +4097,15 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
                     got[2] = "OK"
                 except grpc.RpcError as e:
                     got[2] = f"{e.code().name}: {e.details()}"
+
             t = threading.Thread(target=run)
             t.start()
-            wait_for(lambda: len(got[0]) == n and all(10 <= len(v) for v in got[0].values()), timeout=120,
-                     interval=0.02, what="the stream part-way")
+            wait_for(
+                lambda: len(got[0]) == n and all(10 <= len(v) for v in got[0].values()),
+                timeout=120,
+                interval=0.02,
+                what="the stream part-way",
+            )
             assert all(len(v) <= 40 for v in got[0].values()), {i: len(v) for i, v in got[0].items()}
             holder = names[stack_redis_hget(s, tag, "router")]
             down.append(holder)
@@ -3590,19 +4122,26 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
         def kill(p):
             p.popen.kill()
             p.popen.wait()
+
         def said_what_it_carried(tag: str) -> bool:  # the re-sent call's request span
             if not os.path.exists(s.settings.trace_file):
                 return False
-            return any(sp.attrs.get("splitserve.resume_from.tokens", 0) >= 10
-                       and sp.attrs["splitserve.request_id"].split("#")[0] == tag
-                       for sp in traceview.load_spans(s.settings.trace_file))
+            return any(
+                sp.attrs.get("splitserve.resume_from.tokens", 0) >= 10
+                and sp.attrs["splitserve.request_id"].split("#")[0] == tag
+                for sp in traceview.load_spans(s.settings.trace_file)
+            )
+
         dm, work = s.proc("decode-0").metrics_address, {}
         for tag, disrupt, wants in (("t", terminate, [want]), ("k", kill, [want]), ("s", kill, want_samples)):
             before = scrape(dm)
             got = through(tag, disrupt, resumes=1, n=len(wants))
             # (waited for here: the router that wrote it may be the next one killed, before its export)
-            wait_for(lambda: said_what_it_carried(tag), timeout=20,
-                     what=f"the re-sent call's span of {tag} naming the tokens it carried")
+            wait_for(
+                lambda: said_what_it_carried(tag),
+                timeout=20,
+                what=f"the re-sent call's span of {tag} naming the tokens it carried",
+            )
             after = scrape(dm)
             work[tag] = {k: after.get(k, 0) - before.get(k, 0) for k in (PREFILLED, CACHE_HITS)}
             assert got[2] == "OK", (tag, got[2])
@@ -3630,9 +4169,10 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             if n == 1:  # the prompt and the tokens its client had, all but their last block's from the cache
                 held = int(again[b"prompt_tokens"]) + int(again[b"result_start"])
                 assert work[tag][PREFILLED] + work[tag][CACHE_HITS] == held or (
-                    work[tag][PREFILLED] == 0 and work[tag][CACHE_HITS] == held - 1), (tag, work[tag], again)
+                    work[tag][PREFILLED] == 0 and work[tag][CACHE_HITS] == held - 1
+                ), (tag, work[tag], again)
         got = through("u", terminate, resumes=0)
-        assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[:len(got[0][0])], got[2]
+        assert got[2].startswith("UNAVAILABLE") and got[0][0] == list(want.token_ids)[: len(got[0][0])], got[2]
         assert not said_what_it_carried("u")  # (not sent again)
     finally:
         for name in down:
@@ -3679,8 +4219,13 @@ def test_a_new_leg_waiting_on_a_prefill_worker_sent_sigterm_is_given_up_with_its
     worker (deferred), prefill-1 stopped meanwhile. prefill-0, sent SIGTERM (DRAIN_S 0), admits no
     deferred job in its drain: it gives that one up to the other workers with the jobs it held, not
     CLAIM_IDLE_MS (20 s here) after it went, and prefill-1, let go on, prefills it."""
-    s = _start(prefill=2, decode=2, keepalive_s=1.0, claim_idle_ms=20000,
-               prefill_env={"SPLITSERVE_KEEPALIVE_S": "3", "SPLITSERVE_DRAIN_S": "0"})
+    s = _start(
+        prefill=2,
+        decode=2,
+        keepalive_s=1.0,
+        claim_idle_ms=20000,
+        prefill_env={"SPLITSERVE_KEEPALIVE_S": "3", "SPLITSERVE_DRAIN_S": "0"},
+    )
     stopped = []
     sp = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
     prompt = "Write a line about a paper kite."
@@ -3699,14 +4244,18 @@ def test_a_new_leg_waiting_on_a_prefill_worker_sent_sigterm_is_given_up_with_its
             os.kill(s.proc(lost).popen.pid, signal.SIGSTOP)
             stopped.append(lost)
             os.kill(victim.popen.pid, signal.SIGCONT)
-            wait_for(lambda: scrape(victim.metrics_address).get("splitserve_prefill_jobs_deferred_total") == 1,
-                     timeout=60, what="the new leg's job deferred on prefill-0")
+            wait_for(
+                lambda: scrape(victim.metrics_address).get("splitserve_prefill_jobs_deferred_total") == 1,
+                timeout=60,
+                what="the new leg's job deferred on prefill-0",
+            )
             victim.popen.send_signal(signal.SIGTERM)
             assert victim.popen.wait(60) == 0
-            held = {e["message_id"]: e["time_since_delivered"]
-                    for st in (s.keys.stream, *[k.decode() for k in r.scan_iter(f"{s.keys.stream}:*", _type="STREAM")])
-                    for e in r.xpending_range(st, "prefill", "-", "+", 100,
-                                              consumername=f"prefill-0-{s.stack_id}")}
+            held = {
+                e["message_id"]: e["time_since_delivered"]
+                for st in (s.keys.stream, *[k.decode() for k in r.scan_iter(f"{s.keys.stream}:*", _type="STREAM")])
+                for e in r.xpending_range(st, "prefill", "-", "+", 100, consumername=f"prefill-0-{s.stack_id}")
+            }
             assert len(held) == 1 and all(idle >= 20000 for idle in held.values()), held  # claimable at once
             os.kill(s.proc("prefill-1").popen.pid, signal.SIGCONT)
             stopped.remove("prefill-1")
@@ -3752,20 +4301,27 @@ def test_requests_queued_for_a_decode_worker_that_is_killed_resume_on_another_an
                         got[i] = ("OK", list(cc.generate(prompts[i], request_id=f"q{i}", timeout=120, **sp).token_ids))
                 except grpc.RpcError as e:
                     got[i] = (e.code().name, e.details())
+
             threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
             try:
                 for t in threads:
                     t.start()
-                wait_for(lambda: all(_state(c, f"q{i}") == "queued" for i in range(6)), timeout=60,
-                         what="six requests queued")
+                wait_for(
+                    lambda: all(_state(c, f"q{i}") == "queued" for i in range(6)),
+                    timeout=60,
+                    what="six requests queued",
+                )
                 placed = [c.get_request(f"q{i}").decode_worker.rsplit("-", 1)[0] for i in range(6)]
                 assert set(placed) == {"decode-0", "decode-1"}, placed
                 victims = {i for i in range(6) if placed[i] == "decode-0"}
                 down.append("decode-0")
                 s.proc("decode-0").popen.kill()
                 s.proc("decode-0").popen.wait()
-                wait_for(lambda: {i for i in range(6) if c.get_request(f"q{i}").resumes} == victims, timeout=30,
-                         what="the killed worker's requests resumed")
+                wait_for(
+                    lambda: {i for i in range(6) if c.get_request(f"q{i}").resumes} == victims,
+                    timeout=30,
+                    what="the killed worker's requests resumed",
+                )
                 assert all(c.get_request(f"q{i}").decode_worker.startswith("decode-1") for i in range(6))
             finally:
                 os.kill(prefill.popen.pid, signal.SIGCONT)
@@ -3791,16 +4347,24 @@ def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_wo
     def run():
         try:
             with Client(s.router_address) as cc:
-                for chunk in cc.generate_stream("Tell me a long story.", request_id="cap", max_tokens=400,
-                                                ignore_eos=True, temperature=0.0, timeout=120):
+                for chunk in cc.generate_stream(
+                    "Tell me a long story.",
+                    request_id="cap",
+                    max_tokens=400,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    timeout=120,
+                ):
                     got["tokens"] += chunk.token_ids
             got["outcome"] = ("OK", "")
         except grpc.RpcError as e:
             got["outcome"] = (e.code().name, e.details())
+
     t = threading.Thread(target=run)
     try:
         t.start()
         with Client(s.router_address) as c:
+
             def on() -> str:
                 return c.get_request("cap").decode_worker.rsplit("-", 1)[0]
 
@@ -3808,12 +4372,17 @@ def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_wo
                 down.append(name)
                 s.proc(name).popen.kill()
                 s.proc(name).popen.wait()
+
             wait_for(lambda: len(got["tokens"]) >= 5, timeout=60, interval=0.02, what="tokens out")
             first = on()
             kill(first)
             n = len(got["tokens"])
-            wait_for(lambda: len(got["tokens"]) >= n + 5 and on() != first, timeout=60, interval=0.02,
-                     what="the stream going on on another worker")
+            wait_for(
+                lambda: len(got["tokens"]) >= n + 5 and on() != first,
+                timeout=60,
+                interval=0.02,
+                what="the stream going on on another worker",
+            )
             assert c.get_request("cap").resumes == 1
             second = on()
             kill(second)
@@ -3869,15 +4438,27 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
 
         def run_long(i):
             with Client(s.router_address) as cc:
-                long[i] = cc.generate(f"Story number {i}:", max_tokens=100, ignore_eos=True, request_id=f"long{i}",
-                                      timeout=240)
+                long[i] = cc.generate(
+                    f"Story number {i}:", max_tokens=100, ignore_eos=True, request_id=f"long{i}", timeout=240
+                )
+
         threads = [threading.Thread(target=run_long, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
         with Client(s.router_address) as c:
-            wait_for(lambda: {c.get_request(f"long{i}").decode_worker.rsplit("-", 1)[0]
-                              for i in range(4) if _state(c, f"long{i}") == "decoding"} == {"decode-0", "decode-1"},
-                     timeout=120, interval=0.1, what="long streams decoding on both workers")
+            wait_for(
+                lambda: (
+                    {
+                        c.get_request(f"long{i}").decode_worker.rsplit("-", 1)[0]
+                        for i in range(4)
+                        if _state(c, f"long{i}") == "decoding"
+                    }
+                    == {"decode-0", "decode-1"}
+                ),
+                timeout=120,
+                interval=0.1,
+                what="long streams decoding on both workers",
+            )
         short, stop = [], threading.Event()
 
         def run_short(k):  # closed loop: one request after another until told to stop
@@ -3891,6 +4472,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
                     except grpc.RpcError as e:
                         short.append((rid, time.time(), e.code().name, e.details()))
                     n += 1
+
         loaders = [threading.Thread(target=run_short, args=(k,)) for k in range(4)]
         for t in loaders:
             t.start()
@@ -3902,6 +4484,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         import queue
 
         from splitserve_proto.v1 import worker_pb2_grpc
+
         held_open, nothing = grpc.insecure_channel(victim.address), queue.SimpleQueue()
         first_tokens = worker_pb2_grpc.DecodeWorkerStub(held_open).FirstTokens.future(iter(nothing.get, None))
         t_term = time.time()
@@ -3934,6 +4517,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
                         calls.append((t0, time.time(), "OK", len(r.token_ids)))
                     except grpc.RpcError as e:
                         calls.append((t0, time.time(), e.code().name, e.details()))
+
         loaders = [threading.Thread(target=run_balanced) for _ in range(4)]
         for t in loaders:
             t.start()
@@ -3962,20 +4546,25 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
             try:
                 with Client(address or router.address) as cc:
                     if kind == "stream":
-                        for chunk in cc.generate_stream("Once", max_tokens=1500, ignore_eos=True, request_id=rid,
-                                                        timeout=120):
+                        for chunk in cc.generate_stream(
+                            "Once", max_tokens=1500, ignore_eos=True, request_id=rid, timeout=120
+                        ):
                             n += len(chunk.token_ids)
                     else:
                         cc.generate("Once", max_tokens=1500, ignore_eos=True, request_id=rid, timeout=120)
                 cut[rid if address else kind] = ("OK", n, "")
             except grpc.RpcError as e:
                 cut[rid if address else kind] = (e.code().name, n, e.details())
+
         threads = [threading.Thread(target=run_cut, args=(k,)) for k in ("stream", "unary")]
         for t in threads:
             t.start()
         with Client(s.router_address) as c:
-            wait_for(lambda: all(_state(c, rid) == "decoding" for rid in ("cut-s", "cut-u")), timeout=60,
-                     what="both decoding")
+            wait_for(
+                lambda: all(_state(c, rid) == "decoding" for rid in ("cut-s", "cut-u")),
+                timeout=60,
+                what="both decoding",
+            )
             router.popen.send_signal(signal.SIGTERM)
             assert router.popen.wait(60) == 0
             for t in threads:
@@ -3994,14 +4583,22 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
             wait_for(lambda: len(workers(s, "decode")) == 2, timeout=30, what="decode-0 registered again")
             time.sleep(2 * s.settings.heartbeat_s)  # and read by the router
             cut.clear()
-            threads = [threading.Thread(target=run_cut, args=("stream",), kwargs={"rid": f"dcut{i}",
-                                                                                  "address": s.router_address})
-                       for i in range(2)]
+            threads = [
+                threading.Thread(
+                    target=run_cut, args=("stream",), kwargs={"rid": f"dcut{i}", "address": s.router_address}
+                )
+                for i in range(2)
+            ]
             for t in threads:
                 t.start()
+
             def on():  # decode worker -> the long stream decoding there
-                return {c.get_request(f"dcut{i}").decode_worker.rsplit("-", 1)[0]: f"dcut{i}"
-                        for i in range(2) if _state(c, f"dcut{i}") == "decoding"}
+                return {
+                    c.get_request(f"dcut{i}").decode_worker.rsplit("-", 1)[0]: f"dcut{i}"
+                    for i in range(2)
+                    if _state(c, f"dcut{i}") == "decoding"
+                }
+
             wait_for(lambda: len(on()) == 2, timeout=60, what="a long stream decoding on each worker")
             victim_rid, other_rid = on()["decode-0"], on()["decode-1"]
             victim.popen.send_signal(signal.SIGTERM)
@@ -4019,6 +4616,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         s.n_decode = len([p for p in s.procs if p.name.startswith("decode")])
         _finish(s)
 
+
 def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_rejoins_once_restarted():
     """Killed, a decode worker stays in the registry until its lease runs out (3 heartbeats, 12 s
     here, 8 s or more of it left at the kill). The router's channel to it fails to connect at
@@ -4030,11 +4628,18 @@ def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_re
     s = _start(decode=2, heartbeat_s=4.0)
     try:
         with Client(s.router_address) as c:
+
             def burst(tag: str) -> collections.Counter:
                 rids = [f"{tag}-{i}" for i in range(4)]
                 with cf.ThreadPoolExecutor(4) as pool:
-                    done = list(pool.map(lambda rid: c.generate("Once upon a time", max_tokens=16, ignore_eos=True,
-                                                                request_id=rid, timeout=60), rids))
+                    done = list(
+                        pool.map(
+                            lambda rid: c.generate(
+                                "Once upon a time", max_tokens=16, ignore_eos=True, request_id=rid, timeout=60
+                            ),
+                            rids,
+                        )
+                    )
                 assert all(len(r.token_ids) == 16 for r in done)
                 return collections.Counter(c.get_request(rid).decode_worker.rsplit("-", 1)[0] for rid in rids)
 
@@ -4057,8 +4662,9 @@ def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_re
             assert len(workers(s, "decode")) == 2  # still registered: the router did not learn it from there
 
             s.restart("decode-1")
-            wait_for(lambda: entry_of_decode_1().get("epoch", "") not in ("", old_epoch),
-                     what="decode-1 registered again")
+            wait_for(
+                lambda: entry_of_decode_1().get("epoch", "") not in ("", old_epoch), what="decode-1 registered again"
+            )
             end = time.monotonic() + 15
             placed = collections.Counter()
             while "decode-1" not in placed and time.monotonic() < end:
@@ -4088,22 +4694,31 @@ def test_a_lone_decode_worker_restarted_at_its_address_takes_the_next_requests_a
                     c.generate("word " * 1500, max_tokens=4, request_id="cut-off", timeout=60)
                 except grpc.RpcError as e:
                     failed.append(e.code())
+
             t = threading.Thread(target=long_one)
             t.start()
-            wait_for(lambda: _state(c, "cut-off") == "prefilling", timeout=30, interval=0.02,
-                     what="the long prompt in its prefill forward")
+            wait_for(
+                lambda: _state(c, "cut-off") == "prefilling",
+                timeout=30,
+                interval=0.02,
+                what="the long prompt in its prefill forward",
+            )
             s.proc("decode-0").popen.kill()
             s.proc("decode-0").popen.wait()
             t.join(60)
             assert failed == [grpc.StatusCode.UNAVAILABLE]
-            wait_for(lambda: all(w["running"] == "0" for w in workers(s, "prefill")), timeout=30,
-                     what="the prefill worker done with the handoff it could not make")
+            wait_for(
+                lambda: all(w["running"] == "0" for w in workers(s, "prefill")),
+                timeout=30,
+                what="the prefill worker done with the handoff it could not make",
+            )
 
             s.restart("decode-0")
             assert workers(s, "decode")[0]["epoch"] != old_epoch
             for i in range(8):
-                r = c.generate("Once upon a time", max_tokens=4, ignore_eos=True, request_id=f"after-restart-{i}",
-                               timeout=20)
+                r = c.generate(
+                    "Once upon a time", max_tokens=4, ignore_eos=True, request_id=f"after-restart-{i}", timeout=20
+                )
                 assert len(r.token_ids) == 4, i
     finally:
         _finish(s)
@@ -4154,10 +4769,16 @@ def test_requests_queued_when_the_last_prefill_worker_hangs_are_taken_back_and_p
             with _prefill_paused(s):
                 t_paused = time.monotonic()
                 with cf.ThreadPoolExecutor(len(prompts)) as ex:
-                    futs = [ex.submit(c.generate, p, max_tokens=8, ignore_eos=True, request_id=f"taken-{i}", timeout=30)
-                            for i, p in enumerate(prompts)]
-                    wait_for(lambda: all(_state(c, f"taken-{i}") for i in range(len(prompts))), timeout=5,
-                             interval=0.02, what="all four admitted")
+                    futs = [
+                        ex.submit(c.generate, p, max_tokens=8, ignore_eos=True, request_id=f"taken-{i}", timeout=30)
+                        for i, p in enumerate(prompts)
+                    ]
+                    wait_for(
+                        lambda: all(_state(c, f"taken-{i}") for i in range(len(prompts))),
+                        timeout=5,
+                        interval=0.02,
+                        what="all four admitted",
+                    )
                     assert time.monotonic() - t_paused < 3 * s.settings.heartbeat_s, "admitted after the lease ran out"
                     got = [f.result() for f in futs]
                 assert [list(g.token_ids) for g in got] == ref
@@ -4194,24 +4815,34 @@ def test_a_request_a_prefill_worker_recorded_as_failed_ends_with_its_status_thou
             client.generate("recorded " + "word " * 1500, max_tokens=4, request_id="recorded-failure", timeout=60)
         except grpc.RpcError as e:
             got.append((e.code(), e.details(), time.monotonic()))
+
     t = threading.Thread(target=long_one)
     t.start()
-    wait_for(lambda: _state(client, "recorded-failure") == "prefilling", timeout=30, interval=0.02,
-             what="the long prompt in its prefill forward")
-    stack.redis().hset(stack.keys.req("recorded-failure"), mapping={
-        "state": "failed", "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
-        "code": grpc.StatusCode.UNAVAILABLE.value[0]})
+    wait_for(
+        lambda: _state(client, "recorded-failure") == "prefilling",
+        timeout=30,
+        interval=0.02,
+        what="the long prompt in its prefill forward",
+    )
+    stack.redis().hset(
+        stack.keys.req("recorded-failure"),
+        mapping={
+            "state": "failed",
+            "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
+            "code": grpc.StatusCode.UNAVAILABLE.value[0],
+        },
+    )
     t_written = time.monotonic()
     t.join(60)
     assert [(code, details) for code, details, _ in got] == [
-        (grpc.StatusCode.UNAVAILABLE, "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable")]
+        (grpc.StatusCode.UNAVAILABLE, "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable")
+    ]
     assert got[0][2] - t_written < 5 * stack.settings.heartbeat_s  # not at the end of the forward, nor the deadline
     assert client.get_request("recorded-failure").state == "failed"
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of the failed request freed")
 
 
-def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_and_runs_as_a_new_attempt(stack,
-                                                                                                          client):
+def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_and_runs_as_a_new_attempt(stack, client):
     """A client with retries on (gRPC's retry policy) whose request fails UNAVAILABLE after it was
     admitted sends it again with the same request_id: it runs as a new attempt under its own id,
     untouched by what is left of the failed one (its prefill forward still running), and gives
@@ -4222,14 +4853,26 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     prompt = "retried " + "word " * 1500  # a first word of its own: nothing cached makes its prefill short
     got = []
     with Client(stack.router_address, retries=2) as retrying:
-        t = threading.Thread(target=lambda: got.append(retrying.generate(prompt, max_tokens=4, ignore_eos=True,
-                                                                          request_id="retried", timeout=120)))
+        t = threading.Thread(
+            target=lambda: got.append(
+                retrying.generate(prompt, max_tokens=4, ignore_eos=True, request_id="retried", timeout=120)
+            )
+        )
         t.start()
-        wait_for(lambda: _state(client, "retried") == "prefilling", timeout=30, interval=0.02,
-                 what="the first attempt in its prefill forward")
-        stack.redis().hset(stack.keys.req("retried"), mapping={  # as a prefill worker records a failed handoff
-            "state": "failed", "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
-            "code": grpc.StatusCode.UNAVAILABLE.value[0]})
+        wait_for(
+            lambda: _state(client, "retried") == "prefilling",
+            timeout=30,
+            interval=0.02,
+            what="the first attempt in its prefill forward",
+        )
+        stack.redis().hset(
+            stack.keys.req("retried"),
+            mapping={  # as a prefill worker records a failed handoff
+                "state": "failed",
+                "error": "KV handoff to decode worker decode-0 failed: UNAVAILABLE: unreachable",
+                "code": grpc.StatusCode.UNAVAILABLE.value[0],
+            },
+        )
         t.join(120)
     ref = list(client.generate(prompt, max_tokens=4, ignore_eos=True, timeout=120).token_ids)  # from the cache
     assert len(got) == 1 and list(got[0].token_ids) == ref and got[0].request_id == "retried"
@@ -4245,8 +4888,7 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of both attempts freed")
 
 
-def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_id_but_not_after_an_abort(stack,
-                                                                                                          client):
+def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_id_but_not_after_an_abort(stack, client):
     """A client whose deadline passed, or that cancelled its call (a dropped connection looks the
     same to the router), sends the request again with its request_id: it runs as a new attempt
     and gives the right output. Before, it was refused ALREADY_EXISTS. One ended by an Abort is
@@ -4289,8 +4931,9 @@ def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_i
     wait_for(lambda: kv_idle(stack), timeout=30, what="the KV of every attempt freed")
 
 
-def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_without_running(stack, client,
-                                                                                             other_router):
+def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_without_running(
+    stack, client, other_router
+):
     """request_id is idempotent: a client that lost the answer to a finished request (its
     connection dropped after the last message) sends it again and gets the same result, whole,
     marked replayed, from any router, without a second run; streamed, in one message. A
@@ -4301,15 +4944,18 @@ def test_a_finished_request_sent_again_with_its_id_gets_its_recorded_result_with
     steps = scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"]
 
     def replays() -> float:  # at both routers
-        return sum(scrape(p.metrics_address).get("splitserve_requests_replayed_total", 0)
-                   for p in stack.procs if p.name.startswith("router"))
+        return sum(
+            scrape(p.metrics_address).get("splitserve_requests_replayed_total", 0)
+            for p in stack.procs
+            if p.name.startswith("router")
+        )
+
     before = replays()
     again = client.generate(prompt, max_tokens=12, ignore_eos=True, request_id="kept", timeout=60)
     assert again.replayed and again.request_id == "kept"
     assert (list(again.token_ids), again.text, again.finish_reason) == (list(first.token_ids), first.text, "length")
     assert (again.usage.prompt_tokens, again.usage.completion_tokens) == (first.usage.prompt_tokens, 12)
-    chunks = list(other_router.generate_stream(prompt, max_tokens=12, ignore_eos=True, request_id="kept",
-                                               timeout=60))
+    chunks = list(other_router.generate_stream(prompt, max_tokens=12, ignore_eos=True, request_id="kept", timeout=60))
     assert len(chunks) == 1 and chunks[0].replayed and list(chunks[0].token_ids) == list(first.token_ids)
     assert scrape(stack.proc("decode-0").metrics_address)["splitserve_engine_steps_total"] == steps  # no run
     # Streamed: the end is recorded before the last message goes out, so a re-send right after it is a replay.
@@ -4341,8 +4987,8 @@ def test_a_finished_request_sent_again_to_go_on_gets_only_the_rest_of_its_record
     chars = sum(len(c.text) for c in whole[:2])
     rest = list(client.generate_stream(prompt, request_id="kept-cut", resume_from=(had, chars), **kw))
     assert len(rest) == 1 and rest[0].replayed and rest[0].finish_reason == "length"
-    assert list(rest[0].token_ids) == ids[len(had):] and rest[0].text == text[chars:]
-    assert [lp.logprob for lp in rest[0].logprobs] == lps[len(had):]
+    assert list(rest[0].token_ids) == ids[len(had) :] and rest[0].text == text[chars:]
+    assert [lp.logprob for lp in rest[0].logprobs] == lps[len(had) :]
     assert rest[0].usage.completion_tokens == 6
     with pytest.raises(grpc.RpcError) as e:
         client.generate(prompt, request_id="kept-cut", resume_from=([ids[0] - 1 if ids[0] else 1, ids[1]], chars), **kw)
@@ -4358,8 +5004,11 @@ def test_a_finished_request_sent_again_to_go_on_gets_only_the_rest_of_its_record
         client.generate(prompt, request_id="kept-resumed", **kw)
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "going on from 2 tokens" in e.value.details()
     assert client.get_request("kept-resumed").attempts == 1
-    for changed in ({"max_tokens": 11, "ignore_eos": True}, {"max_tokens": 12, "ignore_eos": True, "priority": 1},
-                    {"max_tokens": 12}):
+    for changed in (
+        {"max_tokens": 11, "ignore_eos": True},
+        {"max_tokens": 12, "ignore_eos": True, "priority": 1},
+        {"max_tokens": 12},
+    ):
         with pytest.raises(grpc.RpcError) as e:
             client.generate(prompt, request_id="kept", timeout=60, **changed)
         assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "different request" in e.value.details(), changed
@@ -4374,8 +5023,9 @@ def _named(logprobs, tok) -> str:
     return "".join(lp.token for lp in logprobs)
 
 
-def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stack, client, other_router,
-                                                                            reference_logprobs, smol_loaded):
+def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(
+    stack, client, other_router, reference_logprobs, smol_loaded
+):
     """The first token's (sampled by the prefill worker, sent ahead of the KV) and the decode
     worker's: one per token in every message, the model's own distribution as the in-process
     engine gives it; kept for a replay; none unless asked."""
@@ -4398,8 +5048,9 @@ def test_logprobs_come_with_every_token_streamed_or_whole_and_with_a_replay(stac
     assert list(plain.token_ids) == tokens and len(plain.logprobs) == 0
 
 
-def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(stack, client, other_router,
-                                                                    reference_prompt_logprobs, smol_loaded):
+def test_prompt_logprobs_come_with_the_first_token_and_with_a_replay(
+    stack, client, other_router, reference_prompt_logprobs, smol_loaded
+):
     """The prompt's log probabilities, computed by the prefill worker over the whole prompt (though
     its prefix cache holds the start), come in the first message of a stream, in Generate's one,
     in a replay and when the prefill worker's token finishes the request; the tokens are those of
@@ -4460,13 +5111,19 @@ def test_a_format_that_turns_costly_while_generating_fails_invalid_argument_alon
         other = pool.submit(client.generate, "Tell me about the sea.", max_tokens=40, ignore_eos=True, timeout=120)
         chunks = []
         with pytest.raises(grpc.RpcError) as e:
-            for chunk in client.generate_stream("Three digits, then letters:", max_tokens=64, request_id="costly-later",
-                                                structured_output={"regex": COSTLY_LATER}, timeout=120):
+            for chunk in client.generate_stream(
+                "Three digits, then letters:",
+                max_tokens=64,
+                request_id="costly-later",
+                structured_output={"regex": COSTLY_LATER},
+                timeout=120,
+            ):
                 chunks.append(chunk)
         beside = other.result()
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
-    assert e.value.details().startswith("sampling.structured_output.regex: too costly while generating: "), \
+    assert e.value.details().startswith("sampling.structured_output.regex: too costly while generating: "), (
         e.value.details()
+    )
     text = "".join(c.text for c in chunks)  # what came before the status: the format's start
     assert re.fullmatch("[0-9]{3}a*", text) and len([t for c in chunks for t in c.token_ids]) == 5, text
     assert beside.finish_reason == "length" and beside.usage.completion_tokens == 40
@@ -4476,8 +5133,16 @@ def test_a_format_that_turns_costly_while_generating_fails_invalid_argument_alon
     # n = 2: with this seed, sample 0 takes the costly branch and sample 1 the cheap one, which would
     # run to max_tokens; the stream ends at sample 0's failure, and sample 1 is stopped with it
     with pytest.raises(grpc.RpcError) as e:
-        client.generate("Write something:", n=2, temperature=1.0, seed=1, max_tokens=2000, ignore_eos=True,
-                        structured_output={"regex": COSTLY_LATER + "|b[a-z ]+"}, timeout=120)
+        client.generate(
+            "Write something:",
+            n=2,
+            temperature=1.0,
+            seed=1,
+            max_tokens=2000,
+            ignore_eos=True,
+            structured_output={"regex": COSTLY_LATER + "|b[a-z ]+"},
+            timeout=120,
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too costly" in e.value.details()
     t = time.monotonic()
     wait_for(lambda: kv_idle(stack), timeout=15, what="the other sample stopped, its KV freed")
@@ -4490,15 +5155,22 @@ def test_structured_output_gives_the_in_process_engines_tokens(stack, client, sm
     from splitserve.engine.structured import StructuredOutput
 
     tok = smol_loaded.tokenizer
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer", "minimum": 0,
-                                                                                 "maximum": 99999999}},
-              "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     ids = tok.encode_chat([{"role": "user", "content": "Describe Paris as JSON with its population."}])
     eng = LLMEngine(EngineConfig(kv_cache_bytes=64 << 20), loaded=smol_loaded)
     REGEX = r"[A-Z][a-z]{1,12}, [0-9]{4}"  # bounded: SmolLM2 left a [a-z]+ running to max_tokens
-    cases = [({"json_schema": schema}, StructuredOutput("json_schema", json.dumps(schema)), {}),
-             ({"regex": REGEX}, StructuredOutput("regex", REGEX),
-              {"temperature": 1.0, "seed": 7})]
+    cases = [
+        ({"json_schema": schema}, StructuredOutput("json_schema", json.dumps(schema)), {}),
+        ({"regex": REGEX}, StructuredOutput("regex", REGEX), {"temperature": 1.0, "seed": 7}),
+    ]
     for fmt, engine_fmt, kw in cases:
         want = eng.generate([ids], SamplingParams(max_tokens=80, structured_output=engine_fmt, **kw))[0]
         chunks = list(client.generate_stream(token_ids=ids, max_tokens=80, structured_output=fmt, timeout=120, **kw))
@@ -4512,18 +5184,31 @@ def test_structured_output_gives_the_in_process_engines_tokens(stack, client, sm
         else:
             assert __import__("re").fullmatch(REGEX, text)
     # sent again to go on from its fourth token (resume_from), it goes on in the format: the same tokens
-    rest = client.generate(token_ids=ids, max_tokens=80, structured_output={"regex": REGEX}, temperature=1.0, seed=7,
-                           resume_from=(want[:4], len(tok.decode(want[:4]))), timeout=120)
+    rest = client.generate(
+        token_ids=ids,
+        max_tokens=80,
+        structured_output={"regex": REGEX},
+        temperature=1.0,
+        seed=7,
+        resume_from=(want[:4], len(tok.decode(want[:4]))),
+        timeout=120,
+    )
     assert list(rest.token_ids) == want[4:] and rest.finish_reason == "stop"
     # JSON without whitespace (the option travels with the job and the KV)
-    compact = client.generate(token_ids=ids, max_tokens=80, structured_output={"json_schema": schema,
-                                                                               "disable_any_whitespace": True})
+    compact = client.generate(
+        token_ids=ids, max_tokens=80, structured_output={"json_schema": schema, "disable_any_whitespace": True}
+    )
     from test_structured import whitespace_outside_strings
 
     assert compact.finish_reason == "stop" and json.loads(compact.text)
     assert whitespace_outside_strings(compact.text) == "" and whitespace_outside_strings(loose), compact.text
-    want = eng.generate([ids], SamplingParams(max_tokens=80, structured_output=StructuredOutput(
-        "json_schema", json.dumps(schema), disable_any_whitespace=True)))[0]
+    want = eng.generate(
+        [ids],
+        SamplingParams(
+            max_tokens=80,
+            structured_output=StructuredOutput("json_schema", json.dumps(schema), disable_any_whitespace=True),
+        ),
+    )[0]
     assert list(compact.token_ids) == want
     # counted by kind (the router's scrape: every admitted request so far in this stack's run)
     counts = scrape(stack.proc("router").metrics_address)
@@ -4538,8 +5223,11 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack, client):
     full = client.generate("The days of the week are", max_tokens=24).text
     stop = full.split()[3]
     for include in (False, True):
-        chunks = list(client.generate_stream("The days of the week are", max_tokens=24, stop=[stop],
-                                             include_stop_str_in_output=include, timeout=60))
+        chunks = list(
+            client.generate_stream(
+                "The days of the week are", max_tokens=24, stop=[stop], include_stop_str_in_output=include, timeout=60
+            )
+        )
         assert chunks[-1].finish_reason == "stop"
         assert "".join(c.text for c in chunks) == full[: full.index(stop) + (len(stop) if include else 0)]
 
@@ -4598,10 +5286,16 @@ def test_tokenize_and_detokenize(stack, client, smol_loaded):
     assert client.detokenize(list(c.token_ids)).text == tok.decode(list(c.token_ids))
     kept = client.detokenize(list(c.token_ids), skip_special_tokens=False).text
     assert kept.startswith("<|im_start|>system") and kept.count("<|im_end|>") == 2
-    for call, field in ((lambda: client.stub.Tokenize(__import__("splitserve_proto.v1.generation_pb2", fromlist=["x"])
-                                                      .TokenizeRequest()), "input"),
-                        (lambda: client.tokenize(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
-                        (lambda: client.detokenize([5, 49152]), "token_ids")):
+    for call, field in (
+        (
+            lambda: client.stub.Tokenize(
+                __import__("splitserve_proto.v1.generation_pb2", fromlist=["x"]).TokenizeRequest()
+            ),
+            "input",
+        ),
+        (lambda: client.tokenize(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+        (lambda: client.detokenize([5, 49152]), "token_ids"),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
@@ -4644,11 +5338,17 @@ def test_n_samples_are_the_in_process_engines(stack, client, smol_loaded):
             x.request_id, x.usage.cached_tokens = "", 0
             x.ClearField("timings")
         return r
+
     assert bare(collect(chunks, 3)) == bare(one)  # the client's: the stream's messages as Generate's response
     # the first token ends sample 0 where it is sampled: its KV goes all the same, for the others
     short = client.generate(token_ids=ids, n=4, timeout=120, **{**kw, "max_tokens": 1})
     assert [len(c.token_ids) for c in short.choices] == [1, 1, 1, 1]
-    assert [c.token_ids[0] for c in short.choices] == [want[0][0], want[1][0], want[2][0], short.choices[3].token_ids[0]]
+    assert [c.token_ids[0] for c in short.choices] == [
+        want[0][0],
+        want[1][0],
+        want[2][0],
+        short.choices[3].token_ids[0],
+    ]
     wait_for(lambda: kv_idle(stack), what="every sample's KV freed")
 
 
@@ -4667,8 +5367,9 @@ def test_a_finished_request_of_n_samples_is_replayed_sample_by_sample(stack, cli
     assert not first.replayed and [len(c.token_ids) for c in first.choices] == [6, 6] and a.token_ids != b.token_ids
 
     def same(got, want):
-        assert [(c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in got] == \
-            [(c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in want]
+        assert [(c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in got] == [
+            (c.index, list(c.token_ids), c.text, c.finish_reason, c.usage.completion_tokens) for c in want
+        ]
         assert [[lp.logprob for lp in c.logprobs] for c in got] == [[lp.logprob for lp in c.logprobs] for c in want]
 
     again = client.generate(prompt, request_id="n-kept", **kw)
@@ -4681,14 +5382,17 @@ def test_a_finished_request_of_n_samples_is_replayed_sample_by_sample(stack, cli
     # the client has sample 0 whole and sample 1's first message: replayed the rest of sample 1
     b_first = next(c for c in chunks if c.index == 1)
     assert 0 < len(b_first.token_ids) < 6
-    cont = pb.Continuation(samples=[
-        pb.SampleContinuation(index=0, token_ids=a.token_ids, text_chars=len(a.text), finished=True),
-        pb.SampleContinuation(index=1, token_ids=b_first.token_ids, text_chars=len(b_first.text))])
+    cont = pb.Continuation(
+        samples=[
+            pb.SampleContinuation(index=0, token_ids=a.token_ids, text_chars=len(a.text), finished=True),
+            pb.SampleContinuation(index=1, token_ids=b_first.token_ids, text_chars=len(b_first.text)),
+        ]
+    )
     rest = list(client.generate_stream(prompt, request_id="n-kept", resume_from=cont, **kw))
     assert len(rest) == 1 and rest[0].replayed and rest[0].index == 1 and rest[0].finish_reason == "length"
     assert list(b_first.token_ids) + list(rest[0].token_ids) == list(b.token_ids)
     assert b_first.text + rest[0].text == b.text
-    assert [lp.logprob for lp in rest[0].logprobs] == [lp.logprob for lp in b.logprobs][len(b_first.token_ids):]
+    assert [lp.logprob for lp in rest[0].logprobs] == [lp.logprob for lp in b.logprobs][len(b_first.token_ids) :]
     cont.samples[1].token_ids[0] += 1
     with pytest.raises(grpc.RpcError) as e:
         client.generate(prompt, request_id="n-kept", resume_from=cont, **kw)
@@ -4723,8 +5427,9 @@ def test_a_re_send_holding_a_samples_last_token_but_not_its_end_gets_that_end(st
         return [(m.index, list(m.token_ids), m.finish_reason, m.usage.completion_tokens, m.replayed) for m in msgs]
 
     held = _continuation((0, list(a.token_ids), False), (1, list(b.token_ids), True))
-    assert seen(client.generate_stream(prompt, request_id="n-last", resume_from=held, **kw)) == \
-        [(0, [], "length", 1, True)]
+    assert seen(client.generate_stream(prompt, request_id="n-last", resume_from=held, **kw)) == [
+        (0, [], "length", 1, True)
+    ]
     # a new attempt: sample 0 ends at once, sample 1 (not started) is run
     held = _continuation((0, list(a.token_ids), False))
     got = seen(client.generate_stream(prompt, request_id="n-last-again", resume_from=held, **kw))
@@ -4742,9 +5447,19 @@ def test_a_re_send_holding_a_samples_last_token_but_not_its_end_gets_that_end(st
 def test_an_abort_ends_every_sample(stack, client):
     chunks = []
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(lambda: chunks.extend(client.generate_stream(
-            "Tell me a long story about a lighthouse.", n=3, max_tokens=400, ignore_eos=True, temperature=0.8,
-            request_id="n-abort", timeout=120)))
+        fut = pool.submit(
+            lambda: chunks.extend(
+                client.generate_stream(
+                    "Tell me a long story about a lighthouse.",
+                    n=3,
+                    max_tokens=400,
+                    ignore_eos=True,
+                    temperature=0.8,
+                    request_id="n-abort",
+                    timeout=120,
+                )
+            )
+        )
         wait_for(lambda: len({c.index for c in chunks}) == 3, what="all three samples streaming")
         assert client.abort("n-abort").found
         fut.result(timeout=60)
@@ -4781,18 +5496,27 @@ def test_a_client_that_stops_reading_a_stream_cancels_its_request(stack, client)
     wait_for(lambda: kv_idle(stack), what="idle before the test")
 
     def walk_away():
-        for chunk in client.generate_stream("Write a very long story about a ship.", max_tokens=400,
-                                            ignore_eos=True, request_id="walked-away"):
+        for chunk in client.generate_stream(
+            "Write a very long story about a ship.", max_tokens=400, ignore_eos=True, request_id="walked-away"
+        ):
             if chunk.token_ids:
                 break
+
     walk_away()
-    assert wait_for(lambda: client.get_request("walked-away").state == "cancelled", timeout=10,
-                    what="the sync client's abandoned stream cancelled")
+    assert wait_for(
+        lambda: client.get_request("walked-away").state == "cancelled",
+        timeout=10,
+        what="the sync client's abandoned stream cancelled",
+    )
 
     async def go():
         async with AsyncClient(stack.router_address) as ac:
-            async for chunk in ac.generate_stream("Write a very long story about a train.", max_tokens=400,
-                                                  ignore_eos=True, request_id="walked-away-async"):
+            async for chunk in ac.generate_stream(
+                "Write a very long story about a train.",
+                max_tokens=400,
+                ignore_eos=True,
+                request_id="walked-away-async",
+            ):
                 if chunk.token_ids:
                     break
             end = time.monotonic() + 10  # the channel stays open: only the generator's end can cancel it
@@ -4807,7 +5531,8 @@ def test_a_client_that_stops_reading_a_stream_cancels_its_request(stack, client)
 
 
 def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_correct_and_nothing_held(
-        stack, smol_loaded, mixed_workload):
+    stack, smol_loaded, mixed_workload
+):
     """Six clients over both routers send a seeded mix: plain greedy requests (streamed, unary,
     sampled), streams cancelled after some tokens or after a delay, Aborts sent to either router,
     short deadlines and invalid requests, so that the endings land in every phase of other
@@ -4821,21 +5546,53 @@ def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_corr
     prompts = [it["prompt_token_ids"][: 24 + 17 * (i % 9)] for i, it in enumerate(mixed_workload[:40])]
     rng = random.Random(7)
     plan = []  # (request_id, kind, prompt index, max_tokens, delay_s or tokens before the cancel)
-    kinds = ["stream", "stream", "unary", "sampled", "cancel_after_tokens", "cancel_after_delay", "abort",
-             "abort_elsewhere", "deadline", "bad"]
+    kinds = [
+        "stream",
+        "stream",
+        "unary",
+        "sampled",
+        "cancel_after_tokens",
+        "cancel_after_delay",
+        "abort",
+        "abort_elsewhere",
+        "deadline",
+        "bad",
+    ]
     for k in range(72):
         kind = kinds[k % len(kinds)] if k < len(kinds) else rng.choice(kinds)
-        plan.append((f"mix-{k}", kind, rng.randrange(len(prompts)), rng.randint(1, 24),
-                     rng.randint(0, 5) if kind == "cancel_after_tokens" else rng.uniform(0.0, 0.6)))
+        plan.append(
+            (
+                f"mix-{k}",
+                kind,
+                rng.randrange(len(prompts)),
+                rng.randint(1, 24),
+                rng.randint(0, 5) if kind == "cancel_after_tokens" else rng.uniform(0.0, 0.6),
+            )
+        )
     max_tokens = {p[0]: p[3] for p in plan}
-    greedy = [p for p in plan if p[1] in ("stream", "unary", "cancel_after_delay", "abort", "abort_elsewhere",
-                                          "deadline")]
+    greedy = [
+        p for p in plan if p[1] in ("stream", "unary", "cancel_after_delay", "abort", "abort_elsewhere", "deadline")
+    ]
     eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20), loaded=smol_loaded)
-    want = dict(zip((p[0] for p in greedy), eng.generate(
-        [prompts[p[2]] for p in greedy], [SamplingParams(max_tokens=p[3], ignore_eos=True) for p in greedy])))
-    allowed = {"stream": {"OK"}, "unary": {"OK"}, "sampled": {"OK"}, "bad": {"INVALID_ARGUMENT"},
-               "cancel_after_tokens": {"OK", "CANCELLED"}, "cancel_after_delay": {"OK", "CANCELLED"},
-               "abort": {"OK"}, "abort_elsewhere": {"OK"}, "deadline": {"OK", "DEADLINE_EXCEEDED"}}
+    want = dict(
+        zip(
+            (p[0] for p in greedy),
+            eng.generate(
+                [prompts[p[2]] for p in greedy], [SamplingParams(max_tokens=p[3], ignore_eos=True) for p in greedy]
+            ),
+        )
+    )
+    allowed = {
+        "stream": {"OK"},
+        "unary": {"OK"},
+        "sampled": {"OK"},
+        "bad": {"INVALID_ARGUMENT"},
+        "cancel_after_tokens": {"OK", "CANCELLED"},
+        "cancel_after_delay": {"OK", "CANCELLED"},
+        "abort": {"OK"},
+        "abort_elsewhere": {"OK"},
+        "deadline": {"OK", "DEADLINE_EXCEEDED"},
+    }
     got: dict[str, tuple] = {}
     clients = [Client(a) for a in stack.router_addresses]
     timers: list[threading.Timer] = []
@@ -4847,14 +5604,18 @@ def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_corr
             if kind == "bad":
                 c.generate(**{**kw, "top_p": 1.5}, timeout=30)
             elif kind in ("unary", "sampled"):
-                r = c.generate(**kw, **({"temperature": 0.9, "top_p": 0.9, "seed": pi} if kind == "sampled" else {}),
-                               timeout=120)
+                r = c.generate(
+                    **kw, **({"temperature": 0.9, "top_p": 0.9, "seed": pi} if kind == "sampled" else {}), timeout=120
+                )
                 tokens, finish = list(r.token_ids), r.finish_reason
             else:
                 stream = c.generate_stream(**kw, timeout=arg if kind == "deadline" else 120)
                 if kind in ("cancel_after_delay", "abort", "abort_elsewhere"):
-                    end = {"cancel_after_delay": stream.cancel, "abort": lambda: c.abort(rid),
-                           "abort_elsewhere": lambda: other.abort(rid)}[kind]
+                    end = {
+                        "cancel_after_delay": stream.cancel,
+                        "abort": lambda: c.abort(rid),
+                        "abort_elsewhere": lambda: other.abort(rid),
+                    }[kind]
                     timers.append(threading.Timer(arg, end))
                     timers[-1].start()
                 for chunk in stream:
@@ -4887,8 +5648,11 @@ def test_a_mix_of_cancels_aborts_deadlines_and_bad_requests_leaves_the_rest_corr
             if kind in ("stream", "unary", "sampled"):
                 assert finish == "length" and len(tokens) == max_tokens[rid], (rid, tokens, finish)
         sent = [rid for rid, (kind, *_) in got.items() if kind != "bad"]
-        wait_for(lambda: {clients[0].get_request(rid).state for rid in sent} <= {"finished", "cancelled"},
-                 timeout=20, what="every request in a final state")
+        wait_for(
+            lambda: {clients[0].get_request(rid).state for rid in sent} <= {"finished", "cancelled"},
+            timeout=20,
+            what="every request in a final state",
+        )
         assert sum(kind == "bad" for kind, *_ in got.values()) >= 7
         assert sum(code == "CANCELLED" for _, code, *_ in got.values()) >= 5
         assert sum(kind.startswith("abort") and finish == "cancelled" for kind, _, _, finish in got.values()) >= 3
@@ -4909,11 +5673,10 @@ def test_a_decode_worker_that_leaves_out_prompt_logprobs_fails_the_request_inter
     """A decode worker of a release without prompt log probabilities sends a first token without
     them. The router fails that request INTERNAL, naming why, rather than answer without them;
     a request that asked for none goes through the same worker; nothing is left counted."""
-    from splitserve_proto.v1 import worker_pb2 as w
-    from splitserve_proto.v1 import worker_pb2_grpc
-
     from splitserve.service.grpc_server import options
     from splitserve.service.redis_state import WorkerInfo
+    from splitserve_proto.v1 import worker_pb2 as w
+    from splitserve_proto.v1 import worker_pb2_grpc
 
     class Older(worker_pb2_grpc.DecodeWorkerServicer):
         def __init__(self):
@@ -4938,8 +5701,15 @@ def test_a_decode_worker_that_leaves_out_prompt_logprobs_fails_the_request_inter
     stack = _start(prefill=0, decode=0, mode="colocated")  # a router alone; the older worker is its decode worker
     try:
         r = stack.redis()
-        info = WorkerInfo(worker_id="older-0", role="decode", address=address, host_id="elsewhere",
-                          free_kv_tokens=1 << 16, kv_capacity_tokens=1 << 16, epoch="older")
+        info = WorkerInfo(
+            worker_id="older-0",
+            role="decode",
+            address=address,
+            host_id="elsewhere",
+            free_kv_tokens=1 << 16,
+            kv_capacity_tokens=1 << 16,
+            epoch="older",
+        )
         heartbeat(r, stack.keys, info, lease_s=120)
         time.sleep(2 * stack.settings.heartbeat_s)  # read by the router
         with Client(stack.router_address) as c:

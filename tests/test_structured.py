@@ -18,10 +18,16 @@ from splitserve.engine.loader import load_model
 from splitserve.engine.sampling import SampleRow, SamplingParams, constrain
 from splitserve.engine.structured import MAX_FORMAT_CHARS, StructuredOutput
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 CHOICES = ("yes", "no", "it depends (a lot)")
 LARK = 'start: "sum(" NUM ("," NUM)* ")"\nNUM: /[1-9][0-9]{0,2}/'
@@ -29,8 +35,14 @@ LARK = 'start: "sum(" NUM ("," NUM)* ")"\nNUM: /[1-9][0-9]{0,2}/'
 
 def schema_ok(text: str) -> bool:
     d = json.loads(text)
-    return (set(d) <= {"name", "age", "tags"} and isinstance(d["name"], str) and len(d["name"]) <= 12
-            and type(d["age"]) is int and 0 <= d["age"] <= 150 and all(t in "ab" for t in d.get("tags", [])))
+    return (
+        set(d) <= {"name", "age", "tags"}
+        and isinstance(d["name"], str)
+        and len(d["name"]) <= 12
+        and type(d["age"]) is int
+        and 0 <= d["age"] <= 150
+        and all(t in "ab" for t in d.get("tags", []))
+    )
 
 
 # (format, whether a complete output is right), for the text of a request that finished "stop"
@@ -39,8 +51,10 @@ FORMATS = {
     "json_object": (StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
     "regex": (StructuredOutput("regex", PHONE), lambda text: re.fullmatch(PHONE, text) is not None),
     "choice": (StructuredOutput("choice", CHOICES), lambda text: text in CHOICES),
-    "lark": (StructuredOutput("lark", LARK), lambda text: re.fullmatch(r"sum\([1-9][0-9]{0,2}(,[1-9][0-9]{0,2})*\)",
-                                                                        text) is not None),
+    "lark": (
+        StructuredOutput("lark", LARK),
+        lambda text: re.fullmatch(r"sum\([1-9][0-9]{0,2}(,[1-9][0-9]{0,2})*\)", text) is not None,
+    ),
 }
 
 
@@ -49,9 +63,19 @@ def tiny_tok_loaded(tmp_path_factory, smol_folder):
     """A tiny random Llama with SmolLM2's tokenizer (vocabulary 49152): its outputs are noise."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.5, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.5,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(5)
     folder = tmp_path_factory.mktemp("tiny-tok")
     LlamaForCausalLM(cfg).save_pretrained(folder)
@@ -108,8 +132,9 @@ def test_outputs_follow_their_format(engine_factory, tiny_tok_loaded, kind, temp
     assert not follows(eng, fmt, free_tokens)  # the model alone does not
     finished = 0
     for seed in range(4):
-        tokens, text, reason = run(eng, prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed,
-                                                               structured_output=fmt))
+        tokens, text, reason = run(
+            eng, prompt, SamplingParams(max_tokens=120, temperature=temperature, seed=seed, structured_output=fmt)
+        )
         assert follows(eng, fmt, tokens), (text, reason)
         assert reason in ("stop", "eos", "length"), reason
         if reason != "length":
@@ -129,8 +154,9 @@ def test_json_without_whitespace(engine_factory, tiny_tok_loaded, kind):
         assert whitespace_outside_strings(loose)  # with the default whitespace
     compact = StructuredOutput(kind, fmt.value, disable_any_whitespace=True)
     for seed in range(3):
-        _, text, reason = run(eng, prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed,
-                                                          structured_output=compact))
+        _, text, reason = run(
+            eng, prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=seed, structured_output=compact)
+        )
         assert reason == "stop" and complete(text) and whitespace_outside_strings(text) == "", text
 
 
@@ -178,8 +204,10 @@ def test_preempted_structured_rows_resume_where_their_formats_were(engine_factor
     and every output is the one a roomy engine gives."""
     tok = tiny_tok_loaded.tokenizer
     prompts = [tok.encode(f"Record number {i}: " + "words " * (12 + 3 * i)) for i in range(4)]
-    params = [SamplingParams(max_tokens=60, temperature=0.7, seed=i, structured_output=FORMATS[k][0])
-              for i, k in enumerate(("json_schema", "regex", "lark", "json_schema"))]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0.7, seed=i, structured_output=FORMATS[k][0])
+        for i, k in enumerate(("json_schema", "regex", "lark", "json_schema"))
+    ]
     roomy = engine_factory().generate(prompts, params)
     eng = engine_factory(kv_cache_bytes=64 << 10, max_num_batched_tokens=24)  # 128 tokens of KV
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -193,8 +221,9 @@ def test_min_tokens_gives_way_to_a_format_that_must_end(engine_factory, tiny_tok
     """min_tokens bans EOS; a choice that is complete ends the request all the same ("stop")."""
     eng = engine_factory()
     prompt = tiny_tok_loaded.tokenizer.encode("Well?")
-    tokens, text, reason = run(eng, prompt, SamplingParams(max_tokens=30, min_tokens=20,
-                                                           structured_output=FORMATS["choice"][0]))
+    tokens, text, reason = run(
+        eng, prompt, SamplingParams(max_tokens=30, min_tokens=20, structured_output=FORMATS["choice"][0])
+    )
     assert text in CHOICES and reason == "stop" and len(tokens) < 20
     # a format that may end or go on: EOS stays banned until min_tokens, the format still holds
     fmt = StructuredOutput("regex", "[a-z]+")
@@ -207,9 +236,11 @@ def test_constrain_masks_to_the_allowed_tokens_and_banned_ones_only_when_others_
     fmt = StructuredOutput("choice", ("7", "8"))
     seven, eight = (eng.tokenizer.encode(d)[0] for d in "78")
     logits = torch.randn(3, 49152)
-    rows = [SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(fmt)),
-            SampleRow(SamplingParams(), None, banned=(seven,), matcher=eng.grammars.matcher(fmt)),
-            SampleRow(SamplingParams(), None)]
+    rows = [
+        SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(fmt)),
+        SampleRow(SamplingParams(), None, banned=(seven,), matcher=eng.grammars.matcher(fmt)),
+        SampleRow(SamplingParams(), None),
+    ]
     before = logits[2].clone()
     constrain(logits, rows)
     finite = [set(torch.isfinite(logits[i]).nonzero().view(-1).tolist()) for i in range(3)]
@@ -255,8 +286,9 @@ def test_a_format_that_turns_costly_while_generating_fails_its_request_alone(eng
     max_mask_ms (CPU time) in 3 of its last 5 steps ends its request "error", naming the field and
     the masks' times; the other rows of the batch (another format, none) go on to their ends."""
     eng = engine_factory(policy=policy, max_mask_ms=1.0)  # 7x below the costly masks, 10x above the phone's
-    eng.add_request("costly", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput(
-        "regex", COSTLY_LATER)))
+    eng.add_request(
+        "costly", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput("regex", COSTLY_LATER))
+    )
     eng.add_request("phone", [1, 2, 3, 4], SamplingParams(max_tokens=30, structured_output=FORMATS["regex"][0]))
     eng.add_request("plain", [1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True))
     outs = {}
@@ -277,15 +309,17 @@ def test_a_format_that_turns_costly_while_generating_fails_its_request_alone(eng
 
 def test_a_format_that_errs_while_generating_fails_its_request(engine_factory):
     eng = engine_factory()
-    eng.add_request("errs", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput(
-        "regex", ERRS_LATER)))
+    eng.add_request(
+        "errs", [1, 2, 3], SamplingParams(max_tokens=40, structured_output=StructuredOutput("regex", ERRS_LATER))
+    )
     outs = []
     while eng.has_unfinished():
         outs += eng.step()
     assert outs[-1].finish_reason == "error" and outs[-1].exception.field == "sampling.structured_output.regex"
     # llguidance's reason, its first line only (the rest is its parser's state)
-    assert outs[-1].error == ("sampling.structured_output.regex: failed while generating: lexer error: too many "
-                              "expressions constructed")
+    assert outs[-1].error == (
+        "sampling.structured_output.regex: failed while generating: lexer error: too many expressions constructed"
+    )
     assert re.fullmatch("[0-9]{3}a+", "".join(o.new_text for o in outs))
 
 
@@ -294,10 +328,11 @@ def test_masks_are_timed_in_cpu_time_per_row(engine_factory):
 
     eng = engine_factory()
     costly = eng.grammars.matcher(StructuredOutput("regex", COSTLY_LATER), eng.tokenizer.encode("123"))
-    rows = [SampleRow(SamplingParams(), None, matcher=costly, mask_ms=deque(maxlen=5)),
-            SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(FORMATS["regex"][0]),
-                      mask_ms=deque(maxlen=5)),
-            SampleRow(SamplingParams(), None)]
+    rows = [
+        SampleRow(SamplingParams(), None, matcher=costly, mask_ms=deque(maxlen=5)),
+        SampleRow(SamplingParams(), None, matcher=eng.grammars.matcher(FORMATS["regex"][0]), mask_ms=deque(maxlen=5)),
+        SampleRow(SamplingParams(), None),
+    ]
     constrain(torch.zeros(3, 49152), rows)
     (first,), (phone,) = rows[0].mask_ms, rows[1].mask_ms
     assert first > 1.0 and 0 <= phone < 1.0, (first, phone)  # the a{40000} part's first mask: ~20 ms here
@@ -315,21 +350,24 @@ def test_reported_log_probabilities_are_the_models_before_the_mask(engine_factor
     assert lp.top[0][0] == free[0][0] and lp.rank > 1  # ... and its most likely is still reported
 
 
-@pytest.mark.parametrize("fmt_kw, field, says", [
-    (("json_schema", "{not json"), "sampling.structured_output.json_schema", "is not JSON"),
-    (("json_schema", "[1, 2]"), "sampling.structured_output.json_schema", "object or a boolean"),
-    (("json_schema", '{"type": "objekt"}'), "sampling.structured_output.json_schema", "objekt"),
-    (("regex", "(ab"), "sampling.structured_output.regex", ""),
-    (("regex", ""), "sampling.structured_output.regex", "empty"),
-    (("lark", "start: nothing_defined"), "sampling.structured_output.lark", "nothing_defined"),
-    (("choice", ()), "sampling.structured_output.choice", "at least one"),
-    (("choice", ("a", "")), "sampling.structured_output.choice", "non-empty"),
-    (("choice", ("a",) * 1025), "sampling.structured_output.choice", "at most 1024"),
-    (("regex", "a" * (MAX_FORMAT_CHARS + 1)), "sampling.structured_output.regex", "at most"),
-    (("regex", "a{200000}"), "sampling.structured_output.regex", "too costly"),  # ~40 ms a mask here
-    (("xml", "<a/>"), "sampling.structured_output", "unknown format"),
-    (("regex", "a+", True), "sampling.structured_output.disable_any_whitespace", "not regex"),
-])
+@pytest.mark.parametrize(
+    "fmt_kw, field, says",
+    [
+        (("json_schema", "{not json"), "sampling.structured_output.json_schema", "is not JSON"),
+        (("json_schema", "[1, 2]"), "sampling.structured_output.json_schema", "object or a boolean"),
+        (("json_schema", '{"type": "objekt"}'), "sampling.structured_output.json_schema", "objekt"),
+        (("regex", "(ab"), "sampling.structured_output.regex", ""),
+        (("regex", ""), "sampling.structured_output.regex", "empty"),
+        (("lark", "start: nothing_defined"), "sampling.structured_output.lark", "nothing_defined"),
+        (("choice", ()), "sampling.structured_output.choice", "at least one"),
+        (("choice", ("a", "")), "sampling.structured_output.choice", "non-empty"),
+        (("choice", ("a",) * 1025), "sampling.structured_output.choice", "at most 1024"),
+        (("regex", "a" * (MAX_FORMAT_CHARS + 1)), "sampling.structured_output.regex", "at most"),
+        (("regex", "a{200000}"), "sampling.structured_output.regex", "too costly"),  # ~40 ms a mask here
+        (("xml", "<a/>"), "sampling.structured_output", "unknown format"),
+        (("regex", "a+", True), "sampling.structured_output.disable_any_whitespace", "not regex"),
+    ],
+)
 def test_bad_formats_name_the_field(engine_factory, tiny_tok_loaded, fmt_kw, field, says):
     eng = engine_factory()
     with pytest.raises(InvalidRequestError) as e:

@@ -11,11 +11,10 @@ import sys
 
 import pytest
 
+import splitserve
 from splitserve.bench import make_workload as mk
 from splitserve.bench.workload import WORKLOAD_DIR, default_workload_dir, load_workload
 from splitserve.engine.tokenizer import load_tokenizer
-
-import splitserve
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +60,40 @@ def test_the_generator_draws_the_kinds_shape_and_the_same_file_for_the_same_seed
 
 def test_the_generators_command_writes_a_file_load_workload_reads(smol_folder, tmp_path):
     out = tmp_path / "w.jsonl"
-    run = subprocess.run([sys.executable, "-m", "splitserve.bench.make_workload", "--kind", "short", "--requests", "5",
-                          "--model", smol_folder, "--out", str(out)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.bench.make_workload",
+            "--kind",
+            "short",
+            "--requests",
+            "5",
+            "--model",
+            smol_folder,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert [w.id for w in load_workload(str(out))] == [f"short-{i:04d}" for i in range(5)]
-    bad = subprocess.run([sys.executable, "-m", "splitserve.bench.make_workload", "--kind", "short", "--requests", "0",
-                          "--model", smol_folder], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.bench.make_workload",
+            "--kind",
+            "short",
+            "--requests",
+            "0",
+            "--model",
+            smol_folder,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "requests must be >= 1, got 0" in bad.stderr, bad.stderr

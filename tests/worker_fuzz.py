@@ -19,16 +19,23 @@ import time
 import types
 
 import grpc
-
 from request_fuzz import FIELD, VOCAB, random_sampling
+
 from splitserve.engine import kv_transfer
 from splitserve_proto.v1 import worker_pb2 as w
 
 # what a call may answer besides OK (a handoff for a stream that has ended or is of another leg,
 # a second handoff, a PrefillHere for a stream whose KV came already, a stream cancelled here, one
 # whose deadline_unix passed; one the fuzz cut)
-CLEAR = {"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION", "CANCELLED", "DEADLINE_EXCEEDED",
-         "cancelled by the fuzz"}
+CLEAR = {
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "FAILED_PRECONDITION",
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "cancelled by the fuzz",
+}
 FINISHES = {"length", "stop", "eos", "cancelled", "error"}
 SHAPE = types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's KV
 
@@ -98,8 +105,14 @@ def _chunks(rng: random.Random, seq: w.SequenceState, fingerprint: str, bad: boo
         payload = payload[: rng.randrange(len(payload))]
     if bad and rng.random() < 0.2:
         payload[: rng.choice([4, 8, 64])] = b"\xff" * 64
-    h = w.KVHandle(length=len(payload), num_tokens=len(seq.token_ids) - 1, layout_version=1, dtype="float32",
-                   fingerprint=fingerprint, transport="grpc")
+    h = w.KVHandle(
+        length=len(payload),
+        num_tokens=len(seq.token_ids) - 1,
+        layout_version=1,
+        dtype="float32",
+        fingerprint=fingerprint,
+        transport="grpc",
+    )
     data = bytes(payload)
     chunks = [w.KVChunk(header=w.PutKVRequest(sequence=seq, handle=h), data=data[: 1 << 16])]
     chunks += [w.KVChunk(data=data[i : i + (1 << 20)]) for i in range((1 << 16), len(data), 1 << 20)]
@@ -121,8 +134,11 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
     code, or the status it ended with); "cancelled by the fuzz" for a stream it cut."""
     bad = rng.random() < 0.5
     prompt_len = rng.randint(1, 30)
-    opened = w.DecodeRequest(request_id=rid, priority=rng.choice([0, 0, -1, 2**31 - 1, -2**31]),
-                             prompt_tokens=prompt_len if rng.random() < 0.9 else rng.choice([-3, 0, 2**40]))
+    opened = w.DecodeRequest(
+        request_id=rid,
+        priority=rng.choice([0, 0, -1, 2**31 - 1, -(2**31)]),
+        prompt_tokens=prompt_len if rng.random() < 0.9 else rng.choice([-3, 0, 2**40]),
+    )
     if rng.random() < 0.2:
         opened.deadline_unix = rng.choice([time.time() + 5, 1.0, float("nan"), float("inf")])
     if rng.random() < 0.2:
@@ -136,8 +152,9 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
             opened.resumed_tokens, opened.resumed_chars = rng.choice([0, 1, 3, 100]), rng.choice([0, 2, 10**6])
         if rng.random() < 0.15:
             for j in range(rng.randint(1, 3)):
-                opened.resumed_samples.add(index=rng.choice([j, 0, 20]), token_ids=_tokens(rng, bad)[:4],
-                                           chars=rng.choice([0, 1, 2**31]))
+                opened.resumed_samples.add(
+                    index=rng.choice([j, 0, 20]), token_ids=_tokens(rng, bad)[:4], chars=rng.choice([0, 1, 2**31])
+                )
         if rng.random() < 0.1:
             opened.cache_salt = rng.choice(["a", "x" * 300])
     answers: list[tuple] = []
@@ -167,17 +184,27 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
                     stub.PutKVStream(iter(_chunks(rng, seq, fingerprint, bad)), timeout=30)
             elif kind == "PutKV":
                 seq = _sequence(rng, target, prompt_len, bad)
-                h = w.KVHandle(arena=rng.choice(["", "nope", arena]), offset=rng.choice([0, 2**63]),
-                               length=rng.choice([0, 64, 2**63]), num_tokens=len(seq.token_ids) - 1,
-                               layout_version=1, dtype="float32", fingerprint=fingerprint, host_id=host_id,
-                               transport="shm")
+                h = w.KVHandle(
+                    arena=rng.choice(["", "nope", arena]),
+                    offset=rng.choice([0, 2**63]),
+                    length=rng.choice([0, 64, 2**63]),
+                    num_tokens=len(seq.token_ids) - 1,
+                    layout_version=1,
+                    dtype="float32",
+                    fingerprint=fingerprint,
+                    host_id=host_id,
+                    transport="shm",
+                )
                 stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=30)
             elif kind == "FirstToken":
-                req = w.FirstTokenRequest(request_id=target, token_ids=_tokens(rng, bad)[: rng.choice([1, 1, 2])],
-                                          text=rng.choice(["", "x", "\u00e9"]),
-                                          queue_ms=rng.choice([0.0, float("nan")]),
-                                          prefill_ms=rng.choice([1.0, -1.0, float("inf")]),
-                                          resumed_tokens=rng.choice([0, 0, 5, 2**31]))
+                req = w.FirstTokenRequest(
+                    request_id=target,
+                    token_ids=_tokens(rng, bad)[: rng.choice([1, 1, 2])],
+                    text=rng.choice(["", "x", "\u00e9"]),
+                    queue_ms=rng.choice([0.0, float("nan")]),
+                    prefill_ms=rng.choice([1.0, -1.0, float("inf")]),
+                    resumed_tokens=rng.choice([0, 0, 5, 2**31]),
+                )
                 if rng.random() < 0.3:
                     req.logprobs.add(token_id=rng.choice([1, -1]), logprob=rng.choice([-1.0, float("nan")]))
                 if rng.random() < 0.2:
@@ -189,15 +216,24 @@ def round_of(stub, rng: random.Random, rid: str, fingerprint: str, arena: str, h
                     stub.FirstTokens(iter([req]), timeout=30)
             elif kind == "Fail":
                 failed_by_fuzz = True
-                stub.Fail(w.FailRequest(request_id=target, code=rng.choice([1, 3, 8, 14, 16, 0, 17, -1]),
-                                        message=rng.choice(["", "m", "x" * 100000]),
-                                        handoff_lost=rng.random() < 0.3), timeout=30)
+                stub.Fail(
+                    w.FailRequest(
+                        request_id=target,
+                        code=rng.choice([1, 3, 8, 14, 16, 0, 17, -1]),
+                        message=rng.choice(["", "m", "x" * 100000]),
+                        handoff_lost=rng.random() < 0.3,
+                    ),
+                    timeout=30,
+                )
             elif kind == "Cancel":
                 stub.Cancel(w.CancelRequest(request_id=target), timeout=30)
             else:
-                req = w.PrefillHereRequest(request_id=target, prompt_token_ids=_tokens(rng, bad),
-                                           queue_ms=rng.choice([0.0, -5.0, float("nan")]),
-                                           cache_salt=rng.choice(["", "x" * 300]))
+                req = w.PrefillHereRequest(
+                    request_id=target,
+                    prompt_token_ids=_tokens(rng, bad),
+                    queue_ms=rng.choice([0.0, -5.0, float("nan")]),
+                    cache_salt=rng.choice(["", "x" * 300]),
+                )
                 req.sampling.CopyFrom(random_sampling(rng, bad and rng.random() < 0.5))
                 stub.PrefillHere(req, timeout=30)
             answers.append((kind, "OK", ""))

@@ -12,8 +12,8 @@ stops it afterwards. Results go to ``--out`` (results.json and PNG plots).
 
 from __future__ import annotations
 
-import dataclasses
 import asyncio
+import dataclasses
 import math
 import os
 import random
@@ -27,21 +27,34 @@ MODES = ("colocated", "disaggregated")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="load generator: latency, throughput, goodput, sweeps and comparisons",
-                       description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--address", default="",
-                   help="a running router, or several (ipv4:A,B or a DNS name of several; calls go round robin) "
-                        "(default: start a stack per variant)")
-    p.add_argument("--workload", default="", help="JSONL workload (default: the package's workloads/workload_mixed.jsonl)")
+    p = sub.add_parser(
+        "bench",
+        help="load generator: latency, throughput, goodput, sweeps and comparisons",
+        description=__doc__,
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--address",
+        default="",
+        help="a running router, or several (ipv4:A,B or a DNS name of several; calls go round robin) "
+        "(default: start a stack per variant)",
+    )
+    p.add_argument(
+        "--workload", default="", help="JSONL workload (default: the package's workloads/workload_mixed.jsonl)"
+    )
     p.add_argument("--input-len", default="", help="synthetic prompts instead: N or LO-HI (uniform) tokens")
     p.add_argument("--output-len", default="64", help="synthetic output tokens: N or LO-HI (default 64)")
     p.add_argument("--vocab", type=int, default=0, help="synthetic token ids below this (default: the model's)")
     p.add_argument("--requests", type=int, default=64, help="requests per run (default 64; 0 = the whole file)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent first, one at a time, not counted")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--high-priority", type=float, default=0.0,
-                   help="fraction of the measured requests sent with priority -1 (seeded); latency is also "
-                        "reported per priority class")
+    p.add_argument(
+        "--high-priority",
+        type=float,
+        default=0.0,
+        help="fraction of the measured requests sent with priority -1 (seeded); latency is also "
+        "reported per priority class",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", default="", help="open loop: Poisson arrivals, requests/s (comma list)")
     load.add_argument("--concurrency", default="", help="closed loop: concurrent clients (comma list)")
@@ -58,9 +71,12 @@ def add_parser(sub) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--mode", default=None, choices=MODES)
     p.add_argument("--policy", default=None, choices=POLICIES)
-    p.add_argument("--prefix-caching", action="store_true",
-                   help="turn the stack's prefix cache on (default off: every point sends the same prompts "
-                        "again, and the cache would serve them instead of computing them)")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="turn the stack's prefix cache on (default off: every point sends the same prompts "
+        "again, and the cache would serve them instead of computing them)",
+    )
     p.add_argument("--out", default="bench-results/bench", help="folder for results.json and plots")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=main)
@@ -89,8 +105,15 @@ def make_items(args, vocab: int) -> list[WorkItem]:
     rng = random.Random(args.seed)
     if args.input_len:
         n = args.requests or 64
-        return [WorkItem(f"synthetic-{i}", "", [rng.randrange(10, vocab) for _ in range(_length(args.input_len, rng))],
-                         _length(args.output_len, rng)) for i in range(n + args.warmup)]
+        return [
+            WorkItem(
+                f"synthetic-{i}",
+                "",
+                [rng.randrange(10, vocab) for _ in range(_length(args.input_len, rng))],
+                _length(args.output_len, rng),
+            )
+            for i in range(n + args.warmup)
+        ]
     path = args.workload or os.path.join(default_workload_dir(), "workload_mixed.jsonl")
     items = load_workload(path, tokenize=_model_tokenizer(args))
     if not items:
@@ -116,15 +139,20 @@ class Target:
         self.args, self.variant, self.stack = args, variant, None
         self.address = args.address
 
-    def __enter__(self) -> "Target":
+    def __enter__(self) -> Target:
         if self.address:
             return self
         from splitserve.service.settings import Settings, needs_colocated
         from splitserve.stack import Stack
 
-        over = {"model": self.args.model, "policy": self.args.policy, "mode": self.args.mode,
-                "max_queue_requests": 1 << 16, "max_queue_tokens": 1 << 26,
-                "prefix_caching": self.args.prefix_caching}
+        over = {
+            "model": self.args.model,
+            "policy": self.args.policy,
+            "mode": self.args.mode,
+            "max_queue_requests": 1 << 16,
+            "max_queue_tokens": 1 << 26,
+            "prefix_caching": self.args.prefix_caching,
+        }
         prefill = self.args.prefill
         if self.variant in POLICIES:  # compared on equal terms: one engine prefills and decodes
             over.update(policy=self.variant, mode="colocated")
@@ -135,8 +163,12 @@ class Target:
         if over.get("mode") == "colocated":
             prefill = 0
         settings = Settings.from_env(**{k: v for k, v in over.items() if v is not None})
-        print(f"starting a stack ({settings.mode}, policy {settings.policy}, {prefill} prefill + "
-              f"{self.args.decode} decode)", file=sys.stderr, flush=True)
+        print(
+            f"starting a stack ({settings.mode}, policy {settings.policy}, {prefill} prefill + "
+            f"{self.args.decode} decode)",
+            file=sys.stderr,
+            flush=True,
+        )
         self.stack = Stack(settings, prefill=prefill, decode=self.args.decode).start()
         self.address = self.stack.router_address
         print(f"stack up; its logs and traces stay in {self.stack.run_dir}", file=sys.stderr, flush=True)
@@ -163,8 +195,10 @@ def check_answers(address: str, wait_s: float = 10.0) -> None:
         try:
             grpc.channel_ready_future(channel).result(timeout=wait_s)
         except grpc.FutureTimeoutError:
-            raise OSError(f"--address {address}: nothing answers there within {wait_s:g} s (start a stack with "
-                          "splitserve up, or leave --address out and the bench starts one)") from None
+            raise OSError(
+                f"--address {address}: nothing answers there within {wait_s:g} s (start a stack with "
+                "splitserve up, or leave --address out and the bench starts one)"
+            ) from None
 
 
 def _model_tokenizer(args):
@@ -182,14 +216,19 @@ def _model_tokenizer(args):
                 raise ValueError("this model has no tokenizer: give the workload's prompt_token_ids")
             tok.append(tokenizer)
         return tok[0].encode(prompt)
+
     return tokenize
 
 
 def _check_args(args) -> None:
     """ValueError naming the flag when one is out of range."""
-    for flag, value, least in (("--requests", args.requests, 0), ("--warmup", args.warmup, 0),
-                               ("--max-concurrency", args.max_concurrency, 1), ("--prefill", args.prefill, 0),
-                               ("--decode", args.decode, 1)):
+    for flag, value, least in (
+        ("--requests", args.requests, 0),
+        ("--warmup", args.warmup, 0),
+        ("--max-concurrency", args.max_concurrency, 1),
+        ("--prefill", args.prefill, 0),
+        ("--decode", args.decode, 1),
+    ):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if not args.timeout > 0:
@@ -205,8 +244,9 @@ def _check_args(args) -> None:
     for s in _specs(args):
         flag = "--rate" if s.mode == "rate" else "--concurrency"
         if not (math.isfinite(s.value) and s.value > 0) or (s.mode == "concurrency" and s.value != int(s.value)):
-            raise ValueError(f"{flag} takes {'numbers' if s.mode == 'rate' else 'whole numbers'} > 0, "
-                             f"got {s.label.split('=', 1)[1]}")
+            raise ValueError(
+                f"{flag} takes {'numbers' if s.mode == 'rate' else 'whole numbers'} > 0, got {s.label.split('=', 1)[1]}"
+            )
 
 
 def model_vocab(args) -> int:
@@ -231,7 +271,7 @@ def _progress(args, total: int, desc: str):
 
 
 def one_run(args, address: str, items: list[WorkItem], spec: loadgen.RunSpec, target: Target | None = None) -> dict:
-    warm, measured = items[: args.warmup], items[args.warmup:]
+    warm, measured = items[: args.warmup], items[args.warmup :]
     if warm:
         asyncio.run(loadgen.warm_up(address, warm))
     before = target.snapshot() if target is not None else None
@@ -281,8 +321,10 @@ def main(args) -> int:
         variants = [v.strip() for v in args.compare.split(",") if v.strip()]
         bad = [v for v in variants if v not in POLICIES + MODES]
         if bad or len(variants) < 2:
-            print(f"splitserve bench: error: --compare takes two or more of {', '.join(POLICIES + MODES)}",
-                  file=sys.stderr)
+            print(
+                f"splitserve bench: error: --compare takes two or more of {', '.join(POLICIES + MODES)}",
+                file=sys.stderr,
+            )
             return 2
         if args.address:
             print("splitserve bench: error: --compare starts its own stacks; drop --address", file=sys.stderr)
@@ -308,10 +350,13 @@ def main(args) -> int:
         report.update(knee=knee, degraded_at=degraded, rule=loadgen.KNEE_RULE.format(factor=args.knee_factor))
         print(runs_table(report["points"]))
         found = f"concurrency {knee:g}" if knee is not None else "none: no request succeeded at the lowest"
-        print(f"\n{report['rule']}\nknee: {found}" +
-              (f"; p99 degrades at {degraded:g}" if degraded else "; no degradation up to the largest tried"))
-        plots.append((plot_runs, report["points"], "concurrency",
-                      os.path.join(args.out, "latency_vs_concurrency.png"), knee))
+        print(
+            f"\n{report['rule']}\nknee: {found}"
+            + (f"; p99 degrades at {degraded:g}" if degraded else "; no degradation up to the largest tried")
+        )
+        plots.append(
+            (plot_runs, report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"), knee)
+        )
         plots.append((plot_runs, report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png")))
     else:
         report = {"kind": "runs", "points": []}
@@ -321,8 +366,9 @@ def main(args) -> int:
         print(runs_table(report["points"]))
         plots.append((plot_runs, report["points"], "throughput", os.path.join(args.out, "latency_vs_throughput.png")))
         if report["points"][0]["load"]["mode"] == "concurrency":
-            plots.append((plot_runs, report["points"], "concurrency",
-                          os.path.join(args.out, "latency_vs_concurrency.png")))
+            plots.append(
+                (plot_runs, report["points"], "concurrency", os.path.join(args.out, "latency_vs_concurrency.png"))
+            )
     path = os.path.join(args.out, "results.json")
     write_results(path, report, indent=1, default=lambda x: None)
     succeeded = any(p["succeeded"] for p in _all_points(report))
@@ -369,25 +415,38 @@ def _server_lines(named_points) -> list[str]:
 def _local_prefills_line(named_points) -> list[str]:
     """One line counting, per (name, point), the requests their decode worker prefilled; none when
     no point knows."""
-    local = [f"{name} {p['prefilled_locally']} of {p['succeeded']}"
-             + (f" ({p['prefill_unknown']} no longer known to the router)" if p.get("prefill_unknown") else "")
-             for name, p in named_points if p.get("prefilled_locally") is not None]
-    return ["prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local)] if local else []
+    local = [
+        f"{name} {p['prefilled_locally']} of {p['succeeded']}"
+        + (f" ({p['prefill_unknown']} no longer known to the router)" if p.get("prefill_unknown") else "")
+        for name, p in named_points
+        if p.get("prefilled_locally") is not None
+    ]
+    return (
+        ["prefilled by their decode worker (colocated, or conditional disaggregation): " + ", ".join(local)]
+        if local
+        else []
+    )
 
 
 def runs_table(points: list[dict]) -> str:
-    head = (f"{'load':>16} {'ok/sent':>8} {'req/s':>7} {'tok/s':>7} {'goodput':>8} | "
-            f"{'TTFT p50':>8} {'p90':>6} {'p99':>6} {'p99.9':>6} | {'TPOT p50':>8} {'p99':>6} | "
-            f"{'E2E p50':>8} {'p90':>6} {'p99':>7} {'p99.9':>7}  (ms)  errors")
+    head = (
+        f"{'load':>16} {'ok/sent':>8} {'req/s':>7} {'tok/s':>7} {'goodput':>8} | "
+        f"{'TTFT p50':>8} {'p90':>6} {'p99':>6} {'p99.9':>6} | {'TPOT p50':>8} {'p99':>6} | "
+        f"{'E2E p50':>8} {'p90':>6} {'p99':>7} {'p99.9':>7}  (ms)  errors"
+    )
     rows = [head]
     for p in points:
         o = p["tpot_s"]
-        rows.append(f"{p['label']:>16} {p['succeeded']:>3}/{p['sent']:<4} {p['request_throughput']:7.2f} "
-                    f"{p['output_throughput']:7.1f} {p['goodput']:8.2f} | {_ttft_cells(p['ttft_s'])} | "
-                    f"{_ms(o['p50']):>8} {_ms(o['p99']):>6} | {_e2e_cells(p['e2e_s'])}        {p['errors'] or ''}")
+        rows.append(
+            f"{p['label']:>16} {p['succeeded']:>3}/{p['sent']:<4} {p['request_throughput']:7.2f} "
+            f"{p['output_throughput']:7.1f} {p['goodput']:8.2f} | {_ttft_cells(p['ttft_s'])} | "
+            f"{_ms(o['p50']):>8} {_ms(o['p99']):>6} | {_e2e_cells(p['e2e_s'])}        {p['errors'] or ''}"
+        )
         for name, c in p.get("by_priority", {}).items():  # TPOT is not split by class: its cells stay blank
-            rows.append(f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | "
-                        f"{_ttft_cells(c['ttft_s'])} | {'':>15} | {_e2e_cells(c['e2e_s'])}")
+            rows.append(
+                f"{'  priority ' + name:>16} {c['succeeded']:>3}/{c['sent']:<4} {'':>24} | "
+                f"{_ttft_cells(c['ttft_s'])} | {'':>15} | {_e2e_cells(c['e2e_s'])}"
+            )
     rows += _local_prefills_line((p["label"], p) for p in points)
     rows += _server_lines((p["label"], p) for p in points)
     return "\n".join(rows)
@@ -397,17 +456,23 @@ def compare_table(report: dict) -> str:
     vs = report["variants"]
     names = list(vs)
     base = vs[names[0]]
-    rows = [f"{'variant':>14} {'req/s':>7} {'tok/s':>7} {'x ' + names[0]:>10} | {'E2E p50':>8} {'p99':>7} "
-            f"{'p99.9':>7} {'p99 vs ' + names[0]:>12} | {'TTFT p99':>8} {'TPOT p99':>8}  (ms)"]
+    rows = [
+        f"{'variant':>14} {'req/s':>7} {'tok/s':>7} {'x ' + names[0]:>10} | {'E2E p50':>8} {'p99':>7} "
+        f"{'p99.9':>7} {'p99 vs ' + names[0]:>12} | {'TTFT p99':>8} {'TPOT p99':>8}  (ms)"
+    ]
     for name, p in vs.items():
         e = p["e2e_s"]
         ratio = p["output_throughput"] / base["output_throughput"] if base["output_throughput"] else float("nan")
         p99_ratio = base["e2e_s"]["p99"] / e["p99"] if e["p99"] else float("nan")
-        rows.append(f"{name:>14} {p['request_throughput']:7.2f} {p['output_throughput']:7.1f} {ratio:9.2f}x | "
-                    f"{_ms(e['p50']):>8} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7} {p99_ratio:11.2f}x | "
-                    f"{_ms(p['ttft_s']['p99']):>8} {_ms(p['tpot_s']['p99']):>8}")
-    rows.append(f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
-                f"higher is better)")
+        rows.append(
+            f"{name:>14} {p['request_throughput']:7.2f} {p['output_throughput']:7.1f} {ratio:9.2f}x | "
+            f"{_ms(e['p50']):>8} {_ms(e['p99']):>7} {_ms(e['p99.9']):>7} {p99_ratio:11.2f}x | "
+            f"{_ms(p['ttft_s']['p99']):>8} {_ms(p['tpot_s']['p99']):>8}"
+        )
+    rows.append(
+        f"(load: {base['load']['mode']} {base['load']['value']:g}; 'p99 vs' = {names[0]}'s p99 / this p99, "
+        f"higher is better)"
+    )
     rows += _local_prefills_line(vs.items())
     rows += _server_lines(vs.items())
     return "\n".join(rows)
@@ -435,8 +500,9 @@ def plot_runs(points: list[dict], x: str, path: str, knee: float | None = None) 
         if knee is not None:
             ax.axvline(knee, color="grey", linestyle=":", label=f"knee ({knee:g})")
         ax2 = ax.twinx()
-        ax2.plot(xs, [p["output_throughput"] for p in points], color="black", alpha=0.4, marker="^",
-                 label="output tok/s")
+        ax2.plot(
+            xs, [p["output_throughput"] for p in points], color="black", alpha=0.4, marker="^", label="output tok/s"
+        )
         ax2.set_ylabel("output tokens/s")
         ax2.legend(loc="lower right", fontsize=8)
     else:
@@ -462,8 +528,12 @@ def plot_compare(report: dict, path: str) -> None:
     width = 0.2
     metrics = [("e2e_s", "p50"), ("e2e_s", "p99"), ("e2e_s", "p99.9"), ("ttft_s", "p99"), ("tpot_s", "p99")]
     for j, (key, pct) in enumerate(metrics):
-        a2.bar([i + (j - 2) * width * 0.8 for i in range(len(names))], [vs[n][key][pct] for n in names],
-               width * 0.8, label=f"{key[:-2].upper()} {pct}")
+        a2.bar(
+            [i + (j - 2) * width * 0.8 for i in range(len(names))],
+            [vs[n][key][pct] for n in names],
+            width * 0.8,
+            label=f"{key[:-2].upper()} {pct}",
+        )
     a2.set_xticks(range(len(names)), names)
     a2.set_yscale("log")
     a2.set_ylabel("seconds")

@@ -63,10 +63,28 @@ def _ready() -> None:
 
 def side_by_side(seconds: float, board: str, workload: str) -> dict:
     env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    procs = {role: subprocess.Popen([sys.executable, "-m", "splitserve.bench.cores_bench", "--loop", role,
-                                     "--seconds", str(seconds), "--board", board, "--workload", workload],
-                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for role in ("prefill", "decode")}
+    procs = {
+        role: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.bench.cores_bench",
+                "--loop",
+                role,
+                "--seconds",
+                str(seconds),
+                "--board",
+                board,
+                "--workload",
+                workload,
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role in ("prefill", "decode")
+    }
     for role, p in procs.items():
         if p.stdout.readline().strip() != "ready":
             raise RuntimeError(f"{role} loop did not start")
@@ -98,15 +116,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="splitserve-cores-") as tmp:
         for r in range(args.rounds):
             for variant in ("off", "board"):
-                got = side_by_side(args.seconds, os.path.join(tmp, f"cores-{r}") if variant == "board" else "",
-                                   args.workload)
+                got = side_by_side(
+                    args.seconds, os.path.join(tmp, f"cores-{r}") if variant == "board" else "", args.workload
+                )
                 rows[variant].append(got)
-                print(f"round {r + 1} {variant:5}: prefill {got['prefill']:.1f} prompt tok/s, "
-                      f"decode {got['decode']:.1f} tok/s (32 sequences)", flush=True)
+                print(
+                    f"round {r + 1} {variant:5}: prefill {got['prefill']:.1f} prompt tok/s, "
+                    f"decode {got['decode']:.1f} tok/s (32 sequences)",
+                    flush=True,
+                )
     med = {v: {role: statistics.median(g[role] for g in rows[v]) for role in ("prefill", "decode")} for v in rows}
     for role in ("prefill", "decode"):
-        print(f"{role}: median off {med['off'][role]:.1f}, board {med['board'][role]:.1f} tok/s "
-              f"-> {med['board'][role] / med['off'][role]:.2f}x")
+        print(
+            f"{role}: median off {med['off'][role]:.1f}, board {med['board'][role]:.1f} tok/s "
+            f"-> {med['board'][role] / med['off'][role]:.2f}x"
+        )
     write_results(args.out, {"seconds": args.seconds, "rounds": rows, "median": med})
     return 0
 

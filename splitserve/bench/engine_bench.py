@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from splitserve.bench.workload import write_results, WorkItem, default_workload_dir, load_workload, percentile
+from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, percentile, write_results
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.loader import load_model
@@ -34,8 +34,9 @@ def run_workload(engine: LLMEngine, items: list[WorkItem], max_tokens: int | Non
     items = [dataclasses.replace(it, max_tokens=max_tokens) for it in items] if max_tokens else items
     start = time.perf_counter()
     for it in items:
-        engine.add_request(it.id, it.prompt_token_ids,
-                           SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, **sampling))
+        engine.add_request(
+            it.id, it.prompt_token_ids, SamplingParams(max_tokens=it.max_tokens, ignore_eos=True, **sampling)
+        )
     done: dict[str, float] = {}
     first: dict[str, float] = {}
     tokens = 0
@@ -103,14 +104,17 @@ def decode_max_tokens(config: EngineConfig, running: int, context: int, steps: i
     return steps + 8 + -(-running * context // config.max_num_batched_tokens)
 
 
-def decode_rate(engine: LLMEngine, items: list[WorkItem], running: int, steps: int = DECODE_STEPS,
-                context: int = 128) -> tuple[float, float]:
+def decode_rate(
+    engine: LLMEngine, items: list[WorkItem], running: int, steps: int = DECODE_STEPS, context: int = 128
+) -> tuple[float, float]:
     """Decode tok/s with exactly `running` sequences decoding, each `context` tokens long, and the
     median step's forward on the device in ms (CUDA; 0 elsewhere)."""
     for i in range(running):
-        engine.add_request(f"dec-{running}-{i}", context_prompt(items, i, context),
-                           SamplingParams(max_tokens=decode_max_tokens(engine.config, running, context, steps),
-                                          ignore_eos=True))
+        engine.add_request(
+            f"dec-{running}-{i}",
+            context_prompt(items, i, context),
+            SamplingParams(max_tokens=decode_max_tokens(engine.config, running, context, steps), ignore_eos=True),
+        )
     while any(s.num_computed < s.prompt_len for s in engine.seqs.values()):
         engine.step()
     times, on_device = [], []
@@ -147,8 +151,14 @@ def alternated(rounds: int, sides: dict, show) -> dict[str, list]:
     return runs
 
 
-def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, rounds: int,
-         engine_with: LLMEngine | None = None) -> dict:
+def cost(
+    engine: LLMEngine,
+    items: list[WorkItem],
+    what: str,
+    sampling: dict,
+    rounds: int,
+    engine_with: LLMEngine | None = None,
+) -> dict:
     """The same requests without and with `sampling` (SamplingParams fields: COSTS[what] says
     which rate is compared), or through `engine` and through `engine_with` (another config),
     alternated so that neither side gets the machine's quieter minutes; the rate of each run, and
@@ -156,28 +166,56 @@ def cost(engine: LLMEngine, items: list[WorkItem], what: str, sampling: dict, ro
     rate, max_tokens = COSTS[what]
 
     def run(on: bool) -> float:
-        return run_workload(engine_with if on and engine_with else engine, items, max_tokens,
-                            **(sampling if on else {}))[rate]
+        return run_workload(
+            engine_with if on and engine_with else engine, items, max_tokens, **(sampling if on else {})
+        )[rate]
 
     for eng in (engine,) if engine_with is None else (engine, engine_with):
         run_workload(eng, items[:4])  # warm-up
-    runs = alternated(rounds, {"without": lambda: run(False), "with": lambda: run(True)},
-                      lambda side, got: f"{side:>7} {what}: {got:6.1f} {rate.replace('_per_', '/')}")
+    runs = alternated(
+        rounds,
+        {"without": lambda: run(False), "with": lambda: run(True)},
+        lambda side, got: f"{side:>7} {what}: {got:6.1f} {rate.replace('_per_', '/')}",
+    )
     ratios = [a / b for a, b in zip(runs["with"], runs["without"])]
-    return {"sampling": sampling, "requests": len(items), rate: runs, "ratios": ratios,
-            "median_ratio": percentile(ratios, 50)}
+    return {
+        "sampling": sampling,
+        "requests": len(items),
+        rate: runs,
+        "ratios": ratios,
+        "median_ratio": percentile(ratios, 50),
+    }
 
 
 # --structured-cost: formats of each kind, each held to by the rows of a sampler call
-CITIES_SCHEMA = {"type": "object", "properties": {"cities": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
-    "type": "object", "additionalProperties": False, "required": ["name", "country", "population", "summary"],
-    "properties": {"name": {"type": "string"}, "country": {"type": "string"},
-                   "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
-                   "summary": {"type": "string", "maxLength": 120}}}}},
-    "required": ["cities"], "additionalProperties": False}
-STRUCTURED = {"json_schema": StructuredOutput("json_schema", json.dumps(CITIES_SCHEMA)),
-              "regex": StructuredOutput("regex", r"[A-Za-z ,.]{1,400}"),
-              "choice": StructuredOutput("choice", tuple(f"option {i}" for i in range(100)))}
+CITIES_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "cities": {
+            "type": "array",
+            "minItems": 3,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "country", "population", "summary"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "country": {"type": "string"},
+                    "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+                    "summary": {"type": "string", "maxLength": 120},
+                },
+            },
+        }
+    },
+    "required": ["cities"],
+    "additionalProperties": False,
+}
+STRUCTURED = {
+    "json_schema": StructuredOutput("json_schema", json.dumps(CITIES_SCHEMA)),
+    "regex": StructuredOutput("regex", r"[A-Za-z ,.]{1,400}"),
+    "choice": StructuredOutput("choice", tuple(f"option {i}" for i in range(100))),
+}
 
 
 def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30) -> dict:
@@ -191,8 +229,10 @@ def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30)
     out = {}
     for kind, fmt in STRUCTURED.items():
         tokens = engine.generate([prompt], SamplingParams(max_tokens=300, structured_output=fmt))[0]
-        held = [SampleRow(SamplingParams(), None, matcher=engine.grammars.matcher(fmt, tokens[: i * 7 % len(tokens)]))
-                for i in range(rows)]
+        held = [
+            SampleRow(SamplingParams(), None, matcher=engine.grammars.matcher(fmt, tokens[: i * 7 % len(tokens)]))
+            for i in range(rows)
+        ]
         plain = [SampleRow(SamplingParams(), None) for _ in range(rows)]
         logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
         times: dict[str, list[float]] = {"with": [], "without": []}
@@ -202,9 +242,15 @@ def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30)
                 t = time.perf_counter()
                 sample(x, batch)
                 times[side].append(time.perf_counter() - t)
-        out[kind] = {"output_tokens": len(tokens), **{f"{side}_ms": percentile(v, 50) * 1e3 for side, v in times.items()}}
-        print(f"{kind:>11}: sampling {rows} rows {out[kind]['with_ms']:.2f} ms held to it, "
-              f"{out[kind]['without_ms']:.2f} ms without (its output: {len(tokens)} tokens)", flush=True)
+        out[kind] = {
+            "output_tokens": len(tokens),
+            **{f"{side}_ms": percentile(v, 50) * 1e3 for side, v in times.items()},
+        }
+        print(
+            f"{kind:>11}: sampling {rows} rows {out[kind]['with_ms']:.2f} ms held to it, "
+            f"{out[kind]['without_ms']:.2f} ms without (its output: {len(tokens)} tokens)",
+            flush=True,
+        )
     return out
 
 
@@ -213,6 +259,7 @@ def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, 
     the same tokens), all submitted at once, alternated over rounds: wall time, output tok/s and
     the prompt tokens computed. The engine has no prefix cache, so the n requests compute their
     prompt each, and the samples after the first of one request at most a block of it."""
+
     def run(as_one: bool) -> dict:
         start = time.perf_counter()
         tokens = computed = 0
@@ -230,12 +277,23 @@ def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, 
         return {"wall_s": wall, "output_tok_per_s": tokens / wall, "prefill_tokens_computed": computed}
 
     run(True)  # warm-up
-    runs = alternated(rounds, {"n": lambda: run(True), "separate": lambda: run(False)},
-                      lambda side, got: f"{side:>8}: {got['wall_s']:5.1f} s, {got['output_tok_per_s']:6.1f} out tok/s, "
-                                        f"{got['prefill_tokens_computed']} prompt tokens computed")
+    runs = alternated(
+        rounds,
+        {"n": lambda: run(True), "separate": lambda: run(False)},
+        lambda side, got: (
+            f"{side:>8}: {got['wall_s']:5.1f} s, {got['output_tok_per_s']:6.1f} out tok/s, "
+            f"{got['prefill_tokens_computed']} prompt tokens computed"
+        ),
+    )
     ratios = [b["wall_s"] / a["wall_s"] for a, b in zip(runs["n"], runs["separate"])]
-    return {"n": n, "requests": len(items), "max_tokens": max_tokens, "runs": runs, "speedups": ratios,
-            "median_speedup": percentile(ratios, 50)}
+    return {
+        "n": n,
+        "requests": len(items),
+        "max_tokens": max_tokens,
+        "runs": runs,
+        "speedups": ratios,
+        "median_speedup": percentile(ratios, 50),
+    }
 
 
 def gemm_gflops(device: str = "cpu", n: int = 2048, reps: int = 10) -> float:
@@ -276,29 +334,59 @@ def main(argv=None) -> int:
     ap.add_argument("--unfused", action="store_true", help="CUDA: torch's ops instead of the fused Triton kernels")
     ap.add_argument("--quick", action="store_true", help="smaller subsets, for a smoke run")
     ap.add_argument("--skip-full", action="store_true", help="skip the whole-mixed-workload FLOP efficiency run")
-    ap.add_argument("--logprobs-cost", type=int, default=None, metavar="K",
-                    help="only measure the cost of asking for log probabilities (K most likely), continuous policy, "
-                         "the first 32 mixed requests with and without, alternated over --rounds")
-    ap.add_argument("--prompt-logprobs-cost", type=int, default=None, metavar="K",
-                    help="only measure the cost of asking for the prompt's log probabilities (K most likely): the "
-                         "same prompts prefilled (one output token each) with and without, prompt tok/s")
-    ap.add_argument("--penalties-cost", action="store_true",
-                    help=f"only measure the cost of penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())}): "
-                         "the first 32 mixed requests with and without, output tok/s")
-    ap.add_argument("--samples-cost", type=int, default=None, metavar="N",
-                    help="only measure N samples of each of 8 prompts as one request each (sampling.n) against N "
-                         "requests of each")
-    ap.add_argument("--structured-cost", action="store_true",
-                    help="only measure the sampler's time for 32 rows held to structured output formats")
-    ap.add_argument("--invariant-cost", action="store_true",
-                    help="only measure the cost of batch_invariant (SPLITSERVE_BATCH_INVARIANT): the first 32 mixed "
-                         "requests through an engine with and one without, output tok/s, then their prompts alone "
-                         "(one output token each), prompt tok/s")
+    ap.add_argument(
+        "--logprobs-cost",
+        type=int,
+        default=None,
+        metavar="K",
+        help="only measure the cost of asking for log probabilities (K most likely), continuous policy, "
+        "the first 32 mixed requests with and without, alternated over --rounds",
+    )
+    ap.add_argument(
+        "--prompt-logprobs-cost",
+        type=int,
+        default=None,
+        metavar="K",
+        help="only measure the cost of asking for the prompt's log probabilities (K most likely): the "
+        "same prompts prefilled (one output token each) with and without, prompt tok/s",
+    )
+    ap.add_argument(
+        "--penalties-cost",
+        action="store_true",
+        help=f"only measure the cost of penalties ({', '.join(f'{k}={v}' for k, v in PENALTIES.items())}): "
+        "the first 32 mixed requests with and without, output tok/s",
+    )
+    ap.add_argument(
+        "--samples-cost",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only measure N samples of each of 8 prompts as one request each (sampling.n) against N requests of each",
+    )
+    ap.add_argument(
+        "--structured-cost",
+        action="store_true",
+        help="only measure the sampler's time for 32 rows held to structured output formats",
+    )
+    ap.add_argument(
+        "--invariant-cost",
+        action="store_true",
+        help="only measure the cost of batch_invariant (SPLITSERVE_BATCH_INVARIANT): the first 32 mixed "
+        "requests through an engine with and one without, output tok/s, then their prompts alone "
+        "(one output token each), prompt tok/s",
+    )
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--decode-context", default="128", metavar="N[,N...]",
-                    help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s")
-    ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode rates (at each --decode-context), not the policies or the whole workload")
+    ap.add_argument(
+        "--decode-context",
+        default="128",
+        metavar="N[,N...]",
+        help="context lengths (tokens) of the decode-rate runs; the first is reported as decode_tok_per_s",
+    )
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the decode rates (at each --decode-context), not the policies or the whole workload",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -309,36 +397,67 @@ def main(argv=None) -> int:
         ap.error(f"--decode-context takes whole numbers >= 1, comma-separated; got {args.decode_context!r}")
 
     loaded = load_model(ModelSpec(path=args.model))
-    base = EngineConfig(model=ModelSpec(path=args.model), num_threads=args.threads, kv_cache_bytes=2 << 30,
-                        device=args.device, cuda_graphs=not args.eager,
-                        fused_kernels=not args.unfused)
+    base = EngineConfig(
+        model=ModelSpec(path=args.model),
+        num_threads=args.threads,
+        kv_cache_bytes=2 << 30,
+        device=args.device,
+        cuda_graphs=not args.eager,
+        fused_kernels=not args.unfused,
+    )
     mixed = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"))
     short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
     n_mixed, n_short = (8, 16) if args.quick else (32, 64)
-    results: dict = {"threads": base.threads(), "torch": torch.__version__, "device": args.device,
-               "cuda_graphs": args.device != "cpu" and not args.eager, "policies": {}}
+    results: dict = {
+        "threads": base.threads(),
+        "torch": torch.__version__,
+        "device": args.device,
+        "cuda_graphs": args.device != "cpu" and not args.eager,
+        "policies": {},
+    }
     torch.set_num_threads(base.threads())
-    costs = [(what, sampling) for what, sampling, on in (
-        ("logprobs", {"logprobs": args.logprobs_cost}, args.logprobs_cost is not None),
-        ("prompt logprobs", {"prompt_logprobs": args.prompt_logprobs_cost}, args.prompt_logprobs_cost is not None),
-        ("penalties", PENALTIES, args.penalties_cost),
-        ("batch invariance", {}, args.invariant_cost),
-        ("batch-invariant prefill", {}, args.invariant_cost)) if on]
+    costs = [
+        (what, sampling)
+        for what, sampling, on in (
+            ("logprobs", {"logprobs": args.logprobs_cost}, args.logprobs_cost is not None),
+            ("prompt logprobs", {"prompt_logprobs": args.prompt_logprobs_cost}, args.prompt_logprobs_cost is not None),
+            ("penalties", PENALTIES, args.penalties_cost),
+            ("batch invariance", {}, args.invariant_cost),
+            ("batch-invariant prefill", {}, args.invariant_cost),
+        )
+        if on
+    ]
     uncached = LLMEngine(base.replace(prefix_caching=False), loaded=loaded) if costs else None
-    invariant = (LLMEngine(base.replace(prefix_caching=False, batch_invariant=True), loaded=loaded)
-                 if args.invariant_cost else None)
+    invariant = (
+        LLMEngine(base.replace(prefix_caching=False, batch_invariant=True), loaded=loaded)
+        if args.invariant_cost
+        else None
+    )
     for what, sampling in costs:
         got = results[what.replace(" ", "_").replace("-", "_") + "_cost"] = cost(
-            uncached, mixed[:n_mixed], what, sampling, args.rounds, engine_with=invariant if "invariant" in what else None)
-        print(f"with / without {what}, per round: {', '.join(f'{r:.3f}' for r in got['ratios'])}; "
-              f"median {got['median_ratio']:.3f}", flush=True)
+            uncached,
+            mixed[:n_mixed],
+            what,
+            sampling,
+            args.rounds,
+            engine_with=invariant if "invariant" in what else None,
+        )
+        print(
+            f"with / without {what}, per round: {', '.join(f'{r:.3f}' for r in got['ratios'])}; "
+            f"median {got['median_ratio']:.3f}",
+            flush=True,
+        )
     if args.structured_cost:
         results["structured_sample_cost"] = structured_sample_cost(LLMEngine(base, loaded=loaded))
     if args.samples_cost:
-        got = results["samples_cost"] = samples_cost(LLMEngine(base.replace(prefix_caching=False), loaded=loaded),
-                                                     mixed[:8], args.samples_cost, args.rounds)
-        print(f"separate / as one request, wall time per round: {', '.join(f'{r:.2f}' for r in got['speedups'])}; "
-              f"median {got['median_speedup']:.2f}", flush=True)
+        got = results["samples_cost"] = samples_cost(
+            LLMEngine(base.replace(prefix_caching=False), loaded=loaded), mixed[:8], args.samples_cost, args.rounds
+        )
+        print(
+            f"separate / as one request, wall time per round: {', '.join(f'{r:.2f}' for r in got['speedups'])}; "
+            f"median {got['median_speedup']:.2f}",
+            flush=True,
+        )
     if costs or args.structured_cost or args.samples_cost:
         write_results(args.out, results)
         return 0
@@ -369,8 +488,11 @@ def main(argv=None) -> int:
     # A pool that holds 64 sequences of the longest context with their decode steps: none is
     # preempted while measured.
     longest = max(contexts)
-    need = (64 * (longest + decode_max_tokens(base, 64, longest) + base.block_size)
-            * ModelShape.of(loaded.config).kv_bytes_per_token)
+    need = (
+        64
+        * (longest + decode_max_tokens(base, 64, longest) + base.block_size)
+        * ModelShape.of(loaded.config).kv_bytes_per_token
+    )
     eng = LLMEngine(base.replace(prefix_caching=False, kv_cache_bytes=max(base.kv_cache_bytes, need)), loaded=loaded)
     # Decode steps at each context length: attention reads every running sequence's context, so
     # a step's time grows with it (the service's contexts are its prompts plus their outputs).
@@ -383,8 +505,11 @@ def main(argv=None) -> int:
         for running in (1, 8, 32, 64):
             rates[running], device[running] = decode_rate(eng, mixed, running, context=context)
             shown = f", {device[running]:.2f} ms of it on the device" if device[running] else ""
-            print(f"decode with {running:>2} running, contexts of {context} tokens: {rates[running]:6.1f} tok/s, "
-                  f"{running / rates[running] * 1000:.2f} ms a step{shown}", flush=True)
+            print(
+                f"decode with {running:>2} running, contexts of {context} tokens: {rates[running]:6.1f} tok/s, "
+                f"{running / rates[running] * 1000:.2f} ms a step{shown}",
+                flush=True,
+            )
     results["decode_tok_per_s"] = results["decode_by_context"][contexts[0]]
     results["single_stream_tok_per_s"] = results["decode_tok_per_s"][1]
     if eng.graphs is not None:

@@ -17,7 +17,7 @@ import uuid
 import grpc
 import numpy as np
 
-from splitserve.bench.workload import write_results, percentile
+from splitserve.bench.workload import percentile, write_results
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.service import convert
@@ -88,9 +88,15 @@ def main(argv=None) -> int:
                     export.request_id = rid
                     seq = convert.sequence_to_pb(export)
                     h = w_pb.KVHandle(
-                        arena=arena.name if transport == "shm" else "", offset=off, length=nbytes,
-                        num_tokens=export.num_tokens, layout_version=export.layout_version, dtype=export.dtype,
-                        fingerprint=export.fingerprint, host_id=me, transport=transport,
+                        arena=arena.name if transport == "shm" else "",
+                        offset=off,
+                        length=nbytes,
+                        num_tokens=export.num_tokens,
+                        layout_version=export.layout_version,
+                        dtype=export.dtype,
+                        fingerprint=export.fingerprint,
+                        host_id=me,
+                        transport=transport,
                         lease_deadline_unix=time.time() + 60,
                     )
                     decode = stub.Decode(w_pb.DecodeRequest(request_id=rid, prompt_tokens=n))
@@ -121,16 +127,23 @@ def main(argv=None) -> int:
             results["sizes"][n] = row
             view.release()
             arena.free(off)
-            print(f"{n:>5} tokens, {nbytes / 1e6:6.1f} MB: shm {row['shm']['ms']:7.2f} ms ({row['shm']['gbps']:5.2f} GB/s) "
-                  f"| grpc {row['grpc']['ms']:7.2f} ms ({row['grpc']['gbps']:5.2f} GB/s) | shm {row['shm_speedup']:.1f}x faster "
-                  f"| adopt in worker: shm {row['shm']['adopt_ms']:.2f} ms, grpc {row['grpc']['adopt_ms']:.2f} ms",
-                  flush=True)
+            print(
+                f"{n:>5} tokens, {nbytes / 1e6:6.1f} MB: "
+                f"shm {row['shm']['ms']:7.2f} ms ({row['shm']['gbps']:5.2f} GB/s) "
+                f"| grpc {row['grpc']['ms']:7.2f} ms ({row['grpc']['gbps']:5.2f} GB/s) "
+                f"| shm {row['shm_speedup']:.1f}x faster "
+                f"| adopt in worker: shm {row['shm']['adopt_ms']:.2f} ms, grpc {row['grpc']['adopt_ms']:.2f} ms",
+                flush=True,
+            )
         results["memcpy_gbps_after"] = memcpy_gbps()
         mc = (results["memcpy_gbps_before"] + results["memcpy_gbps_after"]) / 2
         results["memcpy_gbps"] = mc
         big = results["sizes"][max(sizes)]["shm"]["gbps"]
-        print(f"memcpy (numpy, 256 MB) {mc:.2f} GB/s; shared-memory handoff at {max(sizes)} tokens = "
-              f"{100 * big / mc:.0f}% of it", flush=True)
+        print(
+            f"memcpy (numpy, 256 MB) {mc:.2f} GB/s; shared-memory handoff at {max(sizes)} tokens = "
+            f"{100 * big / mc:.0f}% of it",
+            flush=True,
+        )
     finally:
         arena.close()
         stack.stop()

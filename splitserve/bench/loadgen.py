@@ -66,8 +66,13 @@ async def _one(client: AsyncClient, i: int, item: WorkItem, t_run: float, timeou
     t0 = time.perf_counter()
     res.t_sent = t0 - t_run
     try:
-        async for chunk in client.generate_stream(token_ids=item.prompt_token_ids, max_tokens=item.max_tokens,
-                                                  ignore_eos=True, priority=item.priority, timeout=timeout):
+        async for chunk in client.generate_stream(
+            token_ids=item.prompt_token_ids,
+            max_tokens=item.max_tokens,
+            ignore_eos=True,
+            priority=item.priority,
+            timeout=timeout,
+        ):
             res.request_id = res.request_id or chunk.request_id
             if chunk.token_ids and math.isnan(res.ttft_s):
                 res.ttft_s = time.perf_counter() - t0
@@ -152,8 +157,9 @@ def pcts(values: list[float]) -> dict:
     return out
 
 
-def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = None,
-              tpot_slo_s: float | None = None) -> dict:
+def summarize(
+    results: list[Result], wall_s: float, ttft_slo_s: float | None = None, tpot_slo_s: float | None = None
+) -> dict:
     """Latency percentiles (seconds), throughput, goodput and errors by status."""
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
@@ -171,7 +177,9 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
     n_good = sum(1 for r in ok if good(r))
     out_tokens = sum(r.output_tokens for r in ok)
     out = {
-        "sent": len(results), "succeeded": len(ok), "errors": errors,
+        "sent": len(results),
+        "succeeded": len(ok),
+        "errors": errors,
         "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_throughput": out_tokens / wall_s if wall_s > 0 else 0.0,
@@ -184,8 +192,9 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
         "goodput": n_good / wall_s if wall_s > 0 else 0.0,
         # prefilled by their decode worker (None: not known for any request), and the successes
         # the router no longer knew afterwards (their hash expired: FINISHED_TTL_S in a long run)
-        "prefilled_locally": (sum(1 for r in ok if r.prefill_worker == "")
-                              if any(r.prefill_worker is not None for r in ok) else None),
+        "prefilled_locally": (
+            sum(1 for r in ok if r.prefill_worker == "") if any(r.prefill_worker is not None for r in ok) else None
+        ),
         "prefill_unknown": sum(1 for r in ok if r.prefill_worker is None),
     }
     if any(r.priority for r in results):  # latency by priority class
@@ -194,15 +203,20 @@ def summarize(results: list[Result], wall_s: float, ttft_slo_s: float | None = N
             members = [r for r in results if priority_class(r.priority) == name]
             if members:
                 done = [r for r in members if r.ok]
-                out["by_priority"][name] = {"sent": len(members), "succeeded": len(done),
-                                            "ttft_s": pcts([r.ttft_s for r in done]),
-                                            "e2e_s": pcts([r.e2e_s for r in done])}
+                out["by_priority"][name] = {
+                    "sent": len(members),
+                    "succeeded": len(done),
+                    "ttft_s": pcts([r.ttft_s for r in done]),
+                    "e2e_s": pcts([r.e2e_s for r in done]),
+                }
     return out
 
 
-KNEE_RULE = ("knee = the highest concurrency whose p99 end-to-end latency is at most {factor:g}x the p99 at the "
-             "lowest concurrency tried; the next concurrency is where p99 latency has degraded (as it has at one "
-             "where no request succeeded)")
+KNEE_RULE = (
+    "knee = the highest concurrency whose p99 end-to-end latency is at most {factor:g}x the p99 at the "
+    "lowest concurrency tried; the next concurrency is where p99 latency has degraded (as it has at one "
+    "where no request succeeded)"
+)
 
 
 def find_knee(points: list[tuple[float, float]], factor: float = 1.5) -> tuple[float | None, float | None]:

@@ -68,23 +68,35 @@ def make_workload(kind: str, tokenizer, seed: str, requests: int | None = None) 
         target = rng.randint(lo, hi)
         start = rng.randrange(0, len(corpus) - hi * 2)
         instruction = rng.choice(INSTRUCTIONS) if chat else ""
-        passage_ids = corpus[start:start + target]
+        passage_ids = corpus[start : start + target]
         while True:  # re-tokenized text can differ in length from its window: trim to the target
             passage = tokenizer.decode(passage_ids).strip()
-            prompt = (tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n{passage}"}])
-                      if chat else passage)
+            prompt = (
+                tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n{passage}"}])
+                if chat
+                else passage
+            )
             ids = tokenizer.encode(prompt)
             if len(ids) <= target or len(passage_ids) <= 1:
                 break
-            passage_ids = passage_ids[:-max(1, len(ids) - target)]
-        rows.append({"id": f"{kind}-{i:04d}", "prompt": prompt, "prompt_tokens": len(ids),
-                     "max_tokens": max_tokens_for(kind, rng), "prompt_token_ids": ids, "kind": kind})
+            passage_ids = passage_ids[: -max(1, len(ids) - target)]
+        rows.append(
+            {
+                "id": f"{kind}-{i:04d}",
+                "prompt": prompt,
+                "prompt_tokens": len(ids),
+                "max_tokens": max_tokens_for(kind, rng),
+                "prompt_token_ids": ids,
+                "kind": kind,
+            }
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--kind", choices=sorted(KINDS), required=True)
     ap.add_argument("--seed", default="", help="any string (default: 20240611-KIND)")
     ap.add_argument("--requests", type=int, default=None, help="default: 128 (mixed), 256 (short)")

@@ -43,8 +43,9 @@ from splitserve.stack import Stack
 
 def _sampling(i: int, n: int) -> dict:
     """Stream i's sampling: greedy, or n seeded samples."""
-    return dict(ignore_eos=True, temperature=0.0) if n == 1 else dict(ignore_eos=True, temperature=0.8, n=n,
-                                                                       seed=1000 + i)
+    return (
+        dict(ignore_eos=True, temperature=0.0) if n == 1 else dict(ignore_eos=True, temperature=0.8, n=n, seed=1000 + i)
+    )
 
 
 def _stream(address: str, prompt: str, rid: str, max_tokens: int, sampling: dict, out: dict, resumes: int = 0) -> None:
@@ -54,8 +55,9 @@ def _stream(address: str, prompt: str, rid: str, max_tokens: int, sampling: dict
     out.update(tokens={}, times={}, sizes={}, outcome=None)
     try:
         with Client(address, balance=bool(resumes)) as c:
-            for chunk in c.generate_stream(prompt, request_id=rid, max_tokens=max_tokens, timeout=600,
-                                           resumes=resumes, **sampling):
+            for chunk in c.generate_stream(
+                prompt, request_id=rid, max_tokens=max_tokens, timeout=600, resumes=resumes, **sampling
+            ):
                 out["times"].setdefault(chunk.index, []).append(time.perf_counter())
                 out["tokens"].setdefault(chunk.index, []).extend(chunk.token_ids)
                 out["sizes"].setdefault(chunk.index, []).append(len(chunk.token_ids))
@@ -78,7 +80,7 @@ def _unequal(i: int, out: dict, want: dict, lost: bool) -> dict:
         first[k] = next((j for j, (a, b) in enumerate(zip(got, w)) if a != b), min(len(got), len(w)))
         ts, sizes = out["times"].get(k, []), out["sizes"].get(k, [])
         gaps = _gaps({k: ts})
-        before[k] = sum(sizes[:gaps.index(max(gaps)) + 1]) if gaps else 0
+        before[k] = sum(sizes[: gaps.index(max(gaps)) + 1]) if gaps else 0
     return {"stream": i, "lost": lost, "first_differing_token": first, "tokens_before_longest_gap": before}
 
 
@@ -91,12 +93,19 @@ def run(args) -> dict:
     prompts = [it.prompt for it in load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), args.streams)]
     # placement by load alone (prefix affinity would put every stream where the reference run's
     # prompts are cached): both workers hold streams when one is lost
-    settings = Settings.from_env(threads=args.threads, keepalive_s=1.0, drain_s=args.drain_s, prefix_affinity_slack=-1,
-                                 **({"model": args.model} if args.model else {}))
+    settings = Settings.from_env(
+        threads=args.threads,
+        keepalive_s=1.0,
+        drain_s=args.drain_s,
+        prefix_affinity_slack=-1,
+        **({"model": args.model} if args.model else {}),
+    )
     rounds = []
     routers = args.lose == "router"
-    with Stack(settings, prefill=1, decode=1 if routers else 2, routers=2 if routers else 1) as stack, \
-            Client(stack.router_address) as c:
+    with (
+        Stack(settings, prefill=1, decode=1 if routers else 2, routers=2 if routers else 1) as stack,
+        Client(stack.router_address) as c,
+    ):
         target = "ipv4:" + ",".join(stack.router_addresses) if routers else stack.router_address
         names = {f"router-{stack.stack_id}": "router", f"router-1-{stack.stack_id}": "router-1"}
         want = []  # by stream: each sample's tokens in an unbroken run
@@ -106,9 +115,13 @@ def run(args) -> dict:
         for r in range(args.rounds):
             time.sleep(2 * settings.heartbeat_s)  # placement by load reads the registry: fresh entries
             outs = [dict() for _ in prompts]
-            threads = [threading.Thread(target=_stream, args=(target, p, f"r{r}-{i}", args.max_tokens,
-                                                              _sampling(i, args.n), outs[i], int(routers)))
-                       for i, p in enumerate(prompts)]
+            threads = [
+                threading.Thread(
+                    target=_stream,
+                    args=(target, p, f"r{r}-{i}", args.max_tokens, _sampling(i, args.n), outs[i], int(routers)),
+                )
+                for i, p in enumerate(prompts)
+            ]
             for t in threads:
                 t.start()
             deadline = time.time() + 600
@@ -137,26 +150,36 @@ def run(args) -> dict:
                 resumed = [i for i in lost if int(red.hget(stack.keys.req(f"r{r}-{i}"), "attempts") or 1) > 1]
             else:
                 resumed = [i for i in lost if c.get_request(f"r{r}-{i}").resumes]
-            rounds.append({
-                "victim": victim,
-                "resumed": resumed,
-                "ok": sum(o["outcome"] == "OK" for o in outs),
-                "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
-                "unequal": [_unequal(i, o, w, i in lost) for i, (o, w) in enumerate(zip(outs, want))
-                            if o["tokens"] != w],
-                "outcomes": [o["outcome"] for o in outs],
-                "stall_ms": [max(_gaps(outs[i]["times"])) for i in lost],
-                "other_max_gap_ms": [max(_gaps(outs[i]["times"])) for i in range(len(prompts)) if i not in lost],
-                "gaps_ms": [g for o in outs for g in _gaps(o["times"])],
-            })
+            rounds.append(
+                {
+                    "victim": victim,
+                    "resumed": resumed,
+                    "ok": sum(o["outcome"] == "OK" for o in outs),
+                    "equal": sum(o["tokens"] == w for o, w in zip(outs, want)),
+                    "unequal": [
+                        _unequal(i, o, w, i in lost) for i, (o, w) in enumerate(zip(outs, want)) if o["tokens"] != w
+                    ],
+                    "outcomes": [o["outcome"] for o in outs],
+                    "stall_ms": [max(_gaps(outs[i]["times"])) for i in lost],
+                    "other_max_gap_ms": [max(_gaps(outs[i]["times"])) for i in range(len(prompts)) if i not in lost],
+                    "gaps_ms": [g for o in outs for g in _gaps(o["times"])],
+                }
+            )
             stack.restart(victim)
     stalls = [s for rd in rounds for s in rd["stall_ms"]]
     others = [s for rd in rounds for s in rd["other_max_gap_ms"]]
     gaps = [g for rd in rounds for g in rd.pop("gaps_ms")]
     return {
-        "settings": {"streams": len(prompts), "n": args.n, "max_tokens": args.max_tokens, "at": args.at,
-                     "rounds": args.rounds,
-                     "lose": args.lose, "signal": "SIGTERM" if args.sigterm else "SIGKILL", "drain_s": args.drain_s},
+        "settings": {
+            "streams": len(prompts),
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "at": args.at,
+            "rounds": args.rounds,
+            "lose": args.lose,
+            "signal": "SIGTERM" if args.sigterm else "SIGKILL",
+            "drain_s": args.drain_s,
+        },
         "rounds": rounds,
         "streams": len(prompts) * args.rounds,
         "ok": sum(rd["ok"] for rd in rounds),
@@ -187,11 +210,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = run(args)
     write_results(args.out, res)
-    print(f"{res['settings']['lose']}, {res['settings']['signal']}: {res['ok']}/{res['streams']} streams OK, "
-          f"{res['equal_to_unbroken']} equal to an unbroken run; {res['resumed']}/{res['lost']} of the lost one's resumed")
-    print(f"stall seen by a resumed stream: p50 {res['stall_ms_p50']:.0f} ms, max {res['stall_ms_max']:.0f} ms; "
-          f"longest gap of a stream on the other one: p50 {res['other_worker_max_gap_ms_p50']:.0f} ms; "
-          f"median gap between messages: {res['gap_ms_p50']:.1f} ms")
+    print(
+        f"{res['settings']['lose']}, {res['settings']['signal']}: {res['ok']}/{res['streams']} streams OK, "
+        f"{res['equal_to_unbroken']} equal to an unbroken run; {res['resumed']}/{res['lost']} of the lost one's resumed"
+    )
+    print(
+        f"stall seen by a resumed stream: p50 {res['stall_ms_p50']:.0f} ms, max {res['stall_ms_max']:.0f} ms; "
+        f"longest gap of a stream on the other one: p50 {res['other_worker_max_gap_ms_p50']:.0f} ms; "
+        f"median gap between messages: {res['gap_ms_p50']:.1f} ms"
+    )
     return 0 if res["ok"] == res["streams"] else 1
 
 

@@ -18,19 +18,33 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "splitserve_"
 # (metric, short name) of the histograms and counters reported, when a process has them.
-HISTOGRAMS = (("iteration_duration_seconds", "step_s"), ("iteration_device_seconds", "step_device_s"),
-              ("iteration_sequences", "step_seqs"),
-              ("iteration_tokens", "step_tokens"), ("kv_adopt_seconds", "kv_adopt_s"),
-              ("kv_transfer_seconds", "kv_transfer_s"),
-              # the router's: the parts of TTFT (request_kv_transfer runs beside the first token's trip)
-              ("request_admission_time_seconds", "admission_s"), ("request_queue_time_seconds", "queue_s"),
-              ("request_prefill_time_seconds", "prefill_s"), ("request_first_token_time_seconds", "first_token_s"),
-              ("request_kv_transfer_time_seconds", "request_kv_transfer_s"))
-TTFT_PARTS = (("admission_s", "admission"), ("queue_s", "queue"), ("prefill_s", "prefill"),
-              ("first_token_s", "first token"))
-COUNTERS = (("engine_steps", "steps"), ("engine_graphed_steps", "graphed_steps"),
-            ("engine_prefill_tokens", "prefill_tokens"), ("engine_decode_tokens", "decode_tokens"),
-            ("num_preemptions", "preemptions"))
+HISTOGRAMS = (
+    ("iteration_duration_seconds", "step_s"),
+    ("iteration_device_seconds", "step_device_s"),
+    ("iteration_sequences", "step_seqs"),
+    ("iteration_tokens", "step_tokens"),
+    ("kv_adopt_seconds", "kv_adopt_s"),
+    ("kv_transfer_seconds", "kv_transfer_s"),
+    # the router's: the parts of TTFT (request_kv_transfer runs beside the first token's trip)
+    ("request_admission_time_seconds", "admission_s"),
+    ("request_queue_time_seconds", "queue_s"),
+    ("request_prefill_time_seconds", "prefill_s"),
+    ("request_first_token_time_seconds", "first_token_s"),
+    ("request_kv_transfer_time_seconds", "request_kv_transfer_s"),
+)
+TTFT_PARTS = (
+    ("admission_s", "admission"),
+    ("queue_s", "queue"),
+    ("prefill_s", "prefill"),
+    ("first_token_s", "first token"),
+)
+COUNTERS = (
+    ("engine_steps", "steps"),
+    ("engine_graphed_steps", "graphed_steps"),
+    ("engine_prefill_tokens", "prefill_tokens"),
+    ("engine_decode_tokens", "decode_tokens"),
+    ("num_preemptions", "preemptions"),
+)
 
 
 def parse(text: str) -> dict:
@@ -41,7 +55,7 @@ def parse(text: str) -> dict:
     for family in text_string_to_metric_families(text):
         if not family.name.startswith(PREFIX):
             continue
-        name = family.name[len(PREFIX):]
+        name = family.name[len(PREFIX) :]
         if family.type == "counter":
             counters[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
         elif family.type == "histogram":
@@ -83,8 +97,12 @@ def histogram_delta(before: dict | None, after: dict) -> dict | None:
     if count <= 0:
         return None
     total = after["sum"] - before.get("sum", 0.0)
-    return {"count": int(count), "mean": total / count, "p50_le": _bucket_of(buckets, count, 0.5),
-            "p99_le": _bucket_of(buckets, count, 0.99)}
+    return {
+        "count": int(count),
+        "mean": total / count,
+        "p50_le": _bucket_of(buckets, count, 0.5),
+        "p99_le": _bucket_of(buckets, count, 0.99),
+    }
 
 
 def summarize(before: dict, after: dict) -> dict:
@@ -120,9 +138,11 @@ def lines(server: dict) -> list[str]:
         st = row.get("step_s")
         if st:
             graphed = row.get("graphed_steps", 0) / st["count"] if st["count"] else 0.0
-            parts.append(f"{st['count']} steps, mean {st['mean'] * 1000:.1f} ms (median "
-                         f"{_bound(st['p50_le'], 1000, ' ms')}, p99 {_bound(st['p99_le'], 1000, ' ms')}), "
-                         f"{graphed:.0%} graphed")
+            parts.append(
+                f"{st['count']} steps, mean {st['mean'] * 1000:.1f} ms (median "
+                f"{_bound(st['p50_le'], 1000, ' ms')}, p99 {_bound(st['p99_le'], 1000, ' ms')}), "
+                f"{graphed:.0%} graphed"
+            )
             dev = row.get("step_device_s")
             if dev and dev["count"]:  # CUDA: the forward's share on the device; the rest is the host's
                 parts.append(f"forward on the device mean {dev['mean'] * 1000:.1f} ms")
@@ -133,8 +153,11 @@ def lines(server: dict) -> list[str]:
             if row.get(short):
                 parts.append(f"{what} mean {row[short]['mean'] * 1000:.1f} ms over {row[short]['count']}")
         if row.get("admission_s"):
-            parts.append(f"TTFT parts, mean over {row['admission_s']['count']}: " + ", ".join(
-                f"{what} {row[short]['mean'] * 1000:.1f}" for short, what in TTFT_PARTS if row.get(short)) + " ms")
+            parts.append(
+                f"TTFT parts, mean over {row['admission_s']['count']}: "
+                + ", ".join(f"{what} {row[short]['mean'] * 1000:.1f}" for short, what in TTFT_PARTS if row.get(short))
+                + " ms"
+            )
         if row.get("request_kv_transfer_s") and row["request_kv_transfer_s"]["mean"] > 0:  # none colocated
             parts.append(f"KV transfer (beside the first token) {row['request_kv_transfer_s']['mean'] * 1000:.1f} ms")
         if row.get("preemptions"):

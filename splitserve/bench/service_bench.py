@@ -25,9 +25,9 @@ import os
 import statistics
 import time
 
-from splitserve.bench.engine_bench import light_ttft as light_ttft_engine, run_workload
-from splitserve.bench.workload import (default_workload_dir, load_workload, median_interval, percentile,
-                                       write_results)
+from splitserve.bench.engine_bench import light_ttft as light_ttft_engine
+from splitserve.bench.engine_bench import run_workload
+from splitserve.bench.workload import default_workload_dir, load_workload, median_interval, percentile, write_results
 from splitserve.client import Client
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -38,16 +38,25 @@ from splitserve.stack import Stack
 def service_run(address: str, items) -> dict:
     t0 = time.perf_counter()
     with Client(address) as c, cf.ThreadPoolExecutor(len(items)) as ex:
-        futs = [ex.submit(c.generate, token_ids=it.prompt_token_ids, max_tokens=it.max_tokens, ignore_eos=True,
-                          timeout=3600) for it in items]
+        futs = [
+            ex.submit(
+                c.generate, token_ids=it.prompt_token_ids, max_tokens=it.max_tokens, ignore_eos=True, timeout=3600
+            )
+            for it in items
+        ]
         res = [f.result() for f in futs]
         wall = time.perf_counter() - t0
         # prefilled by their decode worker (colocated, or conditional disaggregation): no prefill worker named
         local = sum(not c.get_request(r.request_id).prefill_worker for r in res)
     tokens = sum(len(r.token_ids) for r in res)
     assert tokens == sum(it.max_tokens for it in items)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
-            "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50), "prefilled_locally": local}
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / wall,
+        "ttft_p50_ms": percentile([r.timings.ttft_ms for r in res], 50),
+        "prefilled_locally": local,
+    }
 
 
 def light_ttft_service(client: Client, max_tokens: int = 2, with_text: bool = False, **request) -> tuple:
@@ -71,21 +80,37 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=default_workload_dir())
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--light", type=int, default=64,
-                    help="light-load pairs (default 64: a pair's difference moves by tens of ms with the "
-                         "forward's noise, and the p50 of 16 pairs ranged 11-30 ms across runs); more pairs "
-                         "than the workload has prompts go round it again")
-    ap.add_argument("--light-workload", default="workload_mixed.jsonl",
-                    help="the light-load prompts, a file in --workloads (default workload_mixed.jsonl; "
-                         "workload_short.jsonl's short forwards leave the path's own cost less noise)")
-    ap.add_argument("--light-gap-ms", type=float, default=100.0,
-                    help="idle time before each light-load measurement (default 100 ms), so that neither side "
-                         "starts while the threads of the one measured before it still spin")
+    ap.add_argument(
+        "--light",
+        type=int,
+        default=64,
+        help="light-load pairs (default 64: a pair's difference moves by tens of ms with the "
+        "forward's noise, and the p50 of 16 pairs ranged 11-30 ms across runs); more pairs "
+        "than the workload has prompts go round it again",
+    )
+    ap.add_argument(
+        "--light-workload",
+        default="workload_mixed.jsonl",
+        help="the light-load prompts, a file in --workloads (default workload_mixed.jsonl; "
+        "workload_short.jsonl's short forwards leave the path's own cost less noise)",
+    )
+    ap.add_argument(
+        "--light-gap-ms",
+        type=float,
+        default=100.0,
+        help="idle time before each light-load measurement (default 100 ms), so that neither side "
+        "starts while the threads of the one measured before it still spin",
+    )
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    ap.add_argument("--worker-env", action="append", default=[], metavar="ROLE:NAME=VALUE",
-                    help="an environment variable for the stack's prefill or decode workers (for A/B runs), "
-                         "e.g. decode:GOMP_SPINCOUNT=30000; may be repeated")
+    ap.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="ROLE:NAME=VALUE",
+        help="an environment variable for the stack's prefill or decode workers (for A/B runs), "
+        "e.g. decode:GOMP_SPINCOUNT=30000; may be repeated",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, 2))
@@ -94,8 +119,9 @@ def main(argv=None) -> int:
     heavy = items[: args.requests]
     results: dict = {"requests": len(heavy), "mode": args.mode, "rounds": []}
     # No prefix cache on either side: the rounds and the light pairs send the same prompts again.
-    settings = Settings.from_env(threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24,
-                                 mode=args.mode, prefix_caching=False)
+    settings = Settings.from_env(
+        threads=args.threads, max_queue_requests=4096, max_queue_tokens=1 << 24, mode=args.mode, prefix_caching=False
+    )
     worker_env: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
     for spec in args.worker_env:
         role, _, kv = spec.partition(":")
@@ -103,8 +129,12 @@ def main(argv=None) -> int:
         if role not in worker_env or not name or not eq:
             ap.error(f"--worker-env wants ROLE:NAME=VALUE with ROLE prefill or decode, got {spec!r}")
         worker_env[role][name] = value
-    with Stack(settings, prefill=0 if args.mode == "colocated" else 1, prefill_env=worker_env["prefill"],
-               decode_env=worker_env["decode"]) as stack:
+    with Stack(
+        settings,
+        prefill=0 if args.mode == "colocated" else 1,
+        prefill_env=worker_env["prefill"],
+        decode_env=worker_env["decode"],
+    ) as stack:
         engine = LLMEngine(EngineConfig(num_threads=args.threads, device=settings.device, prefix_caching=False))
         service_run(stack.router_address, items[:2])  # warm-up
         run_workload(engine, items[:2])
@@ -113,9 +143,12 @@ def main(argv=None) -> int:
             eng = run_workload(engine, heavy)
             ratio = svc["output_tok_per_s"] / eng["output_tok_per_s"]
             results["rounds"].append({"service": svc, "in_process": eng, "throughput_ratio": ratio})
-            print(f"round {r + 1}: mixed, first {len(heavy)} requests at once: service {svc['output_tok_per_s']:.1f} "
-                  f"tok/s, in-process {eng['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f} ({svc['prefilled_locally']} "
-                  f"prefilled by the decode worker)", flush=True)
+            print(
+                f"round {r + 1}: mixed, first {len(heavy)} requests at once: service {svc['output_tok_per_s']:.1f} "
+                f"tok/s, in-process {eng['output_tok_per_s']:.1f} tok/s -> ratio {ratio:.2f} "
+                f"({svc['prefilled_locally']} prefilled by the decode worker)",
+                flush=True,
+            )
         svc_light, eng_light, parts = [], [], []
         with Client(stack.router_address) as c:
             light_ttft_service(c, token_ids=light[0].prompt_token_ids)  # warm path
@@ -128,8 +161,19 @@ def main(argv=None) -> int:
                 ttft, last = light_ttft_service(c, token_ids=it.prompt_token_ids)
                 timings = last.timings
                 svc_light.append(ttft)
-                parts.append({k: getattr(timings, k) for k in ("admission_ms", "queue_ms", "prefill_ms",
-                                                                "first_token_ms", "kv_transfer_ms", "ttft_ms")})
+                parts.append(
+                    {
+                        k: getattr(timings, k)
+                        for k in (
+                            "admission_ms",
+                            "queue_ms",
+                            "prefill_ms",
+                            "first_token_ms",
+                            "kv_transfer_ms",
+                            "ttft_ms",
+                        )
+                    }
+                )
 
             for i, it in enumerate(light[: args.light]):  # the order alternates, so neither side goes warm
                 for measure in (in_process, service) if i % 2 else (service, in_process):
@@ -141,28 +185,42 @@ def main(argv=None) -> int:
     if svc_light:
         added = [s - e for s, e in zip(svc_light, eng_light)]
         outside = [s - p["prefill_ms"] for s, p in zip(svc_light, parts)]
-        results.update(light_workload=args.light_workload, light_gap_ms=args.light_gap_ms,
-                       light_ttft_service_ms=svc_light, light_ttft_engine_ms=eng_light, light_parts=parts,
-                       ttft_added_ms=added, ttft_added_p50_ms=percentile(added, 50),
-                       ttft_added_p50_interval_ms=median_interval(added),
-                       outside_prefill_p50_ms=percentile(outside, 50))
+        results.update(
+            light_workload=args.light_workload,
+            light_gap_ms=args.light_gap_ms,
+            light_ttft_service_ms=svc_light,
+            light_ttft_engine_ms=eng_light,
+            light_parts=parts,
+            ttft_added_ms=added,
+            ttft_added_p50_ms=percentile(added, 50),
+            ttft_added_p50_interval_ms=median_interval(added),
+            outside_prefill_p50_ms=percentile(outside, 50),
+        )
         # Pair i measured the service first when i is even. Apart, the two orders show whether the side
         # measured second ran slower (100 ms apart, one run: 4.8 ms service first, 14.3 in-process first).
-        by_order = {"service_first": percentile(added[0::2], 50),
-                    "in_process_first": percentile(added[1::2], 50) if len(added) > 1 else None}
+        by_order = {
+            "service_first": percentile(added[0::2], 50),
+            "in_process_first": percentile(added[1::2], 50) if len(added) > 1 else None,
+        }
         results["ttft_added_p50_by_order_ms"] = by_order
         med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
         lo, hi = results["ttft_added_p50_interval_ms"]
-        print(f"light load ({len(svc_light)} requests of {args.light_workload} one at a time, "
-              f"{args.light_gap_ms:g} ms apart, each also in-process): TTFT service p50 "
-              f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
-              f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired; bootstrap 95% interval of that p50 "
-              f"{lo:.1f} to {hi:.1f} ms)")
+        print(
+            f"light load ({len(svc_light)} requests of {args.light_workload} one at a time, "
+            f"{args.light_gap_ms:g} ms apart, each also in-process): TTFT service p50 "
+            f"{percentile(svc_light, 50):.1f} ms, in-process p50 {percentile(eng_light, 50):.1f} ms, added by the "
+            f"service path p50 {results['ttft_added_p50_ms']:.1f} ms (paired; bootstrap 95% interval of that p50 "
+            f"{lo:.1f} to {hi:.1f} ms)"
+        )
         if by_order["in_process_first"] is not None:
-            print(f"  added p50 by order: service measured first {by_order['service_first']:.1f} ms, in-process "
-                  f"first {by_order['in_process_first']:.1f} ms")
-        print(f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+            print(
+                f"  added p50 by order: service measured first {by_order['service_first']:.1f} ms, in-process "
+                f"first {by_order['in_process_first']:.1f} ms"
+            )
+        print(
+            f"  service TTFT outside the prefill forward p50 {results['outside_prefill_p50_ms']:.1f} ms; parts p50: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+        )
     write_results(args.out, results)
     return 0
 

@@ -29,8 +29,9 @@ def one(items, tracing_on: bool) -> float:
         with Stack(Settings.from_env(max_queue_requests=4096, max_queue_tokens=1 << 24, prefix_caching=False)) as stack:
             assert bool(stack.settings.trace_file) == tracing_on
             asyncio.run(loadgen.warm_up(stack.router_address, items[:2]))
-            results, wall = asyncio.run(loadgen.run(stack.router_address, items,
-                                                    loadgen.RunSpec("concurrency", len(items))))
+            results, wall = asyncio.run(
+                loadgen.run(stack.router_address, items, loadgen.RunSpec("concurrency", len(items)))
+            )
             s = loadgen.summarize(results, wall)
             assert s["succeeded"] == len(items)
             return s["output_throughput"]
@@ -55,9 +56,11 @@ def main(argv=None) -> int:
             bucket.append(one(items, flag))
             print(f"round {r + 1}: tracing {'on ' if flag else 'off'} {bucket[-1]:.1f} tok/s", flush=True)
     ratio = statistics.median(on) / statistics.median(off)
-    print(f"mixed, first {len(items)} requests at once, {args.rounds} rounds alternated: tracing off "
-          f"{statistics.median(off):.1f} tok/s, on {statistics.median(on):.1f} tok/s (medians) -> cost "
-          f"{(1 - ratio) * 100:.1f}%")
+    print(
+        f"mixed, first {len(items)} requests at once, {args.rounds} rounds alternated: tracing off "
+        f"{statistics.median(off):.1f} tok/s, on {statistics.median(on):.1f} tok/s (medians) -> cost "
+        f"{(1 - ratio) * 100:.1f}%"
+    )
     write_results(args.out, {"off_tok_s": off, "on_tok_s": on, "ratio": ratio, "requests": len(items)})
     return 0
 

@@ -54,8 +54,9 @@ def _item(line: str, where: str, tokenize) -> WorkItem:
     max_tokens = d.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ValueError(f"{where}: max_tokens must be an integer >= 1, got {max_tokens!r}")
-    return WorkItem(str(d.get("id", where.rsplit(":", 1)[-1])), prompt if isinstance(prompt, str) else "", ids,
-                    max_tokens)
+    return WorkItem(
+        str(d.get("id", where.rsplit(":", 1)[-1])), prompt if isinstance(prompt, str) else "", ids, max_tokens
+    )
 
 
 WORKLOAD_DIR = str(pathlib.Path(__file__).resolve().parent / "workloads")
@@ -88,8 +89,9 @@ def plain(obj):
     return obj
 
 
-def median_interval(values: list[float], level: float = 0.95, resamples: int = 4000,
-                    seed: int = 0) -> tuple[float, float]:
+def median_interval(
+    values: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """A bootstrap interval of the median: the median of `resamples` resamples (with replacement,
     seeded) of the values, their (1 - level) / 2 and (1 + level) / 2 percentiles."""
     if not values:

@@ -5,8 +5,8 @@ Both kinds of worker run it; it also runs whole in one process (``LLMEngine``).
 
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.errors import EngineError, InvalidRequestError, KVImportError, ModelLoadError
-from splitserve.engine.params import SamplingParams
 from splitserve.engine.outputs import RequestOutput, StepStats
+from splitserve.engine.params import SamplingParams
 
 __all__ = [
     "EngineConfig",

@@ -66,8 +66,9 @@ class RaggedBatch:
         if self.dec_tables is not None:
             every = self.dec_rows.shape[0] == T  # a pure decode step: the rows are the whole batch, in order
             qd = q if every else q.index_select(0, self.dec_rows)
-            o = fused.paged_decode(qd, k_cache, v_cache, self.dec_tables, self.dec_lens, self.block_size, scale,
-                                   out if every else None)
+            o = fused.paged_decode(
+                qd, k_cache, v_cache, self.dec_tables, self.dec_lens, self.block_size, scale, out if every else None
+            )
             if not every:
                 out.index_copy_(0, self.dec_rows, o)
         elif self.dec_rows is not None:

@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,11 @@ def write_tensors(dest: str, file: str, fmt: int, tensors: dict, metadata: dict 
     if os.path.isdir(dest):
         return
     try:
-        write_entry(dest, f".{os.path.basename(os.path.dirname(dest))}-",
-                    lambda tmp: save_file(tensors, os.path.join(tmp, file), metadata=metadata))
+        write_entry(
+            dest,
+            f".{os.path.basename(os.path.dirname(dest))}-",
+            lambda tmp: save_file(tensors, os.path.join(tmp, file), metadata=metadata),
+        )
     except OSError as e:  # a read-only cache
         log.warning("%s not cached (%s): made again at each start", dest, e)
         return

@@ -82,18 +82,24 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("native", "torch"):
             raise ValueError(f"attention_backend must be native or torch, got {self.attention_backend!r}")
-        if self.batch_invariant and (self.policy != "continuous" or self.attention_backend != "native"
-                                     or not self.small_gemm or self.device != "cpu"):
-            raise ValueError("batch_invariant needs continuous batching on the cpu device, with the native "
-                             f"attention backend and small_gemm (policy {self.policy!r}, device {self.device!r}, "
-                             f"attention_backend {self.attention_backend!r}, small_gemm {self.small_gemm})")
+        if self.batch_invariant and (
+            self.policy != "continuous"
+            or self.attention_backend != "native"
+            or not self.small_gemm
+            or self.device != "cpu"
+        ):
+            raise ValueError(
+                "batch_invariant needs continuous batching on the cpu device, with the native "
+                f"attention backend and small_gemm (policy {self.policy!r}, device {self.device!r}, "
+                f"attention_backend {self.attention_backend!r}, small_gemm {self.small_gemm})"
+            )
         check_device(self.device)
         if not 0 < self.max_mask_ms < float("inf"):
             raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def threads(self) -> int:

@@ -27,7 +27,7 @@ import mmap
 import os
 import struct
 import time
-from typing import Callable
+from collections.abc import Callable
 
 SLOTS = 64
 _SLOT = struct.Struct("d")
@@ -99,6 +99,8 @@ def _claim(fd: int) -> int:
             return slot
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):  # not "held by another engine"
-                raise ValueError(f"core share board: cannot lock a slot ({e.strerror}); "
-                                 f"put the board on a local filesystem or turn core sharing off") from None
+                raise ValueError(
+                    f"core share board: cannot lock a slot ({e.strerror}); "
+                    f"put the board on a local filesystem or turn core sharing off"
+                ) from None
     raise ValueError(f"core share board: all {SLOTS} slots are held")

@@ -23,8 +23,8 @@ everything else on the device: the slots written, the slots read and the mask.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -74,8 +74,14 @@ class _Captured:
         self.graphs: dict[tuple, _Graph] = {}
         self.capture_s = 0.0  # time spent capturing, all graphs together
 
-    def run(self, key: tuple, host: torch.Tensor, safe: Callable[[], torch.Tensor],
-            fn: Callable[[torch.Tensor], torch.Tensor], rows: int) -> torch.Tensor:
+    def run(
+        self,
+        key: tuple,
+        host: torch.Tensor,
+        safe: Callable[[], torch.Tensor],
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        rows: int,
+    ) -> torch.Tensor:
         """fn's first rows of output on the inputs host, replayed from the graph for key.
 
         A new key is captured first, from fn on safe(): inputs that touch nothing in use.
@@ -129,8 +135,11 @@ class DecodeGraphs:
 
     def covers(self, scheduled) -> bool:
         """Whether a step is a pure decode step (one new token per sequence, each sampled)."""
-        return bool(scheduled) and len(scheduled) <= self.sizes[-1] and all(
-            s.num_tokens == 1 and s.samples for s in scheduled)
+        return (
+            bool(scheduled)
+            and len(scheduled) <= self.sizes[-1]
+            and all(s.num_tokens == 1 and s.samples for s in scheduled)
+        )
 
     def run(self, seqs) -> torch.Tensor:
         """Logits [len(seqs), V] of one decode step for seqs (each with one uncomputed token)."""
@@ -145,10 +154,12 @@ class DecodeGraphs:
             tables.extend(bt)
             tables.extend([self.spare_block] * (nb - len(bt)))
         pad = rows - len(seqs)
-        host = torch.tensor(ids + [0] * pad + pos + [0] * pad + tables + [self.spare_block] * (pad * nb),
-                            dtype=torch.int64)
-        return self.captured.run((rows, nb), host, lambda: self._safe_inputs(rows, nb),
-                                 lambda buf: self._forward(buf, rows, nb), len(seqs))
+        host = torch.tensor(
+            ids + [0] * pad + pos + [0] * pad + tables + [self.spare_block] * (pad * nb), dtype=torch.int64
+        )
+        return self.captured.run(
+            (rows, nb), host, lambda: self._safe_inputs(rows, nb), lambda buf: self._forward(buf, rows, nb), len(seqs)
+        )
 
     def _safe_inputs(self, rows: int, nb: int) -> torch.Tensor:
         """Every row a padding row: position 0 of the spare block (what capture runs on)."""
@@ -168,8 +179,16 @@ class DecodeGraphs:
             mask = (torch.arange(nb * bs, device=buf.device) <= pos.unsqueeze(1)).view(rows, 1, 1, nb * bs)
             reads = dict(dec_slots=read, dec_mask=mask)
         every = torch.arange(rows, device=buf.device)
-        batch = RaggedBatch(input_ids=ids, positions=pos, slot_mapping=written, logits_rows=every, seqs=[],
-                            ctx_slots=None, dec_rows=every, **reads)
+        batch = RaggedBatch(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=written,
+            logits_rows=every,
+            seqs=[],
+            ctx_slots=None,
+            dec_rows=every,
+            **reads,
+        )
         return self.model.forward(batch, self.kv)
 
 
@@ -208,8 +227,9 @@ class PaddedDecodeGraphs:
         rows, L = kv.shape[2], kv.shape[4]
         assert self.kv_buffers.get((rows, L)) is kv, "kv must come from kv_for"
         host = torch.tensor(ids + positions + pad + [cur], dtype=torch.int64)
-        return self.captured.run((rows, L), host, lambda: self._safe_inputs(rows, L),
-                                 lambda buf: self._forward(buf, kv, rows), rows)
+        return self.captured.run(
+            (rows, L), host, lambda: self._safe_inputs(rows, L), lambda buf: self._forward(buf, kv, rows), rows
+        )
 
     def _safe_inputs(self, rows: int, L: int) -> torch.Tensor:
         """Every row writes the buffer's last position, which is this step's write position
@@ -288,8 +308,9 @@ class PiecewiseGraphs:
         for li in range(len(m.layers) + 1):
             if li:  # layer li - 1's attention, on the q, k, v of the piece before
                 q, k, v = out["q"][:T], out["k"][:T], out["v"][:T]
-                batch.attention(q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T],
-                                fused=m.fused)
+                batch.attention(
+                    q, k, v, self.kv[li - 1, 0], self.kv[li - 1, 1], m.scaling, None, b.attn[:T], fused=m.fused
+                )
             out = self._piece(b, li)
         h = out["h"][batch.logits_rows]  # after the final norm
         return h if batch.hidden_out else m.lm_head_of(h)
@@ -298,8 +319,9 @@ class PiecewiseGraphs:
         b = self.buckets.get(tokens)
         if b is None:
             m = self.model
-            b = self.buckets[tokens] = _Pieces(tokens, m.shape.num_heads * m.shape.head_dim, self.kv.device,
-                                               self.spare_slot)
+            b = self.buckets[tokens] = _Pieces(
+                tokens, m.shape.num_heads * m.shape.head_dim, self.kv.device, self.spare_slot
+            )
             if self.captured.capture:  # every piece now, in order: each reads the one before
                 for li in range(len(m.layers) + 1):
                     entry = self.captured.capture_piece((tokens, li), lambda li=li: self._body(b, li))

@@ -20,8 +20,14 @@ from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.cuda_graphs import DecodeGraphs, GraphCaptureError, PiecewiseGraphs
-from splitserve.engine.errors import (CapacityError, InvalidRequestError, KVImportError, KVPrefixMissing, StepFailed,
-                                     in_halves)
+from splitserve.engine.errors import (
+    CapacityError,
+    InvalidRequestError,
+    KVImportError,
+    KVPrefixMissing,
+    StepFailed,
+    in_halves,
+)
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.loader import LoadedModel, load_model
 from splitserve.engine.model import LlamaModel
@@ -38,8 +44,14 @@ from splitserve.engine.outputs import (
 )
 from splitserve.engine.padded import PaddedBatcher
 from splitserve.engine.params import check_context, check_vocab
-from splitserve.engine.sampling import (SampleRow, SamplingParams, Seen, new_generator, sample_with_logprobs,
-                                       token_logprobs)
+from splitserve.engine.sampling import (
+    SampleRow,
+    SamplingParams,
+    Seen,
+    new_generator,
+    sample_with_logprobs,
+    token_logprobs,
+)
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.structured import MASK_WINDOW, Grammars
@@ -83,19 +95,28 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_with(self.tokenizer)
         shape = self.model.shape
-        self.grammars = None if self.tokenizer is None else Grammars(self.tokenizer, shape.vocab_size,
-                                                                     self.eos_token_ids, config.max_mask_ms)
+        self.grammars = (
+            None
+            if self.tokenizer is None
+            else Grammars(self.tokenizer, shape.vocab_size, self.eos_token_ids, config.max_mask_ms)
+        )
         self.max_model_len = min(config.max_model_len or shape.max_position, shape.max_position)
         if config.fused_kernels and self.device.type == "cuda":
             from splitserve.engine import fused  # imports Triton: only where it is used
 
-            self.model.fused = fused.load(shape.num_heads, shape.num_kv_heads, shape.head_dim, self.device,
-                                          config.block_size, self.max_model_len)
+            self.model.fused = fused.load(
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, self.device, config.block_size, self.max_model_len
+            )
         graphs = config.cuda_graphs and self.device.type == "cuda"
         continuous = config.policy == "continuous"
-        self.cache = PagedKVCache(shape, config.kv_cache_bytes, config.block_size, self.device,
-                                  spare_block=graphs and continuous,
-                                  prefix_caching=config.prefix_caching and continuous)
+        self.cache = PagedKVCache(
+            shape,
+            config.kv_cache_bytes,
+            config.block_size,
+            self.device,
+            spare_block=graphs and continuous,
+            prefix_caching=config.prefix_caching and continuous,
+        )
         self.scheduler = ContinuousScheduler(self.cache.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.padded = None if continuous else PaddedBatcher(self.model, config, graphs)
         self.graphs = self.pieces = None  # CUDA graphs: pure decode steps whole, other steps piecewise
@@ -142,16 +163,22 @@ class LLMEngine:
                 with cache_dir.making(loaded.pack_entry, waiting) if first else contextlib.nullcontext():
                     known = pack_cache.read(loaded.pack_entry) if first else None
                     t = time.perf_counter()
-                    self.model.use_small_gemm(native.SmallGemm(lib, self.num_threads), between=tick,
-                                              cache=loaded.packed, known=known)
+                    self.model.use_small_gemm(
+                        native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed, known=known
+                    )
                     if first and known is None:  # fitted here: kept for later processes
                         pack_cache.write(loaded.pack_entry, loaded.packed)
-                        log.info("small-GEMM weights packed in %.1f s, kept at %s", time.perf_counter() - t,
-                                 loaded.pack_entry)
+                        log.info(
+                            "small-GEMM weights packed in %.1f s, kept at %s",
+                            time.perf_counter() - t,
+                            loaded.pack_entry,
+                        )
         if config.batch_invariant:
             if self.model.attn_kernel is None or self.model.small_gemm is None:
-                raise RuntimeError("batch_invariant needs the CPU kernels (paged attention and small GEMM: AVX2 and "
-                                   "a C compiler), which could not be built here")
+                raise RuntimeError(
+                    "batch_invariant needs the CPU kernels (paged attention and small GEMM: AVX2 and "
+                    "a C compiler), which could not be built here"
+                )
             self.model.invariant = True
         self.model.to(self.device)
         if tick:
@@ -208,20 +235,26 @@ class LLMEngine:
         # (the sampler indexes the logits with them: one out of range failed the step of every sequence)
         check_vocab("sampling.stop_token_ids", params.stop_token_ids, vocab)
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
-            raise InvalidRequestError("sampling.logit_bias", f"token id {params.logit_bias[-1][0]} is outside the "
-                                                             f"vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                "sampling.logit_bias", f"token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})"
+            )
         if params.n > 1 and not prefill_only:
             if self.padded is not None:
-                raise InvalidRequestError("sampling.n", f"n > 1 needs the continuous policy; this engine batches "
-                                                        f"{self.config.policy}")
+                raise InvalidRequestError(
+                    "sampling.n", f"n > 1 needs the continuous policy; this engine batches {self.config.policy}"
+                )
             pool = self.cache.pool  # the later samples share the prompt's whole blocks but the last
             each = pool.blocks_for(total) - (len(prompt_token_ids) - 1) // pool.block_size
             if pool.blocks_for(total) + (params.n - 1) * each > pool.num_blocks:
-                raise InvalidRequestError("sampling.n", f"{params.n} samples of {total} tokens can never fit in this "
-                                                        f"engine's KV cache ({self.kv_capacity_tokens} tokens)")
+                raise InvalidRequestError(
+                    "sampling.n",
+                    f"{params.n} samples of {total} tokens can never fit in this "
+                    f"engine's KV cache ({self.kv_capacity_tokens} tokens)",
+                )
         if params.prompt_logprobs is not None and self.padded is not None:
-            raise InvalidRequestError("sampling.prompt_logprobs",
-                                      f"needs the continuous policy; this engine batches {self.config.policy}")
+            raise InvalidRequestError(
+                "sampling.prompt_logprobs", f"needs the continuous policy; this engine batches {self.config.policy}"
+            )
         if params.structured_output is not None:
             if self.grammars is None:
                 raise InvalidRequestError(params.structured_output.field, "needs a model with a tokenizer")
@@ -260,9 +293,16 @@ class LLMEngine:
         self._check_new(request_id, cache_salt)
         self._add(request_id, prompt_token_ids, params, prefill_only, priority, cache_salt, resumed, resumed_chars)
 
-    def resume_samples(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       samples: list[tuple[int, list[int], int]], *, priority: int = 0,
-                       cache_salt: str = "") -> list[RequestOutput]:
+    def resume_samples(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        samples: list[tuple[int, list[int], int]],
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> list[RequestOutput]:
         """A request of params.n > 1 samples resumed here (its decode worker was lost mid-stream):
         samples holds (index, output tokens its client has, characters of their text) for each of
         its samples not finished yet; a finished one is not run again. Each goes on as the sample it
@@ -277,17 +317,31 @@ class LLMEngine:
         its KV is followed by) is not run: its last output, returned, ends it at once."""
         self._check_new(request_id, cache_salt)
         indexes = [i for i, _, _ in samples]
-        if params.n < 2 or not samples or len(set(indexes)) != len(indexes) \
-                or not all(0 <= i < params.n for i in indexes):
-            raise InvalidRequestError("resumed_samples", f"samples {indexes} of a request of n={params.n}: not a "
-                                                         "request that can resume so")
+        if (
+            params.n < 2
+            or not samples
+            or len(set(indexes)) != len(indexes)
+            or not all(0 <= i < params.n for i in indexes)
+        ):
+            raise InvalidRequestError(
+                "resumed_samples", f"samples {indexes} of a request of n={params.n}: not a request that can resume so"
+            )
         self.validate(prompt_token_ids, params)
         kids, ended = [], []
         try:
             for i, tokens, chars in sorted(samples, key=lambda s: s[0]):
                 key = sample_key(request_id, i)
-                self._add(key, list(prompt_token_ids) + list(tokens), _sample_params(params, i), False, priority,
-                          cache_salt, len(tokens), chars, field="resumed_samples")
+                self._add(
+                    key,
+                    list(prompt_token_ids) + list(tokens),
+                    _sample_params(params, i),
+                    False,
+                    priority,
+                    cache_salt,
+                    len(tokens),
+                    chars,
+                    field="resumed_samples",
+                )
                 seq = self.seqs[key]
                 seq.index, seq.parent = i, request_id if i else ""
                 if tokens and (end := self._ends(seq, tokens[-1]))[0] is not None:
@@ -318,28 +372,46 @@ class LLMEngine:
         if SAMPLE_SEP in request_id:  # a request's later samples run under <id>/<index> (_fork)
             raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {request_id!r}")
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool,
-             priority: int, cache_salt: str, resumed: int, resumed_chars: int, field: str = "resumed") -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill_only: bool,
+        priority: int,
+        cache_salt: str,
+        resumed: int,
+        resumed_chars: int,
+        field: str = "resumed",
+    ) -> None:
         prefill_only = prefill_only and self.padded is None
         prompt_len = len(prompt_token_ids) - resumed
         if resumed and (resumed < 0 or prompt_len < 1 or resumed_chars < 0 or params.n > 1):
-            raise InvalidRequestError(field, f"{resumed} of {len(prompt_token_ids)} tokens (n={params.n}, "
-                                             f"{resumed_chars} characters): not a request that can resume")
+            raise InvalidRequestError(
+                field,
+                f"{resumed} of {len(prompt_token_ids)} tokens (n={params.n}, "
+                f"{resumed_chars} characters): not a request that can resume",
+            )
         self.validate(prompt_token_ids[:prompt_len], params, prefill_only)
         matcher = None
         if resumed:
             check_vocab(field, prompt_token_ids[prompt_len:], self.model.shape.vocab_size)
             if prefill_only and not self.fits(len(prompt_token_ids) + 1):
-                raise InvalidRequestError("prompt", f"{len(prompt_token_ids)} tokens can never fit in this prefill "
-                                                    f"engine's KV cache ({self.kv_capacity_tokens} tokens)")
+                raise InvalidRequestError(
+                    "prompt",
+                    f"{len(prompt_token_ids)} tokens can never fit in this prefill "
+                    f"engine's KV cache ({self.kv_capacity_tokens} tokens)",
+                )
             if params.structured_output is not None:
                 try:
                     matcher = self.grammars.matcher(params.structured_output, prompt_token_ids[prompt_len:])
                 except ValueError as e:
-                    raise InvalidRequestError(params.structured_output.field,
-                                              f"the tokens generated so far {e}") from None
-        seq = self._new_seq(request_id, list(prompt_token_ids), prompt_len, params, cache_salt=cache_salt,
-                            matcher=matcher)
+                    raise InvalidRequestError(
+                        params.structured_output.field, f"the tokens generated so far {e}"
+                    ) from None
+        seq = self._new_seq(
+            request_id, list(prompt_token_ids), prompt_len, params, cache_salt=cache_salt, matcher=matcher
+        )
         if resumed:
             seq.resumed, seq.resumed_chars = resumed, resumed_chars
             self._resume(seq)
@@ -352,9 +424,12 @@ class LLMEngine:
             # such a sample at once: its client may have had a first token sent ahead of its KV).
             if field == "resumed" and (reason := self._ends(seq, prompt_token_ids[-1])[0]) is not None:
                 del self.seqs[request_id]
-                raise InvalidRequestError(field, f"the {resumed} tokens its client has end it ({reason}"
-                                                 f"{'' if seq.error is None else f': {seq.error}'}): nothing "
-                                                 "is left to generate")
+                raise InvalidRequestError(
+                    field,
+                    f"the {resumed} tokens its client has end it ({reason}"
+                    f"{'' if seq.error is None else f': {seq.error}'}): nothing "
+                    "is left to generate",
+                )
         seq.prefill_only = prefill_only
         seq.priority = priority
         if self.padded is not None:
@@ -362,8 +437,9 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
 
-    def _new_seq(self, request_id, token_ids, prompt_len, params, generator=None, cache_salt="",
-                 matcher=None) -> Sequence:
+    def _new_seq(
+        self, request_id, token_ids, prompt_len, params, generator=None, cache_salt="", matcher=None
+    ) -> Sequence:
         if params.structured_output is not None and matcher is None:
             matcher = self.grammars.matcher(params.structured_output)
         seq = Sequence(
@@ -443,9 +519,12 @@ class LLMEngine:
             self.last_stats = self.padded.last_stats
         else:
             sched = self.scheduler.schedule()
-            stats = StepStats(policy="continuous", num_preempted=len(sched.preempted),
-                              preempted=[s.parent or s.request_id for s in sched.preempted],
-                              num_cached_tokens=sched.num_cached_tokens)
+            stats = StepStats(
+                policy="continuous",
+                num_preempted=len(sched.preempted),
+                preempted=[s.parent or s.request_id for s in sched.preempted],
+                num_cached_tokens=sched.num_cached_tokens,
+            )
             outputs = self._run(sched, stats) if sched.scheduled else []
             self.last_stats = stats
         s = self.last_stats
@@ -462,8 +541,13 @@ class LLMEngine:
             computed = self._compute(sched, stats)
         except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
             if len(sched.scheduled) > 1:
-                log.warning("an engine step of %d sequences failed (%s: %s); running it again in parts to find "
-                            "the sequences that fail it", len(sched.scheduled), type(e).__name__, e)
+                log.warning(
+                    "an engine step of %d sequences failed (%s: %s); running it again in parts to find "
+                    "the sequences that fail it",
+                    len(sched.scheduled),
+                    type(e).__name__,
+                    e,
+                )
             return self._isolate(sched.scheduled, stats, before, e)
         return self._advance(sched, *computed, stats)
 
@@ -472,6 +556,7 @@ class LLMEngine:
         undoing first what a failed one did (before.restore), down to the sequences that raise
         alone. Those end "error" (StepFailed); the others go on as if nothing had failed (the KV a
         failed run wrote is written again by the next)."""
+
         def run(a: int, b: int) -> tuple:
             before.restore([s.seq for s in scheduled[a:b]])
             sub = SchedulerOutput(scheduled[a:b])
@@ -480,8 +565,9 @@ class LLMEngine:
         def alone(i: int, e: Exception) -> list[RequestOutput]:
             seq = scheduled[i].seq
             before.restore([seq])
-            log.error("request %s fails an engine step alone: it ends with an error", seq.parent or seq.request_id,
-                      exc_info=e)
+            log.error(
+                "request %s fails an engine step alone: it ends with an error", seq.parent or seq.request_id, exc_info=e
+            )
             self._fail(seq, StepFailed(e))
             out = self._output(seq)
             return [out] if out is not None else []
@@ -516,7 +602,7 @@ class LLMEngine:
         samplers = [s for s in sched.scheduled if s.samples]
         t = time.perf_counter()
         if prompt_rows:  # hidden states: the samplers' rows, then theirs
-            _add_prompt_logprobs(prompt_rows, logits[len(samplers):], self.model.lm_head_of)
+            _add_prompt_logprobs(prompt_rows, logits[len(samplers) :], self.model.lm_head_of)
             logits = self.model.lm_head_of(logits[: len(samplers)])
         tokens, logprobs = sample_with_logprobs(logits, [self._sample_row(s.seq) for s in samplers])
         stats.sample_time_s += time.perf_counter() - t
@@ -525,8 +611,9 @@ class LLMEngine:
             stats.device_time_s += events[0].elapsed_time(events[1]) / 1000
         return samplers, tokens, logprobs
 
-    def _advance(self, sched: SchedulerOutput, samplers: list, tokens: list[int], logprobs: list,
-                 stats: StepStats) -> list[RequestOutput]:
+    def _advance(
+        self, sched: SchedulerOutput, samplers: list, tokens: list[int], logprobs: list, stats: StepStats
+    ) -> list[RequestOutput]:
         """After _compute: the positions computed count, and each sampled token is taken. A
         sequence whose token fails to be taken ends "error" (StepFailed); the others go on."""
         stats.num_seqs += len(sched.scheduled)
@@ -549,7 +636,9 @@ class LLMEngine:
                 stats.finished.append(s.seq.request_id)
         return outputs
 
-    def _build_batch(self, sched: SchedulerOutput, prompt_rows: list[tuple[Sequence, int, int, int]] = ()) -> RaggedBatch:
+    def _build_batch(
+        self, sched: SchedulerOutput, prompt_rows: list[tuple[Sequence, int, int, int]] = ()
+    ) -> RaggedBatch:
         """prompt_rows (_prompt_rows): rows whose logits are wanted after the samplers'."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -607,8 +696,9 @@ class LLMEngine:
             batch.dec_rows = torch.tensor(dec_rows, dtype=torch.int64).to(dev)
         if dec_tables:
             blocks = max(len(t) for t in dec_tables)
-            batch.dec_tables = torch.tensor([t + [0] * (blocks - len(t)) for t in dec_tables],
-                                            dtype=torch.int64).to(dev)
+            batch.dec_tables = torch.tensor([t + [0] * (blocks - len(t)) for t in dec_tables], dtype=torch.int64).to(
+                dev
+            )
             batch.dec_lens = batch.positions.index_select(0, batch.dec_rows) + 1
             batch.block_size = self.cache.block_size
         elif dec_rows:
@@ -626,8 +716,9 @@ class LLMEngine:
             banned = seq.params.stop_token_ids
             if not seq.params.ignore_eos:
                 banned += tuple(self.eos_token_ids)
-        return SampleRow(seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher,
-                         seq.mask_ms)
+        return SampleRow(
+            seq.params, seq.generator, banned, _seen(seq) if seq.params.penalized else None, seq.matcher, seq.mask_ms
+        )
 
     def sample_rows(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list[Sequence]]:
         """Sample row i of logits for seqs[i] (the static and dynamic policies' step, whose forward
@@ -648,8 +739,11 @@ class LLMEngine:
             try:
                 (tok,), (lp,) = sample_with_logprobs(logits[i : i + 1], [self._sample_row(seq)])
             except Exception as e:  # noqa: BLE001 - its own sequence's fault
-                log.error("request %s fails its sampling alone: it ends with an error", seq.parent or seq.request_id,
-                          exc_info=e)
+                log.error(
+                    "request %s fails its sampling alone: it ends with an error",
+                    seq.parent or seq.request_id,
+                    exc_info=e,
+                )
                 self._fail(seq, StepFailed(e))
                 failed.append(seq)
             else:
@@ -662,8 +756,12 @@ class LLMEngine:
         try:
             self.append_token(seq, token, logprob)
         except Exception as e:  # noqa: BLE001 - its own sequence's fault
-            log.error("request %s: its token %d was not taken: it ends with an error", seq.parent or seq.request_id,
-                      token, exc_info=e)
+            log.error(
+                "request %s: its token %d was not taken: it ends with an error",
+                seq.parent or seq.request_id,
+                token,
+                exc_info=e,
+            )
             if seq.request_id in self.seqs:
                 self._fail(seq, StepFailed(e))
 
@@ -671,8 +769,10 @@ class LLMEngine:
         """Add a sampled token (and its log probability, when the request asks) to seq and finish it
         if a stop condition holds. A sequence held to a format that failed while its mask was made
         (Grammars.failure) ends "error" instead, without the token, which the format did not rule."""
-        if seq.matcher is not None and (err := self.grammars.failure(seq.params.structured_output, seq.matcher,
-                                                                     seq.mask_ms)) is not None:
+        if (
+            seq.matcher is not None
+            and (err := self.grammars.failure(seq.params.structured_output, seq.matcher, seq.mask_ms)) is not None
+        ):
             self._fail(seq, err)
             return
         seq.token_ids.append(token)
@@ -685,8 +785,12 @@ class LLMEngine:
             seq.text += seq.detok.push(token)
         fork = p.n > 1 and seq.index == 0 and seq.num_output == 1  # its first token: the other samples start now
         if seq.matcher is not None and not seq.matcher.consume_token(token):  # masked out: cannot happen
-            log.error("request %s: token %d does not follow its structured output: %s", seq.request_id, token,
-                      seq.matcher.get_error())
+            log.error(
+                "request %s: token %d does not follow its structured output: %s",
+                seq.request_id,
+                token,
+                seq.matcher.get_error(),
+            )
         reason, flush = self._ends(seq, token)
         if fork and seq.prefill_only:  # the KV goes to the decode worker, which makes the others from it
             seq.first_finish = reason
@@ -736,8 +840,13 @@ class LLMEngine:
         shared = first.block_table[: (first.prompt_len - 1) // bs]
         kids = []
         for i in range(1, p.n):
-            child = self._new_seq(sample_key(first.request_id, i), first.token_ids[: first.prompt_len],
-                                  first.prompt_len, _sample_params(p, i), cache_salt=first.cache_salt)
+            child = self._new_seq(
+                sample_key(first.request_id, i),
+                first.token_ids[: first.prompt_len],
+                first.prompt_len,
+                _sample_params(p, i),
+                cache_salt=first.cache_salt,
+            )
             child.index, child.parent, child.priority = i, first.request_id, first.priority
             pool.take(shared)
             child.block_table.extend(shared)
@@ -830,8 +939,9 @@ class LLMEngine:
     def can_import(self, num_tokens: int) -> bool:
         return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
 
-    def import_kv(self, export: kv_transfer.KVExport, payload: memoryview | bytes,
-                  priority: int = 0) -> RequestOutput | None:
+    def import_kv(
+        self, export: kv_transfer.KVExport, payload: memoryview | bytes, priority: int = 0
+    ) -> RequestOutput | None:
         """Adopt a sequence exported by another engine; it continues as if it had never moved.
 
         Returns the tokens it already has (the first token, sampled by the producer) so
@@ -844,8 +954,9 @@ class LLMEngine:
         needs them there: KVPrefixMissing if fewer are cached (the sender sends them after all).
         """
         if self.padded is not None:
-            raise KVImportError("handle", f"KV import needs the continuous policy; this engine batches "
-                                          f"{self.config.policy}")
+            raise KVImportError(
+                "handle", f"KV import needs the continuous policy; this engine batches {self.config.policy}"
+            )
         if export.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
         if SAMPLE_SEP in export.request_id:
@@ -853,26 +964,40 @@ class LLMEngine:
         kv_transfer.check(self.model, export, payload)
         n, start = export.num_tokens, export.start
         if len(export.token_ids) != n + 1:
-            raise KVImportError("handle.num_tokens", f"KV holds {n} tokens but the sequence has "
-                                f"{len(export.token_ids)} (expected n + 1)")
+            raise KVImportError(
+                "handle.num_tokens",
+                f"KV holds {n} tokens but the sequence has {len(export.token_ids)} (expected n + 1)",
+            )
         if not 1 <= export.prompt_len <= n:
-            raise KVImportError("sequence.prompt_len", f"{export.prompt_len} of {len(export.token_ids)} tokens: the "
-                                "prompt is at least one and leaves at least the token sampled")
+            raise KVImportError(
+                "sequence.prompt_len",
+                f"{export.prompt_len} of {len(export.token_ids)} tokens: the "
+                "prompt is at least one and leaves at least the token sampled",
+            )
         check_vocab("sequence.token_ids", export.token_ids, self.model.shape.vocab_size)
         self.validate(export.token_ids[: export.prompt_len], export.params)
         if not 0 <= export.resumed < max(1, len(export.token_ids) - export.prompt_len) or export.resumed_chars < 0:
-            raise KVImportError("sequence.resumed_tokens", f"{export.resumed} resumed tokens ({export.resumed_chars} "
-                                f"characters) of {len(export.token_ids) - export.prompt_len} sampled")
+            raise KVImportError(
+                "sequence.resumed_tokens",
+                f"{export.resumed} resumed tokens ({export.resumed_chars} "
+                f"characters) of {len(export.token_ids) - export.prompt_len} sampled",
+            )
         if export.params.logprobs is not None and len(export.logprobs) != len(export.token_ids) - export.prompt_len:
-            raise KVImportError("sequence.logprobs", f"{len(export.logprobs)} log probabilities for "
-                                f"{len(export.token_ids) - export.prompt_len} sampled tokens")
+            raise KVImportError(
+                "sequence.logprobs",
+                f"{len(export.logprobs)} log probabilities for "
+                f"{len(export.token_ids) - export.prompt_len} sampled tokens",
+            )
         if export.params.prompt_logprobs is not None and len(export.prompt_logprobs) != export.prompt_len - 1:
-            raise KVImportError("sequence.prompt_logprobs", f"{len(export.prompt_logprobs)} prompt log probabilities "
-                                f"for a {export.prompt_len}-token prompt (one per token after the first)")
+            raise KVImportError(
+                "sequence.prompt_logprobs",
+                f"{len(export.prompt_logprobs)} prompt log probabilities "
+                f"for a {export.prompt_len}-token prompt (one per token after the first)",
+            )
         matcher = None
         if export.params.structured_output is not None:
             try:
-                matcher = self.grammars.matcher(export.params.structured_output, export.token_ids[export.prompt_len:])
+                matcher = self.grammars.matcher(export.params.structured_output, export.token_ids[export.prompt_len :])
             except ValueError as e:
                 raise KVImportError("sequence.token_ids", f"these tokens {e}") from None
         gen = new_generator(export.params)
@@ -893,8 +1018,9 @@ class LLMEngine:
         if not self.scheduler.make_room(need, priority):
             pool.free(shared)
             raise CapacityError(f"no free KV blocks for {n} tokens")
-        seq = self._new_seq(export.request_id, list(export.token_ids), export.prompt_len, export.params, gen,
-                            export.cache_salt, matcher)
+        seq = self._new_seq(
+            export.request_id, list(export.token_ids), export.prompt_len, export.params, gen, export.cache_salt, matcher
+        )
         seq.priority = priority
         seq.logprobs = list(export.logprobs) if export.params.logprobs is not None else []
         seq.prompt_logprobs = list(export.prompt_logprobs) if export.params.prompt_logprobs is not None else []
@@ -903,8 +1029,14 @@ class LLMEngine:
         seq.block_table.extend(shared)
         seq.block_table.extend(pool.allocate(need))
         if held < n:
-            kv_transfer.load(self.model, self.cache.kv, self.cache.slots(seq.block_table, held, n), payload,
-                             n - start, skip=held - start)
+            kv_transfer.load(
+                self.model,
+                self.cache.kv,
+                self.cache.slots(seq.block_table, held, n),
+                payload,
+                n - start,
+                skip=held - start,
+            )
         seq.num_computed = n
         seq.num_cache_blocks, seq.cache_entry = len(shared), entry
         seq.num_shared_on_import = self.last_shared_on_import = held
@@ -978,8 +1110,11 @@ def _seen(seq: Sequence) -> Seen:
     if seq.prompt_ids is None and seq.params.repetition_penalty != 1.0:
         seq.prompt_ids = torch.tensor(sorted(set(seq.token_ids[: seq.prompt_len])), dtype=torch.int64)
     counts = seq.output_counts
-    return Seen(torch.tensor(list(counts), dtype=torch.int64), torch.tensor(list(counts.values()), dtype=torch.float32),
-                seq.prompt_ids)
+    return Seen(
+        torch.tensor(list(counts), dtype=torch.int64),
+        torch.tensor(list(counts.values()), dtype=torch.float32),
+        seq.prompt_ids,
+    )
 
 
 def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
@@ -1012,14 +1147,16 @@ def _add_prompt_logprobs(rows: list[tuple[Sequence, int, int, int]], hidden: tor
     targets: list[tuple[Sequence, int]] = []
     for seq, first, n, _ in rows:
         if first != len(seq.prompt_logprobs):
-            raise RuntimeError(f"{seq.request_id}: prompt log probabilities from {first}, but it holds "
-                               f"{len(seq.prompt_logprobs)}")
+            raise RuntimeError(
+                f"{seq.request_id}: prompt log probabilities from {first}, but it holds {len(seq.prompt_logprobs)}"
+            )
         targets.extend((seq, p + 1) for p in range(first, first + n))
     for i in range(0, len(targets), _PROMPT_ROWS_AT_ONCE):
         part = targets[i : i + _PROMPT_ROWS_AT_ONCE]
         dist = torch.log_softmax(lm_head(hidden[i : i + len(part)]).float(), dim=-1)
-        found = token_logprobs(dist, [seq.token_ids[at] for seq, at in part],
-                               [seq.params.prompt_logprobs for seq, _ in part])
+        found = token_logprobs(
+            dist, [seq.token_ids[at] for seq, at in part], [seq.params.prompt_logprobs for seq, _ in part]
+        )
         for (seq, _), lp in zip(part, found):
             seq.prompt_logprobs.append(lp)
 

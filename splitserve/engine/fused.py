@@ -53,14 +53,27 @@ def num_splits(blocks: int, block_size: int) -> int:
 
 
 if triton is not None:
-
     # Strides and counts that vary from step to step are not specialised on (no compile per value):
     # every variant a model uses is compiled by self_check() when the engine starts.
     @triton.jit(do_not_specialize=["qkv_stride", "cs_stride", "cache_stride"])
-    def _rope_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr,
-                         qkv_stride, cs_stride, cache_stride,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HP: tl.constexpr,
-                         WRITE: tl.constexpr):
+    def _rope_qkv_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        slot_ptr,
+        q_ptr,
+        k_ptr,
+        kc_ptr,
+        vc_ptr,
+        qkv_stride,
+        cs_stride,
+        cache_stride,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        HP: tl.constexpr,
+        WRITE: tl.constexpr,
+    ):
         """One token a program: its q and k heads rotated (x * cos + roll(x, D/2) * sin, the
         model's own formula), q and k stored, and with WRITE its k and v stored at its cache slot."""
         t = tl.program_id(0)
@@ -83,10 +96,30 @@ if triton is not None:
             tl.store(vc_ptr + slot * cache_stride + (h - HQ - HKV) * D + d, y, mask=valid & (h >= HQ + HKV))
 
     @triton.jit(do_not_specialize=["q_stride", "cache_stride", "table_stride", "out_stride", "nsplit"])
-    def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, len_ptr, out_ptr, pacc_ptr, pml_ptr, scale,
-                             q_stride, cache_stride, table_stride, out_stride, nsplit,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                             BLOCK: tl.constexpr, TILES: tl.constexpr, DIRECT: tl.constexpr, NEG: tl.constexpr):
+    def _paged_decode_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        table_ptr,
+        len_ptr,
+        out_ptr,
+        pacc_ptr,
+        pml_ptr,
+        scale,
+        q_stride,
+        cache_stride,
+        table_stride,
+        out_stride,
+        nsplit,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        BS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
+        DIRECT: tl.constexpr,
+        NEG: tl.constexpr,
+    ):
         """Program (sequence, KV head, split): the split's stretch of the context for the KV head's
         G query heads, with an online softmax. DIRECT (one split): the output; else the partial
         (unnormalised sum, running max, sum of weights) for _combine_kernel."""
@@ -130,8 +163,18 @@ if triton is not None:
             tl.store(pml_ptr + (part * GP + g) * 2 + 1, l_i)
 
     @triton.jit(do_not_specialize=["out_stride", "nsplit"])
-    def _combine_kernel(pacc_ptr, pml_ptr, out_ptr, out_stride, nsplit,
-                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr, NEG: tl.constexpr):
+    def _combine_kernel(
+        pacc_ptr,
+        pml_ptr,
+        out_ptr,
+        out_stride,
+        nsplit,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        SP: tl.constexpr,
+        NEG: tl.constexpr,
+    ):
         """Program (sequence, KV head): its splits' partials weighed by exp(max - overall max).
         A split past the context has max NEG: weight 0."""
         s = tl.program_id(0)
@@ -143,12 +186,15 @@ if triton is not None:
         present = sp < nsplit
         idx = (part[:, None] * GP + g[None, :]) * 2  # [SP, GP]
         m = tl.load(pml_ptr + idx, mask=present[:, None], other=NEG)
-        l = tl.load(pml_ptr + idx + 1, mask=present[:, None], other=0.0)
+        l = tl.load(pml_ptr + idx + 1, mask=present[:, None], other=0.0)  # noqa: E741 - flash attention's m and l
         top = tl.max(m, axis=0)  # [GP]
         w = tl.where(present[:, None], tl.exp(m - top[None, :]), 0.0)
         total = tl.sum(l * w, axis=0)
-        acc = tl.load(pacc_ptr + ((part[:, None] * GP + g[None, :]) * D)[:, :, None] + d[None, None, :],
-                      mask=present[:, None, None], other=0.0)  # [SP, GP, D]
+        acc = tl.load(
+            pacc_ptr + ((part[:, None] * GP + g[None, :]) * D)[:, :, None] + d[None, None, :],
+            mask=present[:, None, None],
+            other=0.0,
+        )  # [SP, GP, D]
         o = tl.sum(acc * w[:, :, None], axis=0) / total[:, None]
         heads = kvh * G + g
         tl.store(out_ptr + s * out_stride + heads[:, None] * D + d[None, :], o, mask=(g < G)[:, None])
@@ -172,8 +218,15 @@ class FusedOps:
         self.hq, self.hkv, self.d = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
 
-    def rope_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None = None,
-                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None):
+    def rope_qkv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor | None = None,
+        k_cache: torch.Tensor | None = None,
+        v_cache: torch.Tensor | None = None,
+    ):
         """qkv [T, (Hq + 2 Hkv) * D] (rows contiguous); cos, sin [T, 1, D] -> q [T, Hq, D] and k
         [T, Hkv, D] rotated, v [T, Hkv, D] (a view of qkv). With slots [T], k and v are also
         written to k_cache, v_cache [slots, Hkv, D] at those slots."""
@@ -182,17 +235,40 @@ class FusedOps:
         assert qkv.stride(1) == 1 and cos.stride(-1) == 1 and sin.stride(0) == cos.stride(0)
         q = torch.empty(T, hq, d, dtype=qkv.dtype, device=qkv.device)
         k = torch.empty(T, hkv, d, dtype=qkv.dtype, device=qkv.device)
-        v = qkv.view(T, hq + 2 * hkv, d)[:, hq + hkv:]
+        v = qkv.view(T, hq + 2 * hkv, d)[:, hq + hkv :]
         write = slots is not None
         if T:
             _rope_qkv_kernel[(T,)](
-                qkv, cos, sin, slots if write else qkv, q, k, k_cache if write else q, v_cache if write else q,
-                qkv.stride(0), cos.stride(0), k_cache.stride(0) if write else 0,
-                HQ=hq, HKV=hkv, D=d, HP=pow2_at_least(hq + 2 * hkv, 1), WRITE=write)
+                qkv,
+                cos,
+                sin,
+                slots if write else qkv,
+                q,
+                k,
+                k_cache if write else q,
+                v_cache if write else q,
+                qkv.stride(0),
+                cos.stride(0),
+                k_cache.stride(0) if write else 0,
+                HQ=hq,
+                HKV=hkv,
+                D=d,
+                HP=pow2_at_least(hq + 2 * hkv, 1),
+                WRITE=write,
+            )
         return q, k, v
 
-    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, block_size: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        block_size: int,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q [S, Hq, D] (one new token each, rows contiguous); caches [slots, Hkv, D]; tables [S, nb]
         the block ids (only those under lens are read); lens [S] >= 1, each one's context with the
         new token -> [S, Hq * D] (into out if given)."""
@@ -212,13 +288,42 @@ class FusedOps:
             pacc = torch.empty(S * hkv * nsplit * gp * d, dtype=torch.float32, device=q.device)
             pml = torch.empty(S * hkv * nsplit * gp * 2, dtype=torch.float32, device=q.device)
         _paged_decode_kernel[(S, hkv, nsplit)](
-            q, k_cache, v_cache, tables, lens, out, pacc, pml, scale,
-            q.stride(0), k_cache.stride(0), tables.stride(0), out.stride(0), nsplit,
-            G=self.group, GP=gp, D=d, BS=block_size, BLOCK=BLOCK_N, TILES=SPLIT_TILES, DIRECT=direct,
-            NEG=NEG)
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            lens,
+            out,
+            pacc,
+            pml,
+            scale,
+            q.stride(0),
+            k_cache.stride(0),
+            tables.stride(0),
+            out.stride(0),
+            nsplit,
+            G=self.group,
+            GP=gp,
+            D=d,
+            BS=block_size,
+            BLOCK=BLOCK_N,
+            TILES=SPLIT_TILES,
+            DIRECT=direct,
+            NEG=NEG,
+        )
         if not direct:
-            _combine_kernel[(S, hkv)](pacc, pml, out, out.stride(0), nsplit, G=self.group, GP=gp, D=d,
-                                      SP=pow2_at_least(nsplit, MIN_SPLIT_SLOTS), NEG=NEG)
+            _combine_kernel[(S, hkv)](
+                pacc,
+                pml,
+                out,
+                out.stride(0),
+                nsplit,
+                G=self.group,
+                GP=gp,
+                D=d,
+                SP=pow2_at_least(nsplit, MIN_SPLIT_SLOTS),
+                NEG=NEG,
+            )
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -233,8 +338,9 @@ class FusedOps:
         return out
 
 
-def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_size: int = 16,
-         max_context: int = 0) -> FusedOps | None:
+def load(
+    num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_size: int = 16, max_context: int = 0
+) -> FusedOps | None:
     """FusedOps for a model's shape on device, checked there against torch's ops; None (with a
     warning naming why) where Triton is missing, the shape does not suit, or the check fails.
     The engine then runs torch's ops, as it does on the CPU. block_size: the paged cache's;
@@ -244,12 +350,14 @@ def load(num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
         log.warning("Triton is not installed: CUDA steps run torch's ops, unfused")
         return None
     if head_dim != pow2_at_least(head_dim, 1):
-        log.warning("fused kernels need a power-of-two head size (got %d): CUDA steps run torch's ops",
-                    head_dim)
+        log.warning("fused kernels need a power-of-two head size (got %d): CUDA steps run torch's ops", head_dim)
         return None
     if num_heads % num_kv_heads:
-        log.warning("fused kernels need the query heads (%d) to be a multiple of the KV heads (%d): "
-                    "CUDA steps run torch's ops", num_heads, num_kv_heads)
+        log.warning(
+            "fused kernels need the query heads (%d) to be a multiple of the KV heads (%d): CUDA steps run torch's ops",
+            num_heads,
+            num_kv_heads,
+        )
         return None
     ops = FusedOps(num_heads, num_kv_heads, head_dim)
     try:
@@ -270,8 +378,15 @@ def reference_decode(q, k_cache, v_cache, tables, lens, block_size: int, scale: 
     for i in range(q.shape[0]):
         n = int(lens[i])
         slots = (tables[i].unsqueeze(1) * block_size + torch.arange(block_size, device=q.device)).view(-1)[:n]
-        rows.append(sdpa_decode(q[i : i + 1], k_cache[slots].transpose(0, 1).unsqueeze(0),
-                                v_cache[slots].transpose(0, 1).unsqueeze(0), None, scale))
+        rows.append(
+            sdpa_decode(
+                q[i : i + 1],
+                k_cache[slots].transpose(0, 1).unsqueeze(0),
+                v_cache[slots].transpose(0, 1).unsqueeze(0),
+                None,
+                scale,
+            )
+        )
     return torch.cat(rows)
 
 
@@ -286,8 +401,9 @@ def combine_spans(max_context: int) -> list[int]:
     return spans
 
 
-def self_check(ops: FusedOps, device: torch.device, block_size: int = 16, max_context: int = 0,
-               atol: float = 1e-4) -> str:
+def self_check(
+    ops: FusedOps, device: torch.device, block_size: int = 16, max_context: int = 0, atol: float = 1e-4
+) -> str:
     """Run each kernel once on small random inputs against torch's ops: "" or what differed.
     It runs each variant that the engine's steps use: those for block_size, and for contexts
     up to max_context."""
@@ -317,8 +433,11 @@ def self_check(ops: FusedOps, device: torch.device, block_size: int = 16, max_co
         width = -(-span // bs)
         t = torch.tensor([(order * width)[:width], [2] + [0] * (width - 1)], device=device)
         n = torch.tensor([200 if span > 128 else 40, 9], device=device)
-        if not torch.allclose(ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5),
-                              reference_decode(q2, k_cache, v_cache, t, n, bs, d ** -0.5), atol=atol):
+        if not torch.allclose(
+            ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d**-0.5),
+            reference_decode(q2, k_cache, v_cache, t, n, bs, d**-0.5),
+            atol=atol,
+        ):
             splits = num_splits(width, bs)
             return f"paged decode attention ({splits} split{'s' if splits > 1 else ''})"
     gu = rnd(3, 2 * 40)

@@ -42,15 +42,29 @@ _CONFIG = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
-_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
-              "padding_token_id": "pad_token_id"}
+_TOKEN_IDS = {
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+}
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NOT_IN_MODEL = ("rope_freqs.weight",)  # llama 3's rope factors: the HF model has no parameter for them
 
@@ -163,13 +177,17 @@ class GGUFFile:
         kind = GGMLQuantizationType(t.ggml_type)
         raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            return raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16).reshape(t.shape).astype(
-                np.float32)
+            return (
+                raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16)
+                .reshape(t.shape)
+                .astype(np.float32)
+            )
         try:
             return dequantize(raw.reshape(*t.shape[:-1], -1), kind).reshape(t.shape)
         except (NotImplementedError, ValueError) as e:
-            raise ModelLoadError(f"GGUF file {self.path}: tensor {name} ({kind.name}) cannot be de-quantized: "
-                                 f"{e}") from None
+            raise ModelLoadError(
+                f"GGUF file {self.path}: tensor {name} ({kind.name}) cannot be de-quantized: {e}"
+            ) from None
 
     def close(self) -> None:
         try:
@@ -223,8 +241,9 @@ def state_dict(gguf: GGUFFile, config) -> dict:
         target = hf_name(name)
         if target is None:  # left out, as transformers leaves it
             if name not in _NOT_IN_MODEL:
-                log.warning("GGUF file %s: tensor %s has no place in a %s model, left out", gguf.path, name,
-                            config.model_type)
+                log.warning(
+                    "GGUF file %s: tensor %s has no place in a %s model, left out", gguf.path, name, config.model_type
+                )
             continue
         w = gguf.array(name)
         if permute and ".attn_q." in name:
@@ -236,8 +255,10 @@ def state_dict(gguf: GGUFFile, config) -> dict:
         out.pop("lm_head.weight", None)
     missing = sorted(set(_expected(config)) - set(out))
     if missing:
-        raise ModelLoadError(f"GGUF file {gguf.path} lacks {len(missing)} weights the model needs, "
-                             f"{', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}")
+        raise ModelLoadError(
+            f"GGUF file {gguf.path} lacks {len(missing)} weights the model needs, "
+            f"{', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}"
+        )
     return out
 
 

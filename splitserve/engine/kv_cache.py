@@ -128,8 +128,9 @@ class BlockPool:
                 del self._evictable[b]
             self._refs[b] += 1
 
-    def register(self, token_ids: list[int], block_table: list[int], first: int, end: int,
-                 entry: int | str) -> int | str:
+    def register(
+        self, token_ids: list[int], block_table: list[int], first: int, end: int, entry: int | str
+    ) -> int | str:
         """File blocks [first, end) of a sequence, full of computed KV, in the prefix cache.
         entry: that of block first - 1 (the root for none). Returns the entry of block end - 1.
 
@@ -164,8 +165,15 @@ class BlockPool:
 
 
 class PagedKVCache:
-    def __init__(self, shape: ModelShape, cache_bytes: int, block_size: int, device: torch.device | None = None,
-                 spare_block: bool = False, prefix_caching: bool = False):
+    def __init__(
+        self,
+        shape: ModelShape,
+        cache_bytes: int,
+        block_size: int,
+        device: torch.device | None = None,
+        spare_block: bool = False,
+        prefix_caching: bool = False,
+    ):
         per_block = shape.kv_bytes_per_token * block_size
         num_blocks = max(1, cache_bytes // per_block)
         self.pool = BlockPool(num_blocks, block_size, prefix_caching)
@@ -176,7 +184,13 @@ class PagedKVCache:
         # kv: [layers, 2 (k, v), slots, Hkv, D] (slot = block * block_size + offset). NOTE: zeroed
         # (pages faulted in) at start-up; faulting them lazily cost 15x on the first KV writes of a busy step.
         self.kv = torch.zeros(
-            shape.num_layers, 2, slots, shape.num_kv_heads, shape.head_dim, dtype=torch.float32, device=device,
+            shape.num_layers,
+            2,
+            slots,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=torch.float32,
+            device=device,
         )
 
     @property

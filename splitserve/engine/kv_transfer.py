@@ -72,8 +72,17 @@ def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
 
 def _header(model, n: int, start: int) -> bytes:
     shape = model.shape
-    return _HEADER.pack(MAGIC, layout_version(start), DTYPE_F32, shape.num_layers, shape.num_kv_heads,
-                        shape.head_dim, n, model.fingerprint.encode(), start)
+    return _HEADER.pack(
+        MAGIC,
+        layout_version(start),
+        DTYPE_F32,
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        n,
+        model.fingerprint.encode(),
+        start,
+    )
 
 
 def layout_version(start: int) -> int:
@@ -142,36 +151,46 @@ def check(model, export: KVExport, payload) -> None:
     """Refuse KV that does not belong to this model or does not match its own header."""
     shape = model.shape
     if export.layout_version not in LAYOUT_VERSIONS:
-        raise KVImportError("handle.layout_version", f"KV layout version {export.layout_version} is not one of "
-                            f"{LAYOUT_VERSIONS}")
+        raise KVImportError(
+            "handle.layout_version", f"KV layout version {export.layout_version} is not one of {LAYOUT_VERSIONS}"
+        )
     if export.layout_version != layout_version(export.start):
-        raise KVImportError("handle.layout_version", f"KV layout version {export.layout_version} with start "
-                            f"{export.start}: a whole payload is version {LAYOUT_VERSION}, one without its first "
-                            f"tokens {LAYOUT_VERSION_START}")
+        raise KVImportError(
+            "handle.layout_version",
+            f"KV layout version {export.layout_version} with start "
+            f"{export.start}: a whole payload is version {LAYOUT_VERSION}, one without its first "
+            f"tokens {LAYOUT_VERSION_START}",
+        )
     if export.dtype != "float32":
         raise KVImportError("handle.dtype", f"KV dtype {export.dtype!r} is not 'float32'")
     if export.fingerprint != model.fingerprint:
-        raise KVImportError("handle.fingerprint", f"KV fingerprint {export.fingerprint!r} does not match this model "
-                            f"({model.fingerprint})")
+        raise KVImportError(
+            "handle.fingerprint",
+            f"KV fingerprint {export.fingerprint!r} does not match this model ({model.fingerprint})",
+        )
     if export.num_tokens < 1:
         raise KVImportError("handle.num_tokens", f"KV token count must be >= 1, got {export.num_tokens}")
     if not 0 <= export.start < export.num_tokens:
         raise KVImportError("handle.start_token", f"KV start {export.start} is outside [0, {export.num_tokens})")
     need = payload_nbytes(shape, export.num_tokens, export.start)
     if len(payload) < need:
-        raise KVImportError("handle.length", f"KV payload is {len(payload)} bytes, tokens {export.start}.."
-                            f"{export.num_tokens} need {need}")
+        raise KVImportError(
+            "handle.length",
+            f"KV payload is {len(payload)} bytes, tokens {export.start}..{export.num_tokens} need {need}",
+        )
     magic, version, dtype, layers, heads, dim, n, fp, start = _HEADER.unpack_from(bytes(payload[: _HEADER.size]))
     if magic != MAGIC or version != export.layout_version or dtype != DTYPE_F32:
-        raise KVImportError("handle", f"the KV payload's header is not a splitserve v{export.layout_version} float32 "
-                            "layout")
+        raise KVImportError(
+            "handle", f"the KV payload's header is not a splitserve v{export.layout_version} float32 layout"
+        )
     if version == LAYOUT_VERSION:  # no start field (its bytes may hold anything)
         start = 0
     if (layers, heads, dim) != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
         raise KVImportError("handle", f"the KV payload's shape {(layers, heads, dim)} does not match this model")
     if n != export.num_tokens or start != export.start or fp.decode(errors="replace") != model.fingerprint:
-        raise KVImportError("handle", "the KV payload's header disagrees with the handle (tokens, start or "
-                            "fingerprint)")
+        raise KVImportError(
+            "handle", "the KV payload's header disagrees with the handle (tokens, start or fingerprint)"
+        )
 
 
 def load(model, kv: torch.Tensor, slots: torch.Tensor, payload, count: int, skip: int = 0) -> None:

@@ -91,7 +91,9 @@ def resolve_folder(spec: ModelSpec) -> str:
     if os.path.isdir(path):
         return path
     if not path.endswith(".gguf"):
-        raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)")
+        raise ModelLoadError(
+            f"not a model: {path} (expected a .gguf file or a folder with config.json and safetensors)"
+        )
     return _converted(path, spec.cache_dir)
 
 
@@ -122,8 +124,12 @@ def _load_hf_folder(folder: str, cache_dir: str) -> LoadedModel:
     _check_config_file(folder)
     config = read_config(folder, cache_dir)
     state_dict = _read_safetensors(folder)
-    return LoadedModel(name=model_name(folder), config=config, state_dict=state_dict,
-                       tokenizer=load_tokenizer(folder, config.tokenizer_from_files))
+    return LoadedModel(
+        name=model_name(folder),
+        config=config,
+        state_dict=state_dict,
+        tokenizer=load_tokenizer(folder, config.tokenizer_from_files),
+    )
 
 
 def _read_safetensors(folder: str) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ class ModelShape:
     rms_eps: float
 
     @classmethod
-    def of(cls, cfg) -> "ModelShape":
+    def of(cls, cfg) -> ModelShape:
         """The shape of a model config (a LoadedModel's), without building the model."""
         return cls(
             model_type=cfg.model_type,
@@ -114,14 +114,20 @@ class LlamaModel:
         self.embed, self.lm_head, self.norm = move(self.embed), move(self.lm_head), move(self.norm)
         self.rope_cos, self.rope_sin = move(self.rope_cos), move(self.rope_sin)
         self.layers = [
-            dataclasses.replace(layer, **{f.name: move(getattr(layer, f.name)) for f in dataclasses.fields(Layer)
-                                          if f.name != "packed"})
+            dataclasses.replace(
+                layer, **{f.name: move(getattr(layer, f.name)) for f in dataclasses.fields(Layer) if f.name != "packed"}
+            )
             for layer in self.layers
         ]
         self.device = device
 
-    def use_small_gemm(self, small_gemm, between: Callable[[], None] | None = None, cache: dict | None = None,
-                       known: dict | None = None) -> None:
+    def use_small_gemm(
+        self,
+        small_gemm,
+        between: Callable[[], None] | None = None,
+        cache: dict | None = None,
+        known: dict | None = None,
+    ) -> None:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
         kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
         (LoadedModel.packed) keeps the packed weights for the next model built on the same ones; ``known``:
@@ -131,9 +137,12 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             if between is not None:
                 between()
-            layer.packed = {name: cache[i, name] if (i, name) in cache
-                            else small_gemm.pack(getattr(layer, name), known.get((i, name)))
-                            for name in ("w_qkv", "w_o", "w_gate_up", "w_down")}
+            layer.packed = {
+                name: cache[i, name]
+                if (i, name) in cache
+                else small_gemm.pack(getattr(layer, name), known.get((i, name)))
+                for name in ("w_qkv", "w_o", "w_gate_up", "w_down")
+            }
             cache.update(((i, name), p) for name, p in layer.packed.items())
         if "lm_head" not in cache:
             cache["lm_head"] = small_gemm.pack(self.lm_head, known.get("lm_head"))
@@ -149,20 +158,26 @@ class LlamaModel:
             return self.small_gemm(x, packed, w.shape[1])
         if self.invariant and x.shape[0] > m:  # each row's result its own, as in a short step
             packed = self.lm_head_packed if layer is None else layer.packed[name]
-            return torch.cat([self.small_gemm(x[i:i + m], packed, w.shape[1]) for i in range(0, x.shape[0], m)])
+            return torch.cat([self.small_gemm(x[i : i + m], packed, w.shape[1]) for i in range(0, x.shape[0], m)])
         return torch.mm(x, w)
 
     def laid_out(self) -> dict[str, torch.Tensor]:
         """The weights this model made from the [out, in] tensors it was loaded with, by name: what
         a later model on the same weights takes as laid_out."""
-        return {"lm_head": self.lm_head, **{f"{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
-                                            for name in LAID_OUT}}
+        return {
+            "lm_head": self.lm_head,
+            **{f"{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers) for name in LAID_OUT},
+        }
 
     def _weight(self, laid: dict, name: str, *parts: torch.Tensor) -> torch.Tensor:
         """The [in, out] weight of the [out, in] parts, concatenated: laid out already (in laid), or made."""
         got = laid.get(name)
-        if (got is not None and got.dtype == torch.float32 and got.is_contiguous()
-                and tuple(got.shape) == (parts[0].shape[1], sum(x.shape[0] for x in parts))):
+        if (
+            got is not None
+            and got.dtype == torch.float32
+            and got.is_contiguous()
+            and tuple(got.shape) == (parts[0].shape[1], sum(x.shape[0] for x in parts))
+        ):
             return got
         self.made_layout = True
         parts = [x.float() for x in parts]
@@ -173,12 +188,18 @@ class LlamaModel:
         w = lambda name: sd[p + name]  # noqa: E731
         bias = None
         if p + "self_attn.q_proj.bias" in sd:
-            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
-                              w("self_attn.v_proj.bias")]).float()
+            bias = torch.cat(
+                [w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]
+            ).float()
         return Layer(
             ln1=w("input_layernorm.weight").float(),
-            w_qkv=self._weight(laid, f"{i}.w_qkv", w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                               w("self_attn.v_proj.weight")),
+            w_qkv=self._weight(
+                laid,
+                f"{i}.w_qkv",
+                w("self_attn.q_proj.weight"),
+                w("self_attn.k_proj.weight"),
+                w("self_attn.v_proj.weight"),
+            ),
             b_qkv=bias,
             w_o=self._weight(laid, f"{i}.w_o", w("self_attn.o_proj.weight")),
             ln2=w("post_attention_layernorm.weight").float(),
@@ -226,7 +247,7 @@ class LlamaModel:
         """h: [S, H] final hidden states of the rows to sample -> [S, V]."""
         return self.lm_head_of(self.rms_norm(h, self.norm))
 
-    def head(self, h: torch.Tensor, batch: "RaggedBatch") -> torch.Tensor:
+    def head(self, h: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         """The forward's result from the final hidden states of batch.logits_rows: their logits, or,
         with batch.hidden_out, the states after the final norm (lm_head_of() makes logits of them)."""
         normed = self.rms_norm(h, self.norm)
@@ -239,7 +260,7 @@ class LlamaModel:
     # -- ragged forward over the paged cache ---------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, batch: "RaggedBatch", kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: RaggedBatch, kv: torch.Tensor) -> torch.Tensor:
         """One forward over every scheduled token; returns logits for ``batch.logits_rows`` (with
         ``batch.hidden_out``, their normed final hidden states: see head()).
 
@@ -252,8 +273,9 @@ class LlamaModel:
             if self.on_layer is not None:
                 self.on_layer()
             q, k, v = self.attn_in(li, x, cos, sin, kv, batch.slot_mapping)
-            attn = batch.attention(q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel,
-                                   fused=self.fused)  # [T, Hq*D]
+            attn = batch.attention(
+                q, k, v, kv[li, 0], kv[li, 1], self.scaling, self.attn_kernel, fused=self.fused
+            )  # [T, Hq*D]
             if li == last and batch.logits_rows.shape[0] < x.shape[0]:
                 # Past the last K/V write only the sampled rows matter: a prefill's other rows skip
                 # the last layer's output projection and MLP (~2.8% of a prefill's FLOPs here).
@@ -287,7 +309,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward_padded(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        kv: torch.Tensor,
         start: int | torch.Tensor,
     ) -> torch.Tensor:
         """A rectangular batch, the way static/dynamic batching systems run it.

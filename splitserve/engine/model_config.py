@@ -86,8 +86,12 @@ def read_config(folder: str, cache_dir: str) -> ModelConfig:
     fields = resolve(hf)
     differs = differs_from_transformers(folder)
     if differs is not None:
-        log.warning("the tokenizer files of %s alone differ from transformers' reading of them (%s): "
-                    "it is loaded through transformers", folder, differs)
+        log.warning(
+            "the tokenizer files of %s alone differ from transformers' reading of them (%s): "
+            "it is loaded through transformers",
+            folder,
+            differs,
+        )
     fields["tokenizer_from_files"] = differs is None
     try:
         _write_entry(entry, fields, hf)

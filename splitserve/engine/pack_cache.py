@@ -49,8 +49,10 @@ def read(dest: str) -> dict | None:
     try:
         with safe_open(path, "pt") as f:
             formats = json.loads(f.metadata()["formats"])
-            known = {_key(name): Packed(f.get_tensor(f"{name}.tiles"), f.get_tensor(f"{name}.blocks") if fmt else None,
-                                        fmt) for name, fmt in formats.items()}
+            known = {
+                _key(name): Packed(f.get_tensor(f"{name}.tiles"), f.get_tensor(f"{name}.blocks") if fmt else None, fmt)
+                for name, fmt in formats.items()
+            }
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         log.warning("packed weights at %s not read (%s): packed again", path, e)
         return None

@@ -92,8 +92,9 @@ class PaddedBatcher:
         if self.graphs is not None:
             self.kv = self.graphs.kv_for(B, self.max_len)
         else:
-            self.kv = torch.empty(shape.num_layers, 2, B, shape.num_kv_heads, self.max_len, shape.head_dim,
-                                  device=self.model.device)
+            self.kv = torch.empty(
+                shape.num_layers, 2, B, shape.num_kv_heads, self.max_len, shape.head_dim, device=self.model.device
+            )
         ids = torch.full((B, L), _PAD, dtype=torch.int64)
         for i, s in enumerate(seqs):
             ids[i, self.pad[i] :] = torch.tensor(s.token_ids)
@@ -133,6 +134,7 @@ class PaddedBatcher:
 
         def rows(a: int, b: int) -> torch.Tensor:  # rows [a, b) alone (their KV: a view of the batch's)
             return self.model.forward_padded(ids[a:b], positions[a:b], mask[a:b], kv[:, :, a:b], cur)
+
         return self._forward(engine, lambda: rows(0, len(self.rows)), ids.shape[1], padding, rows)
 
     def _forward(self, engine, run, width: int, padding: int, rows=None) -> list:
@@ -147,13 +149,28 @@ class PaddedBatcher:
         except Exception as e:  # noqa: BLE001 - one sequence's fault must not end its batch's
             if rows is None:
                 raise
-            log.warning("a %s batch's forward of %d rows failed (%s: %s); running it again in parts to find the "
-                        "rows that fail it", self.policy, len(self.rows), type(e).__name__, e)
-            parts = in_halves(0, len(self.rows), e, lambda a, b: (b - a, rows(a, b)), lambda got: got,
-                              lambda i, error: self._alone(engine, i, error, failed))
+            log.warning(
+                "a %s batch's forward of %d rows failed (%s: %s); running it again in parts to find the "
+                "rows that fail it",
+                self.policy,
+                len(self.rows),
+                type(e).__name__,
+                e,
+            )
+            parts = in_halves(
+                0,
+                len(self.rows),
+                e,
+                lambda a, b: (b - a, rows(a, b)),
+                lambda got: got,
+                lambda i, error: self._alone(engine, i, error, failed),
+            )
             known = next((p for _, p in parts if p is not None), None)  # (None: every row failed; none is live)
-            logits = None if known is None else torch.cat([p if p is not None else known.new_zeros(n, known.shape[1])
-                                                           for n, p in parts])
+            logits = (
+                None
+                if known is None
+                else torch.cat([p if p is not None else known.new_zeros(n, known.shape[1]) for n, p in parts])
+            )
         stats.forward_time_s = time.perf_counter() - t
         self.cur += width
         stats.num_seqs, stats.num_tokens, stats.padding_tokens = len(self.rows), len(self.rows) * width, padding
@@ -184,8 +201,12 @@ class PaddedBatcher:
         logits)."""
         seq = self.rows[i]
         if seq is not None and self.active[i]:
-            log.error("request %s fails its %s batch's forward alone: it ends with an error",
-                      seq.parent or seq.request_id, self.policy, exc_info=error)
+            log.error(
+                "request %s fails its %s batch's forward alone: it ends with an error",
+                seq.parent or seq.request_id,
+                self.policy,
+                exc_info=error,
+            )
             engine._fail(seq, StepFailed(error))
             failed.append(seq)
         return 1, None

@@ -41,7 +41,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0  # subtracted from the logit of a token in the output so far
     frequency_penalty: float = 0.0  # ... once for each time it is there
-    repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of a token in prompt or output
+    repetition_penalty: float = (
+        1.0  # divides a positive logit (multiplies a negative one) of a token in prompt or output
+    )
     min_p: float = 0.0  # drawn only: tokens at least min_p times as likely as the most likely (after top_k, top_p)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     structured_output: StructuredOutput | None = None  # the output held to a format (structured.py)
@@ -77,28 +79,41 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PRESENCE_FREQUENCY <= value <= MAX_PRESENCE_FREQUENCY):
-                raise InvalidRequestError(f"sampling.{name}", f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, "
-                                                              f"{MAX_PRESENCE_FREQUENCY:g}], got {value}")
+                raise InvalidRequestError(
+                    f"sampling.{name}",
+                    f"must be in [-{MAX_PRESENCE_FREQUENCY:g}, {MAX_PRESENCE_FREQUENCY:g}], got {value}",
+                )
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION):
-            raise InvalidRequestError("sampling.repetition_penalty",
-                                      f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty}")
+            raise InvalidRequestError(
+                "sampling.repetition_penalty", f"must be in (0, {MAX_REPETITION:g}], got {self.repetition_penalty}"
+            )
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise InvalidRequestError("sampling.min_p", f"must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise InvalidRequestError("sampling.logit_bias",
-                                      f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
-        bad = next(((t, v) for t, v in self.logit_bias
-                    if t < 0 or not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)), None)
+            raise InvalidRequestError(
+                "sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}"
+            )
+        bad = next(
+            (
+                (t, v)
+                for t, v in self.logit_bias
+                if t < 0 or not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS)
+            ),
+            None,
+        )
         if bad is not None:
-            raise InvalidRequestError("sampling.logit_bias", f"token {bad[0]}: ids are >= 0 and biases in "
-                                                             f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[1]}")
+            raise InvalidRequestError(
+                "sampling.logit_bias",
+                f"token {bad[0]}: ids are >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad[1]}",
+            )
         check_stop_counts(len(self.stop), len(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise InvalidRequestError("sampling.stop", "stop strings must be non-empty")
         long = next((i for i, s in enumerate(self.stop) if len(s) > MAX_STOP_CHARS), None)
         if long is not None:
-            raise InvalidRequestError(f"sampling.stop[{long}]", f"must be at most {MAX_STOP_CHARS} characters, "
-                                                               f"got {len(self.stop[long])}")
+            raise InvalidRequestError(
+                f"sampling.stop[{long}]", f"must be at most {MAX_STOP_CHARS} characters, got {len(self.stop[long])}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("sampling.stop_token_ids", "token ids must be >= 0")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
@@ -138,14 +153,16 @@ def _check_types(p: SamplingParams) -> None:
     if not isinstance(p.stop, (list, tuple)) or not all(isinstance(x, str) for x in p.stop):
         raise InvalidRequestError("sampling.stop", f"must be a list of strings, got {_shown(p.stop)}")
     if not isinstance(p.stop_token_ids, (list, tuple)) or not all(type(t) is int for t in p.stop_token_ids):
-        raise InvalidRequestError("sampling.stop_token_ids",
-                                  f"must be a list of integers, got {_shown(p.stop_token_ids)}")
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"must be a list of integers, got {_shown(p.stop_token_ids)}"
+        )
     bias = p.logit_bias.items() if isinstance(p.logit_bias, dict) else p.logit_bias
     if not isinstance(bias, (list, tuple, type({}.items()))) or not all(
-            isinstance(e, (list, tuple)) and len(e) == 2 and type(e[0]) is int and type(e[1]) in (int, float)
-            for e in bias):
-        raise InvalidRequestError("sampling.logit_bias",
-                                  f"must be (token id, number) pairs, got {_shown(p.logit_bias)}")
+        isinstance(e, (list, tuple)) and len(e) == 2 and type(e[0]) is int and type(e[1]) in (int, float) for e in bias
+    ):
+        raise InvalidRequestError(
+            "sampling.logit_bias", f"must be (token id, number) pairs, got {_shown(p.logit_bias)}"
+        )
 
 
 def _shown(v: object) -> str:
@@ -159,8 +176,9 @@ def check_stop_counts(stop: int, stop_token_ids: int) -> None:
     if stop > MAX_STOP_STRINGS:
         raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {stop}")
     if stop_token_ids > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError("sampling.stop_token_ids",
-                                  f"at most {MAX_STOP_TOKEN_IDS} token ids, got {stop_token_ids}")
+        raise InvalidRequestError(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got {stop_token_ids}"
+        )
 
 
 def check_vocab(field: str, token_ids, vocab: int) -> None:
@@ -173,8 +191,9 @@ def check_context(prompt_len: int, params: SamplingParams, context: int, input_f
     """Raise InvalidRequestError if prompt + max_tokens exceed the context: naming the input when it
     alone leaves no room for even one token, else sampling.max_tokens."""
     if prompt_len >= context:
-        raise InvalidRequestError(input_field, f"is {prompt_len} tokens; the context length is {context}, "
-                                               "prompt and completion together")
+        raise InvalidRequestError(
+            input_field, f"is {prompt_len} tokens; the context length is {context}, prompt and completion together"
+        )
     total = prompt_len + params.max_tokens
     if total > context:
         raise InvalidRequestError(

@@ -163,8 +163,10 @@ def token_logprobs(dist: torch.Tensor, tokens: list[int], ks: list[int]) -> list
     k = min(max(ks), dist.shape[1])
     top_v, top_i = torch.topk(dist, k, dim=1) if k else (dist[:, :0], dist[:, :0].long())
     top_v, top_i, chosen = top_v.tolist(), top_i.tolist(), chosen.view(-1).tolist()
-    return [TokenLogprob(int(t), lp, rank, tuple(zip(ids[:n], vals[:n])))
-            for t, lp, rank, ids, vals, n in zip(tokens, chosen, ranks, top_i, top_v, ks)]
+    return [
+        TokenLogprob(int(t), lp, rank, tuple(zip(ids[:n], vals[:n])))
+        for t, lp, rank, ids, vals, n in zip(tokens, chosen, ranks, top_i, top_v, ks)
+    ]
 
 
 def _sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

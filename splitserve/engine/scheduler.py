@@ -88,16 +88,20 @@ class ContinuousScheduler:
         Blocks that waiting sequences of the same or a more urgent priority need to recompute
         (preempted ones) are not the import's to take: otherwise a stream of imports could
         keep a preempted sequence out for good."""
-        reserved = sum(self._blocks_needed(w, w.num_pending) for w in self.waiting
-                       if w.priority <= priority and not w.block_table)
+        reserved = sum(
+            self._blocks_needed(w, w.num_pending) for w in self.waiting if w.priority <= priority and not w.block_table
+        )
 
         def fits() -> bool:
             return self.pool.num_free - reserved >= blocks
 
         if fits():
             return True
-        victims = sorted((s for s in (*self.running, *self.waiting) if s.priority > priority and s.block_table),
-                         key=lambda s: (s.priority, s.order), reverse=True)
+        victims = sorted(
+            (s for s in (*self.running, *self.waiting) if s.priority > priority and s.block_table),
+            key=lambda s: (s.priority, s.order),
+            reverse=True,
+        )
         # (preempting them all for blocks that still would not do only throws their work away:
         # two running ones preempted in turn for an import that never fit never finished)
         if self.pool.num_free + self.pool.freed_by([s.block_table for s in victims]) - reserved < blocks:
@@ -150,8 +154,9 @@ class ContinuousScheduler:
                 continue  # made room this step / would take blocks the first in line waits for
             took = not seq.block_table and self._take_cached(seq, out)
             need = self._blocks_needed(seq, min(seq.num_pending, budget))
-            while (len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)) \
-                    and self._can_preempt_for(seq.priority):
+            while (
+                len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)
+            ) and self._can_preempt_for(seq.priority):
                 budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
                 need = self._blocks_needed(seq, min(seq.num_pending, budget))
             if len(self.running) >= self.max_num_seqs:
@@ -204,8 +209,9 @@ class ContinuousScheduler:
         prefix cache (after each step that computed for it, and after an import)."""
         full = seq.num_computed // self.pool.block_size
         if full > seq.num_cache_blocks:
-            seq.cache_entry = self.pool.register(seq.token_ids, seq.block_table, seq.num_cache_blocks, full,
-                                                 seq.cache_entry)
+            seq.cache_entry = self.pool.register(
+                seq.token_ids, seq.block_table, seq.num_cache_blocks, full, seq.cache_entry
+            )
             seq.num_cache_blocks = full
 
     def _sort_running(self) -> None:
@@ -244,8 +250,11 @@ class ContinuousScheduler:
     def _holder_behind(self, seq: Sequence | None = None) -> Sequence | None:
         """The last in line of the waiting sequences that hold blocks (behind seq, if given), or None."""
         key = (seq.priority, seq.order) if seq is not None else None
-        return max((w for w in self.waiting if w.block_table and (key is None or (w.priority, w.order) > key)),
-                   key=lambda w: (w.priority, w.order), default=None)
+        return max(
+            (w for w in self.waiting if w.block_table and (key is None or (w.priority, w.order) > key)),
+            key=lambda w: (w.priority, w.order),
+            default=None,
+        )
 
     def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt a running seq that this step already scheduled; returns the budget it held."""

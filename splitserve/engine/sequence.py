@@ -68,7 +68,9 @@ class Sequence:
     # output tokens, and `resumed_chars` characters of their text, its client has already
     resumed: int = 0
     resumed_chars: int = 0
-    first_finish: str | None = None  # prefill_only with n > 1: the reason its first token ended it (parked all the same)
+    first_finish: str | None = (
+        None  # prefill_only with n > 1: the reason its first token ended it (parked all the same)
+    )
 
     def __post_init__(self) -> None:
         self.cache_entry = self.cache_root
@@ -90,8 +92,11 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         """It asked for prompt log probabilities and lacks some (none were handed out yet)."""
-        return (self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
-                and len(self.prompt_logprobs) < self.prompt_len - 1)
+        return (
+            self.params.prompt_logprobs is not None
+            and not self.prompt_logprobs_sent
+            and len(self.prompt_logprobs) < self.prompt_len - 1
+        )
 
     @property
     def num_output(self) -> int:

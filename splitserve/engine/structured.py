@@ -42,6 +42,8 @@ def _first_line(matcher) -> str:
     """A matcher's error as a request's message: llguidance's first line (the rest is the parser's
     state, its statistics and the grammar), cut to _ERROR_CHARS."""
     return matcher.get_error().strip().split("\n", 1)[0][:_ERROR_CHARS]
+
+
 # Whitespace between JSON's tokens: a line break and an indentation, or spaces alone; llguidance's
 # default (any run of whitespace) let a model write whitespace until max_tokens, which a tiny
 # random one did every time. A schema's own "x-guidance" options override it.
@@ -58,8 +60,9 @@ class StructuredOutput:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise InvalidRequestError("sampling.structured_output", f"unknown format {self.kind!r}; one of "
-                                                                    f"{', '.join(KINDS)}")
+            raise InvalidRequestError(
+                "sampling.structured_output", f"unknown format {self.kind!r}; one of {', '.join(KINDS)}"
+            )
         if self.kind == "choice":
             object.__setattr__(self, "value", tuple(self.value))
             if not self.value:
@@ -73,8 +76,10 @@ class StructuredOutput:
         elif self.kind != "json_object" and not self.value:
             raise InvalidRequestError(self.field, "must not be empty")
         if self.disable_any_whitespace and not self.kind.startswith("json"):
-            raise InvalidRequestError("sampling.structured_output.disable_any_whitespace",
-                                      f"applies to json_schema and json_object, not {self.kind}")
+            raise InvalidRequestError(
+                "sampling.structured_output.disable_any_whitespace",
+                f"applies to json_schema and json_object, not {self.kind}",
+            )
         chars = sum(map(len, self.value)) if self.kind == "choice" else len(self.value)
         if chars > MAX_FORMAT_CHARS:
             raise InvalidRequestError(self.field, f"at most {MAX_FORMAT_CHARS} characters, got {chars}")
@@ -97,8 +102,9 @@ class StructuredOutput:
             except ValueError as e:
                 raise InvalidRequestError(self.field, f"is not JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
-                raise InvalidRequestError(self.field, f"a JSON Schema is an object or a boolean, got "
-                                                      f"{type(schema).__name__}")
+                raise InvalidRequestError(
+                    self.field, f"a JSON Schema is an object or a boolean, got {type(schema).__name__}"
+                )
             return LLMatcher.grammar_from_json_schema(json.dumps(schema), self._json_options())
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema('{"type": "object"}', self._json_options())
@@ -161,9 +167,12 @@ class Grammars:
             return InvalidRequestError(fmt.field, f"failed while generating: {_first_line(matcher)}")
         if mask_ms and sum(ms > self.max_mask_ms for ms in mask_ms) >= MASK_STRIKES:
             took = ", ".join(f"{ms:.1f}" for ms in mask_ms)
-            return InvalidRequestError(fmt.field, f"too costly while generating: its last token masks took {took} ms "
-                                                  f"(at most {self.max_mask_ms:g}), which every step of its batch "
-                                                  f"waits for")
+            return InvalidRequestError(
+                fmt.field,
+                f"too costly while generating: its last token masks took {took} ms "
+                f"(at most {self.max_mask_ms:g}), which every step of its batch "
+                f"waits for",
+            )
         return None
 
     def _compile(self, fmt: StructuredOutput):
@@ -188,8 +197,11 @@ class Grammars:
         if not m.is_error():
             ms = min(_mask_ms(m), _mask_ms(m.deep_copy()))
             if ms > self.max_mask_ms:
-                raise InvalidRequestError(fmt.field, f"too costly: a token mask takes {ms:.1f} ms (at most "
-                                                     f"{self.max_mask_ms:g}), which every step of its batch waits for")
+                raise InvalidRequestError(
+                    fmt.field,
+                    f"too costly: a token mask takes {ms:.1f} ms (at most "
+                    f"{self.max_mask_ms:g}), which every step of its batch waits for",
+                )
         if m.is_error():
             raise InvalidRequestError(fmt.field, m.get_error()[:_ERROR_CHARS])
         return m
@@ -199,6 +211,5 @@ class Grammars:
             if self._lltok is None:
                 from llguidance import LLTokenizer
 
-                self._lltok = LLTokenizer(self._tokenizer.rust.to_str(), n_vocab=self._vocab_size,
-                                          eos_token=self._eos)
+                self._lltok = LLTokenizer(self._tokenizer.rust.to_str(), n_vocab=self._vocab_size, eos_token=self._eos)
             return self._lltok

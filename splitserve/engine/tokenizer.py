@@ -16,10 +16,10 @@ import os
 import re
 import secrets
 
-from splitserve.engine.errors import InvalidRequestError, ModelLoadError
-
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.decoders import DecodeStream
+
+from splitserve.engine.errors import InvalidRequestError, ModelLoadError
 
 # How many tokens before the output's start are decoded with it, so the first
 # output token gets its leading space right with SentencePiece-style tokenizers.
@@ -32,11 +32,21 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 
 # Texts on which a tokenizer read from the files must agree with transformers' (differs_from_transformers).
-_PROBES = ("Hello world", " leading space", "  two  spaces ", "\n\nnew lines\n", "tab\there", "naïve café 日本語 🎉",
-           "x = 1234567.89;", "don't I'll we're", "UPPER lower MiXeD", "\u00a0\u2009odd\u200bspaces")
+_PROBES = (
+    "Hello world",
+    " leading space",
+    "  two  spaces ",
+    "\n\nnew lines\n",
+    "tab\there",
+    "naïve café 日本語 🎉",
+    "x = 1234567.89;",
+    "don't I'll we're",
+    "UPPER lower MiXeD",
+    "\u00a0\u2009odd\u200bspaces",
+)
 
 
-def load_tokenizer(folder: str, from_files: bool = True) -> "Tokenizer | None":
+def load_tokenizer(folder: str, from_files: bool = True) -> Tokenizer | None:
     """The folder's tokenizer, or None for a folder of weights alone. from_files=False: the one
     transformers builds (for a model whose files alone tokenize otherwise, which
     differs_from_transformers finds once, when its config is first resolved)."""
@@ -55,13 +65,14 @@ def load_tokenizer(folder: str, from_files: bool = True) -> "Tokenizer | None":
     return Tokenizer(rust, chat_template=template, special_tokens=specials)
 
 
-def _from_transformers(folder: str) -> "Tokenizer":
+def _from_transformers(folder: str) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(folder)
-        return Tokenizer(hf.backend_tokenizer, chat_template=getattr(hf, "chat_template", None),
-                         special_tokens=hf.special_tokens_map)
+        return Tokenizer(
+            hf.backend_tokenizer, chat_template=getattr(hf, "chat_template", None), special_tokens=hf.special_tokens_map
+        )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load tokenizer in {folder}: {e}") from None
 
@@ -117,7 +128,9 @@ def _chat_template(folder: str, config: dict) -> str | None:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
-    template = config.get("chat_template") or (_read_json(os.path.join(folder, "chat_template.json")) or {}).get("chat_template")
+    template = config.get("chat_template") or (_read_json(os.path.join(folder, "chat_template.json")) or {}).get(
+        "chat_template"
+    )
     if isinstance(template, list):
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return template or None
@@ -161,14 +174,19 @@ class Tokenizer:
             if not m.get("role"):
                 raise InvalidRequestError(f"messages[{i}].role", "must be set")
             if m["role"] not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role",
-                                          f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+                raise InvalidRequestError(
+                    f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
+                )
         from jinja2.exceptions import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                                add_generation_prompt=True, **self.special_tokens)
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.chat_template,
+                add_generation_prompt=True,
+                **self.special_tokens,
+            )
         except TemplateError as e:  # the template's raise_exception: what it says of this chat
             raise InvalidRequestError("messages", f"the model's chat template refused it: {e}") from None
         return rendered[0]
@@ -196,7 +214,9 @@ class Tokenizer:
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if piece:
-                ids += self._literal.encode(content[piece], add_special_tokens=False).ids if i % 2 else self.encode(piece)
+                ids += (
+                    self._literal.encode(content[piece], add_special_tokens=False).ids if i % 2 else self.encode(piece)
+                )
         return ids
 
     @functools.cached_property
@@ -222,7 +242,7 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.rust.decode([token_id], skip_special_tokens=False)
         return text
 
-    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def detokenizer(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 

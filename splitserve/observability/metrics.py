@@ -28,12 +28,32 @@ class _QuietHandler(WSGIRequestHandler):
 class _HTTPServer(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 PART_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -58,8 +78,9 @@ class Metrics:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         server_class = type("MetricsHTTPServer", (_HTTPServer,), {"address_family": family})
         self._server = make_server(host, port, make_wsgi_app(self.registry), server_class, handler_class=_QuietHandler)
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics", daemon=True
+        ).start()
         return self._server.server_port
 
     def close(self) -> None:
@@ -81,9 +102,12 @@ class Metrics:
 class RouterMetrics(Metrics):
     def __init__(self):
         super().__init__()
-        self.queue_requests = self.g("queue_requests", "Admitted requests not yet picked up by a prefill worker, or "
-                                                       "not yet at their first token when their decode worker "
-                                                       "prefills them (all routers; from Redis)")
+        self.queue_requests = self.g(
+            "queue_requests",
+            "Admitted requests not yet picked up by a prefill worker, or "
+            "not yet at their first token when their decode worker "
+            "prefills them (all routers; from Redis)",
+        )
         self.queue_tokens = self.g("queue_tokens", "Prompt tokens of the queued requests (all routers; from Redis)")
         self.queue_limit_requests = self.g("queue_limit_requests", "Queued requests from which admission refuses")
         self.queue_limit_tokens = self.g("queue_limit_tokens", "Queued prompt tokens from which admission refuses")
@@ -93,61 +117,98 @@ class RouterMetrics(Metrics):
         self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
         self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
         self.success = self.c("request_success", "Requests that finished, by finish reason", ["finished_reason"])
-        self.replayed = self.c("requests_replayed", "Requests sent again with the request_id of one that had "
-                                                    "finished, answered with its recorded result")
-        self.reaped = self.c("requests_reaped", "Unended requests of routers that went away (lease run out), "
-                                                "marked failed by this router")
+        self.replayed = self.c(
+            "requests_replayed",
+            "Requests sent again with the request_id of one that had finished, answered with its recorded result",
+        )
+        self.reaped = self.c(
+            "requests_reaped",
+            "Unended requests of routers that went away (lease run out), marked failed by this router",
+        )
         self.prompt_tokens = self.c("prompt_tokens", "Prompt tokens of admitted requests")
-        self.prompt_tokens_cached = self.c("prompt_tokens_cached", "Prompt tokens of ended requests that a worker "
-                                                                   "found in its prefix cache (usage.cached_tokens)")
-        self.local_prefills = self.c("local_prefills", "Admitted requests prefilled by their decode worker, not a "
-                                                   "prefill worker (colocated, or conditional disaggregation)")
-        self.prefix_placements = self.c("requests_placed_by_prefix", "Requests placed on a decode worker other "
-                                                                     "than the least loaded, for the prefix it "
-                                                                     "is expected to hold (prefix affinity)")
-        self.prefill_directed = self.c("requests_sent_to_prefill_worker", "Admitted requests queued for the "
-                                                                          "prefill worker expected to hold the start "
-                                                                          "of their prompt (prefill affinity)")
-        self.prefix_records_applied = self.c("prefix_records_applied", "Prefix records of other routers (a decode "
-                                                                       "worker's chain of cached blocks) applied to "
-                                                                       "this router's record")
-        self.taken_back = self.c("requests_taken_back", "Requests taken back from the prefill queue while no "
-                                                        "prefill worker was registered, for their decode worker "
-                                                        "to prefill")
-        self.resumed = self.c("requests_resumed", "Requests that resumed on another decode worker after theirs was "
-                                                  "lost mid-stream (killed, unreachable, or stopped past its drain "
-                                                  "time): their prompt and the tokens sent so far prefilled again")
+        self.prompt_tokens_cached = self.c(
+            "prompt_tokens_cached",
+            "Prompt tokens of ended requests that a worker found in its prefix cache (usage.cached_tokens)",
+        )
+        self.local_prefills = self.c(
+            "local_prefills",
+            "Admitted requests prefilled by their decode worker, not a "
+            "prefill worker (colocated, or conditional disaggregation)",
+        )
+        self.prefix_placements = self.c(
+            "requests_placed_by_prefix",
+            "Requests placed on a decode worker other "
+            "than the least loaded, for the prefix it "
+            "is expected to hold (prefix affinity)",
+        )
+        self.prefill_directed = self.c(
+            "requests_sent_to_prefill_worker",
+            "Admitted requests queued for the "
+            "prefill worker expected to hold the start "
+            "of their prompt (prefill affinity)",
+        )
+        self.prefix_records_applied = self.c(
+            "prefix_records_applied",
+            "Prefix records of other routers (a decode "
+            "worker's chain of cached blocks) applied to "
+            "this router's record",
+        )
+        self.taken_back = self.c(
+            "requests_taken_back",
+            "Requests taken back from the prefill queue while no "
+            "prefill worker was registered, for their decode worker "
+            "to prefill",
+        )
+        self.resumed = self.c(
+            "requests_resumed",
+            "Requests that resumed on another decode worker after theirs was "
+            "lost mid-stream (killed, unreachable, or stopped past its drain "
+            "time): their prompt and the tokens sent so far prefilled again",
+        )
         self.generation_tokens = self.c("generation_tokens", "Tokens generated and sent to clients")
-        self.structured = self.c("requests_structured", "Admitted requests held to a structured output format, by "
-                                                        "its kind", ["kind"])
+        self.structured = self.c(
+            "requests_structured", "Admitted requests held to a structured output format, by its kind", ["kind"]
+        )
         self.ttft = self.h("time_to_first_token_seconds", "Request received -> first token sent", TTFT_BUCKETS)
-        self.tpot = self.h("time_per_output_token_seconds", "Mean time between output tokens, per request",
-                           TPOT_BUCKETS)
+        self.tpot = self.h(
+            "time_per_output_token_seconds", "Mean time between output tokens, per request", TPOT_BUCKETS
+        )
         self.e2e = self.h("e2e_request_latency_seconds", "Request received -> last token sent", E2E_BUCKETS)
         # TTFT split into contiguous parts.
-        self.admission_time = self.h("request_admission_time_seconds",
-                                     "TTFT part: received -> admitted (validate, tokenize, route, admit)", PART_BUCKETS)
-        self.queue_time = self.h("request_queue_time_seconds", "TTFT part: admitted -> picked up by prefill",
-                                 PART_BUCKETS)
-        self.prefill_time = self.h("request_prefill_time_seconds", "TTFT part: picked up -> prefill done",
-                                   PART_BUCKETS)
-        self.kv_transfer_time = self.h("request_kv_transfer_time_seconds",
-                                       "Prefill done -> KV adopted by the decode worker (alongside the "
-                                       "first token's trip, not part of TTFT)", PART_BUCKETS)
-        self.first_token_time = self.h("request_first_token_time_seconds",
-                                       "TTFT part: prefill done -> first token at the router", PART_BUCKETS)
+        self.admission_time = self.h(
+            "request_admission_time_seconds",
+            "TTFT part: received -> admitted (validate, tokenize, route, admit)",
+            PART_BUCKETS,
+        )
+        self.queue_time = self.h(
+            "request_queue_time_seconds", "TTFT part: admitted -> picked up by prefill", PART_BUCKETS
+        )
+        self.prefill_time = self.h("request_prefill_time_seconds", "TTFT part: picked up -> prefill done", PART_BUCKETS)
+        self.kv_transfer_time = self.h(
+            "request_kv_transfer_time_seconds",
+            "Prefill done -> KV adopted by the decode worker (alongside the first token's trip, not part of TTFT)",
+            PART_BUCKETS,
+        )
+        self.first_token_time = self.h(
+            "request_first_token_time_seconds", "TTFT part: prefill done -> first token at the router", PART_BUCKETS
+        )
 
-    def observe_finished(self, timings, finish_reason: str, completion_tokens: int,
-                         tpot_tokens: int | None = None) -> None:
+    def observe_finished(
+        self, timings, finish_reason: str, completion_tokens: int, tpot_tokens: int | None = None
+    ) -> None:
         """tpot_tokens: the tokens the decode took its steps for (sampling.n > 1: its longest sample's,
         0: unknown); by default completion_tokens."""
         self.success.labels(finish_reason or "unknown").inc()
         self.generation_tokens.inc(completion_tokens)
         if timings.ttft_ms:
             self.ttft.observe(timings.ttft_ms / 1000)
-            for hist, ms in ((self.admission_time, timings.admission_ms), (self.queue_time, timings.queue_ms),
-                             (self.prefill_time, timings.prefill_ms), (self.kv_transfer_time, timings.kv_transfer_ms),
-                             (self.first_token_time, timings.first_token_ms)):
+            for hist, ms in (
+                (self.admission_time, timings.admission_ms),
+                (self.queue_time, timings.queue_ms),
+                (self.prefill_time, timings.prefill_ms),
+                (self.kv_transfer_time, timings.kv_transfer_ms),
+                (self.first_token_time, timings.first_token_ms),
+            ):
                 hist.observe(max(ms, 0.0) / 1000)
         self.e2e.observe(timings.e2e_ms / 1000)
         steps = completion_tokens if tpot_tokens is None else tpot_tokens
@@ -165,33 +226,48 @@ class EngineMetrics(Metrics):
         self.blocks_used = self.g("kv_cache_blocks_used", "KV cache blocks in use")
         self.blocks_free = self.g("kv_cache_blocks_free", "KV cache blocks free")
         self.kv_usage = self.g("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)")
-        self.blocks_cached = self.g("kv_cache_blocks_cached", "KV cache blocks holding a cached prompt prefix "
-                                                              "(in use or free; free ones are handed out last)")
-        self.prefix_hits = self.c("prefix_cache_hit_tokens", "Tokens whose KV a sequence found in the prefix "
-                                                             "cache instead of computing it (recomputes included)")
-        self.threads = self.g("engine_threads", "Compute threads of the engine's last step (fewer while other "
-                                                "engines on its core-share board are busy)")
+        self.blocks_cached = self.g(
+            "kv_cache_blocks_cached",
+            "KV cache blocks holding a cached prompt prefix (in use or free; free ones are handed out last)",
+        )
+        self.prefix_hits = self.c(
+            "prefix_cache_hit_tokens",
+            "Tokens whose KV a sequence found in the prefix cache instead of computing it (recomputes included)",
+        )
+        self.threads = self.g(
+            "engine_threads",
+            "Compute threads of the engine's last step (fewer while other engines on its core-share board are busy)",
+        )
         self.steps = self.c("engine_steps", "Engine steps (forwards) run")
-        self.stalled = self.g("engine_stalled", "1 while the engine's step in progress has run longer than "
-                                                "ENGINE_STALL_S (the worker then reports NOT_SERVING)")
-        self.graphed = self.c("engine_graphed_steps", "Engine steps that replayed captured CUDA graphs "
-                                                      "(whole, or pieces around attention)")
+        self.stalled = self.g(
+            "engine_stalled",
+            "1 while the engine's step in progress has run longer than "
+            "ENGINE_STALL_S (the worker then reports NOT_SERVING)",
+        )
+        self.graphed = self.c(
+            "engine_graphed_steps",
+            "Engine steps that replayed captured CUDA graphs (whole, or pieces around attention)",
+        )
         self.step_seqs = self.h("iteration_sequences", "Sequences per engine step", SEQ_BUCKETS)
-        self.step_tokens = self.h("iteration_tokens", "Tokens computed per engine step (padding included)",
-                                  TOKEN_BUCKETS)
-        self.budget_use = self.h("iteration_token_budget_usage",
-                                 "Tokens per step / max_num_batched_tokens", RATIO_BUCKETS)
+        self.step_tokens = self.h(
+            "iteration_tokens", "Tokens computed per engine step (padding included)", TOKEN_BUCKETS
+        )
+        self.budget_use = self.h(
+            "iteration_token_budget_usage", "Tokens per step / max_num_batched_tokens", RATIO_BUCKETS
+        )
         self.step_time = self.h("iteration_duration_seconds", "Engine step wall time", STEP_BUCKETS)
-        self.device_time = self.h("iteration_device_seconds", "CUDA: an engine step's forward on the device, "
-                                  "between events on its stream (other processes' work meanwhile included)",
-                                  STEP_BUCKETS)
+        self.device_time = self.h(
+            "iteration_device_seconds",
+            "CUDA: an engine step's forward on the device, "
+            "between events on its stream (other processes' work meanwhile included)",
+            STEP_BUCKETS,
+        )
         self.prefill_tokens = self.c("engine_prefill_tokens", "Prompt tokens computed by engine steps")
         self.decode_tokens = self.c("engine_decode_tokens", "Decode tokens computed by engine steps")
         self.preemptions = self.c("num_preemptions", "Sequences preempted (KV freed, to be recomputed)")
         self.padding = self.c("padding_tokens", "Padding positions computed for nothing (static/dynamic batching)")
         self.computed = self.c("computed_tokens", "Token positions computed, padding included")
-        self.padding_ratio = self.h("iteration_padding_ratio", "Padding / computed positions per step",
-                                    RATIO_BUCKETS)
+        self.padding_ratio = self.h("iteration_padding_ratio", "Padding / computed positions per step", RATIO_BUCKETS)
 
     def follow(self, engine) -> None:
         """Read the engine's batch and KV pool at each scrape. Set per step, these gauges kept the
@@ -235,19 +311,31 @@ class PrefillMetrics(EngineMetrics):
     def __init__(self):
         super().__init__()
         self.jobs = self.c("prefill_jobs", "Jobs pulled from the queue, by outcome", ["outcome"])
-        self.deferred = self.c("prefill_jobs_deferred", "Jobs of a resumed request that waited for its earlier leg "
-                               "(superseded: its decode worker was lost) to leave this worker first")
-        self.jobs_from = self.c("prefill_jobs_started", "Jobs whose prefill started here, by the stream they came "
-                                "from: shared (a priority class's), own (sent to this worker: prefill affinity), "
-                                "departed (sent to a worker gone from the registry)", ["stream"])
+        self.deferred = self.c(
+            "prefill_jobs_deferred",
+            "Jobs of a resumed request that waited for its earlier leg "
+            "(superseded: its decode worker was lost) to leave this worker first",
+        )
+        self.jobs_from = self.c(
+            "prefill_jobs_started",
+            "Jobs whose prefill started here, by the stream they came "
+            "from: shared (a priority class's), own (sent to this worker: prefill affinity), "
+            "departed (sent to a worker gone from the registry)",
+            ["stream"],
+        )
         self.kv_bytes = self.c("kv_transfer_bytes", "KV bytes handed to decode workers", ["transport"])
-        self.kv_seconds = self.h("kv_transfer_seconds", "KV handoff: prefill done -> PutKV answered",
-                                 PART_BUCKETS, ["transport"])
+        self.kv_seconds = self.h(
+            "kv_transfer_seconds", "KV handoff: prefill done -> PutKV answered", PART_BUCKETS, ["transport"]
+        )
         self.kv_size = self.h("kv_transfer_size_bytes", "KV bytes per handoff", BYTES_BUCKETS, ["transport"])
-        self.kv_unsent = self.c("kv_unsent_tokens", "Prompt tokens whose KV was not sent as bytes (gRPC): the decode "
-                                "worker held them in its prefix cache")
-        self.kv_resent = self.c("kv_resent_whole", "Handoffs sent again whole: the decode worker held less of the "
-                                "prompt's prefix than expected")
+        self.kv_unsent = self.c(
+            "kv_unsent_tokens",
+            "Prompt tokens whose KV was not sent as bytes (gRPC): the decode worker held them in its prefix cache",
+        )
+        self.kv_resent = self.c(
+            "kv_resent_whole",
+            "Handoffs sent again whole: the decode worker held less of the prompt's prefix than expected",
+        )
         self.arena_used = self.g("arena_used_bytes", "Shared-memory arena bytes held by handoffs in flight")
         self.arena_size = self.g("arena_size_bytes", "Shared-memory arena size")
 
@@ -257,16 +345,30 @@ class DecodeMetrics(EngineMetrics):
         super().__init__()
         self.streams = self.g("decode_streams_open", "Decode streams open (waiting for KV or decoding)")
         self.handoffs_waiting = self.g("kv_handoffs_waiting", "PutKV calls holding a KV that waits for free blocks")
-        self.adopt_seconds = self.h("kv_adopt_seconds", "PutKV received -> KV in the paged pool (blocks waited "
-                                    "for included)", PART_BUCKETS, ["transport"])
+        self.adopt_seconds = self.h(
+            "kv_adopt_seconds",
+            "PutKV received -> KV in the paged pool (blocks waited for included)",
+            PART_BUCKETS,
+            ["transport"],
+        )
         self.kv_bytes = self.c("kv_received_bytes", "KV bytes adopted from prefill workers", ["transport"])
         self.handoffs_refused = self.c("kv_handoffs_refused", "PutKV calls refused, by gRPC status", ["code"])
-        self.kv_shared_tokens = self.c("kv_shared_tokens", "Tokens of adopted KV already in this worker's prefix "
-                                       "cache: their blocks are shared, not filled again")
+        self.kv_shared_tokens = self.c(
+            "kv_shared_tokens",
+            "Tokens of adopted KV already in this worker's prefix cache: their blocks are shared, not filled again",
+        )
         self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")
-        self.first_tokens = self.c("first_tokens", "First tokens sent on Decode streams, by where they came from: "
-                                   "stream (FirstTokens), call (FirstToken), kv (with the KV: no token came "
-                                   "ahead of it), local (prefilled here)", ["via"])
-        self.first_tokens_dropped = self.c("first_tokens_dropped", "FirstTokens stream messages dropped (invalid, no "
-                                           "Decode stream open for the request, or of another leg of it): the KV "
-                                           "handoff carries the token instead", ["reason"])
+        self.first_tokens = self.c(
+            "first_tokens",
+            "First tokens sent on Decode streams, by where they came from: "
+            "stream (FirstTokens), call (FirstToken), kv (with the KV: no token came "
+            "ahead of it), local (prefilled here)",
+            ["via"],
+        )
+        self.first_tokens_dropped = self.c(
+            "first_tokens_dropped",
+            "FirstTokens stream messages dropped (invalid, no "
+            "Decode stream open for the request, or of another leg of it): the KV "
+            "handoff carries the token instead",
+            ["reason"],
+        )

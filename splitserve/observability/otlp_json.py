@@ -21,8 +21,14 @@ from collections.abc import Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("SPAN_KIND_UNSPECIFIED", "SPAN_KIND_INTERNAL", "SPAN_KIND_SERVER", "SPAN_KIND_CLIENT",
-          "SPAN_KIND_PRODUCER", "SPAN_KIND_CONSUMER")
+_KINDS = (
+    "SPAN_KIND_UNSPECIFIED",
+    "SPAN_KIND_INTERNAL",
+    "SPAN_KIND_SERVER",
+    "SPAN_KIND_CLIENT",
+    "SPAN_KIND_PRODUCER",
+    "SPAN_KIND_CONSUMER",
+)
 _STATUS_CODES = ("STATUS_CODE_UNSET", "STATUS_CODE_OK", "STATUS_CODE_ERROR")
 # SpanFlags: the span says whether its parent is remote (256), and that it is (512)
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200

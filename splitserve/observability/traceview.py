@@ -9,18 +9,42 @@ from dataclasses import dataclass, field
 KIND = {1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
 # Attributes worth a column in the timeline, in this order, with short names.
 SHOWN = (
-    ("splitserve.request_id", "request"), ("gen_ai.request.model", "model"),
-    ("gen_ai.usage.input_tokens", "in"), ("gen_ai.usage.output_tokens", "out"),
-    ("gen_ai.request.max_tokens", "max_tokens"), ("gen_ai.response.finish_reasons", "finish"),
-    ("splitserve.kv.transport", "transport"), ("splitserve.kv.bytes", "bytes"), ("splitserve.kv.gbps", "GB/s"),
-    ("splitserve.batch.sequences", "seqs"), ("splitserve.batch.tokens", "tokens"),
+    ("splitserve.request_id", "request"),
+    ("gen_ai.request.model", "model"),
+    ("gen_ai.usage.input_tokens", "in"),
+    ("gen_ai.usage.output_tokens", "out"),
+    ("gen_ai.request.max_tokens", "max_tokens"),
+    ("gen_ai.response.finish_reasons", "finish"),
+    ("splitserve.kv.transport", "transport"),
+    ("splitserve.kv.bytes", "bytes"),
+    ("splitserve.kv.gbps", "GB/s"),
+    ("splitserve.batch.sequences", "seqs"),
+    ("splitserve.batch.tokens", "tokens"),
     ("splitserve.prefix_cache.tokens", "cached"),
-    ("splitserve.queue.requests", "queued"), ("splitserve.admitted", "admitted"),
-    ("splitserve.decode.max_token_gap_ms", "max_gap_ms"), ("splitserve.decode.preemptions", "preempted"),
+    ("splitserve.queue.requests", "queued"),
+    ("splitserve.admitted", "admitted"),
+    ("splitserve.decode.max_token_gap_ms", "max_gap_ms"),
+    ("splitserve.decode.preemptions", "preempted"),
 )
-GRPC_CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-              "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-              "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"]
+GRPC_CODES = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+]
 
 
 @dataclass
@@ -96,22 +120,35 @@ def _parse(lines: Iterable[str]) -> list[Span]:
                     status = {"STATUS_CODE_OK": "OK", "STATUS_CODE_ERROR": "ERROR", 1: "OK", 2: "ERROR"}.get(code, "")
                     if status == "ERROR" and st.get("message"):
                         status += ": " + st["message"]
-                    spans.append(Span(
-                        trace_id=s["traceId"], span_id=s["spanId"], parent_id=s.get("parentSpanId", ""),
-                        name=s["name"], service=service, kind=KIND.get(_kind(s.get("kind")), "internal"),
-                        start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
-                        attrs=_attrs(s.get("attributes")), status=status,
-                        events=[(int(e["timeUnixNano"]), e["name"]) for e in s.get("events", [])],
-                        links=[(ln["traceId"], ln["spanId"]) for ln in s.get("links", [])],
-                    ))
+                    spans.append(
+                        Span(
+                            trace_id=s["traceId"],
+                            span_id=s["spanId"],
+                            parent_id=s.get("parentSpanId", ""),
+                            name=s["name"],
+                            service=service,
+                            kind=KIND.get(_kind(s.get("kind")), "internal"),
+                            start_ns=int(s["startTimeUnixNano"]),
+                            end_ns=int(s["endTimeUnixNano"]),
+                            attrs=_attrs(s.get("attributes")),
+                            status=status,
+                            events=[(int(e["timeUnixNano"]), e["name"]) for e in s.get("events", [])],
+                            links=[(ln["traceId"], ln["spanId"]) for ln in s.get("links", [])],
+                        )
+                    )
     return spans
 
 
 def _kind(k) -> int:
     if isinstance(k, int):
         return k
-    names = {"SPAN_KIND_INTERNAL": 1, "SPAN_KIND_SERVER": 2, "SPAN_KIND_CLIENT": 3, "SPAN_KIND_PRODUCER": 4,
-             "SPAN_KIND_CONSUMER": 5}
+    names = {
+        "SPAN_KIND_INTERNAL": 1,
+        "SPAN_KIND_SERVER": 2,
+        "SPAN_KIND_CLIENT": 3,
+        "SPAN_KIND_PRODUCER": 4,
+        "SPAN_KIND_CONSUMER": 5,
+    }
     return names.get(k or "", 1)
 
 
@@ -156,31 +193,42 @@ def render(trace: list[Span], batches: dict[str, Span] | None = None) -> str:
             roots.append(s)
     t0 = min(s.start_ns for s in trace)
     rid = next((s.attrs["splitserve.request_id"] for s in trace if "splitserve.request_id" in s.attrs), "?")
-    lines = [f"trace {trace[0].trace_id}  request {rid}  ({len(trace)} spans, "
-             f"{(max(s.end_ns for s in trace) - t0) / 1e6:.1f} ms)"]
+    lines = [
+        f"trace {trace[0].trace_id}  request {rid}  ({len(trace)} spans, "
+        f"{(max(s.end_ns for s in trace) - t0) / 1e6:.1f} ms)"
+    ]
     # A span reaches the file once it has ended (and its process's next export, within half a
     # second): a request still running, or one that just ended, shows without its router's span.
     orphans = sum(1 for s in trace if s.parent_id and s.parent_id not in by_id)
     if orphans:
-        lines.append(f"incomplete: {orphans} span(s) below have their parent missing from the file: it has not "
-                     "ended (the request is still running: `splitserve request ID` says where it is) or was not "
-                     "written yet (a process writes the spans that ended every 0.5 s by default); run this again")
+        lines.append(
+            f"incomplete: {orphans} span(s) below have their parent missing from the file: it has not "
+            "ended (the request is still running: `splitserve request ID` says where it is) or was not "
+            "written yet (a process writes the spans that ended every 0.5 s by default); run this again"
+        )
     lines.append(f"{'start ms':>10} {'dur ms':>10}  span")
 
     def walk(s: Span, depth: int) -> None:
-        extra = [f"{short}={_fmt(s.attrs[key])}" for key, short in SHOWN
-                 if key in s.attrs and not (key == "splitserve.request_id" and depth)]
+        extra = [
+            f"{short}={_fmt(s.attrs[key])}"
+            for key, short in SHOWN
+            if key in s.attrs and not (key == "splitserve.request_id" and depth)
+        ]
         st = status_of(s)
         if st:
             extra.append(f"status={st}")
-        lines.append(f"{(s.start_ns - t0) / 1e6:10.1f} {s.duration_ms:10.1f}  {'  ' * depth}{s.name} "
-                     f"[{s.service}] {' '.join(extra)}".rstrip())
+        lines.append(
+            f"{(s.start_ns - t0) / 1e6:10.1f} {s.duration_ms:10.1f}  {'  ' * depth}{s.name} "
+            f"[{s.service}] {' '.join(extra)}".rstrip()
+        )
         for ts, name in s.events:
             lines.append(f"{(ts - t0) / 1e6:10.1f} {'':>10}  {'  ' * (depth + 1)}* {name}")
         for b in (batches or {}).get(s.span_id, []):
-            lines.append(f"{(b.start_ns - t0) / 1e6:10.1f} {b.duration_ms:10.1f}  {'  ' * (depth + 1)}~ {b.name} "
-                         f"[{b.service}] seqs={b.attrs.get('splitserve.batch.sequences')} "
-                         f"tokens={b.attrs.get('splitserve.batch.tokens')} (linked batch)")
+            lines.append(
+                f"{(b.start_ns - t0) / 1e6:10.1f} {b.duration_ms:10.1f}  {'  ' * (depth + 1)}~ {b.name} "
+                f"[{b.service}] seqs={b.attrs.get('splitserve.batch.sequences')} "
+                f"tokens={b.attrs.get('splitserve.batch.tokens')} (linked batch)"
+            )
         for c in sorted(children.get(s.span_id, []), key=lambda c: c.start_ns):
             walk(c, depth + 1)
 
@@ -223,8 +271,11 @@ def summary(trace: list[Span]) -> str | None:
     if isinstance(tokens, int) and tokens > 1:
         samples = root.attrs.get("gen_ai.request.choice.count", 1)
         each = after / max(1, -(-tokens // samples) - 1)  # a sample's tokens after its first, side by side
-        line += f"; {tokens} tokens" + (f" over {samples} samples" if samples > 1 else "") + \
-            f", the last {after:.1f} ms after the first ({each:.1f} ms a token)"
+        line += (
+            f"; {tokens} tokens"
+            + (f" over {samples} samples" if samples > 1 else "")
+            + f", the last {after:.1f} ms after the first ({each:.1f} ms a token)"
+        )
     decode = [s for s in trace if s.name == "decode"]
     gaps = [s.attrs[GAP] for s in decode if GAP in s.attrs]
     preempted = sum(s.attrs.get("splitserve.decode.preemptions", 0) for s in decode)

@@ -36,19 +36,44 @@ log = logging.getLogger(__name__)
 # The OTEL_* variables this code (and the SDK it configures) reads; the deploy tests
 # accept these in manifests.
 OTEL_ENV = (
-    "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER",
-    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
-    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_INSECURE",
-    "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_PROPAGATORS", "OTEL_BSP_SCHEDULE_DELAY",
-    "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_SDK_DISABLED",
+    "OTEL_SERVICE_NAME",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_INSECURE",
+    "OTEL_TRACES_SAMPLER",
+    "OTEL_TRACES_SAMPLER_ARG",
+    "OTEL_PROPAGATORS",
+    "OTEL_BSP_SCHEDULE_DELAY",
+    "OTEL_BSP_MAX_QUEUE_SIZE",
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE",
+    "OTEL_BSP_EXPORT_TIMEOUT",
 )
 TRACER_NAME = "splitserve"
 
 _provider = None
 _lock = threading.Lock()
 
-__all__ = ["Link", "SpanKind", "Status", "StatusCode", "setup_tracing", "shutdown_tracing", "tracer", "inject",
-           "extract", "traceparent_of", "context_of", "ns", "enabled"]
+__all__ = [
+    "Link",
+    "SpanKind",
+    "Status",
+    "StatusCode",
+    "setup_tracing",
+    "shutdown_tracing",
+    "tracer",
+    "inject",
+    "extract",
+    "traceparent_of",
+    "context_of",
+    "ns",
+    "enabled",
+]
 
 
 def _truthy(v: str | None) -> bool:
@@ -92,9 +117,11 @@ def setup_tracing(role: str, instance: str = "", trace_file: str = "", trace_fil
         provider = TracerProvider(resource=Resource.create(attrs))
         if kind == "otlp-grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
             exporter = OTLPSpanExporter()
         elif kind == "otlp-http":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
             exporter = OTLPSpanExporter()
         elif kind == "file":
             exporter = JsonFileSpanExporter(trace_file, trace_file_max_bytes)
@@ -266,7 +293,7 @@ class rpc_span:
         self.ctx = trace.set_span_in_context(self.span)
         self.code = None  # set by the body to override the exception mapping
 
-    def __enter__(self) -> "rpc_span":
+    def __enter__(self) -> rpc_span:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

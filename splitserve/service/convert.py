@@ -22,8 +22,9 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
     # Counted before the lists are copied: 350,000 stop strings took 0.17 s of the event loop.
     check_stop_counts(len(sp.stop), len(sp.stop_token_ids))
     if len(sp.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
-                                                         f"{len(sp.logit_bias)}")
+        raise InvalidRequestError(
+            "sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(sp.logit_bias)}"
+        )
     return SamplingParams(
         max_tokens=sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens,
         temperature=sp.temperature if sp.HasField("temperature") else 0.0,
@@ -51,16 +52,18 @@ def sampling_from_pb(sp: gen_pb.SamplingParams, default_max_tokens: int) -> Samp
 def structured_from_pb(so: gen_pb.StructuredOutput) -> StructuredOutput:
     kind = so.WhichOneof("format")
     if kind is None:
-        raise InvalidRequestError("sampling.structured_output", "set, but with none of json_schema, json_object, "
-                                                                "regex, choice or lark")
+        raise InvalidRequestError(
+            "sampling.structured_output", "set, but with none of json_schema, json_object, regex, choice or lark"
+        )
     if kind == "json_object":
         if not so.json_object:
             raise InvalidRequestError("sampling.structured_output.json_object", "must be true when set")
         return StructuredOutput(kind, disable_any_whitespace=so.disable_any_whitespace)
     if kind == "choice":
         if len(so.choice.values) > MAX_CHOICES:  # counted before the list is copied
-            raise InvalidRequestError("sampling.structured_output.choice", f"at most {MAX_CHOICES} strings, got "
-                                                                           f"{len(so.choice.values)}")
+            raise InvalidRequestError(
+                "sampling.structured_output.choice", f"at most {MAX_CHOICES} strings, got {len(so.choice.values)}"
+            )
         return StructuredOutput(kind, tuple(so.choice.values), so.disable_any_whitespace)
     return StructuredOutput(kind, getattr(so, kind), so.disable_any_whitespace)
 
@@ -78,8 +81,14 @@ def structured_to_pb(fmt: StructuredOutput) -> gen_pb.StructuredOutput:
 
 def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
     sp = gen_pb.SamplingParams(
-        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), min_tokens=p.min_tokens, ignore_eos=p.ignore_eos,
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
     )
     if p.seed is not None:
@@ -107,14 +116,22 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
 
 
 def logprobs_to_pb(logprobs) -> list[gen_pb.TokenLogprob]:
-    return [gen_pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                                top_logprobs=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-            for lp in logprobs or ()]
+    return [
+        gen_pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            rank=lp.rank,
+            top_logprobs=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs or ()
+    ]
 
 
 def logprobs_from_pb(logprobs) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
-            for lp in logprobs]
+    return [
+        TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+        for lp in logprobs
+    ]
 
 
 def check_request_id(request_id: str, required: bool = False) -> None:
@@ -156,8 +173,9 @@ def input_of(req: gen_pb.GenerateRequest) -> tuple[str, object]:
     return kind, ids
 
 
-def sequence_to_pb(export: KVExport, *, finish_reason: str = "", queue_ms: float = 0.0, prefill_ms: float = 0.0,
-                   traceparent: str = "") -> w_pb.SequenceState:
+def sequence_to_pb(
+    export: KVExport, *, finish_reason: str = "", queue_ms: float = 0.0, prefill_ms: float = 0.0, traceparent: str = ""
+) -> w_pb.SequenceState:
     return w_pb.SequenceState(
         request_id=export.request_id,
         prompt_len=export.prompt_len,

@@ -203,6 +203,7 @@ def _tolerant(des, method: str):
             return des(data)
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, or anything a parser raises
             return Malformed(e, type_name)
+
     return deserialize
 
 
@@ -228,11 +229,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         def awaited(inner):
             """A handler that returns its answer, or writes its messages with context.write."""
+
             async def call(request, context):
                 async def run():
                     _check(request)
                     return await inner(request, context)
+
                 return await _guarded(context, run)
+
             return call
 
         if handler.unary_unary:

@@ -36,8 +36,12 @@ def options(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> list[tu
     keepalive_s more: a peer that hangs (stopped, its host gone, a partition) fails its calls with
     UNAVAILABLE instead of leaving them waiting for their deadlines, even a stream with nothing to
     send yet (a decode stream waiting for a long prefill)."""
-    return [*OPTIONS, ("grpc.max_receive_message_length", max_receive), *PING_POLICY,
-            *keepalive_options(keepalive_s, when_idle=True)]
+    return [
+        *OPTIONS,
+        ("grpc.max_receive_message_length", max_receive),
+        *PING_POLICY,
+        *keepalive_options(keepalive_s, when_idle=True),
+    ]
 
 
 def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc.aio.Server:
@@ -46,7 +50,9 @@ def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc
     return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options(keepalive_s, max_receive))
 
 
-async def start(server: grpc.aio.Server, host: str, port: int, service_names: list[str]) -> tuple[int, "health_aio.HealthServicer"]:
+async def start(
+    server: grpc.aio.Server, host: str, port: int, service_names: list[str]
+) -> tuple[int, health_aio.HealthServicer]:
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

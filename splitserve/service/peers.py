@@ -17,8 +17,8 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from splitserve_proto.v1 import worker_pb2_grpc
 
@@ -40,8 +40,9 @@ class Peer:
 
 
 class Peers:
-    def __init__(self, open_channel: Callable[[str], object], idle_s: float = IDLE_S,
-                 pools: dict[str, int] | None = None):
+    def __init__(
+        self, open_channel: Callable[[str], object], idle_s: float = IDLE_S, pools: dict[str, int] | None = None
+    ):
         self._open = open_channel
         self.idle_s = idle_s
         self._sizes = dict(pools or {})
@@ -80,8 +81,14 @@ class Peers:
             if old is not None and (old.run == run or run in old.earlier):
                 return None
             channel = self._open(address)
-            self._peers[address] = Peer(address, channel, worker_pb2_grpc.DecodeWorkerStub(channel), time.monotonic(),
-                                        run=run, earlier=(*old.earlier, old.run)[-RUNS_KEPT:] if old else ())
+            self._peers[address] = Peer(
+                address,
+                channel,
+                worker_pb2_grpc.DecodeWorkerStub(channel),
+                time.monotonic(),
+                run=run,
+                earlier=(*old.earlier, old.run)[-RUNS_KEPT:] if old else (),
+            )
         if old is not None:
             _shut_down(old)
         return old
@@ -100,7 +107,9 @@ class Peers:
         with self._lock:
             ex = peer.pools.get(name)
             if ex is None:
-                ex = peer.pools[name] = cf.ThreadPoolExecutor(self._sizes[name], thread_name_prefix=f"{name}-{peer.address}")
+                ex = peer.pools[name] = cf.ThreadPoolExecutor(
+                    self._sizes[name], thread_name_prefix=f"{name}-{peer.address}"
+                )
             return ex
 
     def prune(self, keep: set[str]) -> list[Peer]:

@@ -91,8 +91,12 @@ async def end_tasks(rounds: int = 20, wait_s: float = 0.25) -> list[asyncio.Task
         await asyncio.wait(left, timeout=wait_s)
     left = [t for t in left if not t.done()]
     if left:
-        log.error("%d task(s) still running after %d cancels each: %s", len(left), rounds,
-                  ", ".join(f"{t.get_name()} ({t.get_coro()!r})" for t in left))
+        log.error(
+            "%d task(s) still running after %d cancels each: %s",
+            len(left),
+            rounds,
+            ", ".join(f"{t.get_name()} ({t.get_coro()!r})" for t in left),
+        )
     return left
 
 
@@ -127,7 +131,9 @@ def run(role: str, main_coro, argv: list[str] | None = None) -> int:
         await main_coro(settings, stop)
         await end_tasks()
 
-    setup_tracing(role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file, settings.trace_file_max_bytes)
+    setup_tracing(
+        role.split("_")[0], settings.worker_name(role.split("_")[0]), settings.trace_file, settings.trace_file_max_bytes
+    )
     try:
         asyncio.run(runner())
     except (EngineError, ValueError) as e:  # a setting the engine refuses at start-up (device, core_share, ...)

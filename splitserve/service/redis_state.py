@@ -48,8 +48,11 @@ _IS_FINAL = "local function is_final(s) return " + " or ".join(f"s == '{x}'" for
 # its deadline. A nil state is an attempt whose hash expired: it has ended. An aborted one stays
 # ended, and a finished one never runs twice (the router answers with its recorded result).
 MAY_RUN_AGAIN = ("failed", "cancelled")
-_MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state or (not aborted and ("
-                  + " or ".join(f"state == '{x}'" for x in MAY_RUN_AGAIN) + ")) end\n")
+_MAY_RUN_AGAIN = (
+    "local function may_run_again(state, aborted) return not state or (not aborted and ("
+    + " or ".join(f"state == '{x}'" for x in MAY_RUN_AGAIN)
+    + ")) end\n"
+)
 
 # Admission, request hash and job in one atomic step: nothing is half-queued.
 # KEYS: admission, stream, request hash, the router's request set; for a request sent again
@@ -69,7 +72,10 @@ _MAY_RUN_AGAIN = ("local function may_run_again(state, aborted) return not state
 # ARGV[12] '1': a new attempt of a request its client sent again to go on (resume_from), having lost
 # its stream (its router went away): a latest attempt still running (not aborted) does not refuse
 # it but is superseded, marked failed ('superseded'), once this one is admitted.
-ADMIT_LUA = _MAY_RUN_AGAIN + _IS_FINAL + """
+ADMIT_LUA = (
+    _MAY_RUN_AGAIN
+    + _IS_FINAL
+    + """
 local nd = (ARGV[11] and ARGV[11] ~= '') and 2 or 0
 local supersede = false
 if #KEYS - nd > 4 then
@@ -137,6 +143,7 @@ if supersede then
 end
 return {1, q + 1, t + n, lt, directed}
 """
+)
 
 # A request whose decode worker was lost resumes: its prompt and the tokens its client has go to a
 # prefill worker again (or to its new decode worker, which prefills them), unless it has ended
@@ -150,7 +157,9 @@ return {1, q + 1, t + n, lt, directed}
 # worker's id. Returns {1 | 0 (the queue is full) | -2 (it has ended), requests queued, tokens
 # queued}. A request a prefill worker failed because it could not reach that worker ('lost_to':
 # its handoff broke as the worker was lost, recorded before its router saw the loss) resumes.
-RESUME_LUA = _IS_FINAL + """
+RESUME_LUA = (
+    _IS_FINAL
+    + """
 local got = redis.call('HMGET', KEYS[3], 'state', 'aborted', 'lost_to')
 local lost_handoff = got[1] == 'failed' and got[3] and got[3] == ARGV[7]
 if not got[1] or (is_final(got[1]) and not lost_handoff) or got[2] then
@@ -181,6 +190,7 @@ redis.call('HSET', KEYS[3], 'decode_worker', job['decode_worker'], 't_resumed', 
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[4]))
 return {1, q, t}
 """
+)
 
 # Abort marks a request cancelled, in one step with reading its state, so a request that has
 # just ended keeps its final state. One that has not arrived yet (its Abort overtook its
@@ -189,7 +199,9 @@ return {1, q, t}
 # ('aborted'): its request_id is not run again. KEYS[1] the request hash; ARGV:
 # now, the TTL after completion, the early TTL. Returns {the state it had ('' when there is no
 # such request), its decode worker's id}.
-ABORT_LUA = _IS_FINAL + """
+ABORT_LUA = (
+    _IS_FINAL
+    + """
 local got = redis.call('HMGET', KEYS[1], 'state', 'decode_worker', 'early')
 local state = got[1]
 if not state or got[3] == '1' then
@@ -205,6 +217,7 @@ elseif state ~= 'finished' then  -- it had failed or been cancelled: the Abort s
 end
 return {state, got[2] or ''}
 """
+)
 
 # A worker records progress on a request: only on a hash that exists (one that expired, or that a
 # Redis restarted empty lost, is not recreated without a TTL), and never moving a request out of
@@ -214,7 +227,9 @@ return {state, got[2] or ''}
 # worker taken for lost that adopts the KV late: their state, worker and times are not the new
 # leg's); a 'decoding' written with its leg records it ('kv_leg', which PICKUP_LUA reads).
 # Returns 1 if the hash exists.
-UPDATE_LUA = _IS_FINAL + """
+UPDATE_LUA = (
+    _IS_FINAL
+    + """
 local got = redis.call('HMGET', KEYS[1], 'state', 'resumed')
 local state = got[1]
 if not state then return 0 end
@@ -241,6 +256,7 @@ end
 if #args > 0 then redis.call('HSET', KEYS[1], unpack(args)) end
 return 1
 """
+)
 
 
 # A running request's progress, written by its router every half heartbeat so that GetRequest
@@ -248,7 +264,9 @@ return 1
 # hashes (one slot: the prefix's hash tag); ARGV: for each, its completion tokens so far and the
 # unix time of its first token. A hash that is gone or ended is left alone: a count read before a
 # request's end must not overwrite the one its end wrote, nor bring back an expired hash.
-PROGRESS_LUA = _IS_FINAL + """
+PROGRESS_LUA = (
+    _IS_FINAL
+    + """
 local n = 0
 for i, key in ipairs(KEYS) do
   local state = redis.call('HGET', key, 'state')
@@ -259,6 +277,7 @@ for i, key in ipairs(KEYS) do
 end
 return n
 """
+)
 
 
 def update_args(mapping: dict) -> list:
@@ -280,7 +299,9 @@ _LEAVE_LOCAL = """
 local function leave_local(admission, req, n)
   if redis.call('EXISTS', req) == 1 and redis.call('HSETNX', req, 'dequeued', 1) == 0 then return 0 end
   for _, f in ipairs({'requests', 'tokens', 'local_tokens'}) do
-    if redis.call('HINCRBY', admission, f, f == 'requests' and -1 or -n) < 0 then redis.call('HSET', admission, f, 0) end
+    if redis.call('HINCRBY', admission, f, f == 'requests' and -1 or -n) < 0 then
+      redis.call('HSET', admission, f, 0)
+    end
   end
   return 1
 end
@@ -294,7 +315,10 @@ end
 # prefill (which their router returns) are returned here, once. KEYS: the routers set, the
 # router's request set, the admission hash, then its request hashes. ARGV: router id, now, TTL
 # after completion, 1 to force. Returns how many requests it marked.
-REAP_LUA = _IS_FINAL + _LEAVE_LOCAL + """
+REAP_LUA = (
+    _IS_FINAL
+    + _LEAVE_LOCAL
+    + """
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if ARGV[4] ~= '1' and lease and tonumber(lease) > tonumber(ARGV[2]) then return 0 end
 local n = 0
@@ -313,6 +337,7 @@ redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 return n
 """
+)
 
 # A prefill worker puts back the hash of a request it holds that Redis no longer has (it restarted
 # empty), so the request's router keeps waiting for it instead of ending it. Only where there is
@@ -373,9 +398,14 @@ DEADLINE_CODE = str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
 # worker has the KV, and said so: 'kv_leg', written with a 'decoding' that carries its leg,
 # UPDATE_LUA; one of an older release sends none, and the job is prefilled again), or the
 # final state / "" of a request that is no longer wanted.
-PICKUP_LUA = (_IS_FINAL + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
-              + _LEAVE_QUEUE + "return 'superseded'\nend\n"
-              + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n" + _LEAVE_QUEUE + """
+PICKUP_LUA = (
+    _IS_FINAL
+    + "if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then\n"
+    + _LEAVE_QUEUE
+    + "return 'superseded'\nend\n"
+    + "if redis.call('HGET', KEYS[2], 'local') == '1' then return 'local' end\n"
+    + _LEAVE_QUEUE
+    + """
 local state = redis.call('HGET', KEYS[2], 'state')
 if not state or is_final(state) then
   return state or ''
@@ -386,24 +416,31 @@ end
 local deadline = tonumber(ARGV[5])
 if deadline > 0 and deadline < tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[2], 'state', 'failed', 'error', 'deadline exceeded in queue',
-             'code', """ + DEADLINE_CODE + """)
+             'code', """
+    + DEADLINE_CODE
+    + """)
   return 'expired'
 end
 redis.call('HSET', KEYS[2], 'state', 'prefilling', 't_prefill_start', ARGV[3], 'prefill_worker', ARGV[4])
 return 'prefilling'
-""")
+"""
+)
 
 # A prefill worker drops a job it cannot read. KEYS: admission hash, the request hash (a key no
 # request has when the id is unreadable). ARGV: the entry's 'tokens' as admission counted them
 # (-1: the entry has none, so admission never counted it), 1 (a dropped entry is acked, so this
 # is the only time it is seen), the error, and optionally the status code its client gets. Returns 1.
-DROP_LUA = "if ARGV[1] ~= '-1' then" + _LEAVE_QUEUE + """end
+DROP_LUA = (
+    "if ARGV[1] ~= '-1' then"
+    + _LEAVE_QUEUE
+    + """end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('HSET', KEYS[2], 'state', 'failed', 'error', ARGV[3])
   if ARGV[4] then redis.call('HSET', KEYS[2], 'code', ARGV[4]) end
 end
 return 1
 """
+)
 
 # A prefill worker tops itself up: new jobs, one at a time and in priority order, until it
 # holds ARGV[3] jobs or ARGV[4] more prompt tokens (the last job may pass the token room;
@@ -480,8 +517,6 @@ def priority_class(priority: int) -> str:
     return "high" if priority < 0 else "low" if priority > 0 else "normal"
 
 
-
-
 class Keys:
     def __init__(self, prefix: str):
         # A prefix with a hash tag of its own ("a{b}") is kept; any other is the tag: "{splitserve}".
@@ -529,15 +564,23 @@ _UNIX_MAX = 1e10  # seconds: the year 2286 (a time made nanoseconds for a span f
 # span's time, and a worker stopped pulling any job or died; the next to claim the job did too.
 _JOB_FIELDS = {
     "request_id": (lambda v: isinstance(v, str) and 0 < len(v) <= 4096, "a request id"),
-    "token_ids": (lambda v: isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v),
-                  "a list of token ids"),
+    "token_ids": (
+        lambda v: isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v),
+        "a list of token ids",
+    ),
     "sampling": (lambda v: isinstance(v, dict), "an object"),
-    **{name: (lambda v: isinstance(v, str), "a string")
-       for name in ("decode_worker", "decode_address", "decode_host_id", "traceparent", "decode_epoch")},
-    "cache_salt": (lambda v: isinstance(v, str) and len(v) <= CACHE_SALT_MAX_CHARS,
-                   f"a string of at most {CACHE_SALT_MAX_CHARS} characters"),
-    **{name: (_real(0, _UNIX_MAX), "a time (seconds since 1970)")
-       for name in ("deadline_unix", "t_received", "t_admitted")},
+    **{
+        name: (lambda v: isinstance(v, str), "a string")
+        for name in ("decode_worker", "decode_address", "decode_host_id", "traceparent", "decode_epoch")
+    },
+    "cache_salt": (
+        lambda v: isinstance(v, str) and len(v) <= CACHE_SALT_MAX_CHARS,
+        f"a string of at most {CACHE_SALT_MAX_CHARS} characters",
+    ),
+    **{
+        name: (_real(0, _UNIX_MAX), "a time (seconds since 1970)")
+        for name in ("deadline_unix", "t_received", "t_admitted")
+    },
     "priority": (lambda v: type(v) is int and -(2**31) <= v < 2**31, "an int32"),
     **{name: (_count(2**32), "a count") for name in ("decode_cached_tokens", "resumed", "resumed_chars", "leg")},
 }
@@ -579,7 +622,7 @@ class Job:
         return json.dumps(vars(self), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, d) -> "Job":
+    def from_dict(cls, d) -> Job:
         """A job from its decoded JSON. Fields this version does not know are ignored (a newer
         router may add some); ValueError if malformed."""
         if not isinstance(d, dict):
@@ -601,8 +644,9 @@ class Job:
         if fmt is not None:
             if not (isinstance(fmt, dict) and isinstance(fmt.get("kind"), str)):
                 raise ValueError("job's sampling.structured_output is not a format")
-            d["structured_output"] = StructuredOutput(fmt["kind"], fmt.get("value", ""),
-                                                      bool(fmt.get("disable_any_whitespace", False)))
+            d["structured_output"] = StructuredOutput(
+                fmt["kind"], fmt.get("value", ""), bool(fmt.get("disable_any_whitespace", False))
+            )
         return SamplingParams(**d)
 
 
@@ -636,12 +680,14 @@ class WorkerInfo:
         return {k: str(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_mapping(cls, m: dict) -> "WorkerInfo":
+    def from_mapping(cls, m: dict) -> WorkerInfo:
         """An entry as a worker writes it (to_mapping); ValueError naming the field for one that is
         not (a worker of another release, or a hand, may write any hash under the key)."""
         try:
-            m = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                 for k, v in m.items()}
+            m = {
+                (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in m.items()
+            }
         except UnicodeDecodeError:
             raise ValueError("registry entry is not UTF-8") from None
         for name in ("worker_id", "role", "address", "host_id"):
@@ -654,8 +700,17 @@ class WorkerInfo:
             updated = math.nan
         if not 0 <= updated < _UNIX_MAX:
             raise ValueError(f"registry entry's updated is not a time: {m.get('updated', '')[:40]!r}")
-        return cls(worker_id=m["worker_id"], role=m["role"], address=m["address"], host_id=m["host_id"], **counts,
-                   epoch=m.get("epoch", ""), updated=updated, metrics=m.get("metrics", ""), arena=m.get("arena", ""))
+        return cls(
+            worker_id=m["worker_id"],
+            role=m["role"],
+            address=m["address"],
+            host_id=m["host_id"],
+            **counts,
+            epoch=m.get("epoch", ""),
+            updated=updated,
+            metrics=m.get("metrics", ""),
+            arena=m.get("arena", ""),
+        )
 
 
 _REGISTRY_COUNTS = ("running", "waiting", "free_kv_tokens", "kv_capacity_tokens", "pending", "opened", "closed")
@@ -686,7 +741,6 @@ def registration(keys: Keys, info: WorkerInfo, lease_s: float) -> tuple[list[str
     info.updated = time.time()
     fields = [part for item in info.to_mapping().items() for part in item]
     return [keys.worker(info.role, info.worker_id)], [str(int(lease_s * 1000)), *fields]
-
 
 
 def run_scripts(r, calls: list[tuple]) -> list:
@@ -750,8 +804,12 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
         with redis.Redis.from_url(url, socket_timeout=CALL_TIMEOUT_S) as r:
             return bool(r.info("cluster").get("cluster_enabled"))
     except (redis.RedisError, OSError) as e:
-        log.warning("could not ask Redis at %s whether it is a cluster (%s): taken as not one; "
-                    "set SPLITSERVE_REDIS_CLUSTER=on for a cluster", url, e)
+        log.warning(
+            "could not ask Redis at %s whether it is a cluster (%s): taken as not one; "
+            "set SPLITSERVE_REDIS_CLUSTER=on for a cluster",
+            url,
+            e,
+        )
         return False
 
 
@@ -761,17 +819,22 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     kwargs.setdefault("socket_timeout", CALL_TIMEOUT_S)
     if asyncio:  # redis-py writes each command under asyncio.wait_for, which loses cancels on 3.11
         from splitserve.service.aio import use_fixed_wait_for
+
         use_fixed_wait_for()
     if is_cluster(url, cluster):
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
             return AsyncRedisCluster.from_url(url, **kwargs)
         from redis.cluster import RedisCluster
+
         return RedisCluster.from_url(url, **kwargs)
     if asyncio:
         import redis.asyncio as aioredis
+
         return aioredis.from_url(url, **kwargs)
     import redis
+
     return redis.Redis.from_url(url, **kwargs)
 
 

@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import StepFailed
@@ -28,8 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class EngineRunner:
-    def __init__(self, make_engine: Callable[[], LLMEngine], loop: asyncio.AbstractEventLoop,
-                 on_step: Callable[[], None] | None = None, watch: StepWatch | None = None):
+    def __init__(
+        self,
+        make_engine: Callable[[], LLMEngine],
+        loop: asyncio.AbstractEventLoop,
+        on_step: Callable[[], None] | None = None,
+        watch: StepWatch | None = None,
+    ):
         self._make_engine = make_engine
         self._built: concurrent.futures.Future = concurrent.futures.Future()
         self.engine: LLMEngine = None  # type: ignore[assignment]  # set by start()

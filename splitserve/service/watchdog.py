@@ -43,8 +43,12 @@ class StepWatch:
         if now != self.reported:
             self.reported = now
             if now:
-                log.error("%s: one engine step has run for over %.0f s: reporting NOT_SERVING and letting "
-                          "the registry lease lapse", self.what, self.stall_s)
+                log.error(
+                    "%s: one engine step has run for over %.0f s: reporting NOT_SERVING and letting "
+                    "the registry lease lapse",
+                    self.what,
+                    self.stall_s,
+                )
             else:
                 log.warning("%s: the stalled engine step returned: serving again", self.what)
         return now

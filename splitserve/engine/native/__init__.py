@@ -47,8 +47,18 @@ class PagedAttention:
         if not q.is_contiguous():
             q = q.contiguous()
         rc = self.fn(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), info.data_ptr(), slots.data_ptr(),
-            info.shape[0], q.shape[1], k_cache.shape[1], q.shape[2], scale, out.data_ptr(), self.num_threads,
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            info.data_ptr(),
+            slots.data_ptr(),
+            info.shape[0],
+            q.shape[1],
+            k_cache.shape[1],
+            q.shape[2],
+            scale,
+            out.data_ptr(),
+            self.num_threads,
         )
         if rc != 0:
             raise RuntimeError(f"paged_attention kernel failed ({rc})")
@@ -96,7 +106,7 @@ class SmallGemm:
         self.num_threads = num_threads
 
     @classmethod
-    def pack(cls, w_kn, known: Packed | None = None) -> "Packed":
+    def pack(cls, w_kn, known: Packed | None = None) -> Packed:
         """[K, N] -> its fp32 tiles [N/8, K, 8] (N padded to a multiple of 8 with zero
         columns), and its integer blocks when W is exactly made of them (``pack_blocks``).
         known: W packed before (pack_cache), taken as it is when its shapes are W's."""
@@ -105,12 +115,26 @@ class SmallGemm:
         K, N = w_kn.shape
         if known is not None:
             tiles, blocks, fmt = known
-            if tuple(tiles.shape) == (-(-N // 8), K, 8) and tiles.dtype == torch.float32 and (
-                    blocks is None or (tuple(blocks.shape[:2]) == (N // 8, K // cls.QK) and fmt in ("q4_1", "q8_0")
-                                       and blocks.dtype == torch.uint8)):
+            if (
+                tuple(tiles.shape) == (-(-N // 8), K, 8)
+                and tiles.dtype == torch.float32
+                and (
+                    blocks is None
+                    or (
+                        tuple(blocks.shape[:2]) == (N // 8, K // cls.QK)
+                        and fmt in ("q4_1", "q8_0")
+                        and blocks.dtype == torch.uint8
+                    )
+                )
+            ):
                 return Packed(tiles, blocks, fmt)
-            log.warning("packed weights of shape %s (%s) do not fit a [%d, %d] weight: packed again",
-                        tuple(tiles.shape), fmt or "no blocks", K, N)
+            log.warning(
+                "packed weights of shape %s (%s) do not fit a [%d, %d] weight: packed again",
+                tuple(tiles.shape),
+                fmt or "no blocks",
+                K,
+                N,
+            )
         pad = (-N) % 8
         w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
         tiles = w.view(K, -1, 8).permute(1, 0, 2).contiguous()
@@ -154,7 +178,7 @@ class SmallGemm:
             parts.append(torch.cat([*head, codes], dim=2))
         return torch.cat(parts, dim=1).contiguous()
 
-    def __call__(self, x, packed: "Packed", n: int):
+    def __call__(self, x, packed: Packed, n: int):
         import torch
 
         M, K = x.shape
