@@ -39,6 +39,7 @@ from splitserve.engine.params import check_vocab
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service import aio, convert, grpc_server
+from splitserve.service import redis_scripts as scripts
 from splitserve.service.arena import ArenaReader
 from splitserve.service.errors import (
     AlreadyExists,
@@ -52,15 +53,8 @@ from splitserve.service.errors import (
     status_code,
 )
 from splitserve.service.process import Background, until_answered
-from splitserve.service.redis_state import (
-    HEARTBEAT_LUA,
-    UPDATE_LUA,
-    Keys,
-    WorkerInfo,
-    connect,
-    registration,
-    update_args,
-)
+from splitserve.service.redis_scripts import Scripts
+from splitserve.service.redis_state import Keys, WorkerInfo, connect
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
@@ -152,7 +146,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.engine: LLMEngine = runner.engine
         self.redis = r
         self.keys = keys
-        self.update_script = r.register_script(UPDATE_LUA)
+        self.scripts = Scripts(r)
         self.name = name
         self.host = host_id()
         self.reader = ArenaReader(settings.shm_prefix)
@@ -881,17 +875,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # While Redis does not answer, written once it does (GetRequest's timestamps, transport, bytes).
         # With its leg: a worker taken for lost, that adopts it late, must not write over the next leg's.
         adopted = functools.partial(
-            self.update_script,
-            keys=[self.keys.req(seq.request_id)],
-            args=update_args(
-                {
+            self.scripts.run,
+            scripts.update(
+                self.keys,
+                request_id=seq.request_id,
+                fields={
                     "state": "decoding",
                     "t_kv_done": time.time(),
                     "decode_worker": self.name,
                     "kv_transport": h.transport,
                     "kv_bytes": h.length,
-                }
-                | ({"_leg": slot.leg} if slot.leg is not None else {})
+                },
+                leg=slot.leg,
             ),
         )
         self.background.start(
@@ -974,7 +969,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     lease = 3 * settings.heartbeat_s
-    register = r.register_script(HEARTBEAT_LUA)
+    redis_scripts = Scripts(r)
 
     async def heartbeat():
         serving = True
@@ -996,8 +991,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
                 info = servicer.info(address)
                 if metrics_port:
                     info.metrics = f"{settings.host}:{metrics_port}"
-                k, args = registration(keys, info, lease)
-                await register(keys=k, args=args)
+                await redis_scripts.run(scripts.heartbeat(keys, info=info, lease_s=lease))
                 await servicer.warm_arenas()
             except redis.RedisError as e:
                 log.warning("heartbeat failed: %s", e)

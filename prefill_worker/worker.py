@@ -37,31 +37,14 @@ from splitserve.engine.outputs import RequestOutput, placeholder_logprobs
 from splitserve.observability import tracing
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.service import convert
+from splitserve.service import redis_scripts as scripts
 from splitserve.service.arena import Arena, ArenaFull
 from splitserve.service.errors import REDIS_UNREACHABLE, code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
-from splitserve.service.redis_state import (
-    DROP_LUA,
-    FORGET_STREAM_LUA,
-    GROUP,
-    HEARTBEAT_LUA,
-    OWN_STREAM_LUA,
-    PICKUP_LUA,
-    PULL_LUA,
-    RESTORE_LUA,
-    UPDATE_LUA,
-    Job,
-    Keys,
-    WorkerInfo,
-    connect,
-    ensure_group,
-    failed,
-    registration,
-    run_scripts,
-    update_args,
-)
+from splitserve.service.redis_scripts import Scripts, failed
+from splitserve.service.redis_state import GROUP, Job, Keys, WorkerInfo, connect, ensure_group
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -255,14 +238,7 @@ class PrefillWorker:
         # Held over a claim of the jobs held here, and over giving them up (_give_back): a heartbeat's
         # claim (idle 0) read before they were given up must not land after, keeping them ours.
         self.claims = threading.RLock()
-        self.pickup = self.redis.register_script(PICKUP_LUA)
-        self.pull_script = self.redis.register_script(PULL_LUA)
-        self.drop_script = self.redis.register_script(DROP_LUA)
-        self.update_script = self.redis.register_script(UPDATE_LUA)
-        self.restore_script = self.redis.register_script(RESTORE_LUA)
-        self.own_script = self.redis.register_script(OWN_STREAM_LUA)
-        self.forget_script = self.redis.register_script(FORGET_STREAM_LUA)
-        self.register = self.redis.register_script(HEARTBEAT_LUA)
+        self.scripts = Scripts(self.redis)
         # Prefill affinity: routers send this worker the jobs whose prompts start with what its prefix
         # cache holds, on a stream of its own, read after the high-priority one. Another worker's,
         # once that worker has left the registry (died, or drained), is read by every worker after
@@ -297,7 +273,7 @@ class PrefillWorker:
         forward's work and leaves the rest in the stream for the next free worker, a job that
         arrives while a forward runs joins at the next one, and one of higher priority is
         scheduled ahead of the held jobs not yet started.
-        Each job's pickup (PICKUP_LUA) goes in one round trip with the top-up that follows it.
+        Each job's pickup (pickup.lua) goes in one round trip with the top-up that follows it.
         Returns (stream, entry id, job, first delivery, pickup outcome) in the order to prefill them
         (the outcome is a future for a job queued alone, whose pickup runs beside its forward).
         """
@@ -340,8 +316,14 @@ class PrefillWorker:
                 self.metrics.jobs.labels("claimed").inc(len(held))
         if not held and not self.engine.has_unfinished() and self.orphans:  # a departed worker's jobs first
             held = self._jobs(
-                self.pull_script(
-                    keys=self.orphans, args=[GROUP, self.name, self.s.prefill_batch, self.s.prefill_token_budget]
+                self.scripts.run(
+                    scripts.pull(
+                        self.keys,
+                        streams=self.orphans,
+                        consumer=self.name,
+                        jobs=self.s.prefill_batch,
+                        tokens=self.s.prefill_token_budget,
+                    )
                 )
             )
         if not held and not self.engine.has_unfinished():  # idle: wait for a job in any class
@@ -363,7 +345,7 @@ class PrefillWorker:
                         entry_id,
                         job,
                         first,
-                        self.pickups.submit(run_scripts, self.redis, [self._pickup_call(job, first)]),
+                        self.pickups.submit(self.scripts.run_all, [self._pickup_call(job, first)]),
                     )
                 ]
         jobs = self.s.prefill_batch - self.engine.num_waiting - self.engine.num_running - len(held)
@@ -371,13 +353,13 @@ class PrefillWorker:
         calls = [self._pickup_call(job, first) for _, _, job, first in held]
         top_up = jobs > 0 and tokens > 0
         if top_up:
-            calls.append((self.pull_script, self._streams(), [GROUP, self.name, jobs, tokens]))
+            calls.append(scripts.pull(self.keys, streams=self._streams(), consumer=self.name, jobs=jobs, tokens=tokens))
         if not calls:
             return []
-        results = run_scripts(self.redis, calls)
+        results = self.scripts.run_all(calls)
         out = [(*e, outcome) for e, outcome in zip(held, results)]
         if top_up and (more := self._jobs(results[-1])):
-            outcomes = run_scripts(self.redis, [self._pickup_call(job, first) for _, _, job, first in more])
+            outcomes = self.scripts.run_all([self._pickup_call(job, first) for _, _, job, first in more])
             out += [(*e, outcome) for e, outcome in zip(more, outcomes)]
         return out
 
@@ -393,34 +375,29 @@ class PrefillWorker:
         streams to claim idle jobs from (this worker's, and every other one still there)."""
         others = [m.decode() if isinstance(m, bytes) else m for m in self.redis.smembers(self.keys.directed)]
         others = [m for m in others if m != self.name]
-        left = run_scripts(self.redis, [self._forget_call(m) for m in others])
+        left = self.scripts.run_all([scripts.forget_stream(self.keys, worker_id=m) for m in others])
         orphans = [self.keys.stream_to(m) for m, n in zip(others, left) if int(n) > 0]
         if set(orphans) - set(self.orphans):
             log.info("reading the streams of %d prefill worker(s) gone from the registry", len(orphans))
         self.orphans = orphans
         self.claimable = [self.own, *(self.keys.stream_to(m) for m, n in zip(others, left) if int(n) != 0)]
 
-    def _forget_call(self, worker_id: str) -> tuple:
-        """FORGET_STREAM_LUA for a worker's own stream: removed if the worker has left the registry
-        and the stream is empty (run_scripts; the call answers how many entries are left, -1 while
-        the worker is registered)."""
-        return (
-            self.forget_script,
-            [self.keys.stream_to(worker_id), self.keys.worker("prefill", worker_id), self.keys.directed],
-            [worker_id],
-        )
-
     def _own_stream(self) -> None:
         """This worker's own stream and its group (made again if removed while its lease had lapsed)."""
-        self.own_script(keys=[self.own, self.keys.directed], args=[GROUP, self.name])
+        self.scripts.run(scripts.own_stream(self.keys, worker_id=self.name))
 
-    def _pickup_call(self, job: Job, first: bool) -> tuple:
-        """PICKUP_LUA for a job: leave the admission counts (new deliveries), check the request is
-        still wanted and in time, and mark it prefilling."""
-        return (
-            self.pickup,
-            [self.keys.admission, self.keys.req(job.request_id)],
-            [len(job.token_ids), int(first), time.time(), self.name, job.deadline_unix or 0, job.leg],
+    def _pickup_call(self, job: Job, first: bool) -> scripts.Call:
+        """A job's pickup: leave the admission counts (new deliveries), check the request is still
+        wanted and in time, and mark it prefilling."""
+        return scripts.pickup(
+            self.keys,
+            request_id=job.request_id,
+            prompt_tokens=len(job.token_ids),
+            first_delivery=first,
+            now=time.time(),
+            worker=self.name,
+            deadline_unix=job.deadline_unix,
+            leg=job.leg,
         )
 
     def _read(self, streams: dict, count: int, block: int | None, alone: set[str]) -> list[tuple[str, str, Job, bool]]:
@@ -487,7 +464,9 @@ class PrefillWorker:
         message = f"malformed prefill job: {why}"[:300]
         n = _counted(tokens)
         key = self.keys.req(request_id) if request_id else f"{self.keys.prefix}:dropped"  # no request's key
-        self.drop_script(keys=[self.keys.admission, key], args=[n, 1, message, grpc.StatusCode.INTERNAL.value[0]])
+        self.scripts.run(
+            scripts.drop(self.keys, request_key=key, tokens=n, error=message, code=grpc.StatusCode.INTERNAL)
+        )
         self._ack(stream, entry_id)
         self.metrics.jobs.labels("malformed").inc()
         if request_id and decode_address:
@@ -622,7 +601,7 @@ class PrefillWorker:
 
     def _held(self, request_id: str, leg: int) -> bool:
         """This worker still has an earlier leg's job of this request in hand, or its KV (a leg
-        superseded when its decode worker was lost, RESUME_LUA): the new leg waits for it to go
+        superseded when its decode worker was lost, resume.lua): the new leg waits for it to go
         (admit_deferred), its claim kept meanwhile (_keep_claims)."""
         if not leg:
             return False
@@ -889,7 +868,7 @@ class PrefillWorker:
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"{e.code().name}: {e.details()}"[:300]))
                 code = HANDOFF_FAILURE_STATUS.get(e.code(), grpc.StatusCode.INTERNAL)
                 # Unreachable: the worker may be lost (killed), which its router sees too and resumes the
-                # request on another, even if this failure is recorded first (RESUME_LUA: 'lost_to').
+                # request on another, even if this failure is recorded first (resume.lua: 'lost_to').
                 self._give_up(
                     job,
                     code,
@@ -927,9 +906,9 @@ class PrefillWorker:
                 log.warning("could not record the end of %s's prefill: %s", job.request_id, e)
 
     def _update(self, job: Job, mapping: dict) -> None:
-        """Record on a request's hash, if it still exists and has not ended (UPDATE_LUA); its state
+        """Record on a request's hash, if it still exists and has not ended (update.lua); its state
         only while the request has not resumed past this job's leg (a job of a lost decode worker)."""
-        self.update_script(keys=[self.keys.req(job.request_id)], args=update_args({"_leg": job.leg, **mapping}))
+        self.scripts.run(scripts.update(self.keys, request_id=job.request_id, fields=mapping, leg=job.leg))
 
     def _give_up(self, job: Job, code: grpc.StatusCode, message: str, lost_to: str = "") -> None:
         """The request has failed: so its hash says (which its router also reads, should the decode
@@ -1072,7 +1051,7 @@ class PrefillWorker:
                 self.unacked.difference_update(todo)
 
     def _record_later(self) -> None:
-        """What _update could not record while Redis was away, now that it answers (UPDATE_LUA: only
+        """What _update could not record while Redis was away, now that it answers (update.lua: only
         on a hash that still exists)."""
         with self.lock:
             todo, self.unrecorded = self.unrecorded, []
@@ -1154,24 +1133,20 @@ class PrefillWorker:
                     continue
                 e = self.engine
                 self._own_stream()  # before the registry entry: routers send jobs there only when both are there
-                k, args = registration(
-                    self.keys,
-                    WorkerInfo(
-                        worker_id=self.name,
-                        role="prefill",
-                        address=self.address,
-                        host_id=self.host,
-                        running=len(self.inflight),
-                        waiting=e.num_waiting,
-                        free_kv_tokens=(self.arena.size - self.arena.used_bytes)
-                        // max(1, e.model.shape.kv_bytes_per_token),
-                        metrics=self.metrics_address,
-                        arena=self.arena.name,
-                        kv_capacity_tokens=e.kv_capacity_tokens,
-                    ),
-                    lease,
+                info = WorkerInfo(
+                    worker_id=self.name,
+                    role="prefill",
+                    address=self.address,
+                    host_id=self.host,
+                    running=len(self.inflight),
+                    waiting=e.num_waiting,
+                    free_kv_tokens=(self.arena.size - self.arena.used_bytes)
+                    // max(1, e.model.shape.kv_bytes_per_token),
+                    metrics=self.metrics_address,
+                    arena=self.arena.name,
+                    kv_capacity_tokens=e.kv_capacity_tokens,
                 )
-                self.register(keys=k, args=args)
+                self.scripts.run(scripts.heartbeat(self.keys, info=info, lease_s=lease))
                 self._restore_lost()
                 self._ack_later()
                 self._keep_claims()
@@ -1226,8 +1201,8 @@ class PrefillWorker:
                 "dequeued": 1,
                 "restored": 1,
             }
-            if self.restore_script(
-                keys=[self.keys.req(j.request_id)], args=[self.s.request_ttl_s, *update_args(fields)]
+            if self.scripts.run(
+                scripts.restore(self.keys, request_id=j.request_id, ttl_s=self.s.request_ttl_s, fields=fields)
             ):
                 log.warning("request %s: Redis had lost its hash (restarted empty?); put back", j.request_id)
 
@@ -1349,7 +1324,7 @@ class PrefillWorker:
         it is read by the other workers, and removed by them once empty."""
         try:
             self.redis.delete(self.keys.worker("prefill", self.name))
-            run_scripts(self.redis, [self._forget_call(self.name)])
+            self.scripts.run(scripts.forget_stream(self.keys, worker_id=self.name))
         except redis.RedisError as e:
             log.warning("could not leave the registry: %s", e)
 

@@ -38,6 +38,7 @@ from splitserve.router.placement import Placement, Placements
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.prefix_share import SharedRecord
 from splitserve.service import convert, grpc_server
+from splitserve.service import redis_scripts as scripts
 from splitserve.service.errors import (
     REDIS_UNREACHABLE,
     AlreadyExists,
@@ -52,19 +53,13 @@ from splitserve.service.errors import (
 )
 from splitserve.service.peers import Peers
 from splitserve.service.process import Background, settled, until_answered
+from splitserve.service.redis_scripts import Scripts
 from splitserve.service.redis_state import (
-    ABORT_LUA,
-    ADMIT_LUA,
     CALL_TIMEOUT_S,
-    DEQUEUE_LUA,
     FINAL_STATES,
     LOCAL_FIELD,
     MAY_RUN_AGAIN,
-    PROGRESS_LUA,
     QUEUE_FIELDS,
-    REAP_LUA,
-    RESUME_LUA,
-    TAKE_BACK_LUA,
     Job,
     Keys,
     WorkerInfo,
@@ -362,13 +357,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.front = frontend
         self.redis = r
         self.keys = Keys(settings.redis_prefix)
-        self.admit_script = r.register_script(ADMIT_LUA)
-        self.dequeue_script = r.register_script(DEQUEUE_LUA)
-        self.abort_script = r.register_script(ABORT_LUA)
-        self.reap_script = r.register_script(REAP_LUA)
-        self.take_back_script = r.register_script(TAKE_BACK_LUA)
-        self.resume_script = r.register_script(RESUME_LUA)
-        self.progress_script = r.register_script(PROGRESS_LUA)
+        self.scripts = Scripts(r)
         self.id = settings.worker_name("router")
         self.lease_s = ROUTER_LEASE_HEARTBEATS * settings.heartbeat_s
         self.clock = (0.0, 0.0)  # (Redis's TIME, time.monotonic()) at the last renewal: leases use Redis's clock
@@ -388,7 +377,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         self.placements = Placements()  # corrects the registry's loads for what happened since
         self.prefixes = PrefixIndex(settings.block_size)  # what each decode worker has cached, as seen here
         # ... and each prefill worker (the prompts it prefilled): a job goes to the one with most of
-        # its prompt, while that one has room (prefill_affinity_jobs; ADMIT_LUA)
+        # its prompt, while that one has room (prefill_affinity_jobs; admit.lua)
         self.prefill_prefixes = PrefixIndex(settings.block_size)
         self.prefill_affinity = not self.colocated and settings.prefix_caching and settings.prefill_affinity_jobs > 0
         # only continuous engines cache prefixes (a decode worker's policy is the stack's)
@@ -538,7 +527,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         that hold a shared system prompt; fewer than two prefill workers registered, as this router
         last read: with one, its own stream would only reorder its jobs; or not normal priority: high
         and low go to their class's stream, read by every worker in its turn). Whether the job goes
-        to it is ADMIT_LUA's to say: while that worker is registered and fewer than
+        to it is admit.lua's to say: while that worker is registered and fewer than
         prefill_affinity_jobs of its jobs wait."""
         if (
             not (self.prefill_affinity and hashes)
@@ -656,14 +645,15 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         n = 0
         for rt in dead:
             members = await self.redis.smembers(self.keys.router_requests(rt))
-            keys = [
-                self.keys.routers,
-                self.keys.router_requests(rt),
-                self.keys.admission,
-                *(self.keys.req(m.decode()) for m in members),
-            ]
-            marked = await self.reap_script(
-                keys=keys, args=[rt, self.redis_now(), self.s.finished_ttl_s, 1 if router_id else 0]
+            marked = await self.scripts.run(
+                scripts.reap(
+                    self.keys,
+                    router_id=rt,
+                    request_ids=[m.decode() for m in members],
+                    now=self.redis_now(),
+                    finished_ttl_s=self.s.finished_ttl_s,
+                    force=bool(router_id),
+                )
             )
             if marked and rt != self.id:
                 log.warning("router %s went away: %d of its requests marked failed", rt, marked)
@@ -675,15 +665,14 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
 
     async def record_progress(self) -> None:
         """Write, for the requests this router streams whose count moved since, their completion
-        tokens so far and their first token's time (PROGRESS_LUA): GetRequest, on any router, shows a
+        tokens so far and their first token's time (progress.lua): GetRequest, on any router, shows a
         running request's progress at most half a heartbeat late. One call for them all, off their
         streams' path; their ends write the last count (_mark)."""
         moved = [(rid, a, a.sent) for rid, a in self.active.items() if a.first_token and a.sent != a.recorded]
         if not moved:
             return
-        await self.progress_script(
-            keys=[self.keys.req(rid) for rid, _, _ in moved],
-            args=[x for _, a, sent in moved for x in (sent, a.first_token)],
+        await self.scripts.run(
+            scripts.progress(self.keys, running=[(rid, sent, a.first_token) for rid, a, sent in moved])
         )
         for _, a, sent in moved:
             a.recorded = sent
@@ -736,7 +725,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             elif state == b"failed" and lost_to and lost_to == worker and a.resumes < self.s.decode_resumes:
                 # Its prefill worker could not reach its decode worker (stopped, killed): this router's
                 # own stream to it is dropped as well (keepalive), and the request resumes on another
-                # (RESUME_LUA lets it). Failed now, it would not. Past that, the stream still up (the
+                # (resume.lua lets it). Failed now, it would not. Past that, the stream still up (the
                 # worker went on after the prefill worker gave up, or only the prefill workers are cut
                 # off from it), the handoff will never come: this router cuts the stream itself and
                 # the request resumes all the same (_events). Before, it failed UNAVAILABLE.
@@ -774,8 +763,8 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         and without this it would wait for one to return, or for its deadline. A prefill worker
         that has picked it up keeps it (the script takes back only a request still queued), and one
         that pulls its job later skips it. It then counts as one its decode worker prefills."""
-        took = await self.take_back_script(
-            keys=[self.keys.admission, self.keys.req(rid)], args=[len(a.ids), time.time()]
+        took = await self.scripts.run(
+            scripts.take_back(self.keys, request_id=rid, prompt_tokens=len(a.ids), now=time.time())
         )
         if not int(took):
             return
@@ -818,11 +807,11 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             )
 
     async def _dequeue(self, rid: str, prompt_tokens: int) -> None:
-        """Return the queue counts of a request its decode worker prefills (DEQUEUE_LUA: once). While
+        """Return the queue counts of a request its decode worker prefills (dequeue.lua: once). While
         Redis is away, in the background, until it answers (the request goes on meanwhile)."""
         await self._write(
             functools.partial(
-                self.dequeue_script, keys=[self.keys.admission, self.keys.req(rid)], args=[prompt_tokens]
+                self.scripts.run, scripts.dequeue(self.keys, request_id=rid, prompt_tokens=prompt_tokens)
             ),
             f"{rid}'s queue counts",
         )
@@ -965,9 +954,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     field, f"their text holds the stop string {hit!r}, which ends the request: none is left to generate"
                 )
 
-    async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, list, list, str]:
-        """The id a request with a client-chosen request_id runs under, ADMIT_LUA's extra keys
-        and args (fp: its fingerprint), and, for one sent again to go on (below), the decode worker
+    async def _attempt(self, rid: str, fp: str, have: Sent) -> tuple[str, scripts.Attempt, str]:
+        """The id a request with a client-chosen request_id runs under, what admission checks of it
+        (scripts.Attempt; fp: its fingerprint), and, for one sent again to go on (below), the decode worker
         its latest attempt ran on ("" otherwise). A new id runs under itself. The id of a request that
         finished answers with its recorded result (raises Recorded). One whose latest attempt ended
         unfinished (it failed, or its client went away or its deadline passed) may be sent again
@@ -977,7 +966,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         again after an Abort, nor under the id of a different request), and one that an Abort came
         before is refused CANCELLED. have: what its client has, sent again to go on (resume_from)
         after it lost its stream with its router: then a latest attempt still running is superseded
-        by the new one (ADMIT_LUA), not waited for (a dead router's would run on until reaped), and
+        by the new one (admit.lua), not waited for (a dead router's would run on until reaped), and
         the replay of one that finished is only what the client does not have."""
         supersede = have.count() > 0
         first = self.keys.req(rid)
@@ -985,7 +974,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             first, "state", "early", "aborted", "attempts", "current", "fingerprint", "decode_worker"
         )
         if state is None:
-            return rid, [], [0, fp], ""
+            return rid, scripts.Attempt(seen=0, fingerprint=fp), ""
         if early == b"1":
             raise _aborted_first(rid)
         if fp_first is not None and fp_first.decode() != fp:
@@ -1018,8 +1007,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         n = int(attempts or 1)
         return (
             f"{rid}{ATTEMPT_SEP}{n + 1}",
-            [first, self.keys.req(latest)],
-            [n, fp],
+            scripts.Attempt(seen=n, fingerprint=fp, first_id=rid, latest_id=latest),
             (was_on or b"").decode() if supersede else "",
         )
 
@@ -1180,9 +1168,9 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             samples = have.unfinished(params.n)
             resumed = have.count()
             work = len(ids) + have.carried(params.n)
-            public_id, attempt_keys, attempt_args, was_on = rid, [], [], ""
+            public_id, attempt, was_on = rid, None, ""
             if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt_keys, attempt_args, was_on = await self._attempt(rid, fingerprint(request), have)
+                rid, attempt, was_on = await self._attempt(rid, fingerprint(request), have)
             rs.span.set_attributes(self._genai_attributes(request, rid, ids, params, resumed))
             # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
             frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
@@ -1294,32 +1282,24 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
                     # Settled: cut off by a cancel while Redis runs it (a slow or stopped Redis), an
                     # admission would be done there but not here, and its counts never returned.
                     got = await settled(
-                        self.admit_script(
-                            keys=[
-                                self.keys.admission,
-                                self.keys.stream_for(request.priority),
-                                self.keys.req(rid),
-                                self.keys.router_requests(self.id),
-                                *attempt_keys,
-                                *(
-                                    (self.keys.stream_to(directed[0]), self.keys.worker("prefill", directed[0]))
-                                    if directed
-                                    else ()
-                                ),
-                            ],
-                            args=[
-                                work,
-                                self.s.max_queue_requests,
-                                self.s.max_queue_tokens,
-                                frac,
-                                self.s.request_ttl_s,
-                                job.to_json(),
-                                0 if local else 1,
-                                self.id,
-                                *(*attempt_args, "", "")[:2],
-                                self.s.prefill_affinity_jobs if directed else "",
-                                1 if resumed and attempt_keys else 0,
-                            ],
+                        self.scripts.run(
+                            scripts.admit(
+                                self.keys,
+                                request_id=rid,
+                                job_json=job.to_json(),
+                                priority=request.priority,
+                                tokens=work,
+                                max_requests=self.s.max_queue_requests,
+                                max_tokens=self.s.max_queue_tokens,
+                                fraction=frac,
+                                ttl_s=self.s.request_ttl_s,
+                                queue=not local,
+                                router_id=self.id,
+                                attempt=attempt,
+                                directed_to=directed[0] if directed else "",
+                                directed_bound=self.s.prefill_affinity_jobs,
+                                supersede=bool(resumed),
+                            )
                         )
                     )
                     ok, q, t, lt = (int(x) for x in got[:4])
@@ -1614,7 +1594,7 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         again, by a prefill worker or by the new decode worker (as _prefill_locally says), which goes on from
         there and sends only what is new. A request of sampling.n > 1 samples, once any has tokens:
         the new decode worker prefills each sample not finished (Sent.unfinished, resume_samples),
-        each going on from its own tokens. This is a new leg (RESUME_LUA): a job of an earlier one,
+        each going on from its own tokens. This is a new leg (resume.lua): a job of an earlier one,
         still queued or prefilling for the lost worker, is superseded. Greedy or seeded, the stream
         is the one it would have been (the engine skips the draws of the tokens carried). Returns
         (the new Decode call, its worker, its placement, its span)."""
@@ -1695,17 +1675,19 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
             )
             ok, q, t = (
                 int(x)
-                for x in await self.resume_script(
-                    keys=[self.keys.admission, self.keys.stream_for(a.priority), self.keys.req(rid)],
-                    args=[
-                        len(tokens),
-                        self.s.max_queue_requests,
-                        self.s.max_queue_tokens,
-                        self.s.request_ttl_s,
-                        job.to_json(),
-                        0 if local else 1,
-                        lost.worker_id,
-                    ],
+                for x in await self.scripts.run(
+                    scripts.resume(
+                        self.keys,
+                        request_id=rid,
+                        job_json=job.to_json(),
+                        priority=a.priority,
+                        tokens=len(tokens),
+                        max_requests=self.s.max_queue_requests,
+                        max_tokens=self.s.max_queue_tokens,
+                        ttl_s=self.s.request_ttl_s,
+                        queue=not local,
+                        lost_worker=lost.worker_id,
+                    )
                 )
             )
             if ok == -2 and not a.aborted and await self.redis.hget(self.keys.req(rid), "aborted") == b"1":
@@ -2019,12 +2001,12 @@ class RouterServicer(generation_pb2_grpc.GenerationServicer):
         convert.check_request_id(request.request_id, required=True)
         self._check_redis()
         rid = await self._latest(request.request_id)
-        key = self.keys.req(rid)
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
-        state, wid = (
-            x.decode() if isinstance(x, bytes) else str(x or "")
-            for x in await self.abort_script(keys=[key], args=[time.time(), self.s.finished_ttl_s, EARLY_ABORT_KEEP_S])
-        )
+        call = scripts.abort(
+            self.keys, request_id=rid, now=time.time(), finished_ttl_s=self.s.finished_ttl_s,
+            early_ttl_s=EARLY_ABORT_KEEP_S,
+        )  # fmt: skip
+        state, wid = (x.decode() if isinstance(x, bytes) else str(x or "") for x in await self.scripts.run(call))
         if not state:
             raise NotFound(
                 f"no request {request.request_id!r} (yet: if it arrives within {EARLY_ABORT_KEEP_S} s, "

@@ -9,7 +9,8 @@ import urllib.request
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.service.redis_state import HEARTBEAT_LUA, Keys, WorkerInfo, registration
+from splitserve.service import redis_scripts
+from splitserve.service.redis_state import Keys, WorkerInfo
 
 
 def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
@@ -46,8 +47,7 @@ def workers(stack, role: str) -> list[dict]:
 def heartbeat(r, keys: Keys, info: WorkerInfo, lease_s: float) -> None:
     """A registry entry written by hand, as a worker's heartbeat writes its own (a ghost's, an
     older release's)."""
-    k, args = registration(keys, info, lease_s)
-    r.register_script(HEARTBEAT_LUA)(keys=k, args=args)
+    redis_scripts.Scripts(r).run(redis_scripts.heartbeat(keys, info=info, lease_s=lease_s))
 
 
 def kv_idle(stack) -> bool:

@@ -174,7 +174,7 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
             ]
             assert streamed == list(ref.token_ids)
             assert c.get_request("c-unary").state == "finished"
-            # A running stream's progress reaches GetRequest (PROGRESS_LUA, on the request hashes of
+            # A running stream's progress reaches GetRequest (progress.lua, on the request hashes of
             # all the router's streams at once); a cancel mid-stream frees the KV, through the same scripts.
             stream = c.generate_stream("Write a long story.", max_tokens=1000, ignore_eos=True, request_id="c-cancel")
             for n, _ in enumerate(stream):
@@ -197,7 +197,7 @@ def test_the_stack_serves_on_a_redis_cluster(cluster):
                 what="records applied at router 1",
             )
             # Prefill affinity: a chat's next turn is queued on the own stream of the prefill worker
-            # that prefilled the last (ADMIT_LUA's extra keys, the worker's read of its stream).
+            # that prefilled the last (admit.lua's extra keys, the worker's read of its stream).
             turn = "Prefill affinity: " + "alpha beta gamma " * 20
             c.generate(turn, max_tokens=4, ignore_eos=True, request_id="c-turn-1")
             c.generate(turn + "delta epsilon " * 10, max_tokens=4, ignore_eos=True, request_id="c-turn-2")

@@ -8,24 +8,13 @@ import pytest
 import redis
 
 from splitserve.service.errors import MAX_DETAILS_BYTES
-from splitserve.service.redis_state import (
-    ABORT_LUA,
-    ADMIT_LUA,
-    DEQUEUE_LUA,
-    FORGET_STREAM_LUA,
-    GROUP,
-    OWN_STREAM_LUA,
-    PICKUP_LUA,
-    REAP_LUA,
-    RESUME_LUA,
-    TAKE_BACK_LUA,
-    UPDATE_LUA,
-    Job,
-    Keys,
-    failed,
-    run_scripts,
-    update_args,
-)
+from splitserve.service.redis_scripts import SOURCES, Call, Scripts, failed
+from splitserve.service.redis_state import GROUP, Job, Keys
+
+
+def update_args(mapping: dict) -> list:
+    """update.lua's ARGV for a mapping: field, value, ..."""
+    return [x for kv in mapping.items() for x in kv]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +23,7 @@ def r(redis_socket):
 
 
 def test_update_touches_only_a_hash_that_exists_and_never_leaves_a_final_state(r):
-    update = r.register_script(UPDATE_LUA)
+    update = r.register_script(SOURCES["update"])
     assert update(keys=["t:req:gone"], args=update_args({"state": "decoding", "t_kv_done": 1.5})) == 0
     assert not r.exists("t:req:gone")  # not recreated (it would have had no TTL)
 
@@ -56,7 +45,7 @@ def test_update_touches_only_a_hash_that_exists_and_never_leaves_a_final_state(r
 
 def test_reap_fails_a_dead_routers_unended_requests_and_leaves_a_live_router_alone(r):
     keys = Keys("t")
-    reap = r.register_script(REAP_LUA)
+    reap = r.register_script(SOURCES["reap"])
     now = time.time()
     r.zadd(keys.routers, {"live": now + 3, "dead": now - 1})
     states = {"q": "queued", "p": "prefilling", "d": "decoding", "f": "finished", "c": "cancelled"}
@@ -94,7 +83,7 @@ def test_local_prefills_leave_the_queue_counts_once_by_their_router_or_by_its_re
     """A request its decode worker prefills holds the queue's counts until its first token; its
     router returns them, or, if that router died first, the reaper does: once either way."""
     keys = Keys("l")
-    reap, dequeue = r.register_script(REAP_LUA), r.register_script(DEQUEUE_LUA)
+    reap, dequeue = r.register_script(SOURCES["reap"]), r.register_script(SOURCES["dequeue"])
     r.hset(keys.admission, mapping={"requests": 4, "tokens": 400, "local_tokens": 300})
     for rid, state, local in (("a", "queued", 1), ("b", "decoding", 1), ("c", "queued", 0), ("d", "finished", 1)):
         r.hset(keys.req(rid), mapping={"state": state, "prompt_tokens": 100, **({"local": 1} if local else {})})
@@ -127,7 +116,9 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
     skips it ('local') without touching the counts, which its router returns at its first token;
     one picked up first is not taken back."""
     keys = Keys("tb")
-    take, pickup, dequeue = (r.register_script(x) for x in (TAKE_BACK_LUA, PICKUP_LUA, DEQUEUE_LUA))
+    take, pickup, dequeue = (
+        r.register_script(x) for x in (SOURCES["take_back"], SOURCES["pickup"], SOURCES["dequeue"])
+    )
     r.hset(keys.admission, mapping={"requests": 3, "tokens": 300, "local_tokens": 0})
     for rid in ("a", "b", "c"):
         r.hset(keys.req(rid), mapping={"state": "queued", "prompt_tokens": 100})
@@ -164,7 +155,7 @@ def test_a_job_picked_up_past_its_deadline_fails_deadline_exceeded_not_unavailab
     from splitserve.service.errors import status_code
 
     keys = Keys("dl")
-    pickup = r.register_script(PICKUP_LUA)
+    pickup = r.register_script(SOURCES["pickup"])
     r.hset(keys.admission, mapping={"requests": 2, "tokens": 200})
     for rid in ("late", "in-time"):
         r.hset(keys.req(rid), mapping={"state": "queued", "prompt_tokens": 100})
@@ -186,7 +177,9 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     failure is ignored, as is anything else it writes, or a decode worker of that leg (taken for
     lost, adopting its KV late). Its decode worker prefilling it instead, it enters no count."""
     keys = Keys("rs")
-    resume, pickup, abort, update = (r.register_script(x) for x in (RESUME_LUA, PICKUP_LUA, ABORT_LUA, UPDATE_LUA))
+    resume, pickup, abort, update = (
+        r.register_script(x) for x in (SOURCES["resume"], SOURCES["pickup"], SOURCES["abort"], SOURCES["update"])
+    )
     stream = keys.stream_for(0)
     r.hset(keys.admission, mapping={"requests": 1, "tokens": 10, "local_tokens": 0})
 
@@ -276,7 +269,7 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
     import json
 
     keys = Keys("at")
-    admit = r.register_script(ADMIT_LUA)
+    admit = r.register_script(SOURCES["admit"])
     r.hset(keys.req("x"), mapping={"state": "failed", "prompt_tokens": 3})
 
     def send(attempt_id, expected, latest, supersede=0):
@@ -310,7 +303,7 @@ def test_a_request_that_ended_unfinished_is_admitted_again_once_as_a_new_attempt
     assert send("x#4", 3, "x#3") == 1
     assert r.hget(keys.req("x"), "current") == "x#4"
     # Cancelled by an Abort: not run again, nor once the router has marked its end as well.
-    abort = r.register_script(ABORT_LUA)
+    abort = r.register_script(SOURCES["abort"])
     assert abort(keys=[keys.req("x#4")], args=[2.0, 60, 60])[0] == "queued"
     r.hset(keys.req("x#4"), "state", "cancelled")
     assert send("x#5", 4, "x#4") == -1
@@ -329,7 +322,7 @@ def test_a_request_sent_again_to_go_on_supersedes_its_running_attempt_but_not_an
     import json
 
     keys = Keys("sup")
-    admit, abort = r.register_script(ADMIT_LUA), r.register_script(ABORT_LUA)
+    admit, abort = r.register_script(SOURCES["admit"]), r.register_script(SOURCES["abort"])
     r.hset(keys.req("y"), mapping={"state": "decoding", "prompt_tokens": 3})
 
     def send(attempt_id, expected, latest, max_requests=100):
@@ -371,7 +364,7 @@ def test_a_request_sent_again_to_go_on_supersedes_its_running_attempt_but_not_an
 def test_an_abort_after_a_request_ended_unfinished_keeps_it_from_running_again(r):
     """Abort of a request that already failed or was cancelled leaves its state and marks it
     aborted; of one that finished, changes nothing."""
-    abort = r.register_script(ABORT_LUA)
+    abort = r.register_script(SOURCES["abort"])
     for state in ("failed", "cancelled", "finished"):
         key = f"ab:req:{state}"
         r.hset(key, mapping={"state": state, "decode_worker": "d"})
@@ -670,20 +663,46 @@ def test_a_routers_pick_sends_a_stream_going_on_back_to_the_worker_it_ran_on_whi
     asyncio.run(go())
 
 
-def test_run_scripts_runs_each_once_in_order_and_reloads_a_lost_script(r):
-    incr = r.register_script("return redis.call('INCRBY', KEYS[1], ARGV[1])")
-    echo = r.register_script("return 'got ' .. ARGV[1]")
+def test_run_all_runs_each_once_in_order_and_reloads_a_lost_script(r):
+    s = Scripts(
+        r,
+        {
+            "incr": "return redis.call('INCRBY', KEYS[1], ARGV[1])",
+            "echo": "return 'got ' .. ARGV[1]",
+            "boom": "return redis.error_reply('boom')",
+        },
+    )
     r.delete("t:n")
-    assert run_scripts(r, [(incr, ["t:n"], [2]), (echo, [], ["a"]), (incr, ["t:n"], [5])]) == [2, "got a", 7]
+    calls = [Call("incr", ["t:n"], [2]), Call("echo", [], ["a"]), Call("incr", ["t:n"], [5])]
+    assert s.run_all(calls) == [2, "got a", 7]
     # The server lost its scripts (a restart): each still runs exactly once, none twice.
     r.script_flush()
-    assert run_scripts(r, [(incr, ["t:n"], [1]), (echo, [], ["b"])]) == [8, "got b"]
+    assert s.run_all([Call("incr", ["t:n"], [1]), Call("echo", [], ["b"])]) == [8, "got b"]
     assert int(r.get("t:n")) == 8
     # One that fails is raised; the others have run.
-    boom = r.register_script("return redis.error_reply('boom')")
     with pytest.raises(redis.ResponseError, match="boom"):
-        run_scripts(r, [(incr, ["t:n"], [1]), (boom, [], [])])
+        s.run_all([Call("incr", ["t:n"], [1]), Call("boom", [], [])])
     assert int(r.get("t:n")) == 9
+
+
+def test_each_script_loads_with_its_includes_and_the_lua_states_are_the_pythons(r):
+    """Every script compiles in Redis (SCRIPT LOAD), with the functions it includes; the Lua's idea
+    of a final state and of one that may run again is the Python constants', and an expired job
+    fails with DEADLINE_EXCEEDED's number."""
+    from splitserve.service import redis_scripts
+    from splitserve.service.redis_state import ACTIVE_STATES, FINAL_STATES, MAY_RUN_AGAIN
+
+    assert set(SOURCES) >= {"admit", "abort", "pickup", "pull", "update", "heartbeat", "reap", "resume", "drop"}
+    for name, source in SOURCES.items():
+        assert r.script_load(source), name
+    lib = (redis_scripts.LUA_DIR / "lib" / "is_final.lua").read_text()
+    lib += (redis_scripts.LUA_DIR / "lib" / "may_run_again.lua").read_text()
+    for state in (*ACTIVE_STATES, *FINAL_STATES, "other"):
+        final = r.eval(lib + "return is_final(ARGV[1]) and 1 or 0", 0, state)
+        again = r.eval(lib + "return may_run_again(ARGV[1], false) and 1 or 0", 0, state)
+        assert (final, again) == (int(state in FINAL_STATES), int(state in MAY_RUN_AGAIN)), state
+    assert redis_scripts.DEADLINE_CODE == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] == 4
+    assert "'code', 4)" in SOURCES["pickup"]
 
 
 def test_a_job_goes_to_its_prefill_workers_own_stream_only_while_that_worker_is_there_and_has_room(r):
@@ -693,9 +712,9 @@ def test_a_job_goes_to_its_prefill_workers_own_stream_only_while_that_worker_is_
     import json
 
     keys = Keys("aff")
-    admit = r.register_script(ADMIT_LUA)
-    own = r.register_script(OWN_STREAM_LUA)
-    forget = r.register_script(FORGET_STREAM_LUA)
+    admit = r.register_script(SOURCES["admit"])
+    own = r.register_script(SOURCES["own_stream"])
+    forget = r.register_script(SOURCES["forget_stream"])
     mine, entry = keys.stream_to("p1"), keys.worker("prefill", "p1")
 
     def send(rid, bound=2, attempt_keys=(), attempt_args=("", "")):

@@ -401,14 +401,15 @@ def test_a_job_pulled_by_a_worker_that_died_before_picking_it_up_returns_its_cou
 def test_admission_counts_never_go_below_zero(stack):
     """A job with no 'left the queue' marker on its hash (one picked up by an older worker) may be
     picked up again; the counts stop at zero instead of going negative, which would raise the bound."""
-    from splitserve.service.redis_state import PICKUP_LUA, Keys
+    from splitserve.service.redis_scripts import SOURCES
+    from splitserve.service.redis_state import Keys
 
     r = stack.redis()
     keys = Keys(f"{stack.settings.redis_prefix}-clamp")
     try:
         r.hset(keys.req("old"), mapping={"state": "queued", "prompt_tokens": 5})
         r.hset(keys.admission, mapping={"requests": 0, "tokens": 3})
-        pickup = r.register_script(PICKUP_LUA)
+        pickup = r.register_script(SOURCES["pickup"])
         assert pickup(keys=[keys.admission, keys.req("old")], args=[5, 0, time.time(), "w", 0]) == b"prefilling"
         assert r.hmget(keys.admission, "requests", "tokens") == [b"0", b"0"]
         assert r.hget(keys.req("old"), "dequeued") == b"1"

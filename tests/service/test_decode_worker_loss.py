@@ -168,7 +168,7 @@ def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resum
     says so (worker_stopping), and the router resumes the request on the other worker. Before, the
     stream ended with the failure: UNAVAILABLE "KV handoff ... failed" (a soak: 2 of ~830). Here the
     prefill worker's record and Fail are made by hand, while the prefill workers are stopped."""
-    from splitserve.service.redis_state import failed
+    from splitserve.service.redis_scripts import failed
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc
 

@@ -767,7 +767,7 @@ def test_a_handoff_first_token_or_failure_of_another_leg_is_refused_and_a_late_l
         assert [t for ev in late for t in ev.token_ids][0] == 105
     wait_for(lambda: r.hget(stack.keys.req("of-leg-2"), "state") == b"decoding", what="the leg's adoption recorded")
     assert r.hget(stack.keys.req("of-leg-2"), "decode_worker").startswith(b"decode-0")
-    assert r.hget(stack.keys.req("of-leg-2"), "kv_leg") == b"2"  # (what a claim's pickup reads: PICKUP_LUA)
+    assert r.hget(stack.keys.req("of-leg-2"), "kv_leg") == b"2"  # (what a claim's pickup reads: pickup.lua)
     late_hash = r.hgetall(stack.keys.req("late-leg-0"))  # (written before the one just seen, had it been written)
     assert late_hash[b"state"] == b"queued" and late_hash[b"decode_worker"] == b"decode-new", late_hash
     assert b"t_kv_done" not in late_hash and b"kv_leg" not in late_hash

@@ -1,0 +1,4 @@
+-- KEYS[1] admission, KEYS[2] the request hash; ARGV[1] prompt tokens. Returns 1 if it returned them.
+-- include: leave_local
+
+return leave_local(KEYS[1], KEYS[2], tonumber(ARGV[1]))
