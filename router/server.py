@@ -26,7 +26,6 @@ import grpc
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from splitserve.client import joined
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import load_frontend
@@ -69,6 +68,7 @@ from splitserve.service.redis_state import (
     sampling_to_dict,
 )
 from splitserve.service.settings import Settings
+from splitserve.wire import joined
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc, worker_pb2_grpc
 from splitserve_proto.v1 import worker_pb2 as w_pb

@@ -7,8 +7,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.client import keepalive_options
 from splitserve.service.errors import ErrorInterceptor
+from splitserve.wire import keepalive_options
 
 MAX_MESSAGE = 64 << 20
 OPTIONS = [
