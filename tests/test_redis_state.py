@@ -380,7 +380,8 @@ def test_a_router_reaps_others_only_after_a_lease_of_timely_renewals(r):
 
     import redis.asyncio as aioredis
 
-    from splitserve.router.server import ROUTER_LEASE_HEARTBEATS, RouterServicer
+    from splitserve.router.requests import ROUTER_LEASE_HEARTBEATS
+    from splitserve.router.server import RouterServicer
     from splitserve.service.settings import Settings
 
     sock = r.connection_pool.connection_kwargs["path"]

@@ -326,7 +326,9 @@ def test_the_router_tokenizes_long_inputs_off_its_event_loop():
 
     import redis.asyncio as aioredis
 
-    from splitserve.router.server import INLINE_TOKENIZE_CHARS, Frontend, RouterServicer
+    from splitserve.router.frontend import Frontend
+    from splitserve.router.requests import INLINE_TOKENIZE_CHARS
+    from splitserve.router.server import RouterServicer
     from splitserve_proto.v1 import generation_pb2 as pb
 
     front = Frontend(Settings.from_env())

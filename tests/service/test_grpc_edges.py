@@ -213,11 +213,11 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
     """The router cancelled a decode stream as soon as its last event came: the cancel could reach
     the decode worker as it sent the stream's status, and gRPC logged the failed send there as an
     error of the servicer, with a traceback (a soak: 1 of ~7000 requests). Now the cancel waits for
-    the status (_cancel_once_ended), or for STATUS_WAIT_S without it. (A stand-in call: real gRPC
+    the status (cancel_once_ended), or for STATUS_WAIT_S without it. (A stand-in call: real gRPC
     cannot be made to lose that race on demand.)"""
     import asyncio
 
-    from splitserve.router.server import STATUS_WAIT_S, _cancel_once_ended
+    from splitserve.router.requests import STATUS_WAIT_S, cancel_once_ended
 
     async def run(status_after):
         """(seconds from the start to the cancel, whether the status had come by then)"""
@@ -236,7 +236,7 @@ def test_a_finished_decode_stream_is_cancelled_only_once_its_status_came_or_it_d
                 return not came.done()
 
         t0 = loop.time()
-        await _cancel_once_ended(Call(), 0.5)
+        await cancel_once_ended(Call(), 0.5)
         return cancelled_at
 
     [(at, had_status)] = asyncio.run(run(0.1))

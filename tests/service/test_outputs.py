@@ -14,7 +14,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
-from splitserve.router.server import NAME_TOKENS_INLINE
+from splitserve.router.requests import NAME_TOKENS_INLINE
 
 from .common import (
     LOGPROBS_KW,
