@@ -30,9 +30,9 @@ from splitserve.engine.config import ModelSpec
 from splitserve.engine.loader import resolve_folder
 from splitserve.engine.model_config import read_config
 from splitserve.forkserver import ForkedProcess, ForkServer
+from splitserve.handoff.arena import SHM_DIR
 from splitserve.lifeline import tied
 from splitserve.observability.tracing import exporter_kind
-from splitserve.service.arena import SHM_DIR
 from splitserve.service.redis_state import Keys, connect
 from splitserve.service.settings import Settings
 

@@ -1,4 +1,4 @@
-"""The decode worker's view of prefill arenas (service/arena.py), on real shared memory."""
+"""The decode worker's view of prefill arenas (handoff/arena.py), on real shared memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from splitserve.service.arena import SHM_DIR, Arena, ArenaReader, BadHandle
+from splitserve.handoff.arena import SHM_DIR, Arena, ArenaReader, BadHandle
 
 
 @pytest.fixture

@@ -47,6 +47,10 @@ def test_the_shared_service_code_imports_no_role_and_not_the_client():
     assert offenders("splitserve/service", (*ROLES.values(), "splitserve.client", "splitserve.cli")) == []
 
 
+def test_the_handoffs_shared_parts_import_no_role_and_no_service_code():
+    assert offenders("splitserve/handoff", (*ROLES.values(), "splitserve.service", "splitserve.client")) == []
+
+
 def test_the_engine_imports_no_service_code():
     banned = (*ROLES.values(), "splitserve.service", "splitserve.client", "splitserve.cli", "splitserve.stack")
     assert offenders("splitserve/engine", banned) == []

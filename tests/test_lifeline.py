@@ -11,7 +11,7 @@ import uuid
 import pytest
 from service_helpers import wait_for
 
-from splitserve.service.arena import SHM_DIR
+from splitserve.handoff.arena import SHM_DIR
 
 
 def gone(pid: int) -> bool:

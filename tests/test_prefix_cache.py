@@ -5,11 +5,11 @@ import random
 import pytest
 from engine_helpers import BLOCK, BLOCK_BYTES, check_pool, drain, exported, random_prompts
 
-from splitserve.engine import kv_transfer
 from splitserve.engine.errors import InvalidRequestError, KVPrefixMissing
 from splitserve.engine.kv_cache import BlockPool
-from splitserve.engine.kv_transfer import payload_nbytes
 from splitserve.engine.sampling import SamplingParams
+from splitserve.handoff import layout as kv_layout
+from splitserve.handoff.layout import payload_nbytes
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -269,7 +269,7 @@ def test_imported_kv_shares_the_blocks_of_a_prefix_already_cached_and_is_not_cop
     used = decode.cache.pool.num_used
     per_token = 2 * 16 * 4
     for i in range(2 * 2):  # b's payload: NaN where it holds the KV of the 80 shared tokens
-        at = kv_transfer.HEADER_SIZE + i * 110 * per_token
+        at = kv_layout.HEADER_SIZE + i * 110 * per_token
         pb[at : at + 80 * per_token] = b"\xff" * (80 * per_token)
     decode.import_kv(eb, pb)
     seq_b = decode.seqs["b"]
@@ -295,7 +295,7 @@ def test_kv_sent_without_a_cached_prefix_is_adopted_where_the_prefix_is_cached_a
     export, payload = exported(prefill, "r", prompt, params, start=64, salt="s")
     assert export.start == 64 and len(payload) == payload_nbytes(prefill.model.shape, 100, 64) < len(whole_payload)
     assert (export.layout_version, whole.layout_version) == (2, 1)  # a whole one is read by the release before
-    pieces = kv_transfer.part(prefill.model, whole_payload, 100, 64)
+    pieces = kv_layout.part(prefill.model, whole_payload, 100, 64)
     assert b"".join(bytes(p) for p in pieces) == bytes(payload)
 
     holder = tiny_engine_factory(**cached())

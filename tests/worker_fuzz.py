@@ -21,7 +21,7 @@ import types
 import grpc
 from request_fuzz import FIELD, VOCAB, random_sampling
 
-from splitserve.engine import kv_transfer
+from splitserve.handoff import layout as kv_layout
 from splitserve_proto.v1 import worker_pb2 as w
 
 # what a call may answer besides OK (a handoff for a stream that has ended or is of another leg,
@@ -88,15 +88,15 @@ def _sequence(rng: random.Random, rid: str, prompt_len: int, bad: bool) -> w.Seq
 def whole_payload(fingerprint: str, num_tokens: int) -> bytearray:
     """A whole KV payload of num_tokens tokens for SmolLM2 (the stacks' model): its header as a prefill
     worker writes it, and a body of zeros."""
-    header = kv_transfer._header(types.SimpleNamespace(shape=SHAPE, fingerprint=fingerprint), num_tokens, 0)
-    return bytearray(header) + bytes(kv_transfer.payload_nbytes(SHAPE, num_tokens) - len(header))
+    header = kv_layout._header(types.SimpleNamespace(shape=SHAPE, fingerprint=fingerprint), num_tokens, 0)
+    return bytearray(header) + bytes(kv_layout.payload_nbytes(SHAPE, num_tokens) - len(header))
 
 
 def _chunks(rng: random.Random, seq: w.SequenceState, fingerprint: str, bad: bool) -> list[w.KVChunk]:
     """PutKVStream's chunks: a whole payload for seq (its body zeros but for some random bytes), or a
     broken one."""
     payload = whole_payload(fingerprint, max(1, len(seq.token_ids) - 1))
-    header = kv_transfer._HEADER.size
+    header = kv_layout._HEADER.size
     payload[header : header + 4096] = os.urandom(4096)
     if bad and rng.random() < 0.4:  # a value that is no number, or one too big
         at = header + 4 * rng.randrange((len(payload) - header) // 4)

@@ -20,8 +20,8 @@ import numpy as np
 from splitserve.bench.workload import percentile, write_results
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
+from splitserve.handoff.arena import Arena
 from splitserve.service import convert
-from splitserve.service.arena import Arena
 from splitserve.service.grpc_server import options
 from splitserve.service.settings import Settings, host_id
 from splitserve.stack import Stack

@@ -15,7 +15,7 @@ from collections import Counter, deque
 
 import torch
 
-from splitserve.engine import cache_dir, kv_transfer, layout_cache, native, pack_cache
+from splitserve.engine import cache_dir, layout_cache, native, pack_cache
 from splitserve.engine.attention import AttnSeq, RaggedBatch, chunk_mask
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cores import CoreShare
@@ -55,6 +55,7 @@ from splitserve.engine.sampling import (
 from splitserve.engine.scheduler import ContinuousScheduler, SchedulerOutput
 from splitserve.engine.sequence import Sequence, Status
 from splitserve.engine.structured import MASK_WINDOW, Grammars
+from splitserve.handoff import layout as kv_layout
 
 FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
 SAMPLE_SEP = "/"  # a request's sample i > 0 runs here as <request id>/<i> (params.n > 1)
@@ -917,9 +918,9 @@ class LLMEngine:
 
     def kv_nbytes(self, request_id: str, start: int = 0) -> int:
         seq = self.parked[request_id]
-        return kv_transfer.payload_nbytes(self.model.shape, seq.num_computed, start)
+        return kv_layout.payload_nbytes(self.model.shape, seq.num_computed, start)
 
-    def export_kv(self, request_id: str, dest: memoryview | None = None, start: int = 0) -> kv_transfer.KVExport:
+    def export_kv(self, request_id: str, dest: memoryview | None = None, start: int = 0) -> kv_layout.KVExport:
         """Write a parked sequence's KV (header + [layers, 2, tokens, Hkv, D]) into dest: that of
         tokens [start, num_tokens), where the consumer holds the first start in its prefix cache."""
         seq = self.parked.get(request_id)
@@ -928,7 +929,7 @@ class LLMEngine:
         if not 0 <= start < seq.num_computed:
             raise ValueError(f"start {start} is outside [0, {seq.num_computed})")
         slots = self.cache.slots(seq.block_table, start, seq.num_computed)
-        return kv_transfer.export(self.model, self.cache.kv, slots, seq, dest, start)
+        return kv_layout.export(self.model, self.cache.kv, slots, seq, dest, start)
 
     def release(self, request_id: str) -> None:
         """Free a parked sequence's KV blocks (after export, or if the handoff is abandoned)."""
@@ -940,7 +941,7 @@ class LLMEngine:
         return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
 
     def import_kv(
-        self, export: kv_transfer.KVExport, payload: memoryview | bytes, priority: int = 0
+        self, export: kv_layout.KVExport, payload: memoryview | bytes, priority: int = 0
     ) -> RequestOutput | None:
         """Adopt a sequence exported by another engine; it continues as if it had never moved.
 
@@ -961,7 +962,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{export.request_id!r} is already in this engine")
         if SAMPLE_SEP in export.request_id:
             raise InvalidRequestError("request_id", f"must not hold {SAMPLE_SEP!r}, got {export.request_id!r}")
-        kv_transfer.check(self.model, export, payload)
+        kv_layout.check(self.model, export, payload)
         n, start = export.num_tokens, export.start
         if len(export.token_ids) != n + 1:
             raise KVImportError(
@@ -1029,7 +1030,7 @@ class LLMEngine:
         seq.block_table.extend(shared)
         seq.block_table.extend(pool.allocate(need))
         if held < n:
-            kv_transfer.load(
+            kv_layout.load(
                 self.model,
                 self.cache.kv,
                 self.cache.slots(seq.block_table, held, n),

@@ -12,8 +12,8 @@ from splitserve.engine.structured import MAX_CHOICES, StructuredOutput
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
 
-if TYPE_CHECKING:  # kv_transfer needs torch, which the router does without
-    from splitserve.engine.kv_transfer import KVExport
+if TYPE_CHECKING:  # the layout needs torch, which the router does without
+    from splitserve.handoff.layout import KVExport
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
@@ -195,7 +195,7 @@ def sequence_to_pb(
 
 
 def export_from_pb(seq: w_pb.SequenceState, handle: w_pb.KVHandle) -> KVExport:
-    from splitserve.engine.kv_transfer import KVExport
+    from splitserve.handoff.layout import KVExport
 
     return KVExport(
         request_id=seq.request_id,

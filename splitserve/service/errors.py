@@ -10,7 +10,7 @@ import grpc
 import redis.exceptions
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
-from splitserve.service.arena import BadHandle
+from splitserve.handoff.arena import BadHandle
 
 log = logging.getLogger(__name__)
 # Redis down, unreachable or not answering in time: the service cannot admit or look up

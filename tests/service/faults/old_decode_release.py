@@ -2,6 +2,6 @@
 
 Imported first (as a sitecustomize) by one role's processes: see common.with_module."""
 
-import splitserve.engine.kv_transfer as kv_transfer
+import splitserve.handoff.layout as kv_layout
 
-kv_transfer.LAYOUT_VERSIONS = (kv_transfer.LAYOUT_VERSION,)
+kv_layout.LAYOUT_VERSIONS = (kv_layout.LAYOUT_VERSION,)
