@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools lint test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
+.PHONY: install proto deploy-tools docs-tools docs lint test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
 
 install: $(STAMP)
 
@@ -28,12 +28,27 @@ $(DEPLOY_STAMP):
 	$(DEPLOY_VENV)/bin/python -m pip install -q kubernetes-validate==1.37.0 checkov==3.3.30 yamllint==1.38.0
 	touch $@
 
+# The docs site (mkdocs, material theme) in a venv of its own; `make docs` builds it into
+# build/site and fails on any warning (a broken link or anchor included).
+DOCS_VENV := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+docs-tools: $(DOCS_STAMP)
+
+$(DOCS_STAMP):
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q mkdocs==1.6.1 mkdocs-material==9.8.1
+	touch $@
+
+docs: docs-tools
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
+
 # ruff: lint and format check (settings in pyproject.toml); `ruff format .` mends the format.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: install proto deploy-tools lint
+test: install proto deploy-tools lint docs
 	$(PY) -m pytest -q tests
 
 bench-engine: install
@@ -157,7 +172,7 @@ soak: install proto
 	$(PY) tests/soak.py $(SOAK_ARGS) --out bench-results/soak.json
 
 clean:
-	rm -rf $(VENV) $(DEPLOY_VENV) build *.egg-info protos/splitserve_proto/v1/*_pb2*
+	rm -rf $(VENV) $(DEPLOY_VENV) $(DOCS_VENV) build *.egg-info protos/splitserve_proto/v1/*_pb2*
 
 PROTO_SRC := $(wildcard protos/splitserve_proto/v1/*.proto)
 PROTO_OUT := protos/splitserve_proto/v1/generation_pb2.py
