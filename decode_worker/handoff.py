@@ -15,7 +15,7 @@ import redis
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
 from splitserve.engine.outputs import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from splitserve.engine.params import check_vocab
-from splitserve.handoff.layout import LAYOUT_VERSIONS, layout_version, payload_nbytes
+from splitserve.handoff.layout import HEADER_SIZE, LAYOUT_VERSIONS, layout_version, payload_nbytes
 from splitserve.observability import tracing
 from splitserve.service import aio, convert
 from splitserve.service import redis_scripts as scripts
@@ -422,7 +422,10 @@ class HandoffReceiver:
         if cancelled:
             log.info("request %s: its KV handoff was cancelled as its import ran; adopted all the same", seq.request_id)
             raise asyncio.CancelledError()
-        return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000)
+        # The body holds tokens [start, num_tokens); those the prefix cache held are not read.
+        per_token = (h.length - HEADER_SIZE) // max(1, h.num_tokens - h.start_token)
+        copied = max(0, h.num_tokens - max(shared, h.start_token)) * per_token
+        return w_pb.PutKVResponse(transfer_ms=adopt_s * 1000, copied_bytes=copied, shared_tokens=shared)
 
     @staticmethod
     def _import(engine, export, payload, priority: int) -> tuple:
