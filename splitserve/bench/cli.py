@@ -165,7 +165,7 @@ class Target:
         settings = Settings.from_env(**{k: v for k, v in over.items() if v is not None})
         print(
             f"starting a stack ({settings.mode}, policy {settings.policy}, {prefill} prefill + "
-            f"{self.args.decode} decode)",
+            f"{self.args.decode} decode, prefix cache {'on' if settings.prefix_caching else 'off'})",
             file=sys.stderr,
             flush=True,
         )

@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--loop", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     ap.add_argument("--board", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    print("cores benchmark: prefix cache off (every round sends the same prompts again)", flush=True)
     if args.loop:
         _loop(args.loop, args.seconds, args.board, args.workload)
         return 0

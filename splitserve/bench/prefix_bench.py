@@ -323,6 +323,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    print(
+        "prefix benchmark: the prefix cache is what is measured; runs that must not find each other's "
+        "blocks send a cache salt each",
+        flush=True,
+    )
     for flag, value in (
         ("--requests", args.requests),
         ("--light", args.light),

@@ -208,6 +208,11 @@ def main(argv=None) -> int:
     ap.add_argument("--drain-s", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    print(
+        "resume benchmark: prefix cache on, as by default: a resumed leg may find its prompt's start in "
+        "its new decode worker's cache, as it would in service",
+        flush=True,
+    )
     res = run(args)
     write_results(args.out, res)
     print(

@@ -113,6 +113,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    print(
+        "service benchmark: prefix cache off in the stack and in the in-process engine (the warm-up and "
+        "every round send the same prompts again)",
+        flush=True,
+    )
     items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), max(args.requests, 2))
     prompts = load_workload(os.path.join(args.workloads, args.light_workload))
     light = [prompts[i % len(prompts)] for i in range(max(args.light, 1))]  # more pairs than prompts: round again

@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    print("tracing benchmark: prefix cache off (every round sends the same prompts again)", flush=True)
     items = load_workload(os.path.join(args.workloads, "workload_mixed.jsonl"), args.requests)
     off, on = [], []
     for r in range(args.rounds):
