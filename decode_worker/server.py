@@ -504,8 +504,7 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
     def _end_with_error(self, slot: Slot, code: grpc.StatusCode, message: str, handoff_lost: bool = False) -> bool:
         """End a stream still waiting for its KV with an error; False if it has ended or its KV is here.
         handoff_lost: the producer could not reach this worker, so the router may resume the request
-        elsewhere (worker_stopping). Before, a worker stopped for a while that got this once it went on
-        ended the stream with the failure, and the request did not resume."""
+        elsewhere (worker_stopping), also when this worker was stopped for a while and gets it late."""
         if slot.done or slot.imported:
             return False
         slot.done = True

@@ -252,7 +252,7 @@ class HandoffSender:
                 log.info("request %s's stream ended before its KV arrived: %s", job.request_id, e.details())
             elif e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A job claimed from a prefill worker that died after (or as) its handoff went
-                # through: the stream runs on. Before, this failed it, INTERNAL.
+                # through: the decode worker holds the KV, and the stream runs on.
                 log.info(
                     "request %s: decode worker %s has its KV already (%s)",
                     job.request_id,

@@ -178,7 +178,7 @@ class Admission:
                 # (resume.lua lets it). Failed now, it would not. Past that, the stream still up (the
                 # worker went on after the prefill worker gave up, or only the prefill workers are cut
                 # off from it), the handoff will never come: this router cuts the stream itself and
-                # the request resumes all the same (_events). Before, it failed UNAVAILABLE.
+                # the request resumes all the same (_events).
                 a.lost_seen = a.lost_seen or now
                 if now - a.lost_seen < 2 * self.s.keepalive_s + self.s.heartbeat_s:
                     continue

@@ -90,8 +90,8 @@ class WorkerRegistry:
         """With no decode worker registered, wait up to REGISTER_WAIT_HEARTBEATS (and the request's
         deadline, unix time; 0: none) for one to register. A Redis stall longer than a worker's lease
         lapses every entry at once, and a worker writes its entry again up to a heartbeat after Redis
-        answers: before, every request in that gap failed UNAVAILABLE "no decode worker is
-        registered". None comes within the wait: the request fails so, a wait later."""
+        answers, and a request in that gap waits for it. None comes within the wait: the request
+        fails UNAVAILABLE, "no decode worker is registered"."""
         until = time.monotonic() + REGISTER_WAIT_HEARTBEATS * self.s.heartbeat_s
         if deadline:
             until = min(until, time.monotonic() + deadline - time.time())

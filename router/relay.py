@@ -151,7 +151,7 @@ class Relay:
         first_token = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         # The worker lost as the stream opened (_accepted): the request is admitted all the same, and
-        # resumes on another at once, as if it was lost later (before, it failed UNAVAILABLE).
+        # resumes on another at once, as if it was lost later.
         unaccepted = None
         try:
             try:

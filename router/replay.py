@@ -303,7 +303,7 @@ class Replay:
             )
             if ok == -2 and not a.aborted and await self.redis.hget(self.keys.req(rid), "aborted") == b"1":
                 # An Abort through another router, whose Cancel could not reach the lost worker: it is
-                # answered as this router's own (before, the stream failed UNAVAILABLE "it has ended").
+                # answered as this router's own, not as a request that has ended.
                 a.aborted = True
             if ok == -2 and a.aborted:
                 raise asyncio.CancelledError()  # (answered as the Abort's: _events)

@@ -405,7 +405,7 @@ def _status(args) -> int:
     if not url:
         print("splitserve: error: no --redis-url, no REDIS_URL and no running stack", file=sys.stderr)
         return 2
-    if not url.startswith(("redis://", "rediss://", "unix://")):  # (before: redis-py's traceback)
+    if not url.startswith(("redis://", "rediss://", "unix://")):  # one line, not redis-py's traceback
         where = "--redis-url" if args.redis_url else "the running stack's" if state.get("redis_url") else "REDIS_URL"
         print(
             f"splitserve: error: {where} {url!r} is not a Redis URL (redis://HOST:PORT, rediss://… or unix://PATH)",

@@ -1,8 +1,8 @@
 """A stack's processes end with the process that started them.
 
 ``splitserve up`` drains and stops its stack on Ctrl-C, SIGTERM or SIGHUP. Killed instead
-(SIGKILL, the OOM killer, a crash), it used to leave its workers and its Redis running, holding
-their ports and shared memory, with nothing left to stop them. Each process a `Stack` starts now
+(SIGKILL, the OOM killer, a crash), it cannot: its workers and its Redis would run on, holding
+their ports and shared memory, with nothing left to stop them. So each process a `Stack` starts
 asks the kernel for SIGTERM when its parent ends (``prctl(PR_SET_PDEATHSIG)``): a worker or
 router then drains and removes its segments as when it is stopped, and Redis exits.
 

@@ -187,8 +187,8 @@ class Target:
 
 
 def check_answers(address: str, wait_s: float = 10.0) -> None:
-    """OSError naming --address when no server answers there within wait_s (before: every request of
-    every run was sent and failed UNAVAILABLE)."""
+    """OSError naming --address when no server answers there within wait_s, rather than every request
+    of every run sent to fail UNAVAILABLE."""
     import grpc
 
     with grpc.insecure_channel(address) as channel:
@@ -376,7 +376,7 @@ def main(args) -> int:
         for plot, *plot_args in plots:
             plot(*plot_args)
         print(f"\nresults: {path}; plots in {args.out}")
-    else:  # nothing to plot: a log scale of no latencies fails (before: a traceback, and no results.json)
+    else:  # nothing to plot: a log scale of no latencies fails
         print(f"\nresults: {path}; no plots: no request succeeded")
     failed = sum(sum(p["errors"].values()) for p in _all_points(report))
     return 1 if failed and not succeeded else 0

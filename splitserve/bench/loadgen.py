@@ -221,8 +221,8 @@ KNEE_RULE = (
 
 def find_knee(points: list[tuple[float, float]], factor: float = 1.5) -> tuple[float | None, float | None]:
     """(concurrency, p99) points in rising concurrency -> (knee, first degraded concurrency). A p99
-    of NaN (no request succeeded there) is degraded; at the lowest concurrency, there is no knee.
-    (Before, NaN compared as never degraded: a sweep that failed throughout had its largest as knee.)"""
+    of NaN (no request succeeded there) is degraded, tested as such: compared as a number, a NaN is
+    never above the bound. At the lowest concurrency, there is no knee."""
     if not points:
         return None, None
     base = points[0][1]
