@@ -38,7 +38,7 @@ HANDOFF_FAILURE_STATUS = {
 }
 
 
-def _wants_it_whole(e: grpc.RpcError) -> bool:
+def wants_it_whole(e: grpc.RpcError) -> bool:
     """A decode worker refused KV sent without its first tokens: it holds less of the prompt than
     expected, or it is of a release that reads only whole payloads (a rolling update)."""
     return e.code() == grpc.StatusCode.FAILED_PRECONDITION or (
@@ -213,7 +213,7 @@ class HandoffSender:
                 try:
                     nbytes = self._put(stub, seq, export, off, view, transport, start)
                 except grpc.RpcError as e:
-                    if not start or not _wants_it_whole(e):
+                    if not start or not wants_it_whole(e):
                         raise
                     log.info(
                         "%s: decode worker %s did not take the KV without its first %d tokens (%s); sending it whole",

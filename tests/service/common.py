@@ -263,6 +263,11 @@ FAULTS = pathlib.Path(__file__).resolve().parent / "faults"
 def with_module(tmp_path, name: str) -> dict:
     """The environment of a process that imports the module ``faults/<name>.py`` first (as its
     sitecustomize): a fault, or a release before this one, put into one role's processes."""
-    (tmp_path / "sitecustomize.py").write_text(f"import {name}  # noqa: F401\n")
+    # A module that cannot be put in (a patched name that moved) ends the process at once, so its
+    # stack fails to start, naming it: Python only prints an error in sitecustomize and goes on.
+    (tmp_path / "sitecustomize.py").write_text(
+        f"try:\n    import {name}  # noqa: F401\nexcept BaseException:\n"
+        "    import os, traceback\n    traceback.print_exc()\n    os._exit(3)\n"
+    )
     path = [str(tmp_path), str(FAULTS), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep)}

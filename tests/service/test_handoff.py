@@ -380,7 +380,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         ({"host_id": "elsewhere/ipc"}, "handle.host_id"),
         ({"lease_deadline_unix": 1.0}, "lease"),
     ]
-    from splitserve.prefill_worker.worker import _wants_it_whole
+    from splitserve.prefill_worker.handoff import wants_it_whole
 
     for change, words in cases:
         h = w.KVHandle(**{**ok, **change})
@@ -390,7 +390,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         assert words in e.value.details()
         # A prefill worker sends the KV again whole only when the refusal is of its layout (what a
         # decode worker of the release before says to KV sent without its first tokens).
-        assert _wants_it_whole(e.value) == (words == "handle.layout_version"), change
+        assert wants_it_whole(e.value) == (words == "handle.layout_version"), change
     other = w.SequenceState(request_id="bad-handle", prompt_len=3, token_ids=[1, 2, 3, 4, 5])  # not its prompt
     for put in (
         lambda: stub.PutKV(w.PutKVRequest(sequence=other, handle=w.KVHandle(**ok)), timeout=10),

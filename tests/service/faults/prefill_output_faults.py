@@ -4,10 +4,11 @@ ends (boom-done, the handoff of a finished sequence).
 
 Imported first (as a sitecustomize) by one role's processes: see common.with_module."""
 
+import splitserve.prefill_worker.handoff as h
 import splitserve.prefill_worker.worker as w
 from splitserve.engine.engine import LLMEngine
 
-first_token, export_kv, kv_export = w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport
+first_token, export_kv, kv_export = w.PrefillWorker._first_token, LLMEngine.export_kv, h.KVExport
 observe_step, observed = w.PrefillWorker._observe_step, []
 restore_lost, beats = w.PrefillWorker._restore_lost, []
 
@@ -46,5 +47,5 @@ def _restore_lost(self):  # and a heartbeat's round, once
     return restore_lost(self)
 
 
-w.PrefillWorker._first_token, LLMEngine.export_kv, w.KVExport = _first_token, _export_kv, _kv_export
+w.PrefillWorker._first_token, LLMEngine.export_kv, h.KVExport = _first_token, _export_kv, _kv_export
 w.PrefillWorker._observe_step, w.PrefillWorker._restore_lost = _observe_step, _restore_lost
