@@ -108,59 +108,67 @@ def main(argv=None) -> int:
             export = eng.export_kv("kv", view)
             eng.release("kv")
             body = nbytes - HEADER_SIZE  # what a full copy copies
-            row = {}
-            for transport in ("shm", "grpc"):
-                times, adopt, copied = [], [], []
-                for _ in range(args.reps):
-                    rid = f"bench-{uuid.uuid4().hex[:8]}"
-                    export.request_id = rid
-                    export.cache_salt = "" if args.partial else rid  # full: no block of an earlier one is shared
-                    seq = convert.sequence_to_pb(export)
-                    h = w_pb.KVHandle(
-                        arena=arena.name if transport == "shm" else "",
-                        offset=off,
-                        length=nbytes,
-                        num_tokens=export.num_tokens,
-                        layout_version=export.layout_version,
-                        dtype=export.dtype,
-                        fingerprint=export.fingerprint,
-                        host_id=me,
-                        transport=transport,
-                        lease_deadline_unix=time.time() + 60,
+
+            def handoff(transport: str) -> tuple[float, float, int]:
+                """One handoff of this KV: (seconds from PutKV's call to its answer, the worker's
+                adopt time in ms, the bytes it copied)."""
+                rid = f"bench-{uuid.uuid4().hex[:8]}"
+                export.request_id = rid
+                export.cache_salt = "" if args.partial else rid  # full: no block of an earlier one is shared
+                seq = convert.sequence_to_pb(export)
+                h = w_pb.KVHandle(
+                    arena=arena.name if transport == "shm" else "",
+                    offset=off,
+                    length=nbytes,
+                    num_tokens=export.num_tokens,
+                    layout_version=export.layout_version,
+                    dtype=export.dtype,
+                    fingerprint=export.fingerprint,
+                    host_id=me,
+                    transport=transport,
+                    lease_deadline_unix=time.time() + 60,
+                )
+                decode = stub.Decode(w_pb.DecodeRequest(request_id=rid, prompt_tokens=n))
+                assert next(decode).accepted
+                req = w_pb.PutKVRequest(sequence=seq, handle=h)
+                step = settings.kv_chunk_bytes
+
+                def chunks():
+                    yield w_pb.KVChunk(header=req, data=bytes(view[:step]))
+                    for i in range(step, nbytes, step):
+                        yield w_pb.KVChunk(data=bytes(view[i : i + step]))
+
+                t = time.perf_counter()
+                if transport == "shm":
+                    resp = stub.PutKV(req, timeout=60)
+                else:
+                    resp = stub.PutKVStream(chunks(), timeout=60)
+                took = time.perf_counter() - t
+                if not args.partial and resp.copied_bytes != body:
+                    raise RuntimeError(
+                        f"{transport} handoff of {n} tokens copied {resp.copied_bytes} of {body} bytes "
+                        f"(the worker held {resp.shared_tokens} tokens): not a full copy"
                     )
-                    decode = stub.Decode(w_pb.DecodeRequest(request_id=rid, prompt_tokens=n))
-                    assert next(decode).accepted
-                    req = w_pb.PutKVRequest(sequence=seq, handle=h)
-                    t = time.perf_counter()
-                    if transport == "shm":
-                        resp = stub.PutKV(req, timeout=60)
-                    else:
-                        step = settings.kv_chunk_bytes
+                decode.cancel()
+                _wait_idle(stack)  # each handoff meets an idle decode worker, not a step in progress
+                return took, resp.transfer_ms, resp.copied_bytes
 
-                        def chunks():
-                            yield w_pb.KVChunk(header=req, data=bytes(view[:step]))
-                            for i in range(step, nbytes, step):
-                                yield w_pb.KVChunk(data=bytes(view[i : i + step]))
-
-                        resp = stub.PutKVStream(chunks(), timeout=60)
-                    times.append(time.perf_counter() - t)
-                    adopt.append(resp.transfer_ms)
-                    copied.append(resp.copied_bytes)
-                    if not args.partial and resp.copied_bytes != body:
-                        raise RuntimeError(
-                            f"{transport} handoff of {n} tokens copied {resp.copied_bytes} of {body} bytes "
-                            f"(the worker held {resp.shared_tokens} tokens): not a full copy"
-                        )
-                    decode.cancel()
-                    _wait_idle(stack)  # each handoff meets an idle decode worker, not a step in progress
-                med = percentile(times, 50)
+            # The two transports alternate, each repetition starting with the other one.
+            got: dict[str, list] = {"shm": [], "grpc": []}
+            for rep in range(args.reps):
+                for transport in ("shm", "grpc") if rep % 2 == 0 else ("grpc", "shm"):
+                    got[transport].append(handoff(transport))
+            row = {}
+            for transport, runs in got.items():
+                times, adopt, copied = zip(*runs)
+                med = percentile(list(times), 50)
                 # ms: PutKV call to answer, as the producer sees it (what holds its region);
                 # adopt_ms: inside the decode worker, handle checked -> KV in its paged pool.
                 row[transport] = {
                     "ms": med * 1000,
-                    "gbps": percentile(copied, 50) / med / 1e9,  # of the bytes the worker copied
-                    "adopt_ms": percentile(adopt, 50),
-                    "copied_bytes": percentile(copied, 50),
+                    "gbps": percentile(list(copied), 50) / med / 1e9,  # of the bytes the worker copied
+                    "adopt_ms": percentile(list(adopt), 50),
+                    "copied_bytes": percentile(list(copied), 50),
                 }
             row["bytes"] = nbytes
             row["kv_bytes"] = body
