@@ -9,12 +9,8 @@ import redis
 
 from splitserve.service.errors import MAX_DETAILS_BYTES
 from splitserve.service.redis_scripts import SOURCES, Call, Scripts, failed
+from splitserve.service.redis_scripts import field_args as update_args
 from splitserve.service.redis_state import GROUP, Job, Keys
-
-
-def update_args(mapping: dict) -> list:
-    """update.lua's ARGV for a mapping: field, value, ..."""
-    return [x for kv in mapping.items() for x in kv]
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ class Scripts:
         return out
 
 
-def _fields(mapping: dict) -> list:
+def field_args(mapping: dict) -> list:
+    """A mapping as Redis arguments: field, value, ..."""
     return [x for kv in mapping.items() for x in kv]
 
 
@@ -254,7 +255,7 @@ def forget_stream(keys: Keys, *, worker_id: str) -> Call:
 
 def restore(keys: Keys, *, request_id: str, ttl_s: int, fields: dict) -> Call:
     """Put back a request's hash that Redis lost, only where there is none (restore.lua)."""
-    return Call("restore", [keys.req(request_id)], [ttl_s, *_fields(fields)])
+    return Call("restore", [keys.req(request_id)], [ttl_s, *field_args(fields)])
 
 
 # -- both workers ---------------------------------------------------------------------------
@@ -263,7 +264,7 @@ def restore(keys: Keys, *, request_id: str, ttl_s: int, fields: dict) -> Call:
 def update(keys: Keys, *, request_id: str, fields: dict, leg: int | None = None) -> Call:
     """Record fields on a request that exists and has not ended (update.lua); with ``leg``, only
     while the request has not resumed past it."""
-    return Call("update", [keys.req(request_id)], _fields(({"_leg": leg} if leg is not None else {}) | fields))
+    return Call("update", [keys.req(request_id)], field_args(({"_leg": leg} if leg is not None else {}) | fields))
 
 
 def failed(code: grpc.StatusCode, error: str) -> dict:
@@ -276,5 +277,7 @@ def heartbeat(keys: Keys, *, info: WorkerInfo, lease_s: float) -> Call:
     """This worker's registry entry, now, with a lease of ``lease_s`` (heartbeat.lua)."""
     info.updated = time.time()
     return Call(
-        "heartbeat", [keys.worker(info.role, info.worker_id)], [str(int(lease_s * 1000)), *_fields(info.to_mapping())]
+        "heartbeat",
+        [keys.worker(info.role, info.worker_id)],
+        [str(int(lease_s * 1000)), *field_args(info.to_mapping())],
     )
