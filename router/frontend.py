@@ -220,3 +220,39 @@ class FrontendChecks:
                 raise InvalidRequestError(
                     field, f"their text holds the stop string {hit!r}, which ends the request: none is left to generate"
                 )
+
+    def _genai_attributes(self, request, rid: str, ids: list[int], params: SamplingParams, resumed: int) -> dict:
+        kind = request.WhichOneof("input")
+        attrs = {
+            "splitserve.request_id": rid,
+            "gen_ai.operation.name": "chat" if kind == "messages" else "text_completion",
+            "gen_ai.system": "splitserve",
+            "gen_ai.request.model": self.front.name,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.usage.input_tokens": len(ids),
+        }
+        if params.top_k:
+            attrs["gen_ai.request.top_k"] = params.top_k
+        if params.seed is not None:
+            attrs["gen_ai.request.seed"] = params.seed
+        if params.presence_penalty:
+            attrs["gen_ai.request.presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            attrs["gen_ai.request.frequency_penalty"] = params.frequency_penalty
+        if params.repetition_penalty != 1.0:
+            attrs["splitserve.request.repetition_penalty"] = params.repetition_penalty
+        if params.logprobs is not None:
+            attrs["splitserve.request.logprobs"] = params.logprobs
+        if params.prompt_logprobs is not None:
+            attrs["splitserve.request.prompt_logprobs"] = params.prompt_logprobs
+        if params.structured_output is not None:
+            attrs["splitserve.request.structured_output"] = params.structured_output.kind
+        if params.n > 1:
+            attrs["gen_ai.request.choice.count"] = params.n
+        if request.priority:
+            attrs["splitserve.priority"] = request.priority
+        if resumed:  # a stream sent again to go on (resume_from): the tokens its client had
+            attrs["splitserve.resume_from.tokens"] = resumed
+        return attrs

@@ -9,13 +9,13 @@ import time
 
 import grpc
 
-from splitserve.engine.params import SamplingParams
 from splitserve.observability import tracing
 from splitserve.router.placement import Placement, Placements
 from splitserve.router.requests import (
     NAME_TOKENS_INLINE,
     STATUS_WAIT_S,
     Active,
+    RelayState,
     Result,
     UpstreamError,
     aborted_first,
@@ -54,402 +54,451 @@ class Relay:
 
     async def _events(self, request: gen_pb.GenerateRequest, context, rs: tracing.rpc_span):
         """Yields (rid, the request_id its client knows, prompt_tokens, DecodeEvent) for every decode
-        event of the request; rid differs from the client's for a new attempt (_attempt)."""
-        t_recv = time.time()
-        m = self.metrics
-        adm = tracing.tracer().start_span("admission", context=rs.ctx)
+        event of the request; rid differs from the client's for a new attempt (_attempt).
+
+        The request's path, one step each: validate and place it (_plan), open its decode stream
+        (_open_decode), admit it in Redis (_admit), then relay the stream's events (_next_event,
+        _take_event) until the last, going on on another decode worker when its own is lost; record
+        how it ended (_record_end, _rpc_error_end) and give back what it held (_release)."""
+        r = RelayState(request, rs, time.time())
+        r.adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
-            # have: what its client has already (resume_from: a stream sent again to go on), prefilled
-            # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
-            # Sent.unfinished); the queue counts them with it
-            rid, ids, params, have = await self._validate(request)
-            self._check_redis()
-            carried, carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
-            samples = have.unfinished(params.n)
-            resumed = have.count()
-            work = len(ids) + have.carried(params.n)
-            public_id, attempt, was_on = rid, None, ""
-            if request.request_id:  # client-chosen: it may exist (see _attempt)
-                rid, attempt, was_on = await self._attempt(rid, fingerprint(request), have)
-            rs.span.set_attributes(self._genai_attributes(request, rid, ids, params, resumed))
-            # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
-            frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
-            if self._queue_may_be_full(work):  # fast path: no decode stream opened for a refusal
-                *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
-                q, t = queue_counts(counts)
-                self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
-                if q + 1 > int(self.s.max_queue_requests * frac) or t + work > int(self.s.max_queue_tokens * frac):
-                    raise self._refusal(q, t, frac)
-            remaining = context.time_remaining()
-            deadline = t_recv + remaining if remaining is not None else 0.0
-            if not any(self._reachable(w) for w in self.workers):
-                # None registered, or none connected: a worker that has just (re)started may be
-                # registered by now, and is placed at once (not after the next periodic read).
-                await self.refresh_since(time.monotonic())
-                if not self.workers:
-                    await self._await_registration(deadline)
-            hashes = (
-                self.prefixes.prompt_chain(ids, request.cache_salt) if self.affinity or self.prefill_affinity else None
-            )
-            worker, placed, expect_cached = self.pick(
-                len(ids) + params.n * params.max_tokens, hashes if self.affinity else None, prefer=was_on
-            )
-            if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
-                expect_cached = 0
-            # A stream sent again to go on (its router was lost) goes back to the decode worker that
-            # was running it, which holds the KV of its prompt and of the tokens sent in its prefix
-            # cache, and prefills only the rest itself: a prefill worker would compute the tokens
-            # sent again, behind the other re-sends, and hand all of its KV over.
-            going_on = bool(carried) and worker.worker_id == was_on and self.s.prefix_caching
-            local = bool(samples) or going_on or self._prefill_locally(work, expect_cached)
-            directed = [] if local else self._prefill_worker_for(hashes, request.priority)
-            adm.set_attributes(
-                {"splitserve.prefill.local": local, "splitserve.prefix.expected_cached_tokens": expect_cached}
-            )
+            await self._plan(r, context)
         except BaseException as e:
-            self._end_admission(adm, e)
+            self._end_admission(r.adm, e)
             raise
-        close_seq = 0  # from the stream's last event
-        dec = tracing.rpc_span(
-            "splitserve.v1.DecodeWorker/Decode",
-            kind=tracing.SpanKind.CLIENT,
-            parent=rs.ctx,
-            attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
-            | {"server.address": worker.address, "splitserve.decode_worker": worker.worker_id},
-        )
-        dreq = w_pb.DecodeRequest(
-            request_id=rid, prompt_tokens=len(ids), deadline_unix=deadline, priority=request.priority, leg=0
-        )
-        if local:  # the decode worker prefills it itself; the queue counts it until its first token
-            dreq.prompt_token_ids.extend(ids + carried)
-            dreq.sampling.CopyFrom(convert.sampling_to_pb(params))
-            dreq.cache_salt = request.cache_salt
-            dreq.resumed_tokens, dreq.resumed_chars = len(carried), carried_chars
-            if samples:
-                dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in samples)
-        try:
-            peer = self.peers.get(worker.address)
-            peer.run = peer.run or worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
-            call = peer.stub.Decode(dreq, timeout=remaining, metadata=tracing.inject(dec.ctx))
-        except BaseException:
-            self.placements.ended(worker.worker_id, placed)
-            raise
-        state = "failed"
-        failure = ""  # the decode worker's message, when its stream ends with an error
-        queued = False
-        active = None
-        sent_by = {i: len(t) for i, t in have.tokens.items()}  # a sample's index -> its completion tokens so far
-        sent = sum(sent_by.values())  # completion tokens streamed so far (of all samples)
-        cached = 0  # prompt tokens found in a prefix cache, as the first token's event said
-        # kept for a replay (_attempt), each sample's: a resumed attempt's after the tokens its client had
-        results = (
-            {i: Result(len(have.tokens.get(i, ())), have.chars.get(i, 0), i in have.finished) for i in range(params.n)}
-            if request.request_id and params.n * params.max_tokens <= self.s.replay_max_tokens
-            else None
-        )
-        marked = False  # the end recorded (_mark) already
-        first_token = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
+        self._open_decode(r)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
-        # The worker lost as the stream opened (_accepted): the request is admitted all the same, and
-        # resumes on another at once, as if it was lost later.
-        unaccepted = None
         try:
             try:
-                try:
-                    if local:  # the worker starts on the prompt at once: admit once it accepted (or was lost)
-                        unaccepted = await self._accepted(call, worker, placed)
-                    t_admitted = time.time()
-                    job = Job(
-                        request_id=rid,
-                        token_ids=ids + carried,
-                        sampling=sampling_to_dict(params),
-                        decode_worker=worker.worker_id,
-                        decode_address=worker.address,
-                        decode_epoch=worker.epoch,
-                        decode_host_id=worker.host_id,
-                        deadline_unix=deadline,
-                        traceparent=tracing.traceparent_of(rs.span),
-                        t_received=t_recv,
-                        t_admitted=t_admitted,
-                        priority=request.priority,
-                        cache_salt=request.cache_salt,
-                        decode_cached_tokens=expect_cached,
-                        resumed=len(carried),
-                        resumed_chars=carried_chars,
-                    )
-                    # Disaggregated, the job is queued while the stream opens: a prefill takes longer
-                    # than the stream does, and the decode worker holds a handoff that comes first.
-                    # Settled: cut off by a cancel while Redis runs it (a slow or stopped Redis), an
-                    # admission would be done there but not here, and its counts never returned.
-                    got = await settled(
-                        self.scripts.run(
-                            scripts.admit(
-                                self.keys,
-                                request_id=rid,
-                                job_json=job.to_json(),
-                                priority=request.priority,
-                                tokens=work,
-                                max_requests=self.s.max_queue_requests,
-                                max_tokens=self.s.max_queue_tokens,
-                                fraction=frac,
-                                ttl_s=self.s.request_ttl_s,
-                                queue=not local,
-                                router_id=self.id,
-                                attempt=attempt,
-                                directed_to=directed[0] if directed else "",
-                                directed_bound=self.s.prefill_affinity_jobs,
-                                supersede=bool(resumed),
-                            )
-                        )
-                    )
-                    ok, q, t, lt = (int(x) for x in got[:4])
-                    if len(got) > 4 and int(got[4]):
-                        self.metrics.prefill_directed.inc()
-                        adm.set_attributes(
-                            {
-                                "splitserve.prefill.sent_to": directed[0],
-                                "splitserve.prefix.expected_prefill_cached_tokens": directed[1],
-                            }
-                        )
-                    queued = local and ok == 1
-                    self.queue_seen, self.local_seen = (q, t, time.monotonic()), lt
-                    adm.set_attributes(
-                        {"splitserve.queue.requests": q, "splitserve.queue.tokens": t, "splitserve.admitted": ok == 1}
-                    )
-                    if ok == -1:
-                        state = ""
-                        raise AlreadyExists(f"request_id {public_id!r} already exists (see GetRequest)")
-                    if ok == -2:
-                        state = ""
-                        raise aborted_first(public_id)
-                    if ok == 0:
-                        state = ""
-                        raise self._refusal(q, t, frac)
-                    if not local:  # refused now: the job is marked failed (finally), so no worker runs it
-                        unaccepted = await self._accepted(call, worker, placed)
-                except BaseException as e:
-                    if isinstance(e, asyncio.CancelledError) and state:
-                        state = "cancelled"
-                    self._end_admission(adm, e)
-                    raise
-                adm.end()
-                m.prompt_tokens.inc(len(ids))
-                if local:
-                    m.local_prefills.inc()
-                if params.structured_output is not None:
-                    m.structured.labels(params.structured_output.kind).inc()
-                active = self.active[rid] = Active(
-                    call,
-                    worker.address,
-                    ids,
-                    params,
-                    request.priority,
-                    request.cache_salt,
-                    local,
-                    queued,
-                    t_admitted,
-                    carried=resumed,
-                    sent=sent,
-                )
-                self._cut_if_stopping(rid, active)
-                queued = False  # the active request's now (active.queued): a take-back sets it too
-                final = None
+                await self._admit(r)
                 try:
                     while True:
-                        try:
-                            if unaccepted is not None:
-                                ev, unaccepted = unaccepted, None
-                                if isinstance(ev, grpc.aio.AioRpcError):
-                                    raise ev
-                            else:
-                                ev = await call.read()
-                            lost = (
-                                "decode stream ended without a finish"
-                                if ev is grpc.aio.EOF
-                                else ev.error
-                                if ev.error and ev.worker_stopping
-                                else ""
-                            )
-                        except grpc.aio.AioRpcError as e:
-                            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                                raise
-                            ev, lost = e, f"{e.code().name}: {e.details()}"
-                        except asyncio.CancelledError:  # the call, cut by check_waiting; or this task, cancelled
-                            if not active.moved or active.aborted or asyncio.current_task().cancelling():
-                                raise
-                            ev, lost = None, active.moved
-                        if lost and active.resumes < self.s.decode_resumes and not (active.lost or active.aborted):
-                            # Its decode worker was lost: it goes on on another (_resume).
-                            if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
-                                active.queued = False
-                                await self._dequeue(rid, work)
-                            self.placements.ended(
-                                worker.worker_id, placed, getattr(ev, "close_seq", 0) or close_seq, len(ids) + sent
-                            )
-                            close_seq, placed = 0, None
-                            dec.__exit__(Unavailable, Unavailable(lost), None)
-                            dec = None
-                            call.cancel()
-                            old = worker
-                            active.moved, active.lost_seen = "", 0.0
-                            call, worker, placed, dec = await self._resume(
-                                rid, active, old, lost, have, deadline, context, rs
-                            )
-                            log.warning(
-                                "request %s: decode worker %s lost (%s); resumed on %s after %d tokens",
-                                rid,
-                                old.worker_id,
-                                lost,
-                                worker.worker_id,
-                                active.carried,
-                            )
+                        ev = await self._next_event(r, context)
+                        if ev is None:  # its decode worker was lost: it goes on on another
                             continue
-                        if ev is None:  # (moved, and it may not resume after all)
-                            raise UpstreamError(lost, grpc.StatusCode.UNAVAILABLE)
-                        if isinstance(ev, grpc.aio.AioRpcError):
-                            raise ev
-                        if ev is grpc.aio.EOF:
-                            raise Unavailable("decode stream ended without a finish")
-                        close_seq = ev.close_seq or close_seq
-                        if ev.error:
-                            code = status_code(ev.error_code) if ev.error_code else None
-                            failure = ev.error if code else f"decode failed: {ev.error}"
-                            raise UpstreamError(failure, code)
-                        if (ev.logprobs or ev.prompt_logprobs) and self.front.tokenizer is not None:
-                            await self._name_tokens(ev)
-                        if ev.token_ids and not active.first and (self.affinity or self.prefill_affinity):
-                            # a first token: the prompt's KV is at the worker now, or on its way; and
-                            # in the prefix cache of the prefill worker that computed it
-                            full = self.prefixes.chain(ids, request.cache_salt, hashes)
-                            if self.affinity:
-                                self._record(worker, full)
-                            if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
-                                self._record(
-                                    WorkerInfo(ev.prefill_worker, "prefill", "", ""), full, self.prefill_prefixes
-                                )
-                        if (
-                            ev.token_ids
-                            and not active.first
-                            and params.prompt_logprobs is not None
-                            and not active.carried
-                            and len(ev.prompt_logprobs) != len(ids) - 1
-                        ):
-                            raise UpstreamError(
-                                f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
-                                f"{len(ids)}-token prompt (a worker of a release without them?)",
-                                grpc.StatusCode.INTERNAL,
-                            )
-                        if ev.token_ids or ev.finish_reason:
-                            active.first = True
-                        if ev.token_ids and not first_token:
-                            first_token = active.first_token = time.time()
-                        if active.queued and (ev.token_ids or ev.finish_reason):
-                            active.queued = False
-                            await self._dequeue(rid, work)
-                        if ev.first_token_unix and rid not in self.first_parts:  # (a resumed leg's: not the first)
-                            ev.timings.admission_ms = (t_admitted - t_recv) * 1000
-                            ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
-                            self.first_parts[rid] = ev.timings
-                        if ev.completion_tokens:
-                            sent_by[ev.index] = ev.completion_tokens
-                            sent = active.sent = sum(sent_by.values())
-                        cached = ev.cached_tokens or cached
-                        last = ev.finish_reason and not ev.more
+                        last = await self._take_event(r, ev)
+                        yield r.rid, r.public_id, len(r.ids), ev
                         if last:
-                            final = ev
-                            if params.n > 1:  # recorded with every sample's tokens
-                                final = w_pb.DecodeEvent(
-                                    finish_reason=ev.finish_reason,
-                                    completion_tokens=sent,
-                                    cached_tokens=ev.cached_tokens,
-                                )
-                        if results is not None:
-                            results[ev.index].add(ev)
-                            if last and ev.finish_reason != "cancelled":
-                                # Recorded before the client has the last message, so that a re-send
-                                # following it finds the request finished (its replay), not running.
-                                with tracing.tracer().start_span("finish", context=rs.ctx):
-                                    await self._mark(rid, "finished", final, results=results, first_token=first_token)
-                                marked = True
-                        have.add(ev)
-                        yield rid, public_id, len(ids), ev
-                        if last:
-                            if self.affinity and have.tokens[0]:  # the KV of all but the last token is cached there
-                                self._record(
-                                    worker, self.prefixes.chain(ids + have.tokens[0][:-1], request.cache_salt, hashes)
-                                )
+                            self._record_generated(r)
                             break
                 except asyncio.CancelledError:
-                    if active.lost:
-                        state = "failed"
-                        raise UpstreamError(active.lost, active.lost_code) from None
-                    if not active.aborted:
-                        state = "cancelled"
+                    if r.active.lost:
+                        r.state = "failed"
+                        raise UpstreamError(r.active.lost, r.active.lost_code) from None
+                    r.state = "cancelled"
+                    if not r.active.aborted:
                         raise
-                    state = "cancelled"
-                    final = w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached)
-                    yield rid, public_id, len(ids), final
+                    r.final = r.cancelled_event()
+                    yield r.rid, r.public_id, len(r.ids), r.final
                 except GeneratorExit:
                     # The client cancelled while its handler was writing a message, not reading one:
                     # the handler's task is cancelled outside this generator, which is then closed.
-                    state = "cancelled"
+                    r.state = "cancelled"
                     raise
-                state = "cancelled" if final.finish_reason == "cancelled" else "finished"
-                if not marked:
-                    with tracing.tracer().start_span("finish", context=rs.ctx):
-                        await self._mark(rid, state, final, first_token=first_token)
+                await self._record_end(r)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
-                    state = "failed"
-                    raise UpstreamError(active.lost, active.lost_code) from None
-                if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
-                    state = "cancelled"
-                    yield (
-                        rid,
-                        public_id,
-                        len(ids),
-                        w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=sent, cached_tokens=cached),
-                    )
-                    await self._mark(rid, state, first_token=first_token)
-                    return
-                state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # say which worker, not just "Socket closed"
-                    raise Unavailable(
-                        f"decode worker {worker.worker_id} at {worker.address} went away ({e.details()}); retry"
-                    ) from e
-                raise
+                aborted = self._rpc_error_end(r, e)  # raises, unless its client aborted it
+                yield r.rid, r.public_id, len(r.ids), aborted
+                await self._mark(r.rid, r.state, first_token=r.first_token)
+                return
             finally:
-                if placed is not None:
-                    self.placements.ended(worker.worker_id, placed, close_seq, len(ids) + sent)
-                if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
-                    del self.active[rid]
-                    self.first_parts.pop(rid, None)
-                if state == "finished" and not call.done():
-                    # Its status follows its last event: cancelled now, the call would race the worker's
-                    # sending it, which gRPC there logged as the servicer's error (a soak: 1 of ~7000).
-                    self.background.start(cancel_once_ended(call, STATUS_WAIT_S))
-                else:
-                    call.cancel()
-                if queued or (active is not None and active.queued):
-                    await self._dequeue(rid, work)
-                if state in ("cancelled", "failed"):
-                    why = failure or (active.lost if active is not None else "")
-                    if not why and state == "failed" and isinstance(sys.exc_info()[1], Unavailable):
-                        why = str(sys.exc_info()[1])  # its decode worker went away, or it could not resume
-                    # Redis not answering: recording it would keep the client waiting as long again.
-                    await self._mark(
-                        rid,
-                        state,
-                        error=why,
-                        away=isinstance(sys.exc_info()[1], REDIS_UNREACHABLE),
-                        first_token=first_token,
-                    )
+                await self._release(r, sys.exc_info()[1])
         except BaseException as e:
             failed_with = e
             raise
-        finally:  # (a `with dec`, but dec is another span once the request resumes elsewhere)
-            if dec is not None:
-                dec.__exit__(type(failed_with) if failed_with is not None else None, failed_with, None)
+        finally:  # (a `with r.dec`, but r.dec is another span once the request resumes elsewhere)
+            if r.dec is not None:
+                r.dec.__exit__(type(failed_with) if failed_with is not None else None, failed_with, None)
+
+    async def _plan(self, r: RelayState, context) -> None:
+        """Validates the request, refuses it early when the queue is surely full, and places it: its
+        decode worker, and whether its prompt is prefilled there (local) or by a prefill worker
+        (directed to one, for prefix affinity, or to any)."""
+        request = r.request
+        # have: what its client has already (resume_from: a stream sent again to go on), prefilled
+        # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
+        # Sent.unfinished); the queue counts them with it
+        r.rid, r.ids, r.params, r.have = await self._validate(request)
+        params, have = r.params, r.have
+        self._check_redis()
+        r.carried, r.carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
+        r.samples = have.unfinished(params.n)
+        r.resumed = have.count()
+        r.work = len(r.ids) + have.carried(params.n)
+        r.public_id, was_on = r.rid, ""
+        if request.request_id:  # client-chosen: it may exist (see _attempt)
+            r.rid, r.attempt, was_on = await self._attempt(r.rid, fingerprint(request), have)
+        r.rs.span.set_attributes(self._genai_attributes(request, r.rid, r.ids, params, r.resumed))
+        # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
+        r.frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
+        if self._queue_may_be_full(r.work):  # fast path: no decode stream opened for a refusal
+            *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
+            q, t = queue_counts(counts)
+            self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
+            if q + 1 > int(self.s.max_queue_requests * r.frac) or t + r.work > int(self.s.max_queue_tokens * r.frac):
+                raise self._refusal(q, t, r.frac)
+        r.remaining = context.time_remaining()
+        r.deadline = r.t_recv + r.remaining if r.remaining is not None else 0.0
+        if not any(self._reachable(w) for w in self.workers):
+            # None registered, or none connected: a worker that has just (re)started may be
+            # registered by now, and is placed at once (not after the next periodic read).
+            await self.refresh_since(time.monotonic())
+            if not self.workers:
+                await self._await_registration(r.deadline)
+        if self.affinity or self.prefill_affinity:
+            r.hashes = self.prefixes.prompt_chain(r.ids, request.cache_salt)
+        r.worker, r.placed, expect_cached = self.pick(
+            len(r.ids) + params.n * params.max_tokens, r.hashes if self.affinity else None, prefer=was_on
+        )
+        if params.prompt_logprobs is not None:  # its prompt is computed whole wherever it goes
+            expect_cached = 0
+        r.expect_cached = expect_cached
+        # A stream sent again to go on (its router was lost) goes back to the decode worker that
+        # was running it, which holds the KV of its prompt and of the tokens sent in its prefix
+        # cache, and prefills only the rest itself: a prefill worker would compute the tokens
+        # sent again, behind the other re-sends, and hand all of its KV over.
+        going_on = bool(r.carried) and r.worker.worker_id == was_on and self.s.prefix_caching
+        r.local = bool(r.samples) or going_on or self._prefill_locally(r.work, expect_cached)
+        r.directed = [] if r.local else self._prefill_worker_for(r.hashes, request.priority)
+        r.adm.set_attributes(
+            {"splitserve.prefill.local": r.local, "splitserve.prefix.expected_cached_tokens": expect_cached}
+        )
+
+    def _open_decode(self, r: RelayState) -> None:
+        """Opens the request's Decode stream on its decode worker, under a span of its own. A local
+        prefill sends the prompt (and what its client has) with it."""
+        r.dec = tracing.rpc_span(
+            "splitserve.v1.DecodeWorker/Decode",
+            kind=tracing.SpanKind.CLIENT,
+            parent=r.rs.ctx,
+            attributes=tracing.rpc_attributes("splitserve.v1.DecodeWorker/Decode")
+            | {"server.address": r.worker.address, "splitserve.decode_worker": r.worker.worker_id},
+        )
+        request = r.request
+        dreq = w_pb.DecodeRequest(
+            request_id=r.rid, prompt_tokens=len(r.ids), deadline_unix=r.deadline, priority=request.priority, leg=0
+        )
+        if r.local:  # the decode worker prefills it itself; the queue counts it until its first token
+            dreq.prompt_token_ids.extend(r.ids + r.carried)
+            dreq.sampling.CopyFrom(convert.sampling_to_pb(r.params))
+            dreq.cache_salt = request.cache_salt
+            dreq.resumed_tokens, dreq.resumed_chars = len(r.carried), r.carried_chars
+            if r.samples:
+                dreq.resumed_samples.extend(w_pb.ResumedSample(index=i, token_ids=t, chars=c) for i, t, c in r.samples)
+        try:
+            peer = self.peers.get(r.worker.address)
+            peer.run = peer.run or r.worker.epoch  # the run a new channel was opened for (_reconnect_restarted)
+            r.call = peer.stub.Decode(dreq, timeout=r.remaining, metadata=tracing.inject(r.dec.ctx))
+        except BaseException:
+            self.placements.ended(r.worker.worker_id, r.placed)
+            raise
+        r.sent_by = {i: len(t) for i, t in r.have.tokens.items()}
+        r.sent = sum(r.sent_by.values())
+        if request.request_id and r.params.n * r.params.max_tokens <= self.s.replay_max_tokens:
+            # kept for a replay (_attempt), each sample's: a resumed attempt's after the tokens its
+            # client had
+            have = r.have
+            r.results = {
+                i: Result(len(have.tokens.get(i, ())), have.chars.get(i, 0), i in have.finished)
+                for i in range(r.params.n)
+            }
+
+    async def _admit(self, r: RelayState) -> None:
+        """Admits the request in Redis (admit.lua: the queue's bounds, the request hash, its job
+        queued unless prefilled locally) and registers it as active. A local prefill is admitted
+        once its decode worker accepted the stream; a queued job's stream is awaited after, while
+        the prefill runs."""
+        request, local = r.request, r.local
+        try:
+            if local:  # the worker starts on the prompt at once: admit once it accepted (or was lost)
+                r.unaccepted = await self._accepted(r.call, r.worker, r.placed)
+            r.t_admitted = time.time()
+            # Disaggregated, the job is queued while the stream opens: a prefill takes longer
+            # than the stream does, and the decode worker holds a handoff that comes first.
+            # Settled: cut off by a cancel while Redis runs it (a slow or stopped Redis), an
+            # admission would be done there but not here, and its counts never returned.
+            got = await settled(
+                self.scripts.run(
+                    scripts.admit(
+                        self.keys,
+                        request_id=r.rid,
+                        job_json=self._job(r).to_json(),
+                        priority=request.priority,
+                        tokens=r.work,
+                        max_requests=self.s.max_queue_requests,
+                        max_tokens=self.s.max_queue_tokens,
+                        fraction=r.frac,
+                        ttl_s=self.s.request_ttl_s,
+                        queue=not local,
+                        router_id=self.id,
+                        attempt=r.attempt,
+                        directed_to=r.directed[0] if r.directed else "",
+                        directed_bound=self.s.prefill_affinity_jobs,
+                        supersede=bool(r.resumed),
+                    )
+                )
+            )
+            ok, q, t, lt = (int(x) for x in got[:4])
+            if len(got) > 4 and int(got[4]):
+                self.metrics.prefill_directed.inc()
+                r.adm.set_attributes(
+                    {
+                        "splitserve.prefill.sent_to": r.directed[0],
+                        "splitserve.prefix.expected_prefill_cached_tokens": r.directed[1],
+                    }
+                )
+            r.queued = local and ok == 1
+            self.queue_seen, self.local_seen = (q, t, time.monotonic()), lt
+            r.adm.set_attributes(
+                {"splitserve.queue.requests": q, "splitserve.queue.tokens": t, "splitserve.admitted": ok == 1}
+            )
+            if ok != 1:
+                r.state = ""
+                if ok == -1:
+                    raise AlreadyExists(f"request_id {r.public_id!r} already exists (see GetRequest)")
+                if ok == -2:
+                    raise aborted_first(r.public_id)
+                raise self._refusal(q, t, r.frac)
+            if not local:  # refused now: the job is marked failed (finally), so no worker runs it
+                r.unaccepted = await self._accepted(r.call, r.worker, r.placed)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and r.state:
+                r.state = "cancelled"
+            self._end_admission(r.adm, e)
+            raise
+        r.adm.end()
+        self._activate(r)
+
+    def _activate(self, r: RelayState) -> None:
+        """The admitted request becomes active: counted, and seen by the router's other tasks."""
+        request, local = r.request, r.local
+        m, params = self.metrics, r.params
+        m.prompt_tokens.inc(len(r.ids))
+        if local:
+            m.local_prefills.inc()
+        if params.structured_output is not None:
+            m.structured.labels(params.structured_output.kind).inc()
+        r.active = self.active[r.rid] = Active(
+            r.call,
+            r.worker.address,
+            r.ids,
+            params,
+            request.priority,
+            request.cache_salt,
+            local,
+            r.queued,
+            r.t_admitted,
+            carried=r.resumed,
+            sent=r.sent,
+        )
+        self._cut_if_stopping(r.rid, r.active)
+        r.queued = False  # the active request's now (active.queued): a take-back sets it too
+
+    def _job(self, r: RelayState) -> Job:
+        """The request's prefill job, as the admission queues it (or records it, prefilled locally)."""
+        request = r.request
+        return Job(
+            request_id=r.rid,
+            token_ids=r.ids + r.carried,
+            sampling=sampling_to_dict(r.params),
+            decode_worker=r.worker.worker_id,
+            decode_address=r.worker.address,
+            decode_epoch=r.worker.epoch,
+            decode_host_id=r.worker.host_id,
+            deadline_unix=r.deadline,
+            traceparent=tracing.traceparent_of(r.rs.span),
+            t_received=r.t_recv,
+            t_admitted=r.t_admitted,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            decode_cached_tokens=r.expect_cached,
+            resumed=len(r.carried),
+            resumed_chars=r.carried_chars,
+        )
+
+    async def _next_event(self, r: RelayState, context):
+        """The decode stream's next event, or None once the request has gone on on another decode
+        worker because its own was lost (_resume). A loss it may not resume from raises."""
+        active = r.active
+        try:
+            if r.unaccepted is not None:
+                ev, r.unaccepted = r.unaccepted, None
+                if isinstance(ev, grpc.aio.AioRpcError):
+                    raise ev
+            else:
+                ev = await r.call.read()
+            if ev is grpc.aio.EOF:
+                lost = "decode stream ended without a finish"
+            else:
+                lost = ev.error if ev.error and ev.worker_stopping else ""
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            ev, lost = e, f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:  # the call, cut by check_waiting; or this task, cancelled
+            if not active.moved or active.aborted or asyncio.current_task().cancelling():
+                raise
+            ev, lost = None, active.moved
+        if lost and active.resumes < self.s.decode_resumes and not (active.lost or active.aborted):
+            await self._go_on_elsewhere(r, ev, lost, context)
+            return None
+        if ev is None:  # (moved, and it may not resume after all)
+            raise UpstreamError(lost, grpc.StatusCode.UNAVAILABLE)
+        if isinstance(ev, grpc.aio.AioRpcError):
+            raise ev
+        if ev is grpc.aio.EOF:
+            raise Unavailable("decode stream ended without a finish")
+        return ev
+
+    async def _go_on_elsewhere(self, r: RelayState, ev, lost: str, context) -> None:
+        """Its decode worker was lost: the request goes on on another (_resume), with a new stream
+        and span."""
+        active, rid = r.active, r.rid
+        if active.queued:  # prefilled there: its queue counts go back now (a new leg counts anew)
+            active.queued = False
+            await self._dequeue(rid, r.work)
+        self.placements.ended(
+            r.worker.worker_id, r.placed, getattr(ev, "close_seq", 0) or r.close_seq, len(r.ids) + r.sent
+        )
+        r.close_seq, r.placed = 0, None
+        r.dec.__exit__(Unavailable, Unavailable(lost), None)
+        r.dec = None
+        r.call.cancel()
+        old = r.worker
+        active.moved, active.lost_seen = "", 0.0
+        r.call, r.worker, r.placed, r.dec = await self._resume(
+            rid, active, old, lost, r.have, r.deadline, context, r.rs
+        )
+        log.warning(
+            "request %s: decode worker %s lost (%s); resumed on %s after %d tokens",
+            rid,
+            old.worker_id,
+            lost,
+            r.worker.worker_id,
+            active.carried,
+        )
+
+    async def _take_event(self, r: RelayState, ev: w_pb.DecodeEvent) -> bool:
+        """Takes in one decode event before its client gets it: a worker's error raises; the first
+        token records the prompt's prefix for affinity and the TTFT parts, and gives back the queue
+        counts of a local prefill; samples' counts and the replay's record follow. True for the
+        request's last event."""
+        active, params, rid = r.active, r.params, r.rid
+        r.close_seq = ev.close_seq or r.close_seq
+        if ev.error:
+            code = status_code(ev.error_code) if ev.error_code else None
+            r.failure = ev.error if code else f"decode failed: {ev.error}"
+            raise UpstreamError(r.failure, code)
+        if (ev.logprobs or ev.prompt_logprobs) and self.front.tokenizer is not None:
+            await self._name_tokens(ev)
+        if ev.token_ids and not active.first:
+            self._check_first_token(r, ev)
+        if ev.token_ids or ev.finish_reason:
+            active.first = True
+        if ev.token_ids and not r.first_token:
+            r.first_token = active.first_token = time.time()
+        if active.queued and (ev.token_ids or ev.finish_reason):
+            active.queued = False
+            await self._dequeue(rid, r.work)
+        if ev.first_token_unix and rid not in self.first_parts:  # (a resumed leg's: not the first)
+            ev.timings.admission_ms = (r.t_admitted - r.t_recv) * 1000
+            ev.timings.first_token_ms = (time.time() - ev.first_token_unix) * 1000
+            self.first_parts[rid] = ev.timings
+        if ev.completion_tokens:
+            r.sent_by[ev.index] = ev.completion_tokens
+            r.sent = active.sent = sum(r.sent_by.values())
+        r.cached = ev.cached_tokens or r.cached
+        last = bool(ev.finish_reason) and not ev.more
+        if last:
+            r.final = ev
+            if params.n > 1:  # recorded with every sample's tokens
+                r.final = w_pb.DecodeEvent(
+                    finish_reason=ev.finish_reason, completion_tokens=r.sent, cached_tokens=ev.cached_tokens
+                )
+        if r.results is not None:
+            r.results[ev.index].add(ev)
+            if last and ev.finish_reason != "cancelled":
+                # Recorded before the client has the last message, so that a re-send
+                # following it finds the request finished (its replay), not running.
+                with tracing.tracer().start_span("finish", context=r.rs.ctx):
+                    await self._mark(rid, "finished", r.final, results=r.results, first_token=r.first_token)
+                r.marked = True
+        r.have.add(ev)
+        return last
+
+    def _check_first_token(self, r: RelayState, ev: w_pb.DecodeEvent) -> None:
+        """The request's first token: the prompt's KV is at the worker now, or on its way, and in the
+        prefix cache of the prefill worker that computed it (recorded for affinity). Prompt log
+        probabilities must have come whole."""
+        if self.affinity or self.prefill_affinity:
+            full = self.prefixes.chain(r.ids, r.request.cache_salt, r.hashes)
+            if self.affinity:
+                self._record(r.worker, full)
+            if self.prefill_affinity and ev.prefill_worker:  # (a prefill worker's run is "")
+                self._record(WorkerInfo(ev.prefill_worker, "prefill", "", ""), full, self.prefill_prefixes)
+        if r.params.prompt_logprobs is not None and not r.active.carried and len(ev.prompt_logprobs) != len(r.ids) - 1:
+            raise UpstreamError(
+                f"prompt log probabilities: {len(ev.prompt_logprobs)} came for a "
+                f"{len(r.ids)}-token prompt (a worker of a release without them?)",
+                grpc.StatusCode.INTERNAL,
+            )
+
+    def _record_generated(self, r: RelayState) -> None:
+        """After the last event: the KV of the prompt and all but the last token is cached at its
+        decode worker, for the next turn's affinity."""
+        if self.affinity and r.have.tokens[0]:
+            self._record(r.worker, self.prefixes.chain(r.ids + r.have.tokens[0][:-1], r.request.cache_salt, r.hashes))
+
+    async def _record_end(self, r: RelayState) -> None:
+        """Records how the request ended, unless its last event was recorded already (a replay's)."""
+        r.state = "cancelled" if r.final.finish_reason == "cancelled" else "finished"
+        if not r.marked:
+            with tracing.tracer().start_span("finish", context=r.rs.ctx):
+                await self._mark(r.rid, r.state, r.final, first_token=r.first_token)
+
+    def _rpc_error_end(self, r: RelayState, e: grpc.aio.AioRpcError) -> w_pb.DecodeEvent:
+        """The decode stream failed with e: raises what the client gets, naming the decode worker;
+        or, for a request its client aborted, gives the cancelled event to send it."""
+        active = r.active
+        if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.lost:
+            r.state = "failed"
+            raise UpstreamError(active.lost, active.lost_code) from None
+        if e.code() == grpc.StatusCode.CANCELLED and active is not None and active.aborted:
+            r.state = "cancelled"
+            return r.cancelled_event()
+        r.state = "cancelled" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+        if e.code() == grpc.StatusCode.UNAVAILABLE:  # say which worker, not just "Socket closed"
+            raise Unavailable(
+                f"decode worker {r.worker.worker_id} at {r.worker.address} went away ({e.details()}); retry"
+            ) from e
+        raise e
+
+    async def _release(self, r: RelayState, exc: BaseException | None) -> None:
+        """Gives back what the request held, however it ended (exc: the exception it ends with, if
+        any): its placement, its active record, its decode call, its queue counts; and records a
+        cancelled or failed end."""
+        rid, active = r.rid, r.active
+        if r.placed is not None:
+            self.placements.ended(r.worker.worker_id, r.placed, r.close_seq, len(r.ids) + r.sent)
+        if active is not None and self.active.get(rid) is active:  # not another request's (a reused id's)
+            del self.active[rid]
+            self.first_parts.pop(rid, None)
+        if r.state == "finished" and not r.call.done():
+            # Its status follows its last event: cancelled now, the call would race the worker's
+            # sending it, which gRPC there logged as the servicer's error (a soak: 1 of ~7000).
+            self.background.start(cancel_once_ended(r.call, STATUS_WAIT_S))
+        else:
+            r.call.cancel()
+        if r.queued or (active is not None and active.queued):
+            await self._dequeue(rid, r.work)
+        if r.state in ("cancelled", "failed"):
+            why = r.failure or (active.lost if active is not None else "")
+            if not why and r.state == "failed" and isinstance(exc, Unavailable):
+                why = str(exc)  # its decode worker went away, or it could not resume
+            # Redis not answering: recording it would keep the client waiting as long again.
+            away = isinstance(exc, REDIS_UNREACHABLE)
+            await self._mark(rid, r.state, error=why, away=away, first_token=r.first_token)
 
     @staticmethod
     async def _accepted(call, worker: WorkerInfo, placed: Placement):
@@ -486,61 +535,6 @@ class Relay:
             await asyncio.to_thread(name_tokens, self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
         else:
             name_tokens(self.front.tokenizer, ev.logprobs, ev.prompt_logprobs)
-
-    def _timings(self, rid: str, t0: float, t_first: float | None, ev) -> gen_pb.Timings:
-        now = time.perf_counter()
-        tm = gen_pb.Timings()
-        first = self.first_parts.get(rid)
-        if first is not None:
-            tm.CopyFrom(first)
-            if ev is not None and ev.timings.kv_transfer_ms:  # the KV may land after the first token went out
-                tm.kv_transfer_ms = ev.timings.kv_transfer_ms
-        elif ev is not None and ev.HasField("timings"):
-            tm.CopyFrom(ev.timings)
-        tm.e2e_ms = (now - t0) * 1000
-        if t_first is not None:
-            tm.ttft_ms = (t_first - t0) * 1000
-            tm.decode_ms = (now - t_first) * 1000
-        return tm
-
-    def _finish(
-        self,
-        rs: tracing.rpc_span,
-        resp: gen_pb.GenerateResponse,
-        rid: str,
-        n_prompt: int,
-        ev,
-        t0: float,
-        t_first: float | None,
-        ended: list,
-        n: int,
-    ) -> None:
-        """A sample's last message: its finish reason, usage and timings. ended: the finish events of
-        the request's samples so far, this one's last; the last sample's (or a cancellation) records
-        the request on the span and in the metrics. n: its samples (TPOT is its longest one's steps)."""
-        resp.finish_reason = ev.finish_reason
-        resp.usage.CopyFrom(
-            gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens)
-        )
-        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
-        if ev.more:
-            return
-        t = resp.timings
-        out = sum(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else ev.completion_tokens
-        rs.span.set_attributes(
-            {
-                "gen_ai.usage.output_tokens": out,
-                "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
-                "gen_ai.response.finish_reasons": [e.finish_reason for e in ended],
-                "splitserve.ttft_ms": t.ttft_ms,
-                "splitserve.e2e_ms": t.e2e_ms,
-            }
-        )
-        if resp.finish_reason == "cancelled":
-            self.metrics.cancelled.labels("abort").inc()
-        self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
-        longest = max(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else 0
-        self.metrics.observe_finished(t, resp.finish_reason, out, longest if n > 1 else None)
 
     async def _mark(
         self,
@@ -596,39 +590,3 @@ class Relay:
             await self._write(record, f"the end of {rid}", away)
         except Exception:  # noqa: BLE001 - bookkeeping must not hide the real outcome
             log.exception("could not record the end of %s", rid)
-
-    def _genai_attributes(self, request, rid: str, ids: list[int], params: SamplingParams, resumed: int) -> dict:
-        kind = request.WhichOneof("input")
-        attrs = {
-            "splitserve.request_id": rid,
-            "gen_ai.operation.name": "chat" if kind == "messages" else "text_completion",
-            "gen_ai.system": "splitserve",
-            "gen_ai.request.model": self.front.name,
-            "gen_ai.request.max_tokens": params.max_tokens,
-            "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p,
-            "gen_ai.usage.input_tokens": len(ids),
-        }
-        if params.top_k:
-            attrs["gen_ai.request.top_k"] = params.top_k
-        if params.seed is not None:
-            attrs["gen_ai.request.seed"] = params.seed
-        if params.presence_penalty:
-            attrs["gen_ai.request.presence_penalty"] = params.presence_penalty
-        if params.frequency_penalty:
-            attrs["gen_ai.request.frequency_penalty"] = params.frequency_penalty
-        if params.repetition_penalty != 1.0:
-            attrs["splitserve.request.repetition_penalty"] = params.repetition_penalty
-        if params.logprobs is not None:
-            attrs["splitserve.request.logprobs"] = params.logprobs
-        if params.prompt_logprobs is not None:
-            attrs["splitserve.request.prompt_logprobs"] = params.prompt_logprobs
-        if params.structured_output is not None:
-            attrs["splitserve.request.structured_output"] = params.structured_output.kind
-        if params.n > 1:
-            attrs["gen_ai.request.choice.count"] = params.n
-        if request.priority:
-            attrs["splitserve.priority"] = request.priority
-        if resumed:  # a stream sent again to go on (resume_from): the tokens its client had
-            attrs["splitserve.resume_from.tokens"] = resumed
-        return attrs

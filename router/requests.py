@@ -218,3 +218,57 @@ class Sent:
         if n == 1 or not any(self.tokens.values()):
             return None
         return [(i, self.tokens.get(i, []), self.chars.get(i, 0)) for i in range(n) if i not in self.finished]
+
+
+@dataclass
+class RelayState:
+    """One Generate call on its way through the relay (Relay._events): what _plan validated and
+    placed, the decode stream and its span, and how far the request has come. Active is the part
+    other tasks of the router see (the drain, take-back, check_waiting); this is the call's own."""
+
+    request: gen_pb.GenerateRequest
+    rs: object  # the call's span (tracing.rpc_span)
+    t_recv: float  # unix time the call came
+    adm: object = None  # the admission span, until the request is admitted
+    # validated and placed (_plan)
+    rid: str = ""  # the request's id in Redis and at the workers: an attempt's (request_id#n) if a new one
+    public_id: str = ""  # the request_id its client knows
+    ids: list[int] = dataclasses.field(default_factory=list)  # the prompt
+    params: SamplingParams | None = None
+    have: Sent | None = None  # what its client has already (resume_from)
+    carried: list[int] = dataclasses.field(default_factory=list)  # a one-sample request's tokens sent
+    carried_chars: int = 0
+    samples: list = dataclasses.field(default_factory=list)  # n > 1: each unfinished sample's (index, tokens, chars)
+    resumed: int = 0  # completion tokens its client has, of all samples
+    work: int = 0  # tokens the queue counts for it
+    attempt: object = None  # redis_scripts.Attempt for a client-chosen id
+    frac: float = 1.0  # the share of the queue's bounds its priority may fill
+    remaining: float | None = None  # the call's time left as it came (None: no deadline)
+    deadline: float = 0.0  # unix time (0: none)
+    hashes: list[int] | None = None  # its prompt's block hashes, for affinity
+    worker: object = None  # its decode worker (WorkerInfo)
+    placed: object = None  # its placement there (Placement), until given back
+    expect_cached: int = 0  # prompt tokens expected in its decode worker's prefix cache
+    local: bool = False  # prefilled by its decode worker
+    directed: list = dataclasses.field(default_factory=list)  # [prefill worker, tokens it holds] or []
+    # the decode stream
+    call: object = None
+    dec: object = None  # the Decode call's span (tracing.rpc_span); None between legs
+    close_seq: int = 0  # from the stream's last event
+    unaccepted: object = None  # what came instead of the worker's acceptance (_accepted)
+    # how far it has come
+    state: str = "failed"  # how it ends if it ends now ("" once refused: nothing to record)
+    failure: str = ""  # the decode worker's message, when its stream ends with an error
+    queued: bool = False  # in the queue's counts until admitted as active (then active.queued)
+    active: Active | None = None
+    t_admitted: float = 0.0
+    sent_by: dict[int, int] = dataclasses.field(default_factory=dict)  # a sample's index -> its tokens so far
+    sent: int = 0  # completion tokens streamed so far (of all samples)
+    cached: int = 0  # prompt tokens found in a prefix cache, as the first token's event said
+    results: dict[int, Result] | None = None  # kept for a replay (_attempt)
+    marked: bool = False  # the end recorded (_mark) already
+    first_token: float = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
+    final: object = None  # its last event
+
+    def cancelled_event(self) -> w_pb.DecodeEvent:
+        return w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=self.sent, cached_tokens=self.cached)

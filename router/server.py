@@ -310,6 +310,61 @@ class RouterServicer(
             return gen_pb.DetokenizeResponse(text=await asyncio.to_thread(tok.decode, ids, skip))
         return gen_pb.DetokenizeResponse(text=tok.decode(ids, skip))
 
+    def _timings(self, rid: str, t0: float, t_first: float | None, ev) -> gen_pb.Timings:
+        now = time.perf_counter()
+        tm = gen_pb.Timings()
+        first = self.first_parts.get(rid)
+        if first is not None:
+            tm.CopyFrom(first)
+            if ev is not None and ev.timings.kv_transfer_ms:  # the KV may land after the first token went out
+                tm.kv_transfer_ms = ev.timings.kv_transfer_ms
+        elif ev is not None and ev.HasField("timings"):
+            tm.CopyFrom(ev.timings)
+        tm.e2e_ms = (now - t0) * 1000
+        if t_first is not None:
+            tm.ttft_ms = (t_first - t0) * 1000
+            tm.decode_ms = (now - t_first) * 1000
+        return tm
+
+    def _finish(
+        self,
+        rs: tracing.rpc_span,
+        resp: gen_pb.GenerateResponse,
+        rid: str,
+        n_prompt: int,
+        ev,
+        t0: float,
+        t_first: float | None,
+        ended: list,
+        n: int,
+    ) -> None:
+        """A sample's last message: its finish reason, usage and timings. ended: the finish events of
+        the request's samples so far, this one's last; the last sample's (or a cancellation) records
+        the request on the span and in the metrics. n: its samples (TPOT is its longest one's steps)."""
+        resp.finish_reason = ev.finish_reason
+        resp.usage.CopyFrom(
+            gen_pb.Usage(prompt_tokens=n_prompt, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens)
+        )
+        resp.timings.CopyFrom(self._timings(rid, t0, t_first, ev))
+        if ev.more:
+            return
+        t = resp.timings
+        out = sum(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else ev.completion_tokens
+        rs.span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": out,
+                "gen_ai.usage.cache_read.input_tokens": resp.usage.cached_tokens,
+                "gen_ai.response.finish_reasons": [e.finish_reason for e in ended],
+                "splitserve.ttft_ms": t.ttft_ms,
+                "splitserve.e2e_ms": t.e2e_ms,
+            }
+        )
+        if resp.finish_reason == "cancelled":
+            self.metrics.cancelled.labels("abort").inc()
+        self.metrics.prompt_tokens_cached.inc(resp.usage.cached_tokens)
+        longest = max(e.completion_tokens for e in ended) if ev.finish_reason != "cancelled" else 0
+        self.metrics.observe_finished(t, resp.finish_reason, out, longest if n > 1 else None)
+
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     frontend = await asyncio.to_thread(Frontend, settings)
