@@ -317,7 +317,7 @@ def test_a_failed_capture_leaves_the_engine_eager_with_the_same_tokens(tiny_engi
     for g in (eng.graphs, eng.pieces, eng.padded and eng.padded.graphs):
         if g is not None:
             g.captured.capture = True  # as on a CUDA device: capture, which fails on this host
-    with caplog.at_level("WARNING", logger="splitserve.engine.engine"):
+    with caplog.at_level("WARNING", logger="splitserve.engine"):
         assert eng.generate(prompts, params) == want
     assert eng.graphs is None and eng.pieces is None and (eng.padded is None or eng.padded.graphs is None)
     assert eng.model.fused is None  # a capture that fails may be the kernels' fault: torch's ops from then on

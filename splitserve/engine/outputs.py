@@ -9,6 +9,13 @@ FINISH_STOP = "stop"
 FINISH_EOS = "eos"
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+FINISH_PREFILLED = "prefilled"  # prefill_only request parked with its KV, waiting for export
+SAMPLE_SEP = "/"  # a request's sample i > 0 runs here as <request id>/<i> (params.n > 1)
+
+
+def sample_key(request_id: str, index: int) -> str:
+    """The id a request's sample runs under here: the request's own for sample 0."""
+    return f"{request_id}{SAMPLE_SEP}{index}" if index else request_id
 
 
 @dataclass(frozen=True, slots=True)
