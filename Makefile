@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools docs-tools docs lint test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak clean
+.PHONY: install proto deploy-tools docs-tools docs lint test image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
 
 install: $(STAMP)
 
@@ -170,6 +170,14 @@ SOAK_ARGS ?=
 
 soak: install proto
 	$(PY) tests/soak.py $(SOAK_ARGS) --out bench-results/soak.json
+
+# A fuzz campaign: the suite's fuzz tests (engine calls, requests, decode-worker calls, prefill jobs)
+# over a range of seeds instead of their few regression seeds. FUZZ_SEEDS="A-B" or "a,b,c".
+FUZZ_SEEDS ?= 0-99
+
+fuzz: install proto
+	SPLITSERVE_FUZZ_SEEDS=$(FUZZ_SEEDS) $(PY) -m pytest -q -x tests/test_engine_tiny.py tests/service/test_bad_input.py \
+		-k "test_random_engine_calls or test_random_requests or test_random_decode_worker_calls or test_random_prefill_jobs"
 
 clean:
 	rm -rf $(VENV) $(DEPLOY_VENV) $(DOCS_VENV) build *.egg-info protos/splitserve_proto/v1/*_pb2*

@@ -2,6 +2,7 @@
 
 import pytest
 from engine_helpers import BLOCK, BLOCK_BYTES, drain, exported, random_prompts
+from fuzz_seeds import fuzz_seeds
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError, StepFailed
 from splitserve.engine.sampling import SamplingParams
@@ -252,7 +253,7 @@ def test_an_import_takes_the_blocks_of_less_urgent_waiting_sequences_and_preempt
         sched.finish(s)
 
 
-@pytest.mark.parametrize("seed", [34, 340, *range(8)])
+@pytest.mark.parametrize("seed", fuzz_seeds([34, 340, *range(8)]))
 def test_random_engine_calls_give_each_request_its_tokens_alone_and_hold_nothing(tiny_engine_factory, seed):
     """A seeded fuzz of the engine's calls (engine_fuzz: random engines, requests, KV imports,
     resumed requests and samples, aborts and steps, each request checked against itself run

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from fuzz_seeds import fuzz_seeds
 from service_helpers import heartbeat, kv_idle, wait_for, workers
 
 from splitserve.client import Client
@@ -159,7 +160,8 @@ def test_bad_requests_are_invalid_argument_naming_the_field(client, kw, field):
     assert field in e.value.details() and "<state>" not in e.value.details(), e.value.details()  # llguidance's
 
 
-def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client):
+@pytest.mark.parametrize("seed", fuzz_seeds([11]))
+def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client, seed):
     """A seeded fuzz of GenerateRequest (request_fuzz): 240 requests, each field drawn among valid
     values and edges, four in ten with one part wrong, sent six at a time, unary or streamed (one
     stream in seven cancelled after its first message). Each ends OK with what it asked for (its
@@ -174,7 +176,7 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
 
     from request_fuzz import FIELD, answer_fault, random_request, random_side_call
 
-    rng, ids = random.Random(11), []
+    rng, ids = random.Random(seed), []
     requests = [random_request(rng, ids) for _ in range(240)]
 
     def send(i: int) -> tuple[str, str]:
@@ -237,7 +239,8 @@ def test_random_requests_get_what_they_asked_for_or_a_clear_error(stack, client)
     assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
 
 
-def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_alone(stack, client):
+@pytest.mark.parametrize("seed", fuzz_seeds([0]))
+def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_alone(stack, client, seed):
     """A seeded fuzz of the decode worker's internal API (worker_fuzz): 100 rounds, six at a time,
     each a Decode stream and one to three handoffs, first tokens, failures, cancels or PrefillHere
     calls for it, half of the rounds with one part wrong, while two clients send greedy requests
@@ -264,7 +267,7 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
         rounds = list(
             pool.map(
                 lambda i: round_of(stub, random.Random(i), f"wfz-{i}", model_fingerprint(stack), arena, dec["host_id"]),
-                range(100),
+                range(seed * 100, seed * 100 + 100),
             )
         )
     answers = [a for r in rounds for a in r]
@@ -277,7 +280,8 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
     assert all(p.popen.poll() is None for p in stack.procs)
 
 
-def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_requests_alone(stack, client):
+@pytest.mark.parametrize("seed", fuzz_seeds([0]))
+def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_requests_alone(stack, client, seed):
     """A seeded fuzz of the jobs a prefill worker reads from Redis (job_fuzz): 120 rounds, six at a
     time, each a decode stream, its request hash and admission counts as a router's admission
     writes them, and one stream entry: a job as a router writes it or, in most rounds, with a field
@@ -304,7 +308,11 @@ def test_random_prefill_jobs_in_redis_end_their_streams_clearly_and_leave_other_
         greedy_clients_beside(stack, client),
     ):
         stub = __import__("splitserve_proto.v1.worker_pb2_grpc", fromlist=["x"]).DecodeWorkerStub(ch)
-        rounds = list(pool.map(lambda i: round_of(stack, stub, random.Random(i), f"jfz-{i}", dec), range(120)))
+        rounds = list(
+            pool.map(
+                lambda i: round_of(stack, stub, random.Random(i), f"jfz-{i}", dec), range(seed * 120, seed * 120 + 120)
+            )
+        )
     wrong = [f"round {i}: {f}" for i, (what, out) in enumerate(rounds) if (f := fault(what, out))]
     assert wrong == [], wrong
     counts = collections.Counter((bool(what), out[0]) for what, out in rounds)
