@@ -532,6 +532,8 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
             opened=self.opened,
             closed=self.closed,
             epoch=self.epoch,
+            fingerprint=e.fingerprint,
+            dtype=str(e.cache.kv.dtype).removeprefix("torch."),
         )
 
 

@@ -64,6 +64,7 @@ class Admission:
             f"queue is full ({q} requests, {t} tokens queued; refusing from {frac:.0%} of "
             f"{self.s.max_queue_requests} requests / {self.s.max_queue_tokens} tokens); retry after {hint} ms",
             metadata=(("retry-after-ms", str(hint)), ("grpc-retry-pushback-ms", str(hint))),
+            reason="QUEUE_FULL",
         )
 
     @staticmethod

@@ -13,17 +13,26 @@ from splitserve.engine.params import SamplingParams, check_context, check_vocab
 from splitserve.engine.structured import Grammars
 from splitserve.router.requests import INLINE_TOKENIZE_CHARS, Sent
 from splitserve.service import convert, grpc_server
+from splitserve.service.errors import NotFound
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
+
+
+def served_model_name(configured: str, model_name: str) -> str:
+    """The model's name in the API: the setting, or the model's own name (a path's last part)."""
+    if configured:
+        return configured
+    name = model_name.rstrip("/").rsplit("/", 1)[-1]
+    return name.removesuffix(".gguf") or model_name
 
 
 class Frontend:
     """What the router knows of the model: tokenizer, vocabulary, context."""
 
     def __init__(self, settings: Settings):
-        self.tokenizer, config, self.name = load_frontend(
-            ModelSpec(path=settings.model or None, cache_dir=settings.cache_dir)
-        )
+        spec = ModelSpec(path=settings.model or None, cache_dir=settings.cache_dir)
+        self.tokenizer, config, name = load_frontend(spec)
+        self.name = served_model_name(settings.served_model_name, name)  # the model's name in the API
         if self.tokenizer is not None:  # worked out now (~20 ms and ~0.7 s of imports), not at the first request
             self.tokenizer.max_token_chars  # noqa: B018
             if self.tokenizer.chat_template:
@@ -38,6 +47,14 @@ class Frontend:
         self.grammars = (
             None if self.tokenizer is None else Grammars(self.tokenizer, self.vocab, self.eos, settings.max_mask_ms)
         )
+
+    def check_model(self, name: str) -> None:
+        """A request's model: empty, or the one served."""
+        if name and name != self.name:
+            raise NotFound(
+                f"model: {name!r} is not served here (this stack serves {self.name!r}; see ListModels)",
+                reason="MODEL_NOT_FOUND",
+            )
 
     def max_request_bytes(self) -> int:
         """The largest GenerateRequest worth reading: a text the context could hold (4 bytes a
@@ -110,6 +127,7 @@ class FrontendChecks:
 
     async def _validate(self, request: gen_pb.GenerateRequest) -> tuple[str, list[int], SamplingParams, Sent]:
         convert.check_request_id(request.request_id)
+        self.front.check_model(request.model)
         convert.check_cache_salt(request.cache_salt)
         params = convert.sampling_from_pb(request.sampling, self.s.default_max_tokens)
         keep = request.sampling.truncate_prompt_tokens if request.sampling.HasField("truncate_prompt_tokens") else None
@@ -226,7 +244,7 @@ class FrontendChecks:
         attrs = {
             "splitserve.request_id": rid,
             "gen_ai.operation.name": "chat" if kind == "messages" else "text_completion",
-            "gen_ai.system": "splitserve",
+            "gen_ai.provider.name": "splitserve",  # (gen_ai.system, deprecated for this)
             "gen_ai.request.model": self.front.name,
             "gen_ai.request.max_tokens": params.max_tokens,
             "gen_ai.request.temperature": params.temperature,

@@ -129,7 +129,8 @@ class Relay:
         r.public_id, was_on = r.rid, ""
         if request.request_id:  # client-chosen: it may exist (see _attempt)
             r.rid, r.attempt, was_on = await self._attempt(r.rid, fingerprint(request), have)
-        r.rs.span.set_attributes(self._genai_attributes(request, r.rid, r.ids, params, r.resumed))
+        attributes = self._genai_attributes(request, r.rid, r.ids, params, r.resumed)
+        r.rs.span.set_attributes(attributes | {"gen_ai.response.id": r.public_id})
         # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
         r.frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
         if self._queue_may_be_full(r.work):  # fast path: no decode stream opened for a refusal

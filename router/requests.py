@@ -108,6 +108,7 @@ def fingerprint(request: gen_pb.GenerateRequest) -> str:
     r.CopyFrom(request)
     r.request_id = ""
     r.ClearField("resume_from")  # (a stream sent again to go on is the same request)
+    r.model = ""  # (one model is served: naming it or not is the same request)
     return hashlib.blake2b(r.SerializeToString(deterministic=True), digest_size=12).hexdigest()
 
 

@@ -35,6 +35,7 @@ from splitserve.observability import tracing
 from splitserve.observability.metrics import RouterMetrics
 from splitserve.router.admission import Admission
 from splitserve.router.frontend import Frontend, FrontendChecks
+from splitserve.router.http_api import HttpServer, OpenAIApi
 from splitserve.router.lease import LeaseAndDrain
 from splitserve.router.placement import Placements
 from splitserve.router.prefix_index import PrefixIndex
@@ -128,9 +129,12 @@ class RouterServicer(
         )
 
     def _server_span(self, method: str, context) -> tracing.rpc_span:
+        """The call's span: its gRPC method's, or for an HTTP call (http_api.HttpContext) its route's."""
         full = f"{SERVICE}/{method}"
         return tracing.rpc_span(
-            full, parent=tracing.extract(context.invocation_metadata()), attributes=tracing.rpc_attributes(full)
+            getattr(context, "span_name", full),
+            parent=tracing.extract(context.invocation_metadata()),
+            attributes=tracing.rpc_attributes(full) | getattr(context, "span_attributes", {}),
         )
 
     def _record_error(self, e: BaseException) -> None:
@@ -299,6 +303,24 @@ class RouterServicer(
             token_ids=ids, count=len(ids), max_model_len=self.front.context, model=self.front.name
         )
 
+    async def ListModels(self, request, context):
+        return gen_pb.ListModelsResponse(models=[self._model_info()])
+
+    async def GetModelInfo(self, request, context):
+        self.front.check_model(request.name)
+        return self._model_info()
+
+    def _model_info(self) -> gen_pb.ModelInfo:
+        """The served model; its dtype and fingerprint as a registered decode worker gives them."""
+        worker = next((w for w in self.workers if w.fingerprint), None)
+        return gen_pb.ModelInfo(
+            name=self.front.name,
+            context_length=self.front.context,
+            vocab_size=self.front.vocab,
+            dtype=worker.dtype if worker else "",
+            fingerprint=worker.fingerprint if worker else "",
+        )
+
     async def Detokenize(self, request, context):
         tok = self.front.tokenizer
         if tok is None:
@@ -376,10 +398,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await servicer.reap(servicer.id)  # what an earlier life under this id left
     await servicer.keep_alive()
     await servicer.refresh_workers()
+    http = None
+    if settings.http_port:  # bound first: a port in use stops the start at once, naming it
+        api = OpenAIApi(servicer, frontend.name, frontend.context)
+        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s)
     server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    if http is not None:
+        http.start()
 
     async def refresh():
         while True:
@@ -406,6 +434,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     log.info("router serving on %s", address)
     if metrics_port:
         print(f"METRICS {settings.host}:{metrics_port}", flush=True)
+    if http is not None:
+        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", settings.host, http.port)
+        print(f"HTTP {settings.host}:{http.port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
     await grpc_server.set_not_serving(health, [SERVICE])
@@ -416,6 +447,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # still running when DRAIN_S is over fail UNAVAILABLE saying so, and are recorded failed: gRPC's own
     # cut would say "Cancelling all calls", and the hash "cancelled", as if their clients had.
     stopping = asyncio.create_task(server.stop(grace=settings.drain_s + 5.0))
+    if http is not None:
+        http.stop_accepting()
     t_end = time.monotonic() + settings.drain_s
     # (the calls in hand, not only the active requests: one still in admission is not active yet,
     # and a drain over before its admission was would cut it off as it came out)
@@ -426,6 +459,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         f"{settings.drain_s:g} s ran out); retry"
     )
     await stopping
+    if http is not None:
+        await http.stopped()
     for peer in servicer.peers.clear():  # their watchers end with them
         await peer.channel.close()
     try:

@@ -42,6 +42,14 @@ def _at_least(least: int):
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a port number (0: as the flag says)."""
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0."""
     try:
@@ -86,19 +94,25 @@ def _up(args) -> int:
     import signal
     import threading
 
+    from splitserve.service.process import check_port_free
     from splitserve.service.settings import Settings, needs_colocated
     from splitserve.stack import Stack
 
-    overrides = {"model": args.model, "policy": args.policy}
+    overrides = {"model": args.model, "policy": args.policy, "host": args.host}
+    overrides["served_model_name"] = args.served_model_name
     if args.colocated or needs_colocated(args.policy or ""):
         overrides["mode"] = "colocated"
     try:
         settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
+        for port, flag in ((args.port, "--port"), (args.http_port, "--http-port")):
+            check_port_free(settings.host, port, flag)
     except ValueError as e:
         print(f"splitserve up: error: {e}", file=sys.stderr)
         return 2
     n_prefill = 0 if settings.mode == "colocated" else args.prefill
-    stack = Stack(settings, prefill=n_prefill, decode=args.decode, routers=args.routers)
+    stack = Stack(
+        settings, prefill=n_prefill, decode=args.decode, routers=args.routers, port=args.port, http_port=args.http_port
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup: left ignored
@@ -111,8 +125,14 @@ def _up(args) -> int:
     try:
         stack.start()
         print(f"splitserve is up: router at {', '.join(stack.router_addresses)}  (logs in {stack.run_dir})", flush=True)
+        if stack.router_http_address:
+            print(
+                f"OpenAI-compatible HTTP: http://{stack.router_http_address}/v1  (model {_model_name(stack)})",
+                flush=True,
+            )
         state = {
             "router": stack.router_address,
+            "http": stack.router_http_address,
             "routers": stack.router_addresses,
             "pid": os.getpid(),
             "redis_url": stack.settings.redis_url,
@@ -148,6 +168,20 @@ def _up(args) -> int:
             pass
         left = stack.shm_segments()
         print(f"stopped; shared-memory segments left: {len(left)}", flush=True)
+
+
+def _model_name(stack) -> str:
+    """The model's name as the router's /v1/models says it."""
+    import json
+    import urllib.request
+
+    from splitserve.router.frontend import served_model_name
+
+    try:
+        with urllib.request.urlopen(f"http://{stack.router_http_address}/v1/models", timeout=5) as f:
+            return json.load(f)["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError):
+        return served_model_name(stack.settings.served_model_name, stack.settings.model or "the default")
 
 
 def _demo(address: str) -> None:
@@ -491,6 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="routers (default 1); they share the queue bounds through Redis, and any of them aborts any request",
     )
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the model's own)")
+    p.add_argument("--host", default=None, help="the routers' bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=_port, default=50051, help="the first router's gRPC port (default 50051; 0: a free one)"
+    )
+    p.add_argument(
+        "--http-port", type=_port, default=8000, help="its OpenAI-compatible HTTP port (default 8000; 0: off)"
+    )
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
     p.add_argument(
         "--colocated",

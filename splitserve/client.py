@@ -46,6 +46,7 @@ intervals, instead of leaving them waiting for their deadlines, or forever witho
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -169,11 +170,12 @@ def build_request(
     priority: int = 0,
     cache_salt: str = "",
     resume_from: tuple[list[int], int] | pb.Continuation | None = None,
+    model: str = "",
 ) -> pb.GenerateRequest:
     """resume_from: (the completion's tokens the client has, the characters of their text), or a
     Continuation (n > 1: its samples): a stream cut off, sent again to go on where it stopped
     (GenerateRequest.resume_from)."""
-    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt, model=model)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
@@ -320,6 +322,144 @@ class _Resumer:
         return None
 
 
+class SplitserveError(grpc.aio.AioRpcError):
+    """A failed call, as the service described it: code() and details() as gRPC's own error, and
+    what google.rpc's details say: ``reason`` (ErrorInfo, a stable name such as QUEUE_FULL or
+    MODEL_NOT_FOUND), ``field_violations`` (BadRequest: (field, description) pairs) and
+    ``retry_after_s`` (RetryInfo; None without one). A subclass per status, so a caller may catch
+    ``ResourceExhausted`` or ``InvalidArgument`` alone; every one is a grpc.RpcError (and an
+    AioRpcError), as the client's errors have always been."""
+
+    reason: str = ""
+    field_violations: list[tuple[str, str]]
+    retry_after_s: float | None = None
+
+
+class InvalidArgument(SplitserveError):
+    pass
+
+
+class NotFound(SplitserveError):
+    pass
+
+
+class AlreadyExists(SplitserveError):
+    pass
+
+
+class ResourceExhausted(SplitserveError):
+    pass
+
+
+class FailedPrecondition(SplitserveError):
+    pass
+
+
+class Unavailable(SplitserveError):
+    pass
+
+
+class DeadlineExceeded(SplitserveError):
+    pass
+
+
+class Cancelled(SplitserveError):
+    pass
+
+
+class Internal(SplitserveError):
+    pass
+
+
+_TYPED = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def typed_error(e: grpc.RpcError) -> grpc.RpcError:
+    """e as the SplitserveError of its status, with its google.rpc details read; e itself when it
+    is one already, or not a call's error."""
+    if isinstance(e, SplitserveError) or not hasattr(e, "code"):
+        return e
+    from google.rpc import error_details_pb2, status_pb2
+
+    trailing = list(e.trailing_metadata() or ())
+    initial = list(e.initial_metadata() or ()) if hasattr(e, "initial_metadata") else []
+    debug = e.debug_error_string() if hasattr(e, "debug_error_string") else None
+    cls = _TYPED.get(e.code(), SplitserveError)
+    out = cls(e.code(), grpc.aio.Metadata(*initial), grpc.aio.Metadata(*trailing), e.details(), debug)
+    out.field_violations = []
+    raw = next((v for k, v in trailing if k == "grpc-status-details-bin"), None)
+    if raw:
+        status = status_pb2.Status.FromString(raw)
+        for any_ in status.details:
+            if any_.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                any_.Unpack(info)
+                out.reason = info.reason
+            elif any_.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                any_.Unpack(bad)
+                out.field_violations = [(v.field, v.description) for v in bad.field_violations]
+            elif any_.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                any_.Unpack(retry)
+                out.retry_after_s = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    return out
+
+
+class _TypedStream:
+    """A streaming call whose failure is raised as a SplitserveError; everything else is the
+    call's own (cancel(), code(), initial_metadata(), ...)."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            raise typed_error(e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
+def _typed(fn):
+    """A client method whose call's failure is raised as a SplitserveError."""
+
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except grpc.RpcError as e:
+            raise typed_error(e) from None
+
+    return call
+
+
+def _typed_async(fn):
+    @functools.wraps(fn)
+    async def call(*args, **kw):
+        try:
+            return await fn(*args, **kw)
+        except grpc.RpcError as e:
+            raise typed_error(e) from None
+
+    return call
+
+
 class Client:
     def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False):
         self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
@@ -330,16 +470,20 @@ class Client:
     ) -> pb.GenerateResponse:
         """resumes: streamed, going on after the router was lost at most this many times (see the
         module's doc), and collected into Generate's one response (collect)."""
-        if resumes:
-            return collect(self._resumed_stream(_Resumer(prompt, timeout, resumes, kw)), kw.get("n") or 1)
-        return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+        try:
+            if resumes:
+                return collect(self._resumed_stream(_Resumer(prompt, timeout, resumes, kw)), kw.get("n") or 1)
+            return self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+        except grpc.RpcError as e:
+            raise typed_error(e) from None
 
     def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
     ) -> Iterator[pb.GenerateResponse]:
         """resumes: go on after the router was lost at most this many times (see the module's doc)."""
         if not resumes:
-            return self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+            call = self.stub.GenerateStream(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+            return _TypedStream(call)
         return self._resumed_stream(_Resumer(prompt, timeout, resumes, kw))
 
     def _resumed_stream(self, r: _Resumer) -> Iterator[pb.GenerateResponse]:
@@ -355,26 +499,38 @@ class Client:
                     return
                 wait = r.wait_before_resend(e)
                 if wait is None:
-                    raise
+                    raise typed_error(e) from None
             finally:
                 call.cancel()
             time.sleep(wait)
 
+    @_typed
     def tokenize(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, timeout: float | None = None
     ) -> pb.TokenizeResponse:
         return self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
 
+    @_typed
     def detokenize(
         self, token_ids: list[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
     ) -> pb.DetokenizeResponse:
         return self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
 
+    @_typed
     def abort(self, request_id: str) -> pb.AbortResponse:
         return self.stub.Abort(pb.AbortRequest(request_id=request_id))
 
+    @_typed
     def get_request(self, request_id: str, *, timeout: float | None = None) -> pb.RequestInfo:
         return self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=timeout)
+
+    @_typed
+    def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        return list(self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout).models)
+
+    @_typed
+    def get_model_info(self, name: str = "", *, timeout: float | None = None) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(name=name), timeout=timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -400,7 +556,10 @@ class AsyncClient:
                 [ch async for ch in self.generate_stream(prompt, timeout=timeout, resumes=resumes, **kw)],
                 kw.get("n") or 1,
             )
-        return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+        try:
+            return await self.stub.Generate(build_request(prompt, **kw), timeout=timeout, metadata=_trace_metadata())
+        except grpc.RpcError as e:
+            raise typed_error(e) from None
 
     async def generate_stream(
         self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
@@ -421,26 +580,38 @@ class AsyncClient:
                     return
                 wait = r.wait_before_resend(e)
                 if wait is None:
-                    raise
+                    raise typed_error(e) from None
             finally:  # left early (break, an exception, the task cancelled): the request is cancelled too
                 call.cancel()
             await asyncio.sleep(wait)
 
+    @_typed_async
     async def tokenize(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, timeout: float | None = None
     ) -> pb.TokenizeResponse:
         return await self.stub.Tokenize(tokenize_request(prompt, messages), timeout=timeout)
 
+    @_typed_async
     async def detokenize(
         self, token_ids: list[int], *, skip_special_tokens: bool | None = None, timeout: float | None = None
     ) -> pb.DetokenizeResponse:
         return await self.stub.Detokenize(detokenize_request(token_ids, skip_special_tokens), timeout=timeout)
 
+    @_typed_async
     async def abort(self, request_id: str) -> pb.AbortResponse:
         return await self.stub.Abort(pb.AbortRequest(request_id=request_id))
 
+    @_typed_async
     async def get_request(self, request_id: str, *, timeout: float | None = None) -> pb.RequestInfo:
         return await self.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=timeout)
+
+    @_typed_async
+    async def list_models(self, *, timeout: float | None = None) -> list[pb.ModelInfo]:
+        return list((await self.stub.ListModels(pb.ListModelsRequest(), timeout=timeout)).models)
+
+    @_typed_async
+    async def get_model_info(self, name: str = "", *, timeout: float | None = None) -> pb.ModelInfo:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(name=name), timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -60,6 +60,7 @@ class Proc:
     log_path: str
     address: str = ""
     metrics_address: str = ""
+    http_address: str = ""  # a router's OpenAI-compatible HTTP, when on
 
 
 def redis_server_binary() -> str:
@@ -85,7 +86,11 @@ class Stack:
         decode_env: dict | None = None,
         routers: int = 1,
         router_env: dict | None = None,
+        port: int = 0,
+        http_port: int = 0,
     ):
+        """port, http_port: the first router's gRPC port (0: a free one) and HTTP port (0: off);
+        the other processes take free ports."""
         self.stack_id = uuid.uuid4().hex[:8]
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
@@ -104,6 +109,8 @@ class Stack:
         self.redis_proc: subprocess.Popen | None = None
         self.procs: list[Proc] = []
         self.router_address = ""  # the first router's
+        self.router_http_address = ""  # ... and its HTTP one ("" when off)
+        self.port, self.http_port = port, http_port
         self.router_addresses: list[str] = []
 
     # -- start --------------------------------------------------------------------------
@@ -130,11 +137,13 @@ class Stack:
             self._spawn(f"prefill-{i}")
         # Routers need no worker to start (they read the registry every half heartbeat): they load
         # their tokenizer while the workers load the model.
-        routers = [self._spawn("router" if i == 0 else f"router-{i}") for i in range(self.n_routers)]
+        routers = [self._spawn("router", port=self.port, http_port=self.http_port)]
+        routers += [self._spawn(f"router-{i}") for i in range(1, self.n_routers)]
         for p in self.procs:
             self._wait_ready(p, deadline)
         self.router_addresses = [router.address for router in routers]
         self.router_address = self.router_addresses[0]
+        self.router_http_address = routers[0].http_address
         self._wait_registered(deadline)
 
     def start_redis(self) -> str:
@@ -187,11 +196,12 @@ class Stack:
         old.popen.wait()
         self.procs.remove(old)
         os.replace(old.log_path, old.log_path + ".1")
-        p = self._spawn(name, port=int(old.address.rsplit(":", 1)[1]))
+        http_port = int(old.http_address.rsplit(":", 1)[1]) if old.http_address else 0
+        p = self._spawn(name, port=int(old.address.rsplit(":", 1)[1]), http_port=http_port)
         self._wait_ready(p, time.time() + timeout)
         return p
 
-    def _spawn(self, name: str, port: int = 0) -> Proc:
+    def _spawn(self, name: str, port: int = 0, http_port: int = 0) -> Proc:
         """Start the process ``name`` (router…, prefill-N or decode-N) with its role's module and env."""
         role = name.split("-")[0]
         module = {
@@ -201,7 +211,7 @@ class Stack:
         }[role]
         extra_env = {"prefill": self.prefill_env, "decode": self.decode_env, "router": self.router_env}[role]
         env = dict(os.environ)
-        env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port).to_env())
+        env.update(self.settings.replace(worker_id=f"{name}-{self.stack_id}", port=port, http_port=http_port).to_env())
         env.update({k: str(v) for k, v in extra_env.items()})
         env["PYTHONUNBUFFERED"] = "1"
         log_path = os.path.join(self.run_dir, f"{name}.log")
@@ -230,6 +240,8 @@ class Stack:
                         p.address = line.split()[1]
                     elif line.startswith("METRICS "):
                         p.metrics_address = line.split()[1]
+                    elif line.startswith("HTTP "):
+                        p.http_address = line.split()[1]
             if p.address and self._healthy(p.address):
                 return
             time.sleep(0.1)

@@ -4,6 +4,7 @@ hung up on, ``splitserve up`` leaves no worker, no Redis and no shared-memory se
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -98,11 +99,17 @@ def test_a_process_started_from_the_main_thread_gets_sigterm_when_its_starter_is
 
 
 # `splitserve up` as started from a terminal: SIGHUP at its default, even where this test runs with it
-# ignored (under nohup), which `up` leaves so.
+# ignored (under nohup), which `up` leaves so. Its router on free ports (gRPC, and HTTP: drained too).
 UP = (
     "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); from splitserve.cli import main; "
-    "sys.exit(main(['up']))"
+    "sys.exit(main(['up', '--port', '0', '--http-port', sys.argv[1]]))"
 )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGHUP", "Ctrl-C"])
@@ -127,7 +134,7 @@ def test_splitserve_up_killed_hung_up_on_or_interrupted_leaves_no_process_and_no
     env.pop("REDIS_URL", None)
     # Ctrl-C: `up` leads a process group of its own, as a shell's foreground job does.
     up = subprocess.Popen(
-        [sys.executable, "-c", UP],
+        [sys.executable, "-c", UP, str(free_port())],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

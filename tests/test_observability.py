@@ -159,6 +159,8 @@ def test_one_streamed_request_is_one_trace_correctly_parented(stack):
     assert dec_client.kind == "client" and dec_server.kind == "server" and kv.kind == "client"
     # GenAI attributes on the request span.
     assert root.attrs["gen_ai.operation.name"] == "text_completion"
+    assert root.attrs["gen_ai.provider.name"] == "splitserve" and "gen_ai.system" not in root.attrs
+    assert root.attrs["gen_ai.response.id"] == chunks[-1].request_id
     assert root.attrs["gen_ai.request.model"].startswith("SmolLM2-135M-Instruct")
     assert root.attrs["gen_ai.request.max_tokens"] == 12
     assert root.attrs["gen_ai.request.presence_penalty"] == 0.25

@@ -75,3 +75,45 @@ def test_splitserve_status_with_a_redis_url_that_is_not_one_says_so(capsys, monk
     monkeypatch.setenv("REDIS_URL", "localhost:6379")
     assert cli.main(["status"]) == 2
     assert "REDIS_URL 'localhost:6379' is not a Redis URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["-m", "splitserve.cli", "up", "--port", "{port}"], "--port"),
+        (["-m", "splitserve.cli", "up", "--port", "0", "--http-port", "{port}"], "--http-port"),
+        (["-m", "splitserve.router", "--port", "{port}"], "--port"),
+        (["-m", "splitserve.router", "--port", "0", "--http-port", "{port}"], "--http-port"),
+        (["-m", "splitserve.decode_worker", "--port", "{port}"], "--port"),
+    ],
+)
+def test_a_port_in_use_is_one_line_naming_it_and_exit_2(argv, flag):
+    """Before anything is loaded or started: no traceback, no stack half up."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, *(a.format(port=port) for a in argv)], capture_output=True, text=True, timeout=120
+        )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith(f"cannot listen on 127.0.0.1:{port} ({flag}): Address already in use")
+
+
+def test_the_router_listens_on_the_known_ports_unless_told_otherwise(monkeypatch):
+    from splitserve.service import process
+    from splitserve.service.process import parse_settings
+
+    monkeypatch.setattr(process, "check_port_free", lambda *a: None)  # whatever this machine runs there
+    monkeypatch.delenv("SPLITSERVE_PORT", raising=False)
+    monkeypatch.delenv("SPLITSERVE_HTTP_PORT", raising=False)
+    s = parse_settings("router", [])
+    assert (s.port, s.http_port) == (50051, 8000)
+    assert parse_settings("decode_worker", []).port == 0  # workers: free ports, registered in Redis
+    monkeypatch.setenv("SPLITSERVE_PORT", "0")
+    monkeypatch.setenv("SPLITSERVE_HTTP_PORT", "0")  # a stack's own processes: free ports, HTTP off
+    assert (parse_settings("router", []).port, parse_settings("router", []).http_port) == (0, 0)
+    assert parse_settings("router", ["--port", "6000", "--http-port", "0"]).port == 6000

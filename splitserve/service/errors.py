@@ -8,26 +8,38 @@ import logging
 
 import grpc
 import redis.exceptions
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVImportError
 from splitserve.handoff.arena import BadHandle
 
 log = logging.getLogger(__name__)
+# google.rpc.Status in a failed call's trailers (what grpcio-status reads), and ErrorInfo's domain
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "splitserve.v1"
+# RetryInfo of an UNAVAILABLE without a hint of its own: a router or worker back, a Redis answering
+UNAVAILABLE_RETRY_MS = 1000
 # Redis down, unreachable or not answering in time: the service cannot admit or look up
 # requests now, and a retry may succeed (UNAVAILABLE, which gRPC retry policies retry).
 REDIS_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 # A status message's most bytes as it travels in the trailers (grpc-message, percent-encoded): gRPC
 # refuses trailers past 16 KiB (and may past 8 KiB), and the client then gets RESOURCE_EXHAUSTED
-# "Stream removed" instead of the status. A longer message (one that quotes a long input) is cut.
-MAX_DETAILS_BYTES = 4096
+# "Stream removed" instead of the status. The message travels twice (grpc-message, and in the
+# google.rpc.Status of grpc-status-details-bin, base64: 4/3 of its UTF-8), so 2 KiB of it keeps
+# the trailers near 5 KiB. A longer message (one that quotes a long input) is cut.
+MAX_DETAILS_BYTES = 2048
+# A BadRequest field violation's description at most: the whole text is the status's message
+MAX_VIOLATION_CHARS = 200
 
 
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, metadata: tuple = ()):
+    def __init__(self, message: str, metadata: tuple = (), reason: str = ""):
         super().__init__(message)
         self.metadata = metadata
+        self.reason = reason  # ErrorInfo.reason: a stable name for why (default: the status's name)
 
 
 class Refused(ServiceError):
@@ -117,12 +129,54 @@ def fit_details(message: str, limit: int = MAX_DETAILS_BYTES) -> str:
     return message
 
 
+def reason_of(exc: BaseException, code: grpc.StatusCode) -> str:
+    """ErrorInfo.reason: a stable UPPER_SNAKE name of why the call failed."""
+    if getattr(exc, "reason", ""):
+        return exc.reason
+    if isinstance(exc, REDIS_UNREACHABLE):
+        return "REDIS_UNREACHABLE"
+    if isinstance(exc, CapacityError):
+        return "KV_CAPACITY"
+    if isinstance(exc, (KVImportError, BadHandle)):
+        return "BAD_HANDOFF"
+    return code.name
+
+
+def field_of(exc: BaseException, message: str) -> str:
+    """The request field an INVALID_ARGUMENT names: the error's own, or its message's "field: ..."."""
+    field = getattr(exc, "field", "") or ""
+    if not field and ": " in message:
+        head = message.split(": ", 1)[0]
+        field = head if head and " " not in head else ""
+    return field
+
+
+def status_details(code: grpc.StatusCode, message: str, exc: BaseException, metadata) -> bytes:
+    """google.rpc.Status for the trailers (grpc-status-details-bin), with the message the status
+    carries: ErrorInfo (reason, domain) always; BadRequest naming the field on INVALID_ARGUMENT;
+    RetryInfo on RESOURCE_EXHAUSTED and UNAVAILABLE, from the retry hint (grpc-retry-pushback-ms
+    stays beside it, for gRPC's own retries)."""
+    st = status_pb2.Status(code=code.value[0], message=message)
+    st.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason_of(exc, code), domain=ERROR_DOMAIN))
+    if code == grpc.StatusCode.INVALID_ARGUMENT and (field := field_of(exc, message)):
+        description = message.removeprefix(f"{field}: ")[:MAX_VIOLATION_CHARS]
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+        st.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        hint = dict(metadata).get("retry-after-ms")
+        ms = int(hint) if hint and str(hint).isdigit() else UNAVAILABLE_RETRY_MS
+        delay = duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+        st.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return st.SerializeToString()
+
+
 async def _abort(context, exc: BaseException):
     code, message, metadata = status_for(exc)
-    if metadata:
-        context.set_trailing_metadata(metadata)
+    message = fit_details(message)
+    details = ((STATUS_DETAILS_KEY, status_details(code, message, exc, metadata)),)
+    context.set_trailing_metadata(tuple(metadata) + details)
     try:
-        await context.abort(code, fit_details(message))
+        await context.abort(code, message)
     except grpc.aio.AbortError:
         raise
     except Exception:  # noqa: BLE001 - gRPC's ExecuteBatchError (a private type): no status could be sent

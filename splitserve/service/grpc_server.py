@@ -57,9 +57,12 @@ async def start(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind {host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # (gRPC raises, or gives 0, by version)
+        bound = 0
+    if bound == 0:  # a ValueError: the process says so in one line and exits 2 (process.run)
+        raise ValueError(f"cannot listen on {host}:{port} (--port): the port is in use, or the address is not here")
     await server.start()
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

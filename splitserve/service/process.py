@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 
 from splitserve.engine.errors import EngineError
@@ -100,15 +102,48 @@ async def end_tasks(rounds: int = 20, wait_s: float = 0.25) -> list[asyncio.Task
     return left
 
 
+DEFAULT_GRPC_PORT = 50051  # gRPC's usual port
+DEFAULT_HTTP_PORT = 8000  # the usual port of an OpenAI-compatible server (vLLM's)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """A port this process is told to listen on must be free: one clear line if not (ValueError),
+    before anything is loaded. 0 (a free one, or off) passes."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # as the servers bind: a port left in TIME_WAIT by a process just stopped is free, one a
+        # process listens on is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({flag}): {e.strerror or e}") from None
+
+
 def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap = argparse.ArgumentParser(prog=f"python -m splitserve.{role}", description=f"splitserve {role}")
-    ap.add_argument("--host")
-    ap.add_argument("--port", type=int)
+    router = role == "router"
+    ap.add_argument("--host", help="bind address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, help="gRPC port" + (" (default 50051)" if router else " (default: a free one)"))
+    if router:
+        ap.add_argument("--http-port", dest="http_port", type=int, help="OpenAI HTTP port (default 8000; 0: off)")
+        ap.add_argument("--served-model-name", dest="served_model_name", help="the model's name in the API")
     ap.add_argument("--redis-url", dest="redis_url")
     ap.add_argument("--model")
     ap.add_argument("--worker-id", dest="worker_id")
     args = ap.parse_args(argv)
-    settings = Settings.from_env(**vars(args))
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    env = os.environ
+    if router:  # the router's known ports, unless the environment names others (a stack's own: free ones)
+        if "SPLITSERVE_PORT" not in env:
+            overrides.setdefault("port", DEFAULT_GRPC_PORT)
+        if "SPLITSERVE_HTTP_PORT" not in env:
+            overrides.setdefault("http_port", DEFAULT_HTTP_PORT)
+    settings = Settings.from_env(**overrides)
+    check_port_free(settings.host, settings.port, "--port")
+    if router:
+        check_port_free(settings.host, settings.http_port, "--http-port")
     settings.check_core_share_names_a_board()
     return settings
 

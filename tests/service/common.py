@@ -5,6 +5,7 @@ import contextlib
 import os
 import pathlib
 import signal
+import socket
 import threading
 import time
 
@@ -33,10 +34,19 @@ BASE = dict(
 
 def start_stack(**kw):
     extra = {
-        k: kw.pop(k) for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers") if k in kw
+        k: kw.pop(k)
+        for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers", "port", "http_port")
+        if k in kw
     }
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
     return stack
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (for a router's HTTP: the stack binds it a moment later)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def assert_idle(stack):

@@ -8,14 +8,23 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 
-from .common import LOGPROBS_KW, PROMPT_LP_KW, PROMPT_LP_TEXT, admission_counts, assert_idle, finish_stack, start_stack
+from .common import (
+    LOGPROBS_KW,
+    PROMPT_LP_KW,
+    PROMPT_LP_TEXT,
+    admission_counts,
+    assert_idle,
+    finish_stack,
+    free_port,
+    start_stack,
+)
 
 
 @pytest.fixture(scope="package")
 def stack():
     # a second router for Abort's tests; masks of formats up to 2 ms, for a clear margin in the test of
     # one that turns costly while generating (~7 ms a mask; the other formats' take below 0.7 ms)
-    s = start_stack(max_queue_requests=64, max_queue_tokens=1 << 20, routers=2, max_mask_ms=2.0)
+    s = start_stack(max_queue_requests=64, max_queue_tokens=1 << 20, routers=2, max_mask_ms=2.0, http_port=free_port())
     yield s
     finish_stack(s)
 
@@ -79,7 +88,7 @@ def other_router(stack):
 
 @pytest.fixture(scope="package")
 def small_queue_stack_of_module():
-    s = start_stack(max_queue_requests=8, max_queue_tokens=1 << 20, replay_max_tokens=8)
+    s = start_stack(max_queue_requests=8, max_queue_tokens=1 << 20, replay_max_tokens=8, http_port=free_port())
     yield s
     finish_stack(s)
 
