@@ -2,6 +2,7 @@
 and cross-check every environment variable against what the code reads."""
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -260,3 +261,67 @@ def test_the_configuration_page_lists_every_setting_with_its_default_and_is_curr
         assert name in rows, f"{name} is not in docs/configuration.md"
         if f.name not in ("cache_dir",):  # a path that depends on the machine
             assert rows[name].strip() == (str(getattr(defaults, f.name)) or "(empty)"), (name, rows[name])
+
+
+def _render_with_components(tmp_path, overlay: str, components: list[str]) -> list[dict]:
+    """An overlay with optional components added, as a user's kustomization would."""
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S / "overlays" / overlay, tmp_path)],
+                "components": [os.path.relpath(K8S / "components" / c, tmp_path) for c in components],
+            }
+        )
+    )
+    out = subprocess.run(
+        [shutil.which("kubectl"), "kustomize", "--load-restrictor=LoadRestrictionsNone", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.parametrize("overlay", ["dev", "cross-node"])
+def test_the_pod_monitor_scrapes_every_metrics_port_and_the_dashboard_queries_exported_metrics(tmp_path, overlay):
+    from splitserve.observability.metrics import PrefillMetrics, RouterMetrics
+
+    docs = _render_with_components(tmp_path, overlay, ["monitoring"])
+    monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+    scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    for d in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet") and "redis" not in d["metadata"]["name"]):
+        pod = d["spec"]["template"]
+        assert selector.items() <= pod["metadata"]["labels"].items(), d["metadata"]["name"]
+        ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", ()) if "metrics" in p["name"]}
+        assert ports and ports <= scraped, (d["metadata"]["name"], ports)
+    board = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("dashboard"))
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(board["data"]["splitserve.json"])
+    queried = {
+        re.sub(r"_(bucket|sum|count|total)$", "", m)
+        for p in dashboard["panels"]
+        for t in p["targets"]
+        for m in re.findall(r"splitserve_\w+", t["expr"])
+    }
+    exported = {m.name for cls in (RouterMetrics, DecodeMetrics, PrefillMetrics) for m in cls().registry.collect()}
+    assert queried and queried <= exported, queried - exported
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for what in ("first token", "inter-token", "end-to-end", "queue", "refusals", "kv cache", "running", "handoff"):
+        assert what in titles, what
+
+
+def test_the_gateway_routes_point_at_the_routers_ports():
+    docs = [d for d in yaml.safe_load_all((K8S / "components" / "gateway" / "routes.yaml").read_text()) if d]
+    router = [d for d in yaml.safe_load_all((K8S / "base" / "router.yaml").read_text()) if d]
+    service = next(d for d in router if d["kind"] == "Service" and d["metadata"]["name"] == "splitserve-router")
+    ports = {p["port"]: p for p in service["spec"]["ports"]}
+    kinds = {d["kind"]: d for d in docs}
+    grpc_ref = kinds["GRPCRoute"]["spec"]["rules"][0]["backendRefs"][0]
+    http_ref = kinds["HTTPRoute"]["spec"]["rules"][0]["backendRefs"][0]
+    assert grpc_ref["name"] == http_ref["name"] == "splitserve-router"
+    assert ports[grpc_ref["port"]]["appProtocol"] == "grpc" and ports[http_ref["port"]]["appProtocol"] == "http"
+    assert kinds["GRPCRoute"]["spec"]["rules"][0]["matches"][0]["method"]["service"] == "splitserve.v1.Generation"
