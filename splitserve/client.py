@@ -96,10 +96,15 @@ def channel_options(retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance:
 
 
 def _trace_metadata() -> tuple:
-    """The caller's current trace context, if it has one: the request joins the caller's trace."""
-    from splitserve.observability.tracing import inject
-
-    return tuple(inject())
+    """The caller's current trace context, if it has one: the request joins the caller's trace.
+    Without OpenTelemetry installed (a client-only install), none."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return ()
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def structured_output_pb(fmt: dict | pb.StructuredOutput) -> pb.StructuredOutput:
