@@ -100,7 +100,7 @@ def test_knee_rule():
     assert loadgen.find_knee([], 1.5) == (None, None)
     # a concurrency at which no request succeeded (p99 NaN) has degraded; at the lowest, there is no knee
     assert loadgen.find_knee([(1, 1.0), (2, 1.2), (4, math.nan), (8, 1.1)], 1.5) == (2, 4)
-    assert loadgen.find_knee([(1, math.nan), (2, math.nan)], 1.5) == (None, 1)  # before: (2, None)
+    assert loadgen.find_knee([(1, math.nan), (2, math.nan)], 1.5) == (None, 1)  # not: (2, None)
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,7 @@ def test_bench_command_closed_loop_json_and_plots(tiny_stack, tmp_path):
 
 def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there_are_no_plots(tiny_stack, tmp_path):
     """Every request past its deadline (1 ms): the sweep's results are written, as plain JSON, each
-    point's errors counted, no knee, and no plot, with the reason. Before: matplotlib's "Data cannot
+    point's errors counted, no knee, and no plot, with the reason. Guards against: matplotlib's "Data cannot
     be log-scaled" traceback at the first plot, no results.json, and the largest concurrency tried
     printed as the knee."""
     out = tmp_path / "f"
@@ -246,7 +246,7 @@ def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr[-2000:]  # none succeeded
 
-    def refuse(constant):  # plain JSON: a percentile of nothing is null (before: NaN, which jq refuses)
+    def refuse(constant):  # plain JSON: a percentile of nothing is null (not: NaN, which jq refuses)
         raise AssertionError(f"{constant} in results.json")
 
     report = json.loads((out / "results.json").read_text(), parse_constant=refuse)
@@ -264,7 +264,7 @@ def test_a_sweep_whose_every_request_fails_writes_its_results_and_says_why_there
 def test_bench_against_an_address_where_nothing_answers_stops_at_once_naming_it(
     tiny_stack, capsys, tmp_path, monkeypatch
 ):
-    """Before: every request of every run was sent, failed UNAVAILABLE, and the plots of nothing
+    """Guards against: every request of every run was sent, failed UNAVAILABLE, and the plots of nothing
     failed. Now: refused before anything is sent or written (exit 2), naming --address."""
     import argparse
     import functools
@@ -445,7 +445,7 @@ def test_a_workload_line_that_is_not_a_request_is_refused_naming_its_line_and_fi
 
     path = tmp_path / "w.jsonl"
     path.write_text('{"id": "ok", "prompt_token_ids": [1, 2], "max_tokens": 3}\n' + line + "\n")
-    with pytest.raises(ValueError) as e:  # before: KeyError, TypeError or a JSON error with no line
+    with pytest.raises(ValueError) as e:  # not: KeyError, TypeError or a JSON error with no line
         load_workload(str(path), tokenize=lambda p: [7] * len(p))
     assert str(e.value).startswith(str(tmp_path / message)), str(e.value)
 
@@ -494,6 +494,6 @@ def test_bench_flags_out_of_range_are_refused_naming_the_flag(argv, message, cap
     root = argparse.ArgumentParser()
     cli.add_parser(root.add_subparsers())
     args = root.parse_args(["bench", "--address", "127.0.0.1:1", "--out", str(tmp_path / "out"), *argv])
-    assert cli.main(args) == 2  # before: most of these ran, and wrote results for nothing
+    assert cli.main(args) == 2  # not: most of these ran, and wrote results for nothing
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -135,7 +135,7 @@ def test_an_engine_on_a_board_runs_its_share_of_threads_and_the_same_tokens(tiny
 
 def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_engine_factory, tmp_path, monkeypatch):
     """Loading computes (fp32 weights, packing): started beside a busy engine, an engine loads on
-    its share of the cores. Before, it loaded on all of them: two workers starting side by side
+    its share of the cores. Guards against: it loaded on all of them: two workers starting side by side
     took twice the CPU time and twice as long."""
     from splitserve.engine import engine as engine_mod
 
@@ -170,7 +170,7 @@ def test_an_engine_whose_model_fails_to_load_gives_its_slot_back(tmp_path):
         LLMEngine(EngineConfig(model=ModelSpec(path=str(tmp_path / "missing")), core_share=path, num_threads=2))
     probe, _ = _board(path, base=2)
     try:
-        assert probe.slot == 0  # free again (before: held by the failed engine's descriptor)
+        assert probe.slot == 0  # free again (not: held by the failed engine's descriptor)
         probe.tick(force=True)
         assert probe.busy_engines() == 1  # and not stamped busy
     finally:
@@ -243,7 +243,7 @@ def test_the_core_share_setting_names_a_board_or_is_off(raw, board):
 
 
 def test_core_share_on_is_the_stacks_own_board_and_refused_by_a_process_on_its_own(tmp_path, monkeypatch):
-    """ "on" is no file name: before, a worker given it made a board called "on" in its working
+    """ "on" is no file name. Guards against: a worker given it made a board called "on" in its working
     directory. A stack gives its workers its own board; a process started alone says what to set."""
     from splitserve.service.process import parse_settings
     from splitserve.service.settings import Settings

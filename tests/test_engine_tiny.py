@@ -189,7 +189,7 @@ def test_imported_sequences_behind_a_blocked_recompute_still_run_and_imports_do_
 
 def test_imports_that_fill_the_pool_and_each_need_one_more_block_run_one_after_the_other(tiny_engine_factory):
     """Two handoffs of 32 tokens' KV each fill a pool of 4 blocks of 16, and each needs a third block
-    for its next token. Before, neither could run and neither gave its blocks up: nothing was ever
+    for its next token. Guards against: neither could run and neither gave its blocks up: nothing was ever
     scheduled again, and both streams hung. Now the one last in line gives its blocks up (to
     compute them again later): both complete, with the tokens they get alone."""
     prompts = random_prompts(2, lo=32, hi=33, seed=3)
@@ -216,7 +216,7 @@ def test_imports_that_fill_the_pool_and_each_need_one_more_block_run_one_after_t
 def test_an_import_takes_the_blocks_of_less_urgent_waiting_sequences_and_preempts_nobody_for_blocks_that_would_not_do():
     """An urgent import takes the blocks a less urgent waiting sequence holds (last in line first)
     before it preempts a running one; and when even preempting every less urgent one would not
-    free enough, it preempts none. Before, it preempted the running ones it could and still did
+    free enough, it preempts none. Guards against: it preempted the running ones it could and still did
     not fit: an import retrying while two such ran preempted each in turn, and neither ever
     finished (found by the engine's fuzz)."""
     from splitserve.engine.kv_cache import BlockPool
@@ -434,7 +434,7 @@ def test_under_static_and_dynamic_batching_a_row_that_fails_its_forward_sampling
     log probabilities: each row is then sampled alone, generators put back), one whose token cannot
     be taken (counts of another kind). Each ends "error" naming its cause; the others' tokens, a
     seeded draw's among them, are those of the same batch without the faults, and the engine serves
-    on. Before, the step raised and its caller failed every row."""
+    on. Guards against: the step raised and its caller failed every row."""
     prompts = random_prompts(5, lo=20, hi=60, seed=22)
     params = _fault_requests(8, ["greedy", "seeded", "bad-lp", "bad-take", "bad-token"])
     forwards = []

@@ -89,7 +89,7 @@ def test_signals_reach_the_child_and_its_status_names_them_as_popens_does(server
 
 
 def test_a_child_shows_its_own_command_line_and_name_not_the_servers(server, tmp_path):
-    """ps, pgrep -f and /proc/PID/cmdline show the module a child runs (before, every child showed the
+    """ps, pgrep -f and /proc/PID/cmdline show the module a child runs (guards against: every child showed the
     server's `python -m splitserve.forkserver`), and its name (comm) is the module's too."""
     log = tmp_path / "title.log"
     p = server.spawn("forked_probe", {"PROBE": "sleep"}, str(log))

@@ -168,7 +168,7 @@ def test_splitserve_up_killed_hung_up_on_or_interrupted_leaves_no_process_and_no
             assert " stopped" in log.splitlines()[-1], name
             if how == "Ctrl-C":
                 assert [line for line in log.splitlines() if "WARNING" in line or "ERROR" in line] == [], name
-        # The state file a killed `up` could not remove names no running stack (before: its dead router's address).
+        # The state file a killed `up` could not remove names no running stack (not: its dead router's address).
         gen = subprocess.run(
             [sys.executable, "-m", "splitserve.cli", "generate", "hello"],
             env=env,

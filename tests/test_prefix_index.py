@@ -170,7 +170,7 @@ def test_a_shared_record_goes_to_the_index_that_knows_its_workers_run():
     assert decode.cached_tokens("d0", decode.prompt_chain(list(range(13)))) == 12 and "d0" not in prefill.blocks
     assert not shared.apply(entry("p2", ""))  # a prefill worker this router has not read from the registry
     # Entries no router wrote (another release's, a hand's): fields not UTF-8 name no worker here
-    # (before: UnicodeDecodeError, which ended the router's reading of every entry after it); hashes
+    # (not: UnicodeDecodeError, which ended the router's reading of every entry after it); hashes
     # of a length that is not whole are read as far as they are whole.
     for odd in ({b"r": b"router-a", b"w": b"\xfe\xff", b"e": b""}, {b"r": b"router-a", b"w": b"d0", b"e": b"\xc3"}, {}):
         assert not shared.apply({b"h": pack(chain), **odd}), odd

@@ -144,7 +144,7 @@ def test_a_take_back_and_a_pickup_exclude_each_other_and_the_counts_leave_once(r
 def test_a_job_picked_up_past_its_deadline_fails_deadline_exceeded_not_unavailable(r):
     """A job whose deadline passed in the queue is failed at its pickup with the status its client
     gets: DEADLINE_EXCEEDED (its router ends the stream with the 'code' it reads there, when it
-    reads it before the client's own timer fires). Before, the hash had no code, and a soak's
+    reads it before the client's own timer fires). Guards against: the hash had no code, and a soak's
     client with a 50 ms deadline got UNAVAILABLE "deadline exceeded in queue"."""
     import grpc
 
@@ -217,7 +217,7 @@ def test_a_resumed_request_is_queued_again_only_while_it_runs_and_its_counts_lea
     assert r.hgetall(keys.admission) == {"requests": "2", "tokens": "130", "local_tokens": "0"}
     assert r.hget(keys.req("q"), "state") == "queued"
     # the first job's worker fails it (its handoff to the lost worker): ignored, all of it; so is
-    # the lost worker's late 'decoding' (before, it wrote its name and times over the new leg's)
+    # the lost worker's late 'decoding' (guards against: it wrote its name and times over the new leg's)
     before = r.hgetall(keys.req("q"))
     assert (
         update(keys=[keys.req("q")], args=update_args({"_leg": 0, "state": "failed", "error": "handoff", "t_x": 1}))

@@ -153,7 +153,7 @@ def test_a_prompt_that_needs_the_blocks_a_waiting_sample_holds_takes_them_and_bo
     """One sequence slot, 9 blocks of 16. "s" (n=2, 72-token prompt) prefills and forks: its second
     sample waits, holding the 4 whole blocks of the prompt it shares. "long" (104 tokens, 7 blocks),
     which came before that fork, gets its first chunk of 64 tokens when the first sample ends, but
-    only 5 blocks are free for it. Before, it preempted itself at each next chunk and took its
+    only 5 blocks are free for it. Guards against: it preempted itself at each next chunk and took its
     first chunk again: a step of work each time, forever, and the waiting sample never ran (found
     by a seeded fuzz of the engine's calls). Now the waiting sample, behind it in line, gives its
     blocks up and computes them again later, and both get the tokens they get alone."""

@@ -131,7 +131,7 @@ def test_temperatures_and_top_p_below_float32s_range_draw_the_most_likely_token(
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1))
     best = int(logits.argmax())
     assert best != 0
-    # before: the temperature rounded to 0 in float32, the row became NaN, and token 0 was drawn every time
+    # not: the temperature rounded to 0 in float32, the row became NaN, and token 0 was drawn every time
     assert set(_draws(logits, SamplingParams(seed=3, **kw), 50).nonzero().flatten().tolist()) == {best}
 
 

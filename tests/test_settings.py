@@ -38,19 +38,19 @@ def test_splitserve_up_with_a_bad_variable_prints_one_line_and_exits_2():
     run = subprocess.run(
         [sys.executable, "-m", "splitserve.cli", "up"], capture_output=True, text=True, env=env, timeout=120
     )
-    assert run.returncode == 2  # before: a traceback and exit code 1
+    assert run.returncode == 2  # not: a traceback and exit code 1
     assert run.stderr.strip() == "splitserve up: error: SPLITSERVE_HEARTBEAT_S: heartbeat_s must be > 0, got 0.0"
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        # before: `up` started a stack of no decode worker, or no router, that could serve nothing
+        # not: `up` started a stack of no decode worker, or no router, that could serve nothing
         (["up", "--decode", "0"], "argument --decode: must be >= 1, got 0"),
         (["up", "--routers", "0"], "argument --routers: must be >= 1, got 0"),
         (["up", "--prefill", "-1"], "argument --prefill: must be >= 0, got -1"),
         (["up", "--decode", "two"], "argument --decode: takes a whole number, got 'two'"),
-        # before: a traceback (the client's ValueError), or a call past its deadline before it was sent
+        # not: a traceback (the client's ValueError), or a call past its deadline before it was sent
         (["generate", "hi", "--resumes", "-1"], "argument --resumes: must be >= 0, got -1"),
         (["generate", "hi", "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
         (["request", "some-id", "--timeout", "nan"], "argument --timeout: must be a number of seconds > 0, got nan"),
@@ -70,7 +70,7 @@ def test_splitserve_status_with_a_redis_url_that_is_not_one_says_so(capsys, monk
     from splitserve import cli
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no running stack's state to read
-    assert cli.main(["status", "--redis-url", "notaurl"]) == 2  # before: redis-py's ValueError, a traceback
+    assert cli.main(["status", "--redis-url", "notaurl"]) == 2  # not: redis-py's ValueError, a traceback
     assert "--redis-url 'notaurl' is not a Redis URL" in capsys.readouterr().err
     monkeypatch.setenv("REDIS_URL", "localhost:6379")
     assert cli.main(["status"]) == 2

@@ -236,7 +236,7 @@ def test_prefill_holds_one_forward_of_work_and_high_priority_joins_at_the_next_f
 
 def test_requests_whose_deadline_passes_while_redis_runs_their_admission_return_their_queue_counts():
     """A request whose deadline passes while Redis runs its admission (a slow Redis, here stopped):
-    the script runs once Redis goes on, admitting it. Before, the router's cancelled task dropped
+    the script runs once Redis goes on, admitting it. Guards against: the router's cancelled task dropped
     the answer, so the counts of a request its decode worker prefills (colocated here) were never
     returned: six such requests left six in the queue's counts for good (a soak left twelve after
     eight stops of 1.5 s), and a full queue refused requests that nothing held."""
@@ -267,7 +267,7 @@ def test_requests_whose_deadline_passes_while_redis_runs_their_admission_return_
 def test_a_request_that_finds_no_decode_worker_registered_waits_for_one_to_register():
     """The registry empty for a moment (a Redis stall longer than the workers' lease lapses every
     entry at once, and a worker writes its entry again up to a heartbeat after): a request then
-    waits for a worker to register, up to two heartbeats. Before, it failed UNAVAILABLE "no decode
+    waits for a worker to register, up to two heartbeats. Guards against: it failed UNAVAILABLE "no decode
     worker is registered" at once (a CI run's request did, right after a stall of Redis)."""
     # heartbeats of 1 s: the worker, stopped, must write its entry again within the request's wait
     # once it goes on, and a loaded machine took longer than the 0.5 s of the other tests' heartbeats
@@ -423,7 +423,7 @@ def test_admission_counts_never_go_below_zero(stack):
 def test_with_no_prefill_worker_registered_the_decode_worker_prefills_and_a_returning_one_takes_over():
     """Disaggregated, with every prefill worker gone (killed, its lease run out), a new request is
     prefilled by its decode worker (LOCAL_PREFILL_WITHOUT_PREFILL_WORKERS, on by default) and
-    gives the same greedy output; before, it waited in the queue for a prefill worker until its
+    gives the same greedy output; guards against: it waited in the queue for a prefill worker until its
     deadline. A prefill worker that registers again takes the next request."""
     s = start_stack(local_prefill_without_prefill_workers=True)
     prompt = "The capital of France is"

@@ -41,7 +41,7 @@ from .common import (
         ({"token_ids": [1, 99999999]}, "token_ids"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]}, "messages[1].role"),
-        # a message that quotes a long input is cut to fit gRPC's trailers (before: RESOURCE_EXHAUSTED, "Stream
+        # a message that quotes a long input is cut to fit gRPC's trailers (not: RESOURCE_EXHAUSTED, "Stream
         # removed (received metadata size exceeds hard limit)", instead of the status)
         ({"messages": [{"role": "\u4e2d" * 30000, "content": "hi"}]}, "messages[0].role: must be one of"),
         ({"prompt": "word " * 9000}, "prompt"),
@@ -132,7 +132,7 @@ from .common import (
             "resume_from.token_ids: these tokens complete sampling.structured_output.choice",
         ),
         # tokens sent again that the format does not allow ("12 pears"): refused by the router, naming them, in
-        # one line (before: by the prefill worker, naming the format, with llguidance's whole parser state)
+        # one line (not: by the prefill worker, naming the format, with llguidance's whole parser state)
         (
             {"prompt": "hi", "structured_output": {"regex": "[0-9]+ apples"}, "resume_from": ([33, 34, 41684], 8)},
             "resume_from.token_ids: these tokens do not follow sampling.structured_output.regex: Parser Error: "
@@ -370,7 +370,7 @@ def test_the_router_refuses_a_message_larger_than_any_request_that_can_fit_befor
 
     with grpc.insecure_channel(stack.router_address, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
-        with pytest.raises(grpc.RpcError) as e:  # 6 MB: 6M token ids (before: read, parsed, then refused)
+        with pytest.raises(grpc.RpcError) as e:  # 6 MB: 6M token ids (not: read, parsed, then refused)
             stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 6_000_000)), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
         assert "larger than max" in e.value.details() and str(4 << 20) in e.value.details()
@@ -393,7 +393,7 @@ def test_abort_and_get_request_refuse_ids_that_generate_refuses_and_store_nothin
                 call()
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (rid, e.value.details())
             assert e.value.details().startswith("request_id:"), e.value.details()
-    # Before: an Abort for any string, up to the 4 MB a message may carry, left a key for 60 s.
+    # not: an Abort for any string, up to the 4 MB a message may carry, left a key for 60 s.
     assert set(stack.redis().keys("*")) - before == set()
     # The longest id Generate accepts is still one Abort may name before it arrives.
     rid = "y" * 128
@@ -468,7 +468,7 @@ def test_messages_that_do_not_parse_are_invalid_argument_naming_the_type(stack, 
                 list(ch.unary_stream(method, **raw)(payload, timeout=10))
             else:
                 ch.stream_unary(method, **raw)(iter([payload]), timeout=10)
-        # before: UNKNOWN "Unexpected <class 'google.protobuf.message.DecodeError'>"
+        # not: UNKNOWN "Unexpected <class 'google.protobuf.message.DecodeError'>"
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
         assert f"does not parse as {type_name}" in e.value.details()
     assert len(client.generate("still serving", max_tokens=2).token_ids) == 2
@@ -528,7 +528,7 @@ def test_malformed_stream_entries_are_dropped_and_a_newer_routers_job_is_served(
 def test_an_entry_whose_count_is_not_its_prompts_is_dropped_and_leaves_the_counts_as_admission_left_them(stack):
     """A stream entry's 'tokens' (the prompt tokens admission counted) and its job's token_ids agree
     in every entry a router writes. One where they differ, or with no count, is dropped as
-    malformed, naming both, and its stream ends: before, it was served, and its pickup took
+    malformed, naming both, and its stream ends. Guards against: it was served, and its pickup took
     len(token_ids) out of the counts, leaving the difference there for good (a seed of the job
     fuzz left 26 tokens counted after one such entry), or taking out what admission never put in."""
     from splitserve_proto.v1 import worker_pb2_grpc

@@ -130,7 +130,7 @@ def test_a_decode_worker_that_hangs_or_is_killed_fails_its_streams_by_name_and_t
                 assert placed == {"decode-0": 3, "decode-1": 3}, (burst, placed)
 
             # Hung (SIGSTOP: its sockets stay open, nothing answers): the router's keepalive pings go
-            # unanswered, so its streams end within ~2 s (before: they waited for their deadlines).
+            # unanswered, so its streams end within ~2 s (not: they waited for their deadlines).
             def hang(p):
                 os.kill(p.popen.pid, signal.SIGSTOP)
                 try:
@@ -165,7 +165,7 @@ def test_a_handoff_failure_relayed_by_the_decode_worker_it_could_not_reach_resum
     """A prefill worker that could not reach a decode worker (stopped for a while) records the request
     failed (lost_to) and asks that worker to end its stream; once the worker goes on, it gets that
     Fail and ends the stream. The Fail says the handoff was lost (handoff_lost), the stream's event
-    says so (worker_stopping), and the router resumes the request on the other worker. Before, the
+    says so (worker_stopping), and the router resumes the request on the other worker. Guards against: the
     stream ended with the failure: UNAVAILABLE "KV handoff ... failed" (a soak: 2 of ~830). Here the
     prefill worker's record and Fail are made by hand, while the prefill workers are stopped."""
     from splitserve.service.redis_scripts import failed
@@ -219,7 +219,7 @@ def test_a_stream_aborted_through_another_router_as_its_decode_worker_is_lost_en
     the stream; that worker is lost meanwhile (stopped, then killed), so the Cancel never reaches it,
     and the router holding the stream, seeing the worker lost, finds the request ended when it would
     resume it. It ends the stream as aborted (finish_reason "cancelled"), as for an Abort through
-    itself. Before, it failed UNAVAILABLE "... could not resume on another: it has ended" (a soak,
+    itself. Guards against: it failed UNAVAILABLE "... could not resume on another: it has ended" (a soak,
     1 of ~900)."""
     s = start_stack(mode="colocated", prefill=0, decode=2, routers=2)
     down = None
@@ -253,7 +253,7 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
     """A decode worker lost while a prefill worker hands it a request's KV (stopped first, so the
     handoff waits on it; then killed, or left stopped past the keepalive): the handoff breaks as the
     router's stream does, and the prefill worker records the request failed (UNAVAILABLE), often
-    before the router, seeing the same loss, resumes it (DECODE_RESUMES). Before, that record ended
+    before the router, seeing the same loss, resumes it (DECODE_RESUMES). Guards against: that record ended
     the request (a soak: 2 of ~500 requests with decode workers killed, 5 of ~600 with one stopped
     for 3 s; the router's check of requests without a first token read it first); now it names the
     lost worker ('lost_to'), the router waits for its own stream to drop, and the request resumes.
@@ -336,7 +336,7 @@ def test_a_request_whose_handoff_breaks_as_its_decode_worker_is_lost_resumes_on_
 def test_a_request_placed_on_a_decode_worker_lost_before_it_accepts_the_stream_resumes_on_another(mode):
     """A decode worker killed, its registry entry not yet lapsed, and a router with no channel to it
     yet: a request placed there finds nothing at its address. It resumes on the other worker at once,
-    with the tokens it would have had. Before, it failed UNAVAILABLE "decode worker ... went away"
+    with the tokens it would have had. Guards against: it failed UNAVAILABLE "decode worker ... went away"
     (a soak saw 1-3 a run). Disaggregated, its job was queued by then (a new leg supersedes it);
     colocated, it was not admitted yet."""
     import socket

@@ -176,7 +176,7 @@ def test_a_decode_worker_or_router_sent_sigterm_finishes_its_streams_and_no_requ
         time.sleep(2.0)
         victim = s.proc("decode-0")
         # A FirstTokens stream open to it, as a prefill worker keeps one: its stop ends the stream OK
-        # (before, the stream held its gRPC server's stop for the whole grace, then was cut:
+        # (guards against: the stream held its gRPC server's stop for the whole grace, then was cut:
         # UNAVAILABLE "Cancelling all calls")
         import queue
 

@@ -258,7 +258,7 @@ def test_every_server_serves_health_check_and_watch_and_reflection(stack):
             serving = health_pb2.HealthCheckResponse.SERVING
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == serving
             watch = health.Watch(health_pb2.HealthCheckRequest(service=service or ""), timeout=10)
-            assert next(watch).status == serving, name  # before: INTERNAL on the aio servers (the interceptor)
+            assert next(watch).status == serving, name  # not: INTERNAL on the aio servers (the interceptor)
             watch.cancel()
             replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10

@@ -408,7 +408,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
         stub.PutKV(w.PutKVRequest(sequence=lacking, handle=w.KVHandle(**ok)), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sequence.logprobs" in e.value.details()
     # A sequence that its first token finished at prefill (no handle): checked as one with its KV is
-    # (before: any finish reason went to the client, and tokens outside the vocabulary were decoded).
+    # (not: any finish reason went to the client, and tokens outside the vocabulary were decoded).
     unsized = stub.Decode(w.DecodeRequest(request_id="no-size"))  # (a prompt_tokens of 0 is not checked)
     assert next(unsized).accepted
     for rid, change, field in (
@@ -622,7 +622,7 @@ def _sequence(rid: str, leg: int | None = None):
 
 def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of_it_is_already_exists(stack, client):
     """A handoff whose call is cancelled (its prefill worker killed) while its import is queued in
-    the engine's thread: the engine imports it all the same. Before, the decode worker did not know
+    the engine's thread: the engine imports it all the same. Guards against: the decode worker did not know
     it had it: the job's next prefill (claimed by another prefill worker) found the engine holding
     it, and its handoff failed the stream INVALID_ARGUMENT "already in this engine" (a soak). Now
     the KV is kept, the stream goes on, and a second handoff is ALREADY_EXISTS."""
@@ -673,9 +673,9 @@ def test_kv_imported_as_its_handoff_is_cancelled_is_kept_and_a_second_handoff_of
 def test_a_job_claimed_after_its_handoff_went_through_leaves_its_stream_running(stack, client, recorded):
     """A job claimed from a prefill worker that died after (or as) its KV handoff went through.
     Its decode worker has recorded 'decoding' (with its leg): the pickup skips the job, not
-    prefilled again (before, it was). Not yet recorded (Redis slow): the job is prefilled again
+    prefilled again. Not yet recorded (Redis slow): the job is prefilled again
     and its decode worker answers the second handoff ALREADY_EXISTS, which the prefill worker takes
-    for "handed off" (before, for a failed handoff: the running stream failed, INTERNAL). Either
+    for "handed off" (not for a failed handoff, which would fail the running stream INTERNAL). Either
     way the stream runs on to its end."""
     r = stack.redis()
     rid = f"handed-off-twice-{recorded}"
@@ -737,7 +737,7 @@ def test_a_handoff_first_token_or_failure_of_another_leg_is_refused_and_a_late_l
     prefilled all the same, must not feed a later leg's stream should that come back to the same
     decode worker: its first token is dropped, its failure leaves the stream alone, its handoff is
     NOT_FOUND. And a decode worker of an earlier leg (taken for lost, then adopting its KV late)
-    writes nothing on the request: before, its 'decoding', its name and times landed on the new
+    writes nothing on the request. Guards against: its 'decoding', its name and times landed on the new
     leg's. Its 'kv_leg' is what a claim's pickup reads before it skips a job as handed off."""
     from splitserve_proto.v1 import worker_pb2 as w
     from splitserve_proto.v1 import worker_pb2_grpc

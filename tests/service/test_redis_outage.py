@@ -66,14 +66,14 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                 ):
                     with pytest.raises(grpc.RpcError) as e:
                         call()
-                    # retryable, and says why: before, INTERNAL "internal error: ConnectionError ..."
+                    # retryable, and says why, not: INTERNAL "internal error: ConnectionError ..."
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
                 time.sleep(1.0)  # heartbeats and pulls fail meanwhile
                 assert all(p.popen.poll() is None for p in stack.procs)
-                # Back, but empty: the decode worker registers again (before, its heartbeat task had died
-                # on the first error) and the prefill worker recreates its consumer group (NOGROUP before).
+                # Back, but empty: the decode worker registers again (guards against: its heartbeat task had died
+                # on the first error) and the prefill worker recreates its consumer group (rather than NOGROUP).
                 stack.start_redis()
-                # The queued job went with the old Redis: its stream ends now (before: at its deadline).
+                # The queued job went with the old Redis: its stream ends now (not: at its deadline).
                 t.join(10)
                 assert not t.is_alive(), "a request whose job Redis lost waited for its deadline"
             assert lost["code"] == "UNAVAILABLE" and "no longer holds this request" in lost["details"], lost
@@ -90,7 +90,7 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
 
             # A request a prefill worker is running when Redis comes back empty completes: the worker
             # puts its hash back at its next heartbeat, within the router's grace of two heartbeats
-            # for a missing hash (before, the router ended it UNAVAILABLE like a lost queued job).
+            # for a missing hash (guards against: the router ended it UNAVAILABLE like a lost queued job).
             midway = {}
             t = outcome_in_thread(
                 c.generate_stream(
@@ -113,7 +113,7 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             # still stopped, having waited one call timeout (CALL_TIMEOUT_S; bounded at two, for noise)
             # past the time it takes with Redis: the first call to time out marks Redis away, and
             # neither the prefill worker (its pulls, cancellation checks, ack) nor the router (the
-            # request's end, recorded before its last message) waits on it again. Before, four calls
+            # request's end, recorded before its last message) waits on it again. Guards against: four calls
             # did: its tokens came 20 s later than that.
             # Its stream entry is acked once Redis answers again, and not claimed and prefilled again.
             # (ids of their own: midway's are in the prefix cache, and would make it one forward)
@@ -173,7 +173,7 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
                 timeout=10,
                 what="its end recorded once Redis answered",
             )
-            # and what its workers recorded meanwhile (before, its prefill's end and its KV's adoption
+            # and what its workers recorded meanwhile (guards against: its prefill's end and its KV's adoption
             # were left out of its timestamps for good)
             wait_for(
                 lambda: {"prefill_end", "kv_done"} <= set(c.get_request("away").timestamps),

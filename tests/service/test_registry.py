@@ -33,7 +33,7 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
     not UTF-8, a key of another type. Each is left out of the router's reading of the registry, and
     told once in its log; the router places requests as before, `splitserve status` lists the
     workers and each entry it left out, and the decode worker, which reads the prefill workers'
-    entries for their arenas, heartbeats on. Before, each failed every reading of the registry (and
+    entries for their arenas, heartbeats on. Guards against: each failed every reading of the registry (and
     `status` with a traceback); an arena or host not UTF-8 ended the decode worker's heartbeat (its
     lease lapsed), and a prefill key of another type failed each of its heartbeats after the write."""
     import subprocess

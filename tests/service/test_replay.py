@@ -16,7 +16,7 @@ from .common import consume_in_thread, resume_with, state_of
 def test_an_abort_that_overtakes_its_request_refuses_it_as_cancelled(stack, client, other_router):
     """An Abort that reaches a router before its request reached any (it overtook its Generate,
     sent to another router) is NOT_FOUND, and is remembered: the request, when it comes, is
-    refused CANCELLED naming the Abort instead of running. Before, it ran to its end."""
+    refused CANCELLED naming the Abort instead of running. Guards against: it ran to its end."""
     with pytest.raises(grpc.RpcError) as e:
         other_router.abort("overtaken")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "refused as cancelled" in e.value.details()
@@ -126,7 +126,7 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
     """A client with retries on (gRPC's retry policy) whose request fails UNAVAILABLE after it was
     admitted sends it again with the same request_id: it runs as a new attempt under its own id,
     untouched by what is left of the failed one (its prefill forward still running), and gives
-    the right output. Before, the retry was refused ALREADY_EXISTS. Once it finished, the same
+    the right output. Guards against: the retry was refused ALREADY_EXISTS. Once it finished, the same
     request sent again gets that result without running; a different one under its id is refused,
     and GetRequest and Abort find the latest attempt."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
@@ -171,7 +171,7 @@ def test_a_request_that_failed_is_sent_again_with_its_id_by_a_retrying_client_an
 def test_a_request_cancelled_by_its_deadline_or_its_client_runs_again_with_its_id_but_not_after_an_abort(stack, client):
     """A client whose deadline passed, or that cancelled its call (a dropped connection looks the
     same to the router), sends the request again with its request_id: it runs as a new attempt
-    and gives the right output. Before, it was refused ALREADY_EXISTS. One ended by an Abort is
+    and gives the right output. Guards against: it was refused ALREADY_EXISTS. One ended by an Abort is
     refused, with a message that says so."""
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     prompt = "Tell me everything about the ocean."
@@ -359,7 +359,7 @@ def test_a_re_send_holding_a_samples_last_token_but_not_its_end_gets_that_end(st
     max_tokens 1) comes after. A client whose router was lost between the two has every token of
     that sample but not its end, and sends it again so (resume_from.samples, not finished): it gets
     that end, replayed from the finished attempt or from a new one, in which the sample is not run
-    on and the others go on (before: INVALID_ARGUMENT, "leaves none to generate")."""
+    on and the others go on (not: INVALID_ARGUMENT, "leaves none to generate")."""
     prompt, kw = "Name a colour.", dict(n=2, max_tokens=1, ignore_eos=True, temperature=1.0, seed=5)
     whole = collect(list(client.generate_stream(prompt, request_id="n-last", **kw)), 2)
     a, b = whole.choices

@@ -287,7 +287,7 @@ def test_a_request_resumes_at_most_decode_resumes_times_then_fails_naming_the_wo
 def test_a_killed_decode_worker_gets_no_new_requests_while_its_lease_runs_and_rejoins_once_restarted():
     """Killed, a decode worker stays in the registry until its lease runs out (3 heartbeats, 12 s
     here, 8 s or more of it left at the kill). The router's channel to it fails to connect at
-    once, and the router places nothing there meanwhile (before, about half of the new requests
+    once, and the router places nothing there meanwhile (guards against: about half of the new requests
     went to it and failed UNAVAILABLE). Restarted at the same address, it is connected again and
     given requests within seconds."""
     # (heartbeats of 2 s left as little as 4 s of the lease at the kill, which a slow machine's
@@ -346,7 +346,7 @@ def test_a_lone_decode_worker_restarted_at_its_address_takes_the_next_requests_a
     prefill worker's channels to its address failing to connect (the handoff was tried), and
     gRPC retries those on its backoff, up to 2 s apart. Restarted there, it must complete the
     very next requests: the router and the prefill worker each open a new channel to its new
-    run (the epoch it registers). Before, the first requests failed UNAVAILABLE at the router,
+    run (the epoch it registers). Guards against: the first requests failed UNAVAILABLE at the router,
     and one that got through hung to its deadline: its handoff failed at once, and so did the
     call that should have ended its stream."""
     s = start_stack(decode=1)

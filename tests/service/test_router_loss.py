@@ -37,7 +37,7 @@ def test_a_router_that_dies_has_its_requests_failed_and_its_queued_jobs_skipped(
             router.popen.kill()
             router.popen.wait()
             # Once its lease (10 heartbeats) has run out the other router marks them failed, naming
-            # the router; before, GetRequest said "decoding" / "queued" for an hour.
+            # the router; guards against: GetRequest said "decoding" / "queued" for an hour.
             wait_for(
                 lambda: {state_of(client, "orphan-decoding"), state_of(client, "orphan-queued")} == {"failed"},
                 timeout=20,
@@ -166,7 +166,7 @@ def test_a_stream_whose_router_stops_or_is_killed_goes_on_through_another_with_a
             assert first[b"current"] == f"{tag}#2".encode(), first
         # Each went on at the decode worker that was running it, which found the KV of the prompt and
         # of the tokens sent in its prefix cache and computed only the rest of their last block itself
-        # (before, a stream of one sample was queued for the prefill worker, which computed the tokens
+        # (guards against: a stream of one sample was queued for the prefill worker, which computed the tokens
         # sent again, behind any other re-sends, and handed all of its KV over)
         bs = s.settings.block_size
         for tag, n in (("t", 1), ("k", 1), ("s", 2)):

@@ -99,7 +99,7 @@ def test_abort_at_another_router_while_queued_ends_the_stream_at_once(stack, cli
         )
         wait_for(lambda: state_of(client, "abort-queued-elsewhere") == "queued", what="request queued")
         other_router.abort("abort-queued-elsewhere")
-        t.join(10)  # before: the stream waited for a prefill that never comes, until its deadline
+        t.join(10)  # not: the stream waited for a prefill that never comes, until its deadline
         assert not t.is_alive(), "the stream did not end after Abort at the other router"
         assert [c.finish_reason for c in got] == ["cancelled"]
     _assert_skipped_by_prefill(client, "abort-queued-elsewhere")
