@@ -267,3 +267,31 @@ def test_every_server_serves_health_check_and_watch_and_reflection(stack):
             assert {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names, (name, names)
             if service:
                 assert service in names, (name, names)
+
+
+def test_the_readmes_grpcurl_call_works_as_grpcurl_makes_it(stack):
+    """What grpcurl does with the README's command, without its proto files: the method's types
+    from the router's reflection service, the request from the README's JSON, a unary call."""
+    import json
+    import pathlib
+    import re
+
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    data, method = re.search(r"grpcurl -plaintext -d '([^']+)' \\\n\s+\S+ (\S+)", readme).groups()
+    service, name = method.rsplit("/", 1)
+    with grpc.insecure_channel(stack.router_address) as ch:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(ch))
+        rpc = pool.FindServiceByName(service).FindMethodByName(name)
+        request = json_format.Parse(data, message_factory.GetMessageClass(rpc.input_type)())
+        call = ch.unary_unary(
+            f"/{service}/{name}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=message_factory.GetMessageClass(rpc.output_type).FromString,
+        )
+        reply = json.loads(json_format.MessageToJson(call(request, timeout=60)))
+    assert reply["text"] and reply["finishReason"] in ("length", "eos", "stop"), reply
+    if reply["finishReason"] == "length":
+        assert reply["usage"]["completionTokens"] == json.loads(data)["sampling"]["max_tokens"]
