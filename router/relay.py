@@ -399,6 +399,12 @@ class Relay:
             active.first = True
         if ev.token_ids and not r.first_token:
             r.first_token = active.first_token = time.time()
+        if ev.token_ids:
+            now, last = time.monotonic(), r.token_at.get(ev.index)
+            if last is not None:  # the gap since the sample's last tokens, a token at a time
+                for _ in ev.token_ids:
+                    self.metrics.inter_token.observe((now - last) / len(ev.token_ids))
+            r.token_at[ev.index] = now
         if active.queued and (ev.token_ids or ev.finish_reason):
             active.queued = False
             await self._dequeue(rid, r.work)

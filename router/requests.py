@@ -270,6 +270,7 @@ class RelayState:
     marked: bool = False  # the end recorded (_mark) already
     first_token: float = 0.0  # unix time its first token came here: recorded with its end (GetRequest)
     final: object = None  # its last event
+    token_at: dict[int, float] = dataclasses.field(default_factory=dict)  # a sample's last tokens' monotonic time
 
     def cancelled_event(self) -> w_pb.DecodeEvent:
         return w_pb.DecodeEvent(finish_reason="cancelled", completion_tokens=self.sent, cached_tokens=self.cached)

@@ -33,6 +33,7 @@ ROUTER_METRICS = {
     "splitserve_request_success",
     "splitserve_time_to_first_token_seconds",
     "splitserve_time_per_output_token_seconds",
+    "splitserve_inter_token_latency_seconds",
     "splitserve_e2e_request_latency_seconds",
     "splitserve_request_admission_time_seconds",
     "splitserve_request_queue_time_seconds",
@@ -221,6 +222,7 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
                 "splitserve_time_to_first_token_seconds_count",
                 "splitserve_request_prefill_time_seconds_count",
                 "splitserve_generation_tokens_total",
+                "splitserve_inter_token_latency_seconds_count",
             )
         ],
         "prefill": [
@@ -245,6 +247,9 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
         for old, new, key in checks:
             assert new.get(key, 0) > old.get(key, 0), (role, key, old.get(key), new.get(key))
     assert r["splitserve_generation_tokens_total"] - before[0].get("splitserve_generation_tokens_total", 0) == 12
+    # a gap a token after each request's first (events of one token each here): 2 x 5
+    gaps = "splitserve_inter_token_latency_seconds_count"
+    assert r[gaps] - before[0].get(gaps, 0) == 10
     # Idle now: both engines hold nothing, although the prefill worker's last step held the KV it
     # then exported (the gauges are read at the scrape, not left at the last step's figures).
     for m in (p, d):
@@ -294,6 +299,12 @@ def test_a_prompt_that_starts_like_an_earlier_one_is_prefilled_from_the_cache(st
     after = scrape(prefill)
     key = "splitserve_prefix_cache_hit_tokens_total"
     assert after[key] - before.get(key, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
+    # vLLM's pair: tokens hit (the same count), and tokens queried (every prompt looked up, whole)
+    hit = "splitserve_prefix_cache_hits_total"
+    assert after[hit] - before.get(hit, 0) == hits["cache-2"] + hits["cache-3"] + usage.cached_tokens
+    queried = "splitserve_prefix_cache_queries_total"
+    asked = 2 * prompt_tokens + other.usage.prompt_tokens + usage.prompt_tokens
+    assert after[queried] - before.get(queried, 0) == asked
     key = (
         "splitserve_prompt_tokens_cached_total"  # the router's count, from the clients' usage (the replay ran nothing)
     )

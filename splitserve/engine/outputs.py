@@ -67,6 +67,7 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # tokens of sequences admitted this step found in the prefix cache (not computed)
+    num_queried_tokens: int = 0  # tokens of sequences admitted this step looked up in the prefix cache
     padding_tokens: int = 0  # rows/positions computed for nothing (static/dynamic)
     num_running: int = 0
     num_waiting: int = 0

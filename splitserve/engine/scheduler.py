@@ -48,6 +48,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # tokens of the sequences admitted found in the prefix cache, recomputes included
+    num_queried_tokens: int = 0  # tokens of the sequences admitted that were looked up in the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -152,6 +153,7 @@ class ContinuousScheduler:
                 break
             if any(seq is v for v in out.preempted) or blocked and not seq.block_table:
                 continue  # made room this step / would take blocks the first in line waits for
+            looked = not seq.block_table and self.pool.prefix_caching  # its tokens are queried in the cache
             took = not seq.block_table and self._take_cached(seq, out)
             need = self._blocks_needed(seq, min(seq.num_pending, budget))
             while (
@@ -177,6 +179,8 @@ class ContinuousScheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append(Scheduled(seq, n))
+            if looked:
+                out.num_queried_tokens += len(seq.token_ids)
             budget -= n
 
     def _take_cached(self, seq: Sequence, out: SchedulerOutput) -> bool:

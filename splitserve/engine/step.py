@@ -50,6 +50,7 @@ class Stepping:
                 num_preempted=len(sched.preempted),
                 preempted=[s.parent or s.request_id for s in sched.preempted],
                 num_cached_tokens=sched.num_cached_tokens,
+                num_queried_tokens=sched.num_queried_tokens,
             )
             outputs = self._run(sched, stats) if sched.scheduled else []
             self.last_stats = stats

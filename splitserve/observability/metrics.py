@@ -173,6 +173,10 @@ class RouterMetrics(Metrics):
         self.tpot = self.h(
             "time_per_output_token_seconds", "Mean time between output tokens, per request", TPOT_BUCKETS
         )
+        # vLLM's inter-token latency: each gap between a sample's tokens as they reach the router
+        self.inter_token = self.h(
+            "inter_token_latency_seconds", "Time between two output tokens of a sample, at the router", TPOT_BUCKETS
+        )
         self.e2e = self.h("e2e_request_latency_seconds", "Request received -> last token sent", E2E_BUCKETS)
         # TTFT split into contiguous parts.
         self.admission_time = self.h(
@@ -234,6 +238,13 @@ class EngineMetrics(Metrics):
             "prefix_cache_hit_tokens",
             "Tokens whose KV a sequence found in the prefix cache instead of computing it (recomputes included)",
         )
+        # vLLM's pair (tokens queried, tokens hit), whose ratio is the cache's hit rate
+        self.prefix_queries = self.c(
+            "prefix_cache_queries", "Tokens of the sequences admitted that were looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = self.c(
+            "prefix_cache_hits", "Tokens of those found in the prefix cache (prefix_cache_hit_tokens, by vLLM's name)"
+        )
         self.threads = self.g(
             "engine_threads",
             "Compute threads of the engine's last step (fewer while other engines on its core-share board are busy)",
@@ -288,6 +299,9 @@ class EngineMetrics(Metrics):
             self.preemptions.inc(s.num_preempted)
         if s.num_cached_tokens:
             self.prefix_hits.inc(s.num_cached_tokens)
+            self.prefix_cache_hits.inc(s.num_cached_tokens)
+        if s.num_queried_tokens:
+            self.prefix_queries.inc(s.num_queried_tokens)
         if not s.num_tokens:
             return
         self.steps.inc()
