@@ -389,6 +389,17 @@ _TYPED = {
 }
 
 
+def _debug_error_string(e: grpc.RpcError) -> str | None:
+    """e's debug string. A streaming call that gRPC ended itself (cancel(), a response it could not
+    decode) never gets one, and its debug_error_string() would wait for it forever; its state says
+    whether there is one (read the same way for every call that keeps it)."""
+    state = getattr(e, "_state", None)
+    if state is None or not hasattr(state, "debug_error_string"):
+        return e.debug_error_string() if hasattr(e, "debug_error_string") else None
+    debug = state.debug_error_string
+    return debug.decode(errors="replace") if isinstance(debug, bytes) else debug
+
+
 def typed_error(e: grpc.RpcError) -> grpc.RpcError:
     """e as the SplitserveError of its status, with its google.rpc details read; e itself when it
     is one already, or not a call's error."""
@@ -398,7 +409,7 @@ def typed_error(e: grpc.RpcError) -> grpc.RpcError:
 
     trailing = list(e.trailing_metadata() or ())
     initial = list(e.initial_metadata() or ()) if hasattr(e, "initial_metadata") else []
-    debug = e.debug_error_string() if hasattr(e, "debug_error_string") else None
+    debug = _debug_error_string(e)
     cls = _TYPED.get(e.code(), SplitserveError)
     out = cls(e.code(), grpc.aio.Metadata(*initial), grpc.aio.Metadata(*trailing), e.details(), debug)
     out.field_violations = []

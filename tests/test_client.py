@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent import futures
 
@@ -99,6 +100,31 @@ def test_async_client_keepalive(silent_server):
 
     code, took = asyncio.run(run())
     assert code == grpc.StatusCode.UNAVAILABLE and took < 10, (code, took)
+
+
+def test_a_stream_cancelled_while_it_is_read_raises_cancelled(silent_server):
+    """Guards against the typed error waiting forever for the debug string gRPC never gives a call
+    it cancelled itself: the reader, blocked on the stream, must get Cancelled at once."""
+    from splitserve.client import Cancelled
+
+    _, address = silent_server
+    got = []
+    with Client(address) as c:
+        stream = c.generate_stream("hi", max_tokens=4, timeout=60)
+
+        def read():
+            try:
+                got.extend(stream)
+            except grpc.RpcError as e:
+                got.append(e)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(0.5)  # the reader waits on the open, silent call
+        stream.cancel()
+        reader.join(10)
+        assert not reader.is_alive(), "the reader still waits after cancel()"
+    assert len(got) == 1 and isinstance(got[0], Cancelled) and got[0].code() == grpc.StatusCode.CANCELLED, got
 
 
 def test_keepalive_option_checked():

@@ -265,6 +265,7 @@ def test_handoffs_waiting_for_kv_blocks_adopt_in_priority_order(mixed_workload):
             hog_at = len(hog_tokens)
             hog.cancel()  # frees 31+ blocks: one waiting handoff fits at a time
             hog_thread.join(30)
+            assert not hog_thread.is_alive(), "the hog's reader did not end after its cancel"
             assert hog_at < 540, "the hog finished before the test freed its blocks"
             for t in threads:
                 t.join(120)
