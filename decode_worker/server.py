@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2
 from splitserve.decode_worker.handoff import SERVICE, HandoffReceiver, other_leg
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import InvalidRequestError
+from splitserve.engine.loader import served_model_name
 from splitserve.engine.outputs import RequestOutput
 from splitserve.handoff.arena import ArenaReader
 from splitserve.observability import tracing
@@ -553,6 +554,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     runner = EngineRunner(lambda: LLMEngine(settings.engine_config("decode")), loop, on_step=on_step, watch=watch)
     engine = await runner.start()  # no step runs before the servicer below takes a request
     metrics.follow(engine)
+    metrics.label_model(served_model_name(settings.served_model_name, engine.model_name))
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     keys = Keys(settings.redis_prefix)
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)

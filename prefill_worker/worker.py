@@ -30,9 +30,11 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError, StepFailed
+from splitserve.engine.loader import served_model_name
 from splitserve.engine.outputs import RequestOutput
 from splitserve.handoff.arena import Arena
 from splitserve.observability import tracing
+from splitserve.observability.logs import setup_logging
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.prefill_worker.handoff import HandoffSender
 from splitserve.prefill_worker.queue import JobQueue, skipped, state_of
@@ -211,6 +213,7 @@ class PrefillWorker(JobQueue, HandoffSender):
         self._last_claim = 0.0
         self.metrics = PrefillMetrics()
         self.metrics.follow(self.engine)
+        self.metrics.label_model(served_model_name(settings.served_model_name, self.engine.model_name))
         self.metrics.arena_size.set(self.arena.size)
         self.metrics.arena_used.set_function(lambda: self.arena.used_bytes)
 
@@ -533,9 +536,10 @@ class PrefillWorker(JobQueue, HandoffSender):
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill_worker %(levelname)s %(message)s")
+    setup_logging("prefill_worker")
     try:
         settings = parse_settings("prefill_worker", argv)
+        setup_logging("prefill_worker", settings.log_format)
         tracing.setup_tracing(
             "prefill", settings.worker_name("prefill"), settings.trace_file, settings.trace_file_max_bytes
         )

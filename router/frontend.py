@@ -8,7 +8,7 @@ import uuid
 
 from splitserve.engine.config import ModelSpec
 from splitserve.engine.errors import InvalidRequestError
-from splitserve.engine.loader import load_frontend
+from splitserve.engine.loader import load_frontend, served_model_name
 from splitserve.engine.params import SamplingParams, check_context, check_vocab
 from splitserve.engine.structured import Grammars
 from splitserve.router.requests import INLINE_TOKENIZE_CHARS, Sent
@@ -16,14 +16,6 @@ from splitserve.service import convert, grpc_server
 from splitserve.service.errors import NotFound
 from splitserve.service.settings import Settings
 from splitserve_proto.v1 import generation_pb2 as gen_pb
-
-
-def served_model_name(configured: str, model_name: str) -> str:
-    """The model's name in the API: the setting, or the model's own name (a path's last part)."""
-    if configured:
-        return configured
-    name = model_name.rstrip("/").rsplit("/", 1)[-1]
-    return name.removesuffix(".gguf") or model_name
 
 
 class Frontend:

@@ -392,6 +392,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     frontend = await asyncio.to_thread(Frontend, settings)
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     metrics = RouterMetrics()
+    metrics.label_model(frontend.name)
     metrics.queue_limit_requests.set(int(settings.max_queue_requests * settings.admit_fraction))
     metrics.queue_limit_tokens.set(int(settings.max_queue_tokens * settings.admit_fraction))
     servicer = RouterServicer(settings, frontend, r, metrics)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from splitserve.engine.errors import EngineError
+from splitserve.observability.logs import LOG_FORMATS, setup_logging
 
 
 def _check_model(args) -> int:
@@ -100,6 +100,7 @@ def _up(args) -> int:
 
     overrides = {"model": args.model, "policy": args.policy, "host": args.host}
     overrides["served_model_name"] = args.served_model_name
+    overrides["log_format"] = args.log_format
     if args.colocated or needs_colocated(args.policy or ""):
         overrides["mode"] = "colocated"
     try:
@@ -175,7 +176,7 @@ def _model_name(stack) -> str:
     import json
     import urllib.request
 
-    from splitserve.router.frontend import served_model_name
+    from splitserve.engine.loader import served_model_name
 
     try:
         with urllib.request.urlopen(f"http://{stack.router_http_address}/v1/models", timeout=5) as f:
@@ -526,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the model's own)")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=None, help="every process's logs: text or json lines")
     p.add_argument("--host", default=None, help="the routers' bind address (default 127.0.0.1)")
     p.add_argument(
         "--port", type=_port, default=50051, help="the first router's gRPC port (default 50051; 0: a free one)"
@@ -651,8 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    log_format = getattr(args, "log_format", None) or os.environ.get("SPLITSERVE_LOG_FORMAT", "text")
+    setup_logging("splitserve", log_format if log_format in LOG_FORMATS else "text")  # Settings names a bad one
     try:
         return args.func(args)
     except EngineError as e:

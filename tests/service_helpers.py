@@ -24,12 +24,12 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.05, what: str = "c
 
 
 def scrape(address: str) -> dict[str, float]:
-    """A /metrics page: sample name (with labels) -> value."""
+    """A /metrics page: sample name (with labels but model_name, which every sample carries) -> value."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 

@@ -82,7 +82,8 @@ DECODE_METRICS = ENGINE_METRICS | {
 
 @pytest.fixture(scope="module")
 def stack():
-    s = Stack(Settings.from_env(**BASE)).start()
+    # every process logs JSON lines (test_every_process_logs_one_json_object_a_line)
+    s = Stack(Settings.from_env(**BASE, log_format="json")).start()
     yield s
     s.stop()
     assert s.shm_segments() == []
@@ -257,6 +258,83 @@ def test_every_process_exposes_its_metrics_and_they_move(stack):
         assert m["splitserve_kv_cache_usage_perc"] == 0 and m["splitserve_num_requests_running"] == 0, m
     for m in (p, d):  # the stack's workers share the cores: each ran with its share, at least one thread
         assert 1 <= m["splitserve_engine_threads"] <= len(os.sched_getaffinity(0)), m["splitserve_engine_threads"]
+
+
+def test_every_sample_of_every_process_carries_the_served_models_name(stack):
+    """Guards against a process whose metrics a dashboard cannot tell apart by model (vLLM's
+    model_name label), or one that names it otherwise than the API does."""
+    with Client(stack.router_address) as c:
+        (model,) = c.list_models(timeout=10)
+    for name in ("router", "prefill-0", "decode-0"):
+        text = urllib.request.urlopen(f"http://{stack.proc(name).metrics_address}/metrics", timeout=5).read().decode()
+        labels = {s.labels.get("model_name") for f in text_string_to_metric_families(text) for s in f.samples}
+        assert labels == {model.name}, (name, labels)
+
+
+def test_every_process_logs_one_json_object_a_line(stack):
+    """Guards against a line a log collector cannot read under log_format=json: every line each
+    process wrote is one object with its role, level, logger and message."""
+    with Client(stack.router_address) as c:
+        c.generate("Name a colour.", max_tokens=4, ignore_eos=True)
+    roles = {"router": "router", "prefill-0": "prefill_worker", "decode-0": "decode_worker"}
+    for name, role in roles.items():
+        with open(stack.proc(name).log_path) as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        assert lines, f"{name} logged nothing"
+        for line in lines:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                pytest.fail(f"{name} logged a line that is not JSON: {line!r}")
+            assert obj["role"] == role and obj["level"] and obj["logger"] and "message" in obj, (name, obj)
+            assert obj["time"].endswith("+00:00"), obj["time"]
+
+
+def test_a_server_calls_log_lines_carry_its_trace_id_and_no_other_tasks_do():
+    """Guards against log lines that cannot be found from a trace: a line logged in a call (its
+    server span, parented by the caller's traceparent) carries the call's trace and span ids, in
+    its task only, across awaits; a line outside it carries none; an exception is kept."""
+    import asyncio
+    import logging
+
+    from splitserve.observability import tracing
+    from splitserve.observability.logs import JsonFormatter
+
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    formatter, lines = JsonFormatter("router"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(json.loads(formatter.format(record)))
+    log = logging.getLogger("splitserve.test_json_logs")
+    log.addHandler(handler)
+    log.propagate = False
+    log.setLevel(logging.INFO)
+
+    async def call():
+        parent = tracing.context_of(f"00-{trace_id}-00f067aa0ba902b7-01")
+        with tracing.rpc_span("splitserve.v1.Generation/Generate", parent=parent) as rs:
+            log.info("in the call")
+            await asyncio.sleep(0.01)
+            log.info("after an await")
+            return format(rs.span.get_span_context().span_id, "016x")
+
+    async def main():
+        other = asyncio.create_task(asyncio.sleep(0.005))
+        span_id = await asyncio.create_task(call())
+        await other
+        log.info("outside the call")
+        try:
+            raise ValueError("the reason")
+        except ValueError:
+            log.exception("failed")
+        return span_id
+
+    try:
+        span_id = asyncio.run(main())
+    finally:
+        log.removeHandler(handler)
+    assert [line.get("trace_id") for line in lines] == [trace_id, trace_id, None, None], lines
+    assert lines[0]["span_id"] == span_id and lines[0]["message"] == "in the call" and lines[0]["level"] == "INFO"
+    assert lines[3]["level"] == "ERROR" and "ValueError: the reason" in lines[3]["exception"]
 
 
 def test_a_prompt_that_starts_like_an_earlier_one_is_prefilled_from_the_cache(stack):

@@ -115,6 +115,15 @@ def model_name(folder: str) -> str:
     return name
 
 
+def served_model_name(configured: str, model_name: str) -> str:
+    """The model's name in the API and on the metrics: the setting, or the model's own name (a
+    path's last part)."""
+    if configured:
+        return configured
+    name = model_name.rstrip("/").rsplit("/", 1)[-1]
+    return name.removesuffix(".gguf") or model_name
+
+
 def _check_config_file(folder: str) -> None:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ModelLoadError(f"no config.json in model folder {folder}")

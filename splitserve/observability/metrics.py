@@ -62,12 +62,32 @@ BYTES_BUCKETS = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
 P = "splitserve_"
 
 
+class _ModelRegistry(CollectorRegistry):
+    """A registry whose every sample carries the served model's name, vLLM's ``model_name`` label,
+    once it is known (a process knows it once its model or tokenizer is loaded)."""
+
+    def __init__(self):
+        super().__init__(auto_describe=True)
+        self.model_name = ""
+
+    def collect(self):
+        for family in super().collect():  # built anew at each collect: labelled in place
+            if self.model_name:
+                label = {"model_name": self.model_name}
+                family.samples = [s._replace(labels={**label, **s.labels}) for s in family.samples]
+            yield family
+
+
 class Metrics:
     """Base: a registry of its own (so tests may build several) and the HTTP endpoint."""
 
     def __init__(self):
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = _ModelRegistry()
         self._server = None
+
+    def label_model(self, name: str) -> None:
+        """Label every sample model_name=name from now on."""
+        self.registry.model_name = name
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics; port 0 picks a free one, a negative port turns the endpoint off (returns 0)."""

@@ -284,16 +284,21 @@ def rpc_attributes(full_method: str) -> dict:
 
 
 class rpc_span:
-    """A span for one RPC that is never made the current span (it lives across the
-    yields of async generators): children get ``.ctx`` explicitly. On the way out it
-    records ``rpc.grpc.status_code`` and, for server faults, an error status."""
+    """A span for one RPC: children get ``.ctx`` explicitly, since it lives across the yields of
+    async generators. A server's span is also made current in its call's task, never detached
+    (the task, one per call on the asyncio server, ends with the call), so the call's log lines
+    carry its trace id (logs.py). On the way out it records ``rpc.grpc.status_code`` and, for
+    server faults, an error status."""
 
     def __init__(self, name: str, *, kind=SpanKind.SERVER, parent=None, attributes=None, start_time=None):
         self.span = tracer().start_span(name, context=parent, kind=kind, attributes=attributes, start_time=start_time)
         self.ctx = trace.set_span_in_context(self.span)
+        self.kind = kind
         self.code = None  # set by the body to override the exception mapping
 
     def __enter__(self) -> rpc_span:
+        if self.kind == SpanKind.SERVER:
+            otel_context.attach(self.ctx)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -303,7 +308,7 @@ class rpc_span:
         if exc is not None and not isinstance(exc, GeneratorExit):
             code = code_of(exc)
             span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code.name in SERVER_FAULTS or self.span.kind != SpanKind.SERVER:
+            if code.name in SERVER_FAULTS or self.kind != SpanKind.SERVER:
                 if code.name != "CANCELLED":
                     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {exc}"[:300]))
             if code.name == "CANCELLED":

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from splitserve.engine.errors import EngineError
+from splitserve.observability.logs import LOG_FORMATS, setup_logging
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
 from splitserve.service.errors import REDIS_UNREACHABLE, quiet_ended_calls
 from splitserve.service.settings import Settings
@@ -132,6 +133,7 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap.add_argument("--redis-url", dest="redis_url")
     ap.add_argument("--model")
     ap.add_argument("--worker-id", dest="worker_id")
+    ap.add_argument("--log-format", dest="log_format", choices=LOG_FORMATS, help="stderr logs: text or json lines")
     args = ap.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
     env = os.environ
@@ -150,13 +152,14 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
 
 def run(role: str, main_coro, argv: list[str] | None = None) -> int:
     """Parse settings, run ``main_coro(settings, stop_event)`` until SIGTERM/SIGINT."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging(role)
     quiet_ended_calls()
     try:
         settings = parse_settings(role, argv)
     except ValueError as e:
         print(f"splitserve {role}: error: {e}", file=sys.stderr)
         return 2
+    setup_logging(role, settings.log_format)
 
     async def runner():
         stop = asyncio.Event()

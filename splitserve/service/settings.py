@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
 from splitserve.engine.structured import MAX_MASK_MS
+from splitserve.observability.logs import LOG_FORMATS
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Settings:
     trace_file: str = ""
     # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     trace_file_max_bytes: int = 64 << 20
+    # process logs on stderr: text, or json (one object a line, with the current span's trace_id and span_id)
+    log_format: str = "text"
     # or colocated: decode workers prefill prompts themselves, no prefill workers
     mode: str = "disaggregated"
     # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while
@@ -156,6 +159,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.redis_cluster not in ("auto", "on", "off"):
             raise ValueError(f"redis_cluster must be auto, on or off, got {self.redis_cluster!r}")
         if self.mode not in ("disaggregated", "colocated"):
