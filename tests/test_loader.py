@@ -20,6 +20,40 @@ def test_missing_path(tmp_path):
         load_model(ModelSpec(path=str(tmp_path / "nope")))
 
 
+def _hub_cache_with(tmp_path, repo_id: str, folder: str) -> str:
+    """A Hugging Face hub cache holding folder's files as repo_id's snapshot, laid out as
+    huggingface_hub lays one out (models--org--name/refs/main names the snapshot's commit)."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return str(tmp_path / "hub")
+
+
+def test_a_hub_id_is_found_in_the_local_hugging_face_cache_offline(tmp_path, monkeypatch, tiny_model_dir, tiny_loaded):
+    """Guards against --model org/name read as a missing path: it is the cached snapshot, named
+    org/name in the API; one it does not hold is one clear error naming the id and the cache."""
+    import torch
+
+    from splitserve.engine.loader import resolve_folder, served_model_name
+
+    monkeypatch.setenv("HF_HUB_CACHE", _hub_cache_with(tmp_path, "acme/tiny-llama", tiny_model_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec = ModelSpec(path="acme/tiny-llama", cache_dir=str(tmp_path / "cache"))
+    assert resolve_folder(spec).endswith("models--acme--tiny-llama/snapshots/0123456789abcdef0123456789abcdef01234567")
+    loaded = load_model(spec)
+    assert loaded.name == "acme/tiny-llama" and served_model_name("", loaded.name) == "acme/tiny-llama"
+    for key, tensor in tiny_loaded.state_dict.items():
+        assert torch.equal(loaded.state_dict[key], tensor), key
+    with pytest.raises(ModelLoadError) as e:
+        load_model(ModelSpec(path="acme/other-model"))
+    message = str(e.value)
+    assert "acme/other-model" in message and str(tmp_path / "hub") in message and "\n" not in message, message
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all" * 100)

