@@ -54,6 +54,30 @@ def test_a_hub_id_is_found_in_the_local_hugging_face_cache_offline(tmp_path, mon
     assert "acme/other-model" in message and str(tmp_path / "hub") in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_checkpoint_loads_and_runs_in_float32_on_the_cpu(tmp_path, tiny_model_dir, dtype):
+    """Guards against a bf16 or fp16 Hugging Face folder (how checkpoints are published) refused
+    or run at a precision other than the one the CPU computes well: its weights are read as saved
+    and the engine's greedy output equals transformers' on the same weights in float32."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.sampling import SamplingParams
+
+    folder = str(tmp_path / dtype)
+    LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=getattr(torch, dtype)).save_pretrained(folder)
+    loaded = load_model(ModelSpec(path=folder, cache_dir=str(tmp_path / "cache")))
+    assert {t.dtype for t in loaded.state_dict.values()} == {getattr(torch, dtype)}
+    prompt = [5, 17, 99, 3, 250]
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=16 << 20), loaded=loaded)
+    (got,) = eng.generate([prompt], [SamplingParams(max_tokens=12, ignore_eos=True)])
+    ref = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert got == want[0, len(prompt) :].tolist()
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf at all" * 100)
