@@ -37,7 +37,7 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.handoff.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
-from splitserve.service import aio, convert, grpc_server
+from splitserve.service import aio, convert, grpc_server, tls
 from splitserve.service import redis_scripts as scripts
 from splitserve.service.errors import (
     AlreadyExists,
@@ -561,7 +561,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer_ref.append(servicer)
     server = grpc_server.new_server(settings.keepalive_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
+    port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE], tls.files_of(settings))
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     lease = 3 * settings.heartbeat_s

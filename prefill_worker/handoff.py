@@ -16,7 +16,7 @@ from splitserve.handoff import layout as kv_layout
 from splitserve.handoff.arena import ArenaFull
 from splitserve.handoff.layout import KVExport, payload_nbytes
 from splitserve.observability import tracing
-from splitserve.service import convert
+from splitserve.service import convert, tls
 from splitserve.service.errors import REDIS_UNREACHABLE, code_of
 from splitserve.service.grpc_server import options
 from splitserve.service.redis_state import Job
@@ -384,7 +384,7 @@ class HandoffSender:
             if (peer := self.peers.cached(address)) is not None:
                 stub = peer.stub
             else:
-                channel = grpc.insecure_channel(address, options=options(self.s.keepalive_s))
+                channel = tls.channel(address, self.tls, options(self.s.keepalive_s))
                 stub = worker_pb2_grpc.DecodeWorkerStub(channel)
             stub.Fail(
                 w_pb.FailRequest(

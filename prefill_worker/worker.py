@@ -39,6 +39,7 @@ from splitserve.observability.metrics import PrefillMetrics
 from splitserve.prefill_worker.handoff import HandoffSender
 from splitserve.prefill_worker.queue import JobQueue, skipped, state_of
 from splitserve.service import redis_scripts as scripts
+from splitserve.service import tls
 from splitserve.service.errors import code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
@@ -172,8 +173,9 @@ class PrefillWorker(JobQueue, HandoffSender):
         # to each worker (token_streams); to a worker without one, on threads that stay up (a gRPC
         # future would start a thread per call on an idle channel: 0.7 ms of the light-load TTFT).
         # The shared pool is for what has no known worker.
+        self.tls = tls.files_of(settings)  # mTLS to the decode workers, when set
         self.peers = Peers(
-            lambda address: grpc.insecure_channel(address, options=options(settings.keepalive_s)),
+            lambda address: tls.channel(address, self.tls, options(settings.keepalive_s)),
             pools={"handoff": 8, "first-token": 4},
         )
         self.token_streams = TokenStreams()
@@ -553,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     reflection.enable_server_reflection(
         [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    port = tls.bind(server, f"{settings.host}:{settings.port}", worker.tls, client_auth=True)
     server.start()
     worker.address = settings.address(port)
     metrics_port = worker.metrics.serve(settings.host, settings.metrics_port)

@@ -477,13 +477,15 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the API on the router's event loop."""
 
-    def __init__(self, api: OpenAIApi, host: str, port: int, drain_s: float):
+    def __init__(self, api: OpenAIApi, host: str, port: int, drain_s: float, tls_files=None):
         self.api = api
         self.sock = bind(host, port, "--http-port")
         self.port = self.sock.getsockname()[1]
+        self.scheme = "https" if tls_files else "http"  # TLS with the stack's certificate, as on the gRPC port
         config = uvicorn.Config(
             api.app, log_level="warning", access_log=False, lifespan="off", http="h11",
             timeout_graceful_shutdown=int(math.ceil(drain_s)) + 5, timeout_keep_alive=30,
+            ssl_certfile=tls_files.cert if tls_files else None, ssl_keyfile=tls_files.key if tls_files else None,
         )  # fmt: skip
         self.server = _Server(config)
         self.task: asyncio.Task | None = None

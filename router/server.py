@@ -52,7 +52,7 @@ from splitserve.router.requests import (
     Recorded,
     log,
 )
-from splitserve.service import convert, grpc_server
+from splitserve.service import convert, grpc_server, tls
 from splitserve.service import redis_scripts as scripts
 from splitserve.service.errors import (
     Cancelled,
@@ -389,6 +389,7 @@ class RouterServicer(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    tls_files = tls.files_of(settings)  # a file that cannot be read stops the start, naming it
     frontend = await asyncio.to_thread(Frontend, settings)
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     metrics = RouterMetrics()
@@ -402,10 +403,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     http = None
     if settings.http_port:  # bound first: a port in use stops the start at once, naming it
         api = OpenAIApi(servicer, frontend.name, frontend.context)
-        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s)
+        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s, tls_files)
     server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE])
+    # the public port: TLS with the stack's certificate, no client certificate asked for
+    port, health = await grpc_server.start(
+        server, settings.host, settings.port, [SERVICE], tls_files, client_auth=False
+    )
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if http is not None:
         http.start()
@@ -436,7 +440,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     if metrics_port:
         print(f"METRICS {settings.host}:{metrics_port}", flush=True)
     if http is not None:
-        log.info("OpenAI-compatible HTTP on http://%s:%d/v1", settings.host, http.port)
+        log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", http.scheme, settings.host, http.port)
         print(f"HTTP {settings.host}:{http.port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()

@@ -112,7 +112,13 @@ def _up(args) -> int:
         return 2
     n_prefill = 0 if settings.mode == "colocated" else args.prefill
     stack = Stack(
-        settings, prefill=n_prefill, decode=args.decode, routers=args.routers, port=args.port, http_port=args.http_port
+        settings,
+        prefill=n_prefill,
+        decode=args.decode,
+        routers=args.routers,
+        port=args.port,
+        http_port=args.http_port,
+        tls=args.tls,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
@@ -126,9 +132,17 @@ def _up(args) -> int:
     try:
         stack.start()
         print(f"splitserve is up: router at {', '.join(stack.router_addresses)}  (logs in {stack.run_dir})", flush=True)
+        tls_ca = stack.settings.tls_ca or None
         if stack.router_http_address:
+            scheme = "https" if tls_ca else "http"
             print(
-                f"OpenAI-compatible HTTP: http://{stack.router_http_address}/v1  (model {_model_name(stack)})",
+                f"OpenAI-compatible HTTP: {scheme}://{stack.router_http_address}/v1  (model {_model_name(stack)})",
+                flush=True,
+            )
+        if tls_ca:
+            print(
+                f"TLS: clients trust {tls_ca}  (splitserve generate --tls-ca, Client(address, tls_ca=...), "
+                "curl --cacert)",
                 flush=True,
             )
         state = {
@@ -140,6 +154,7 @@ def _up(args) -> int:
             "redis_prefix": stack.settings.redis_prefix,
             "trace_file": stack.settings.trace_file,
             "run_dir": stack.run_dir,
+            "tls_ca": tls_ca,
             "metrics": {p.name: p.metrics_address for p in stack.procs},
         }
         for name in ("stack.json", "last-stack.json"):  # the last one outlives the stack, for `splitserve traces`
@@ -154,7 +169,7 @@ def _up(args) -> int:
                 flush=True,
             )
         if args.demo:
-            _demo(stack.router_address)
+            _demo(stack.router_address, tls_ca)
         if args.exit_after_demo:
             return 0
         print("serving; Ctrl-C to drain and stop", flush=True)
@@ -185,12 +200,12 @@ def _model_name(stack) -> str:
         return served_model_name(stack.settings.served_model_name, stack.settings.model or "the default")
 
 
-def _demo(address: str) -> None:
+def _demo(address: str, tls_ca: str | None = None) -> None:
     from splitserve.client import Client
 
     question = "Give me three short tips for writing clear Python code."
     print(f"\ndemo request (chat, streamed): {question}\n", flush=True)
-    with Client(address) as c:
+    with Client(address, tls_ca=tls_ca) as c:
         for chunk in c.generate_stream(messages=[{"role": "user", "content": question}], max_tokens=96):
             print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
@@ -283,6 +298,13 @@ def _router_address(args) -> str | None:
     return address
 
 
+def _router_tls_ca(args) -> str | None:
+    """--tls-ca, or the running stack's CA when its router is the one called (up --tls)."""
+    if args.tls_ca is not None:
+        return args.tls_ca
+    return None if args.address else (_read_state() or {}).get("tls_ca")
+
+
 def _generate(args) -> int:
     import grpc
 
@@ -318,7 +340,7 @@ def _generate(args) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(address, balance=args.resumes > 0) as c:
+    with Client(address, balance=args.resumes > 0, tls_ca=_router_tls_ca(args)) as c:
         if args.n is not None and args.n > 1:
             return _print_samples(c, prompt, args.timeout, args.resumes, kw)
         try:
@@ -383,7 +405,7 @@ def _request(args) -> int:
 
     if not (address := _router_address(args)):
         return 2
-    with Client(address) as c:
+    with Client(address, tls_ca=_router_tls_ca(args)) as c:
         try:
             info = c.get_request(args.request_id, timeout=args.timeout)
         except grpc.RpcError as e:
@@ -541,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no prefill workers: decode workers prefill prompts themselves (chunked prefill)",
     )
+    p.add_argument(
+        "--tls", action="store_true", help="every hop over TLS (mTLS inside), with a throwaway CA made for this stack"
+    )
     p.add_argument("--demo", action="store_true", help="send one streamed demo request once up")
     p.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_up)
@@ -548,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA file of a router serving TLS (default: the stack's)")
     p.add_argument(
         "--resumes",
         type=_at_least(0),
@@ -642,6 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("request_id")
     p.add_argument("--address", default=None, help="router address (default: the stack started by splitserve up)")
+    p.add_argument("--tls-ca", default=None, help="PEM CA file of a router serving TLS (default: the stack's)")
     p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds")
     p.set_defaults(func=_request)
 

@@ -476,9 +476,34 @@ def _typed_async(fn):
     return call
 
 
+def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
+    """TLS trusting the CA certificate(s) in the PEM file tls_ca; "" trusts the system's roots;
+    None: plaintext."""
+    if tls_ca is None:
+        return None
+    if not tls_ca:
+        return grpc.ssl_channel_credentials()
+    with open(tls_ca, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
 class Client:
-    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False):
-        self.channel = grpc.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
+    def __init__(
+        self,
+        address: str,
+        retries: int = 0,
+        keepalive_s: float = KEEPALIVE_S,
+        balance: bool = False,
+        tls_ca: str | None = None,
+    ):
+        """tls_ca: a router serving TLS, whose certificate this PEM CA file signs ("": one of the
+        system's roots); None: plaintext."""
+        options = channel_options(retries, keepalive_s, balance)
+        creds = _credentials(tls_ca)
+        if creds is None:
+            self.channel = grpc.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.secure_channel(address, creds, options=options)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(
@@ -559,8 +584,21 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, retries: int = 0, keepalive_s: float = KEEPALIVE_S, balance: bool = False):
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(retries, keepalive_s, balance))
+    def __init__(
+        self,
+        address: str,
+        retries: int = 0,
+        keepalive_s: float = KEEPALIVE_S,
+        balance: bool = False,
+        tls_ca: str | None = None,
+    ):
+        """tls_ca: as Client's."""
+        options = channel_options(retries, keepalive_s, balance)
+        creds = _credentials(tls_ca)
+        if creds is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self.channel = grpc.aio.secure_channel(address, creds, options=options)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(

@@ -35,6 +35,8 @@ from splitserve.lifeline import tied
 from splitserve.observability.tracing import exporter_kind
 from splitserve.service.redis_state import Keys, connect
 from splitserve.service.settings import Settings
+from splitserve.service.tls import TLSFiles, files_of, make_local_ca
+from splitserve.service.tls import channel as tls_channel
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +90,12 @@ class Stack:
         router_env: dict | None = None,
         port: int = 0,
         http_port: int = 0,
+        tls: bool = False,
     ):
         """port, http_port: the first router's gRPC port (0: a free one) and HTTP port (0: off);
-        the other processes take free ports."""
+        the other processes take free ports. tls: every hop over TLS with a throwaway CA made in
+        the run folder (<run dir>/tls/ca.pem is the one clients trust), unless the settings name
+        certificates already."""
         self.stack_id = uuid.uuid4().hex[:8]
         base = settings or Settings.from_env()
         if base.shm_prefix == "splitserve-":  # the default: give this stack a prefix of its own
@@ -101,7 +106,11 @@ class Stack:
         # every worker of this stack shares this host's cores (unless off: each uses all)
         if not base.core_share or base.core_share_flag is True:
             base = base.replace(core_share=os.path.join(self.run_dir, "cores"))
+        if tls and not base.tls_cert:
+            made = make_local_ca(os.path.join(self.run_dir, "tls"))
+            base = base.replace(tls_cert=made.cert, tls_key=made.key, tls_ca=made.ca)
         self.settings = base
+        self.tls = files_of(base)
         self.n_prefill, self.n_decode, self.n_routers = prefill, decode, max(1, routers)
         self.prefill_env = prefill_env or {}
         self.decode_env = decode_env or {}
@@ -242,15 +251,15 @@ class Stack:
                         p.metrics_address = line.split()[1]
                     elif line.startswith("HTTP "):
                         p.http_address = line.split()[1]
-            if p.address and self._healthy(p.address):
+            if p.address and self._healthy(p.address, self.tls):
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{p.name} was not ready in time:\n{self._tail(p)}")
 
     @staticmethod
-    def _healthy(address: str) -> bool:
+    def _healthy(address: str, tls_files: TLSFiles | None) -> bool:
         try:
-            with grpc.insecure_channel(address) as ch:
+            with tls_channel(address, tls_files, []) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
                 return resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:

@@ -7,6 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from splitserve.service import tls
 from splitserve.service.errors import ErrorInterceptor
 from splitserve.wire import keepalive_options
 
@@ -51,14 +52,21 @@ def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc
 
 
 async def start(
-    server: grpc.aio.Server, host: str, port: int, service_names: list[str]
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    service_names: list[str],
+    tls_files: tls.TLSFiles | None = None,
+    client_auth: bool = True,
 ) -> tuple[int, health_aio.HealthServicer]:
+    """Serve on host:port, over TLS with tls_files (asking callers for a client certificate the
+    CA signed with client_auth: every internal server), plaintext without."""
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = tls.bind(server, f"{host}:{port}", tls_files, client_auth)
     except RuntimeError:  # (gRPC raises, or gives 0, by version)
         bound = 0
     if bound == 0:  # a ValueError: the process says so in one line and exits 2 (process.run)
@@ -74,5 +82,6 @@ async def set_not_serving(health, service_names: list[str]) -> None:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def channel(address: str, keepalive_s: float = 0.0) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=options(keepalive_s))
+def channel(address: str, keepalive_s: float = 0.0, tls_files: tls.TLSFiles | None = None) -> grpc.aio.Channel:
+    """A channel to another process of the stack (mTLS with tls_files)."""
+    return tls.aio_channel(address, tls_files, options(keepalive_s))

@@ -76,6 +76,17 @@ class Settings:
     trace_file: str = ""
     # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
     trace_file_max_bytes: int = 64 << 20
+    # TLS: this process's PEM certificate (with tls_key and tls_ca, or none of them: plaintext). The router's public
+    # port serves TLS with it; internal servers also require a client certificate tls_ca signed (mTLS), and internal
+    # channels present this one
+    tls_cert: str = ""
+    # the PEM private key of tls_cert
+    tls_key: str = ""
+    # PEM CA certificate(s) that sign every process's certificate; the only ones internal hops trust
+    tls_ca: str = ""
+    # the name internal peers' certificates carry, checked instead of the dialled address's host (pods' IPs vary);
+    # "" = the address's host
+    tls_server_name: str = ""
     # process logs on stderr: text, or json (one object a line, with the current span's trace_id and span_id)
     log_format: str = "text"
     # or colocated: decode workers prefill prompts themselves, no prefill workers
@@ -160,6 +171,10 @@ class Settings:
     def __post_init__(self) -> None:
         if self.kv_transport not in ("auto", "shm", "grpc"):
             raise ValueError(f"kv_transport must be auto, shm or grpc, got {self.kv_transport!r}")
+        tls = [f for f in ("tls_cert", "tls_key", "tls_ca") if getattr(self, f)]
+        if tls and len(tls) < 3:
+            missing = ", ".join(f for f in ("tls_cert", "tls_key", "tls_ca") if f not in tls)
+            raise ValueError(f"{missing}: TLS needs tls_cert, tls_key and tls_ca together")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.redis_cluster not in ("auto", "on", "off"):

@@ -35,7 +35,7 @@ BASE = dict(
 def start_stack(**kw):
     extra = {
         k: kw.pop(k)
-        for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers", "port", "http_port")
+        for k in ("prefill", "decode", "prefill_env", "decode_env", "router_env", "routers", "port", "http_port", "tls")
         if k in kw
     }
     stack = Stack(Settings.from_env(**{**BASE, **kw}), **extra).start()
