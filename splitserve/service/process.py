@@ -14,6 +14,7 @@ from splitserve.engine.errors import EngineError
 from splitserve.observability.logs import LOG_FORMATS, setup_logging
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
 from splitserve.service.errors import REDIS_UNREACHABLE, quiet_ended_calls
+from splitserve.service.redis_state import check_credentials
 from splitserve.service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     if router:
         check_port_free(settings.host, settings.http_port, "--http-port")
     settings.check_core_share_names_a_board()
+    if settings.redis_url:
+        check_credentials(settings.redis_url, settings.redis_cluster)
     return settings
 
 

@@ -315,7 +315,7 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
         log.warning(
             "could not ask Redis at %s whether it is a cluster (%s): taken as not one; "
             "set SPLITSERVE_REDIS_CLUSTER=on for a cluster",
-            url,
+            redacted(url),
             e,
         )
         return False
@@ -344,6 +344,39 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     import redis
 
     return redis.Redis.from_url(url, **kwargs)
+
+
+def redacted(url: str) -> str:
+    """url without its password (redis://user:***@host:port/db), for logs and messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def check_credentials(url: str, cluster: str = "auto") -> None:
+    """Refuse, as a bad setting, a Redis that rejects the URL's user and password (ACL AUTH): a
+    process would otherwise fail at its first command with a traceback. A Redis not answering is
+    not refused here: processes wait for one that comes up later."""
+    import redis
+
+    try:
+        client = connect(url, cluster, socket_timeout=5, socket_connect_timeout=5)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except redis.AuthenticationError as e:  # the URL holds the password: it is not repeated
+        raise ValueError(f"redis_url: Redis refused its user and password ({e})") from None
+    except redis.RedisError:
+        pass
 
 
 def now() -> float:
