@@ -257,7 +257,7 @@ class Stack:
         raise TimeoutError(f"{p.name} was not ready in time:\n{self._tail(p)}")
 
     @staticmethod
-    def _healthy(address: str, tls_files: TLSFiles | None) -> bool:
+    def _healthy(address: str, tls_files: TLSFiles | None = None) -> bool:
         try:
             with tls_channel(address, tls_files, []) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
