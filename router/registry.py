@@ -13,7 +13,7 @@ from splitserve.engine.errors import InvalidRequestError
 from splitserve.router.placement import Placement
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.requests import REGISTER_WAIT_HEARTBEATS, log
-from splitserve.service import grpc_server, tls
+from splitserve.service import grpc_server
 from splitserve.service.errors import (
     Unavailable,
 )
@@ -175,7 +175,7 @@ class WorkerRegistry:
         return peer is None or peer.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc_server.channel(address, self.s.keepalive_s, tls.files_of(self.s))
+        channel = grpc_server.channel(address, self.s.keepalive_s, self.tls)
         self.background.start(self._watch(channel))
         return channel
 

@@ -82,6 +82,7 @@ class RouterServicer(
 ):
     def __init__(self, settings: Settings, frontend: Frontend, r: aioredis.Redis, metrics: RouterMetrics | None = None):
         self.s = settings
+        self.tls = tls.files_of(settings)  # for its channels to the decode workers and its own ports
         self.front = frontend
         self.redis = r
         self.keys = Keys(settings.redis_prefix)
@@ -389,7 +390,7 @@ class RouterServicer(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    tls_files = tls.files_of(settings)  # a file that cannot be read stops the start, naming it
+    tls.files_of(settings)  # first: a file that cannot be read stops the start, naming it (the servicer keeps them)
     frontend = await asyncio.to_thread(Frontend, settings)
     r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
     metrics = RouterMetrics()
@@ -403,12 +404,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     http = None
     if settings.http_port:  # bound first: a port in use stops the start at once, naming it
         api = OpenAIApi(servicer, frontend.name, frontend.context)
-        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s, tls_files)
+        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s, servicer.tls)
     server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     # the public port: TLS with the stack's certificate, no client certificate asked for
     port, health = await grpc_server.start(
-        server, settings.host, settings.port, [SERVICE], tls_files, client_auth=False
+        server, settings.host, settings.port, [SERVICE], servicer.tls, client_auth=False
     )
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if http is not None:

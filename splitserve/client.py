@@ -476,15 +476,16 @@ def _typed_async(fn):
     return call
 
 
-def _credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
-    """TLS trusting the CA certificate(s) in the PEM file tls_ca; "" trusts the system's roots;
-    None: plaintext."""
+def _channel(api, address: str, options: list, tls_ca: str | None):
+    """api.*_channel (api: grpc or grpc.aio): TLS trusting the CA certificate(s) in the PEM file
+    tls_ca ("": the system's roots), plaintext for None."""
     if tls_ca is None:
-        return None
-    if not tls_ca:
-        return grpc.ssl_channel_credentials()
-    with open(tls_ca, "rb") as f:
-        return grpc.ssl_channel_credentials(root_certificates=f.read())
+        return api.insecure_channel(address, options=options)
+    roots = None
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            roots = f.read()
+    return api.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
 class Client:
@@ -498,12 +499,7 @@ class Client:
     ):
         """tls_ca: a router serving TLS, whose certificate this PEM CA file signs ("": one of the
         system's roots); None: plaintext."""
-        options = channel_options(retries, keepalive_s, balance)
-        creds = _credentials(tls_ca)
-        if creds is None:
-            self.channel = grpc.insecure_channel(address, options=options)
-        else:
-            self.channel = grpc.secure_channel(address, creds, options=options)
+        self.channel = _channel(grpc, address, channel_options(retries, keepalive_s, balance), tls_ca)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(
@@ -593,12 +589,7 @@ class AsyncClient:
         tls_ca: str | None = None,
     ):
         """tls_ca: as Client's."""
-        options = channel_options(retries, keepalive_s, balance)
-        creds = _credentials(tls_ca)
-        if creds is None:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self.channel = grpc.aio.secure_channel(address, creds, options=options)
+        self.channel = _channel(grpc.aio, address, channel_options(retries, keepalive_s, balance), tls_ca)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(

@@ -77,21 +77,21 @@ def bind(server, address: str, files: TLSFiles | None, client_auth: bool) -> int
     return server.add_secure_port(address, server_credentials(files, client_auth))
 
 
-def _name_override(files: TLSFiles) -> list[tuple[str, str]]:
-    return [("grpc.ssl_target_name_override", files.server_name)] if files.server_name else []
+def _open(api, address: str, files: TLSFiles | None, options: list):
+    """api.*_channel (api: grpc or grpc.aio): mTLS with files, plaintext without."""
+    if files is None:
+        return api.insecure_channel(address, options=options)
+    name = [("grpc.ssl_target_name_override", files.server_name)] if files.server_name else []
+    return api.secure_channel(address, channel_credentials(files), options=[*options, *name])
 
 
 def channel(address: str, files: TLSFiles | None, options: list) -> grpc.Channel:
     """A channel to another process of the stack: mTLS with files, plaintext without."""
-    if files is None:
-        return grpc.insecure_channel(address, options=options)
-    return grpc.secure_channel(address, channel_credentials(files), options=[*options, *_name_override(files)])
+    return _open(grpc, address, files, options)
 
 
 def aio_channel(address: str, files: TLSFiles | None, options: list) -> grpc.aio.Channel:
-    if files is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, channel_credentials(files), options=[*options, *_name_override(files)])
+    return _open(grpc.aio, address, files, options)
 
 
 def make_local_ca(folder: str, hosts: list[str] | None = None, days: int = 30) -> TLSFiles:
