@@ -59,6 +59,7 @@ bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --structured-cost --out bench-results/engine-structured.json
 	$(PY) -m splitserve.bench.engine_bench --samples-cost 4 --out bench-results/engine-samples.json
 	$(PY) -m splitserve.bench.engine_bench --invariant-cost --rounds 5 --out bench-results/engine-invariant.json
+	$(PY) -m splitserve.bench.engine_bench --dtype-cost --rounds 2 --out bench-results/engine-dtype.json
 
 bench-handoff: install proto
 	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json

@@ -241,8 +241,8 @@ class HandoffReceiver:
                 f"handle.layout_version: {h.layout_version} is not supported (this worker reads "
                 f"{', '.join(map(str, LAYOUT_VERSIONS))})"
             )
-        if h.dtype != "float32":
-            raise Invalid(f"handle.dtype: {h.dtype!r} is not float32")
+        if h.dtype != self.engine.model.shape.kv_dtype:
+            raise Invalid(f"handle.dtype: {h.dtype!r} is not this worker's {self.engine.model.shape.kv_dtype!r}")
         if h.fingerprint != self.engine.fingerprint:
             raise Invalid(
                 f"handle.fingerprint: {h.fingerprint!r} is not this worker's model ({self.engine.fingerprint})"

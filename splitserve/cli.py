@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from splitserve.engine.config import DTYPES
 from splitserve.engine.errors import EngineError
 from splitserve.observability.logs import LOG_FORMATS, setup_logging
 
@@ -98,7 +99,7 @@ def _up(args) -> int:
     from splitserve.service.settings import Settings, needs_colocated
     from splitserve.stack import Stack
 
-    overrides = {"model": args.model, "policy": args.policy, "host": args.host}
+    overrides = {"model": args.model, "policy": args.policy, "host": args.host, "dtype": args.dtype}
     overrides["served_model_name"] = args.served_model_name
     overrides["log_format"] = args.log_format
     if args.colocated or needs_colocated(args.policy or ""):
@@ -558,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=_port, default=8000, help="its OpenAI-compatible HTTP port (default 8000; 0: off)"
     )
     p.add_argument("--policy", default=None, choices=["continuous", "dynamic", "static"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="the engines' dtype (default auto: the checkpoint's bf16 or fp16 on CUDA, float32 on the CPU)",
+    )
     p.add_argument(
         "--colocated",
         action="store_true",

@@ -89,3 +89,16 @@ def engine_factory_of(loaded):
     for eng in engines:  # leak check after every test: no KV block held
         assert eng.cache.pool.num_used == 0, f"{eng.cache.pool.num_used} KV blocks still held"
         assert not eng.seqs and not eng.parked
+
+
+def hf_greedy(folder: str, dtype: str, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens for prompt, n of them, with the model in folder in dtype."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    ref = LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    # n tokens as ignore_eos makes them: no end-of-sequence id, rather than min_new_tokens (which
+    # takes the end-of-sequence token out of the choice: greedy picks another where it is first)
+    ref.generation_config.eos_token_id = None
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()

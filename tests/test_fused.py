@@ -76,6 +76,9 @@ def test_silu_mul_equals_torchs():
 def test_the_self_check_passes_and_names_what_differs(monkeypatch):
     ops = fused.FusedOps(9, 3, 64)
     assert fused.self_check(ops, DEVICE) == ""
+    # half precision too: an engine's dtype (exp() takes only fp32: each kernel widens what it loads)
+    assert fused.self_check(ops, DEVICE, dtype=torch.bfloat16) == ""
+    assert fused.self_check(ops, DEVICE, dtype=torch.float16) == ""
     monkeypatch.setattr(ops, "silu_mul", lambda gu: torch.zeros(gu.shape[0], gu.shape[1] // 2, device=gu.device))
     assert fused.self_check(ops, DEVICE) == "SiLU and product"
 
@@ -134,10 +137,10 @@ def test_kernels_that_fail_their_check_or_do_not_suit_are_not_used(monkeypatch, 
         assert not caplog.records
         assert fused.load(9, 3, 48, DEVICE) is None  # head size not a power of two
         assert fused.load(9, 2, 64, DEVICE) is None  # query heads not in groups of the KV heads
-        monkeypatch.setattr(fused, "self_check", lambda ops, device, bs, max_context: "paged decode attention")
+        monkeypatch.setattr(fused, "self_check", lambda ops, device, bs, max_context, dtype: "paged decode attention")
         assert fused.load(9, 3, 64, DEVICE) is None
 
-        def broken(ops, device, bs, max_context):
+        def broken(ops, device, bs, max_context, dtype):
             raise RuntimeError("no kernel image is available for execution on the device")
 
         monkeypatch.setattr(fused, "self_check", broken)

@@ -254,6 +254,26 @@ def structured_sample_cost(engine: LLMEngine, rows: int = 32, repeats: int = 30)
     return out
 
 
+def dtype_cost(engines: dict[str, LLMEngine], rounds: int, prompt_len: int = 128, max_tokens: int = 32) -> dict:
+    """Each dtype's engine (the same weights) in turn, every round: a prompt's prefill (one output
+    token) and one stream's decode rate after it (prefix caching off on each)."""
+    prompt = [100 + i for i in range(prompt_len)]
+    got: dict = {dt: {"prefill_ms": [], "decode_tok_per_s": []} for dt in engines}
+    for r in range(rounds):
+        for dt, engine in engines.items():
+            engine.generate([prompt], [SamplingParams(max_tokens=2, ignore_eos=True)])  # warm
+            t = time.perf_counter()
+            engine.generate([prompt], [SamplingParams(max_tokens=1, ignore_eos=True)])
+            prefill = time.perf_counter() - t
+            t = time.perf_counter()
+            engine.generate([prompt], [SamplingParams(max_tokens=max_tokens, ignore_eos=True)])
+            rate = (max_tokens - 1) / (time.perf_counter() - t - prefill)
+            got[dt]["prefill_ms"].append(round(prefill * 1000, 1))
+            got[dt]["decode_tok_per_s"].append(round(rate, 1))
+            print(f"round {r} {dt}: prefill {prefill * 1000:.0f} ms, decode {rate:.1f} tok/s", flush=True)
+    return {"prompt_len": prompt_len, "max_tokens": max_tokens, "rounds": rounds, "dtypes": got}
+
+
 def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, max_tokens: int = 32) -> dict:
     """Each prompt's n samples as one request (sampling.n) against n requests of it (seeded seed + i:
     the same tokens), all submitted at once, alternated over rounds: wall time, output tok/s and
@@ -375,6 +395,12 @@ def main(argv=None) -> int:
         "requests through an engine with and one without, output tok/s, then their prompts alone "
         "(one output token each), prompt tok/s",
     )
+    ap.add_argument(
+        "--dtype-cost",
+        action="store_true",
+        help="only measure each dtype (float32, bfloat16, float16) on the same weights: a 128-token "
+        "prompt's prefill and one stream's decode rate, the dtypes alternated each round",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--decode-context",
@@ -463,7 +489,13 @@ def main(argv=None) -> int:
             f"median {got['median_speedup']:.2f}",
             flush=True,
         )
-    if costs or args.structured_cost or args.samples_cost:
+    if args.dtype_cost:
+        engines = {
+            dt: LLMEngine(base.replace(prefix_caching=False, dtype=dt, kv_cache_bytes=256 << 20), loaded=loaded)
+            for dt in ("float32", "bfloat16", "float16")
+        }
+        results["dtype_cost"] = dtype_cost(engines, args.rounds)
+    if costs or args.structured_cost or args.samples_cost or args.dtype_cost:
         write_results(args.out, results)
         return 0
 

@@ -12,6 +12,21 @@ from splitserve.engine.structured import MAX_MASK_MS
 
 Policy = Literal["continuous", "dynamic", "static"]
 POLICIES = ("continuous", "dynamic", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+HALF = ("bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, checkpoint: str, device: str) -> str:
+    """The dtype an engine computes and keeps its KV in: the one asked for, or for "auto" the
+    checkpoint's where the device computes it well. A CUDA device runs a half-precision checkpoint
+    in its own dtype and an fp32 one in bf16. The CPU runs fp32: its C kernels (small GEMM, paged
+    attention) are fp32 only, and through torch's ops bf16 decoded 3x and fp16 over 20x slower
+    than them (docs/configuration.md, "Dtype")."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return checkpoint if checkpoint in HALF else "bfloat16"
+    return "float32"
 
 
 def check_device(device: str) -> None:
@@ -62,6 +77,9 @@ class EngineConfig:
     # row through the paged kernel. Continuous batching on the CPU, with both C kernels; slower prefills.
     batch_invariant: bool = False
     device: str = "cpu"  # torch device of the weights and the KV pool: cpu, cuda or cuda:N (C kernels: cpu only)
+    # The weights', activations' and KV cache's dtype: auto (resolve_dtype), float32, bfloat16 or float16.
+    # The CPU's C kernels are fp32 only: another dtype there runs torch's ops.
+    dtype: str = "auto"
     cuda_graphs: bool = True  # CUDA: steps replay captured graphs (cuda_graphs.py); off = eager
     fused_kernels: bool = True  # CUDA: Triton kernels for rotary + KV write, decode attention, SiLU (fused.py)
     core_share: str = ""  # board file: engines on one host naming the same file divide its cores (cpu only; cores.py)
@@ -94,6 +112,10 @@ class EngineConfig:
                 f"attention_backend {self.attention_backend!r}, small_gemm {self.small_gemm})"
             )
         check_device(self.device)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.batch_invariant and self.dtype in HALF:
+            raise ValueError(f"batch_invariant needs float32 (its C kernels are fp32 only), got dtype {self.dtype!r}")
         if not 0 < self.max_mask_ms < float("inf"):
             raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
         if self.num_threads < 0:

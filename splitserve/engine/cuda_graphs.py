@@ -217,7 +217,8 @@ class PaddedDecodeGraphs:
                 del self.kv_buffers[oldest]
                 self.captured.graphs.pop(oldest, None)
             s = self.model.shape
-            kv = torch.zeros(s.num_layers, 2, rows, s.num_kv_heads, key[1], s.head_dim, device=self.model.device)
+            dims = (s.num_layers, 2, rows, s.num_kv_heads, key[1], s.head_dim)
+            kv = torch.zeros(dims, dtype=self.model.dtype, device=self.model.device)
         self.kv_buffers[key] = kv
         return kv
 
@@ -259,11 +260,11 @@ class _Pieces:
     piece i (1 <= i < L) is layer i-1 after attention and layer i up to it, piece L is
     the last layer after attention and the final norm. Attention runs eagerly between them."""
 
-    def __init__(self, tokens: int, width: int, device: torch.device, spare_slot: int):
+    def __init__(self, tokens: int, width: int, device: torch.device, spare_slot: int, dtype: torch.dtype):
         self.tokens = tokens
         self.inputs = torch.zeros(3 * tokens, dtype=torch.int64, device=device)  # ids, positions, slots
         self.inputs[2 * tokens :] = spare_slot  # capture runs with every token written to the spare block
-        self.attn = torch.zeros(tokens, width, device=device)  # attention output, read by the next piece
+        self.attn = torch.zeros(tokens, width, dtype=dtype, device=device)  # attention output, read by the next piece
         self.state: dict[str, torch.Tensor] = {}  # x, cos, sin as the next piece's body reads them
 
     def views(self):
@@ -320,7 +321,7 @@ class PiecewiseGraphs:
         if b is None:
             m = self.model
             b = self.buckets[tokens] = _Pieces(
-                tokens, m.shape.num_heads * m.shape.head_dim, self.kv.device, self.spare_slot
+                tokens, m.shape.num_heads * m.shape.head_dim, self.kv.device, self.spare_slot, m.dtype
             )
             if self.captured.capture:  # every piece now, in order: each reads the one before
                 for li in range(len(m.layers) + 1):

@@ -15,7 +15,7 @@ from collections import deque
 import torch
 
 from splitserve.engine import cache_dir, layout_cache, native, pack_cache
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import EngineConfig, resolve_dtype
 from splitserve.engine.cores import CoreShare
 from splitserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from splitserve.engine.errors import (
@@ -85,7 +85,13 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
             from splitserve.engine import fused  # imports Triton: only where it is used
 
             self.model.fused = fused.load(
-                shape.num_heads, shape.num_kv_heads, shape.head_dim, self.device, config.block_size, self.max_model_len
+                shape.num_heads,
+                shape.num_kv_heads,
+                shape.head_dim,
+                self.device,
+                config.block_size,
+                self.max_model_len,
+                self.model.dtype,
             )
         graphs = config.cuda_graphs and self.device.type == "cuda"
         continuous = config.policy == "continuous"
@@ -119,23 +125,26 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
         if tick:
             tick()
         waiting = self.core_share.idle if self.core_share is not None else None  # another process makes an entry
-        # the weights in the model's layout: the first engine's on them in this process, or from the disk cache
-        cached = bool(loaded.layout_entry) and on_cpu and not loaded.laid_out
+        dtype = resolve_dtype(config.dtype, loaded.checkpoint_dtype, config.device)
+        fp32 = dtype == "float32"
+        # the weights in the model's layout: the first engine's on them in this process, or from the disk
+        # cache (both fp32: an engine of another dtype lays its own out)
+        cached = bool(loaded.layout_entry) and on_cpu and fp32 and not loaded.laid_out
         with cache_dir.making(loaded.layout_entry, waiting) if cached else contextlib.nullcontext():
             laid = loaded.laid_out or (layout_cache.read(loaded.layout_entry) if cached else None)
-            self.model = LlamaModel(loaded, laid)
-            if on_cpu and not loaded.laid_out:  # (on a GPU, the host's copy would be kept for nothing)
+            self.model = LlamaModel(loaded, laid, dtype)
+            if on_cpu and fp32 and not loaded.laid_out:  # (on a GPU, the host's copy would be kept for nothing)
                 loaded.laid_out = self.model.laid_out()
                 if cached and self.model.made_layout and laid is None:  # made here: kept for later processes
                     layout_cache.write(loaded.layout_entry, loaded.laid_out)
                     log.info("weights laid out for the model, kept at %s", loaded.layout_entry)
                 elif laid is not None and self.model.made_layout:
                     log.warning("weights laid out at %s did not fit the model: made again", loaded.layout_entry)
-        if config.attention_backend == "native" and on_cpu:
+        if config.attention_backend == "native" and on_cpu and fp32:  # (the C kernels are fp32 only)
             lib = native.load_paged_attention(config.model.cache_dir)
             if lib is not None:
                 self.model.attn_kernel = native.PagedAttention(lib, self.num_threads)
-        if config.small_gemm and on_cpu:
+        if config.small_gemm and on_cpu and fp32:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
                 # the first engine on these weights in this process: their blocks from the disk cache

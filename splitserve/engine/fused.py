@@ -14,7 +14,9 @@ kernels take over what torch does in many:
   several programs (flash-decoding), whose partial results a second kernel combines.
 - ``silu_mul``: the MLP's ``SiLU(gate) * up`` in one kernel.
 
-The model adds the residuals with ``addmm`` when these are on (LlamaModel.attn_out).
+The model adds the residuals with ``addmm`` when these are on (LlamaModel.attn_out). Each
+kernel computes in fp32 whatever its tensors' dtype (bf16 and fp16 values are widened as they
+are loaded) and rounds once, as it stores.
 
 Triton ships with torch's CUDA wheels; without it the engine runs torch's ops as before
 (``load()`` returns None). The kernels are plain Triton, so Triton's interpreter runs them on
@@ -81,10 +83,10 @@ if triton is not None:
         d = tl.arange(0, D)[None, :]
         valid = h < HQ + 2 * HKV
         row = qkv_ptr + t * qkv_stride + h * D
-        x = tl.load(row + d, mask=valid, other=0.0)
-        rolled = tl.load(row + (d + D // 2) % D, mask=valid, other=0.0)
-        c = tl.load(cos_ptr + t * cs_stride + d)
-        s = tl.load(sin_ptr + t * cs_stride + d)
+        x = tl.load(row + d, mask=valid, other=0.0).to(tl.float32)
+        rolled = tl.load(row + (d + D // 2) % D, mask=valid, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * cs_stride + d).to(tl.float32)
+        s = tl.load(sin_ptr + t * cs_stride + d).to(tl.float32)
         rotated = h < HQ + HKV
         y = tl.where(rotated, x * c + rolled * s, x)
         tl.store(q_ptr + (t * HQ + h) * D + d, y, mask=h < HQ)
@@ -131,6 +133,7 @@ if triton is not None:
         heads = kvh * G + g
         gmask = g < G
         q = tl.load(q_ptr + s * q_stride + heads[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+        q = q.to(tl.float32)
         n_ctx = tl.load(len_ptr + s)
         # A fixed TILES iterations, masked past the context (a dynamic bound does not run under
         # the interpreter). NEG stands for -inf: a split past the context keeps max NEG, sum 0.
@@ -143,8 +146,8 @@ if triton is not None:
             nmask = n < n_ctx
             blk = tl.load(table_ptr + s * table_stride + n // BS, mask=nmask, other=0)
             kv_off = (blk * BS + n % BS)[:, None] * cache_stride + kvh * D + d[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0)  # [BLOCK, D]
-            v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0)
+            k = tl.load(kc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BLOCK, D]
+            v = tl.load(vc_ptr + kv_off, mask=nmask[:, None], other=0.0).to(tl.float32)
             sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GP, BLOCK]
             sc = tl.where(nmask[None, :], sc, NEG)
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -204,8 +207,8 @@ if triton is not None:
         t = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < inter
-        gate = tl.load(gu_ptr + t * gu_stride + c, mask=m, other=0.0)
-        up = tl.load(gu_ptr + t * gu_stride + inter + c, mask=m, other=0.0)
+        gate = tl.load(gu_ptr + t * gu_stride + c, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + t * gu_stride + inter + c, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * inter + c, gate / (1.0 + tl.exp(-gate)) * up, mask=m)
 
 
@@ -339,13 +342,19 @@ class FusedOps:
 
 
 def load(
-    num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_size: int = 16, max_context: int = 0
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    block_size: int = 16,
+    max_context: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> FusedOps | None:
     """FusedOps for a model's shape on device, checked there against torch's ops; None (with a
     warning naming why) where Triton is missing, the shape does not suit, or the check fails.
     The engine then runs torch's ops, as it does on the CPU. block_size: the paged cache's;
-    max_context: the longest context the engine decodes at. The check runs the kernel variants
-    for both, so none compiles inside a step."""
+    max_context: the longest context the engine decodes at; dtype: its activations' and KV's.
+    The check runs the kernel variants for all three, so none compiles inside a step."""
     if triton is None:
         log.warning("Triton is not installed: CUDA steps run torch's ops, unfused")
         return None
@@ -361,7 +370,7 @@ def load(
         return None
     ops = FusedOps(num_heads, num_kv_heads, head_dim)
     try:
-        problem = self_check(ops, device, block_size, max_context)
+        problem = self_check(ops, device, block_size, max_context, dtype=dtype)
     except Exception as e:  # a compile or launch failure on this device or Triton build
         problem = f"{type(e).__name__}: {e}"
     if problem:
@@ -402,14 +411,26 @@ def combine_spans(max_context: int) -> list[int]:
 
 
 def self_check(
-    ops: FusedOps, device: torch.device, block_size: int = 16, max_context: int = 0, atol: float = 1e-4
+    ops: FusedOps,
+    device: torch.device,
+    block_size: int = 16,
+    max_context: int = 0,
+    atol: float = 1e-4,
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     """Run each kernel once on small random inputs against torch's ops: "" or what differed.
-    It runs each variant that the engine's steps use: those for block_size, and for contexts
-    up to max_context."""
+    It runs each variant that the engine's steps use: those for block_size, for contexts up to
+    max_context, and for dtype (in half precision, within a few of its units in the last place:
+    the kernels round once where torch's ops round after each)."""
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, bs = ops.hq, ops.hkv, ops.d, block_size
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    rtol = 0.0 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+    atol = atol if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     T = 5
     qkv = rnd(T, (hq + 2 * hkv) * d)
     cos, sin = rnd(T, 1, d), rnd(T, 1, d)
@@ -418,7 +439,7 @@ def self_check(
     q, k, v = ops.rope_qkv(qkv, cos, sin, slots, k_cache, v_cache)
     x = qkv.view(T, -1, d)[:, : hq + hkv]
     want = x * cos + torch.roll(x, d // 2, dims=-1) * sin
-    if not torch.allclose(torch.cat([q, k], 1), want, atol=atol):
+    if not close(torch.cat([q, k], 1), want):
         return "rotary embedding"
     if not (torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v)):
         return "KV cache write"
@@ -433,14 +454,13 @@ def self_check(
         width = -(-span // bs)
         t = torch.tensor([(order * width)[:width], [2] + [0] * (width - 1)], device=device)
         n = torch.tensor([200 if span > 128 else 40, 9], device=device)
-        if not torch.allclose(
+        if not close(
             ops.paged_decode(q2, k_cache, v_cache, t, n, bs, d**-0.5),
             reference_decode(q2, k_cache, v_cache, t, n, bs, d**-0.5),
-            atol=atol,
         ):
             splits = num_splits(width, bs)
             return f"paged decode attention ({splits} split{'s' if splits > 1 else ''})"
     gu = rnd(3, 2 * 40)
-    if not torch.allclose(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:], atol=atol):
+    if not close(ops.silu_mul(gu), torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]):
         return "SiLU and product"
     return ""

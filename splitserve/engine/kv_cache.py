@@ -189,7 +189,7 @@ class PagedKVCache:
             slots,
             shape.num_kv_heads,
             shape.head_dim,
-            dtype=torch.float32,
+            dtype=getattr(torch, shape.kv_dtype),
             device=device,
         )
 

@@ -61,6 +61,12 @@ class LoadedModel:
     # only), or "" for none
     layout_entry: str = ""
 
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The dtype the weights were saved in, by torch's name (a converted GGUF model's: float32)."""
+        t = self.state_dict.get("model.embed_tokens.weight")
+        return str(t.dtype).removeprefix("torch.") if t is not None else "float32"
+
 
 def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_WHEEL)

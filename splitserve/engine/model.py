@@ -35,6 +35,7 @@ class ModelShape:
     vocab_size: int
     max_position: int
     rms_eps: float
+    kv_dtype: str = "float32"  # the KV cache's (and the engine's) dtype, by torch's name
 
     @classmethod
     def of(cls, cfg) -> ModelShape:
@@ -52,8 +53,12 @@ class ModelShape:
         )
 
     @property
-    def kv_bytes_per_token(self) -> int:  # fp32 K and V over every layer
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+    def kv_itemsize(self) -> int:
+        return 4 if self.kv_dtype == "float32" else 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:  # K and V over every layer
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
 
 
 @dataclass
@@ -72,30 +77,32 @@ LAID_OUT = ("w_qkv", "w_o", "w_gate_up", "w_down")  # a layer's weights made [in
 
 
 class LlamaModel:
-    def __init__(self, loaded: LoadedModel, laid_out: dict | None = None):
+    def __init__(self, loaded: LoadedModel, laid_out: dict | None = None, dtype: str = "float32"):
         """``laid_out``: the weights in this model's layout already, by laid_out()'s names (from an
-        earlier model on the same weights, or layout_cache); one whose shape is not the one this
-        model makes is made again (self.made_layout says whether any was)."""
+        earlier model on the same weights, or layout_cache); one whose shape or dtype is not the one
+        this model makes is made again (self.made_layout says whether any was). ``dtype``: what the
+        weights, the activations and the KV cache are kept in (logits are float32 whatever it is)."""
         cfg = loaded.config
         head_dim = cfg.head_dim
-        self.shape = ModelShape.of(cfg)
+        self.dtype = getattr(torch, dtype)
+        self.shape = dataclasses.replace(ModelShape.of(cfg), kv_dtype=dtype)
         self.name = loaded.name
         self.scaling = head_dim**-0.5
         sd = loaded.state_dict
         try:
-            self.embed = sd["model.embed_tokens.weight"].float().contiguous()  # [V, H]
+            self.embed = self._cast(sd["model.embed_tokens.weight"]).contiguous()  # [V, H]
             self.made_layout = False
             laid = laid_out or {}
             self.lm_head = self._weight(laid, "lm_head", sd.get("lm_head.weight", self.embed))  # [H, V]
-            self.norm = sd["model.norm.weight"].float()
+            self.norm = self._cast(sd["model.norm.weight"])
             self.layers = [self._layer(sd, i, laid) for i in range(self.shape.num_layers)]
         except KeyError as e:
             raise ModelLoadError(f"weights are missing tensor {e.args[0]}") from None
-        cos, sin = cfg.rope_tables()
+        cos, sin = cfg.rope_tables()  # float32, cast to the activations' dtype as transformers does
         half = head_dim // 2
-        self.rope_cos = cos  # [max_pos, D]
+        self.rope_cos = self._cast(cos)  # [max_pos, D]
         # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (negation is exact)
-        self.rope_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [max_pos, D]
+        self.rope_sin = self._cast(torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))  # [max_pos, D]
         self.fingerprint = _fingerprint(self.shape, cfg, sd)
         self.attn_kernel = None  # native.PagedAttention, set by the engine when available
         self.fused = None  # fused.FusedOps (CUDA: Triton), set by the engine when available
@@ -174,25 +181,28 @@ class LlamaModel:
         got = laid.get(name)
         if (
             got is not None
-            and got.dtype == torch.float32
+            and got.dtype == self.dtype
             and got.is_contiguous()
             and tuple(got.shape) == (parts[0].shape[1], sum(x.shape[0] for x in parts))
         ):
             return got
         self.made_layout = True
-        parts = [x.float() for x in parts]
+        parts = [self._cast(x) for x in parts]
         return (torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]).t().contiguous()
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype)
 
     def _layer(self, sd: dict, i: int, laid: dict) -> Layer:
         p = f"model.layers.{i}."
         w = lambda name: sd[p + name]  # noqa: E731
         bias = None
         if p + "self_attn.q_proj.bias" in sd:
-            bias = torch.cat(
-                [w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")]
-            ).float()
+            bias = self._cast(
+                torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"), w("self_attn.v_proj.bias")])
+            )
         return Layer(
-            ln1=w("input_layernorm.weight").float(),
+            ln1=self._cast(w("input_layernorm.weight")),
             w_qkv=self._weight(
                 laid,
                 f"{i}.w_qkv",
@@ -202,7 +212,7 @@ class LlamaModel:
             ),
             b_qkv=bias,
             w_o=self._weight(laid, f"{i}.w_o", w("self_attn.o_proj.weight")),
-            ln2=w("post_attention_layernorm.weight").float(),
+            ln2=self._cast(w("post_attention_layernorm.weight")),
             w_gate_up=self._weight(laid, f"{i}.w_gate_up", w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")),
             w_down=self._weight(laid, f"{i}.w_down", w("mlp.down_proj.weight")),
         )
@@ -212,9 +222,10 @@ class LlamaModel:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # one fused kernel instead of six launches
             return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_eps)
-        # Same op order as transformers' LlamaRMSNorm (fp32 throughout).
-        var = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(var + self.shape.rms_eps))
+        # Same ops as transformers' LlamaRMSNorm: in fp32, cast back before the weight (no-ops in fp32).
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return weight * (xf * torch.rsqrt(var + self.shape.rms_eps)).to(x.dtype)
 
     def qkv(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write=None):
         """h: [T, H] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], rotary applied to q and k.
@@ -254,8 +265,8 @@ class LlamaModel:
         return normed if batch.hidden_out else self.lm_head_of(normed)
 
     def lm_head_of(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits [S, V] of normed final hidden states [S, H] (a forward's, with batch.hidden_out)."""
-        return self.mm(h, None, "lm_head")
+        """Float32 logits [S, V] of normed final hidden states [S, H] (a forward's, with batch.hidden_out)."""
+        return self.mm(h, None, "lm_head").float()
 
     # -- ragged forward over the paged cache ---------------------------------------------------
 
@@ -361,6 +372,7 @@ def _fingerprint(shape: ModelShape, cfg, sd: dict) -> str:
     """Hash of what shapes the KV plus a sample of the weights that write it."""
     h = hashlib.sha256()
     desc = dict(shape.__dict__)
+    del desc["kv_dtype"]  # the weights' identity; a handle's dtype is checked by name (handoff.layout.check)
     desc["rope"] = cfg.rope
     h.update(json.dumps(desc, sort_keys=True).encode())
     h.update(sd["model.layers.0.self_attn.k_proj.weight"].float().contiguous().numpy().tobytes())

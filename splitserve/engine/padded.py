@@ -93,7 +93,14 @@ class PaddedBatcher:
             self.kv = self.graphs.kv_for(B, self.max_len)
         else:
             self.kv = torch.empty(
-                shape.num_layers, 2, B, shape.num_kv_heads, self.max_len, shape.head_dim, device=self.model.device
+                shape.num_layers,
+                2,
+                B,
+                shape.num_kv_heads,
+                self.max_len,
+                shape.head_dim,
+                dtype=self.model.dtype,
+                device=self.model.device,
             )
         ids = torch.full((B, L), _PAD, dtype=torch.int64)
         for i, s in enumerate(seqs):

@@ -8,9 +8,11 @@ Consumer (decode worker): ``LLMEngine.import_kv`` checks the header against its 
 model (``check``) before it reads a byte of the body, then copies the body into its
 paged pool (``load``). It never keeps a reference to the producer's buffer.
 
-Layout: a 64-byte little-endian header, then fp32 [layers, 2 (k, v), tokens, kv_heads,
-head_dim], C order. Version 1 holds the KV of every token. Version 2 adds a start field to the
-header, and its body holds the KV of tokens [start, num_tokens) only: the consumer already
+Layout: a 64-byte little-endian header, then [layers, 2 (k, v), tokens, kv_heads, head_dim], C
+order, in the engine's KV dtype (float32, bfloat16 or float16: the header's dtype code and the
+handle's dtype name say which; a worker refuses KV of a dtype other than its own). Version 1
+holds the KV of every token. Version 2 adds a start field to the header, and its body holds the
+KV of tokens [start, num_tokens) only: the consumer already
 holds the first start in its prefix cache (``part`` cuts such a payload out of a whole one).
 A whole payload is written as version 1, so workers of the release before version 2 still
 read it (a rolling update).
@@ -31,8 +33,7 @@ MAGIC = b"SSKV"
 LAYOUT_VERSION = 1  # a whole payload
 LAYOUT_VERSION_START = 2  # one without its first tokens' KV
 LAYOUT_VERSIONS = (LAYOUT_VERSION, LAYOUT_VERSION_START)
-DTYPE_F32 = 1
-DTYPE_NAMES = {DTYPE_F32: "float32"}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 # magic, version, dtype, layers, kv_heads, head_dim, tokens, fingerprint, start
 _HEADER = struct.Struct("<4sHHIIII32sI")
 HEADER_SIZE = 64
@@ -67,7 +68,9 @@ class KVExport:
 
 
 def payload_nbytes(shape, num_tokens: int, start: int = 0) -> int:
-    return HEADER_SIZE + shape.num_layers * 2 * (num_tokens - start) * shape.num_kv_heads * shape.head_dim * 4
+    """shape: a ModelShape (its kv_dtype sizes the elements)."""
+    per_token = shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
+    return HEADER_SIZE + shape.num_layers * 2 * (num_tokens - start) * per_token
 
 
 def _header(model, n: int, start: int) -> bytes:
@@ -75,7 +78,7 @@ def _header(model, n: int, start: int) -> bytes:
     return _HEADER.pack(
         MAGIC,
         layout_version(start),
-        DTYPE_F32,
+        DTYPE_CODES[shape.kv_dtype],
         shape.num_layers,
         shape.num_kv_heads,
         shape.head_dim,
@@ -93,7 +96,7 @@ def _body(buf, shape, n: int) -> torch.Tensor:
     count = shape.num_layers * 2 * n * shape.num_kv_heads * shape.head_dim
     with warnings.catch_warnings():  # read-only buffers are only ever read
         warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(buf, dtype=torch.float32, count=count, offset=HEADER_SIZE)
+        t = torch.frombuffer(buf, dtype=getattr(torch, shape.kv_dtype), count=count, offset=HEADER_SIZE)
     return t.view(shape.num_layers, 2, n, shape.num_kv_heads, shape.head_dim)
 
 
@@ -122,6 +125,7 @@ def export(model, kv: torch.Tensor, slots: torch.Tensor, seq, dest=None, start: 
         num_tokens=n,
         fingerprint=model.fingerprint,
         nbytes=nbytes,
+        dtype=shape.kv_dtype,
         cache_salt=seq.cache_salt,
         start=start,
         layout_version=layout_version(start),
@@ -138,7 +142,7 @@ def part(model, payload, num_tokens: int, start: int) -> list:
     (start 0) without copying it: a header, then for each layer's K and V the run of its
     tokens from start on (a token's KV is not outermost, so the run is not one piece)."""
     shape = model.shape
-    per_token = shape.num_kv_heads * shape.head_dim * 4
+    per_token = shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
     run = num_tokens * per_token
     pieces: list = [_header(model, num_tokens, start), bytes(HEADER_SIZE - _HEADER.size)]
     for i in range(shape.num_layers * 2):
@@ -161,8 +165,8 @@ def check(model, export: KVExport, payload) -> None:
             f"{export.start}: a whole payload is version {LAYOUT_VERSION}, one without its first "
             f"tokens {LAYOUT_VERSION_START}",
         )
-    if export.dtype != "float32":
-        raise KVImportError("handle.dtype", f"KV dtype {export.dtype!r} is not 'float32'")
+    if export.dtype != shape.kv_dtype:
+        raise KVImportError("handle.dtype", f"KV dtype {export.dtype!r} is not this model's {shape.kv_dtype!r}")
     if export.fingerprint != model.fingerprint:
         raise KVImportError(
             "handle.fingerprint",
@@ -179,9 +183,9 @@ def check(model, export: KVExport, payload) -> None:
             f"KV payload is {len(payload)} bytes, tokens {export.start}..{export.num_tokens} need {need}",
         )
     magic, version, dtype, layers, heads, dim, n, fp, start = _HEADER.unpack_from(bytes(payload[: _HEADER.size]))
-    if magic != MAGIC or version != export.layout_version or dtype != DTYPE_F32:
+    if magic != MAGIC or version != export.layout_version or dtype != DTYPE_CODES[shape.kv_dtype]:
         raise KVImportError(
-            "handle", f"the KV payload's header is not a splitserve v{export.layout_version} float32 layout"
+            "handle", f"the KV payload's header is not a splitserve v{export.layout_version} {shape.kv_dtype} layout"
         )
     if version == LAYOUT_VERSION:  # no start field (its bytes may hold anything)
         start = 0

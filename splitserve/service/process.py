@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 
+from splitserve.engine.config import DTYPES
 from splitserve.engine.errors import EngineError
 from splitserve.observability.logs import LOG_FORMATS, setup_logging
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
@@ -133,6 +134,8 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
         ap.add_argument("--served-model-name", dest="served_model_name", help="the model's name in the API")
     ap.add_argument("--redis-url", dest="redis_url")
     ap.add_argument("--model")
+    if not router:
+        ap.add_argument("--dtype", choices=DTYPES, help="the engine's dtype (default auto)")
     ap.add_argument("--worker-id", dest="worker_id")
     ap.add_argument("--log-format", dest="log_format", choices=LOG_FORMATS, help="stderr logs: text or json lines")
     args = ap.parse_args(argv)

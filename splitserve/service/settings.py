@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from splitserve.engine.config import POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
+from splitserve.engine.config import DTYPES, HALF, POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
 from splitserve.engine.structured import MAX_MASK_MS
 from splitserve.observability.logs import LOG_FORMATS
 
@@ -50,6 +50,10 @@ class Settings:
     threads: int = 0
     # torch device of the engines: cpu, cuda or cuda:N
     device: str = "cpu"
+    # the engines' weights, activations and KV cache: auto (on CUDA the checkpoint's bf16 or fp16, bf16 for an fp32
+    # one; on the CPU float32), float32, bfloat16 or float16. Every worker of a stack needs the same: a decode worker
+    # refuses KV of another dtype (handle.dtype)
+    dtype: str = "auto"
     # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     cuda_graphs: bool = True
     # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU
@@ -209,6 +213,10 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_device(self.device)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.batch_invariant and self.dtype in HALF:
+            raise ValueError(f"batch_invariant needs float32 (its C kernels are fp32 only), got dtype {self.dtype!r}")
         for name in (
             "local_prefill_max_tokens",
             "local_prefill_queue_tokens",
@@ -297,6 +305,7 @@ class Settings:
         compute = dict(
             num_threads=self.threads,
             device=self.device,
+            dtype=self.dtype,
             cuda_graphs=self.cuda_graphs,
             fused_kernels=self.fused_kernels,
             core_share=self.core_share_board,
