@@ -153,6 +153,7 @@ class HandoffReceiver:
                     return await self._finished_at_prefill(slot, request.sequence)
                 h = request.handle
                 self._check_handle(request.sequence, h, transport="shm")
+                await self._check_arena(h.arena)
                 payload = self.reader.region(h.arena, h.offset, h.length)
                 return await self._adopt(slot, request.sequence, h, payload, ps)
             except Exception as e:
@@ -434,12 +435,22 @@ class HandoffReceiver:
         seq = engine.seqs.get(export.request_id)  # (gone if its first token ended it: sampling.n > 1)
         return first, seq.num_shared_on_import if seq is not None else engine.last_shared_on_import
 
+    async def _check_arena(self, name: str) -> None:
+        """Only the arena of a prefill worker registered on this host is mapped (its name is
+        random: known to those who read the registry). One not seen yet is looked for once more
+        (a worker registered since the last read)."""
+        if name not in self.local_arenas:
+            await self.warm_arenas()
+        if name not in self.local_arenas:
+            raise Invalid(f"handle.arena: {name!r} is not the arena of a prefill worker registered on this host")
+
     async def warm_arenas(self) -> None:
         """Map the arenas of prefill workers on this host before their first handoff, and unmap
-        those of prefill workers that have gone."""
+        those of prefill workers that have gone; local_arenas: the names registered."""
         for name in await asyncio.to_thread(self.reader.drop_stale):
             self.warmed.discard(name)
             log.info("unmapped arena %s: its prefill worker has gone", name)
+        registered = set()
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
             try:
                 arena, host = await self.redis.hmget(key, "arena", "host_id")
@@ -447,6 +458,9 @@ class HandoffReceiver:
                 continue
             # (any bytes: a name that is not UTF-8 is no arena's, and warm refuses it)
             arena, host = (v.decode(errors="replace") if v else "" for v in (arena, host))
+            if arena and host == self.host:
+                registered.add(arena)
             if arena and host == self.host and arena not in self.warmed:
                 if await asyncio.to_thread(self.reader.warm, arena):
                     self.warmed.add(arena)
+        self.local_arenas = registered

@@ -140,6 +140,7 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
         self.host = host_id()
         self.reader = ArenaReader(settings.shm_prefix)
         self.warmed: set[str] = set()
+        self.local_arenas: set[str] = set()  # the arenas of the prefill workers registered on this host
         self.slots: dict[str, Slot] = {}
         self.arrivals: dict[str, asyncio.Future] = {}  # request id -> its stream, for handoffs that came first
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -561,7 +562,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer_ref.append(servicer)
     server = grpc_server.new_server(settings.keepalive_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    port, health = await grpc_server.start(server, settings.host, settings.port, [SERVICE], tls.files_of(settings))
+    port, health = await grpc_server.start(
+        server, settings.host, settings.port, [SERVICE], tls.files_of(settings), reflection_on=settings.reflection
+    )
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     lease = 3 * settings.heartbeat_s

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import grpc
 import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import EngineError, StepFailed
@@ -38,8 +37,8 @@ from splitserve.observability.logs import setup_logging
 from splitserve.observability.metrics import PrefillMetrics
 from splitserve.prefill_worker.handoff import HandoffSender
 from splitserve.prefill_worker.queue import JobQueue, skipped, state_of
+from splitserve.service import grpc_server, tls
 from splitserve.service import redis_scripts as scripts
-from splitserve.service import tls
 from splitserve.service.errors import code_of, fit_details
 from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
@@ -552,9 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     server = grpc.server(cf.ThreadPoolExecutor(max_workers=4), options=options(settings.keepalive_s))
     hs = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
-    reflection.enable_server_reflection(
-        [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    if settings.reflection:
+        grpc_server.add_reflection(server, [])
     port = tls.bind(server, f"{settings.host}:{settings.port}", worker.tls, client_auth=True)
     server.start()
     worker.address = settings.address(port)

@@ -409,7 +409,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     # the public port: TLS with the stack's certificate, no client certificate asked for
     port, health = await grpc_server.start(
-        server, settings.host, settings.port, [SERVICE], servicer.tls, client_auth=False
+        server,
+        settings.host,
+        settings.port,
+        [SERVICE],
+        servicer.tls,
+        client_auth=False,
+        reflection_on=settings.reflection,
     )
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if http is not None:

@@ -30,8 +30,9 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.sampling import SamplingParams
 from splitserve.handoff.arena import Arena
 from splitserve.handoff.layout import HEADER_SIZE
-from splitserve.service import convert
+from splitserve.service import convert, redis_scripts
 from splitserve.service.grpc_server import options
+from splitserve.service.redis_state import WorkerInfo
 from splitserve.service.settings import Settings, host_id
 from splitserve.stack import Stack
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -97,6 +98,9 @@ def main(argv=None) -> int:
         addr = stack.proc("decode-0").address
         stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(addr, options=options()))
         me = host_id()
+        # registered as a prefill worker of this host: a decode worker maps only such arenas
+        bench = WorkerInfo(worker_id="bench-handoff", role="prefill", address="-", host_id=me, arena=arena.name)
+        redis_scripts.Scripts(stack.redis()).run(redis_scripts.heartbeat(stack.keys, info=bench, lease_s=3600))
         for n in sizes:
             prompt = [(7 * i) % 40000 + 100 for i in range(n)]
             eng.add_request("kv", prompt, SamplingParams(max_tokens=2, ignore_eos=True), prefill_only=True)

@@ -11,9 +11,12 @@ prefix and ranges outside the segment.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import mmap
 import os
 import re
+import secrets
 import threading
 
 SHM_DIR = "/dev/shm"
@@ -27,12 +30,17 @@ class ArenaFull(Exception):
 
 
 class Arena:
-    def __init__(self, name: str, size: int):
-        self.name = name
+    def __init__(self, base: str, size: int):
+        """Creates /dev/shm/<base>-<16 random hex digits>, mode 0600: only this user's processes
+        may map it, and only those that read its name from the registry know it. A segment of an
+        earlier incarnation of this worker (the same base), killed before it could unlink its
+        own, is removed first."""
+        for old in glob.glob(os.path.join(SHM_DIR, glob.escape(base) + "-" + "[0-9a-f]" * 16)):
+            with contextlib.suppress(OSError):
+                os.unlink(old)
+        self.name = f"{base}-{secrets.token_hex(8)}"
         self.size = size
-        self.path = os.path.join(SHM_DIR, name)
-        if os.path.exists(self.path):  # a previous incarnation of this worker was killed
-            os.unlink(self.path)
+        self.path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)

@@ -58,13 +58,15 @@ async def start(
     service_names: list[str],
     tls_files: tls.TLSFiles | None = None,
     client_auth: bool = True,
+    reflection_on: bool = True,
 ) -> tuple[int, health_aio.HealthServicer]:
     """Serve on host:port, over TLS with tls_files (asking callers for a client certificate the
-    CA signed with client_auth: every internal server), plaintext without."""
+    CA signed with client_auth: every internal server), plaintext without. Health is always
+    served (probes need it); reflection unless reflection_on is False (Settings.reflection)."""
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    if reflection_on:
+        add_reflection(server, service_names)
     try:
         bound = tls.bind(server, f"{host}:{port}", tls_files, client_auth)
     except RuntimeError:  # (gRPC raises, or gives 0, by version)
@@ -75,6 +77,11 @@ async def start(
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return bound, health
+
+
+def add_reflection(server, service_names: list[str]) -> None:
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
 
 
 async def set_not_serving(health, service_names: list[str]) -> None:

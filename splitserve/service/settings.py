@@ -46,6 +46,9 @@ class Settings:
     advertise: str = ""
     # default: role-hostname-pid
     worker_id: str = ""
+    # gRPC server reflection on every process's port (grpcurl and the like list the services); false = off. Health
+    # checks are served either way (probes need them)
+    reflection: bool = True
     # torch threads; 0 = every core this process may use (affinity, capped by its cgroup CPU quota)
     threads: int = 0
     # torch device of the engines: cpu, cuda or cuda:N

@@ -257,7 +257,7 @@ def test_random_decode_worker_calls_get_a_clear_answer_and_leave_other_requests_
 
     wait_for(lambda: kv_idle(stack), what="idle before the test")
     dec = workers(stack, "decode")[0]
-    arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
+    arena = workers(stack, "prefill")[0]["arena"]  # its name is random: the registry says it
     with (
         grpc.insecure_channel(dec["address"]) as ch,
         cf.ThreadPoolExecutor(6) as pool,

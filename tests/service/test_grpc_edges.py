@@ -4,6 +4,8 @@ only once their status came, and the health, watch and reflection services on ev
 import grpc
 import pytest
 
+from .common import start_stack
+
 
 def test_a_status_grpc_could_not_send_as_its_call_ended_is_one_line_at_info_not_an_error(caplog):
     """gRPC's aio server logs an ERROR with a traceback when a handler has returned and its status
@@ -267,6 +269,28 @@ def test_every_server_serves_health_check_and_watch_and_reflection(stack):
             assert {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names, (name, names)
             if service:
                 assert service in names, (name, names)
+
+
+def test_reflection_turned_off_is_unimplemented_on_every_server_and_health_still_serves(tiny_model_dir):
+    """Settings.reflection false: nobody lists the services; Kubernetes probes still pass."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    s = start_stack(model=tiny_model_dir, reflection=False, kv_cache_bytes=16 << 20)
+    try:
+        for name in ("router", "decode-0", "prefill-0"):
+            with grpc.insecure_channel(s.proc(name).address) as ch:
+                check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert check.status == health_pb2.HealthCheckResponse.SERVING, name
+                replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                )
+                with pytest.raises(grpc.RpcError) as e:
+                    list(replies)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, e.value.code())
+    finally:
+        s.stop()
+    assert s.shm_segments() == []
 
 
 def test_the_readmes_grpcurl_call_works_as_grpcurl_makes_it(stack):

@@ -11,6 +11,7 @@ import pytest
 from service_helpers import kv_idle, scrape, wait_for, workers
 
 from splitserve.client import Client
+from splitserve.handoff.arena import Arena
 from splitserve.observability import traceview
 
 from .common import finish_stack, greedy_clients_beside, model_fingerprint, prefill_paused, start_stack, with_module
@@ -354,7 +355,9 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     good = client.generate("hello", max_tokens=2)
     seq = w.SequenceState(request_id="bad-handle", prompt_len=4, token_ids=[1, 2, 3, 4, 5])
     seq.sampling.max_tokens = 4
-    arena = stack.settings.shm_prefix + "prefill-0-" + stack.stack_id
+    arena = workers(stack, "prefill")[0]["arena"]  # its name is random: the registry says it
+    # a segment of the stack's prefix that no registered prefill worker owns, with the KV's length
+    forged = Arena(stack.settings.shm_prefix + "forged", 1 << 20)
     ok = dict(
         arena=arena,
         offset=0,
@@ -368,6 +371,7 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     )
     cases = [
         ({"arena": "splitserve-nonexistent"}, "handle.arena"),
+        ({"arena": forged.name}, "not the arena of a prefill worker registered on this host"),
         ({"arena": "../../etc/passwd"}, "handle.arena"),
         ({"offset": 1 << 40}, "outside arena"),
         ({"fingerprint": "deadbeef"}, "handle.fingerprint"),
@@ -386,7 +390,11 @@ def test_bad_kv_handles_are_invalid_argument_and_the_worker_keeps_serving(stack,
     for change, words in cases:
         h = w.KVHandle(**{**ok, **change})
         with pytest.raises(grpc.RpcError) as e:
-            stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=10)
+            try:
+                stub.PutKV(w.PutKVRequest(sequence=seq, handle=h), timeout=10)
+            finally:
+                if change.get("arena") == forged.name:
+                    forged.close()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (change, e.value.details())
         assert words in e.value.details()
         # A prefill worker sends the KV again whole only when the refusal is of its layout (what a
