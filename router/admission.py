@@ -67,6 +67,18 @@ class Admission:
             reason="QUEUE_FULL",
         )
 
+    def _tenant_refusal(self, tenant, q: int, t: int) -> Refused:
+        """A tenant over its own quota (its q requests and t tokens queued): others go on being admitted."""
+        hint = self.s.retry_after_ms
+        self.metrics.tenant_refused.labels(tenant.name).inc()
+        return Refused(
+            f"tenant {tenant.name!r} is over its quota ({q} requests, {t} tokens queued; its max_queued_requests "
+            f"{tenant.max_queued_requests or 'none'}, max_queued_tokens {tenant.max_queued_tokens or 'none'}); "
+            f"retry after {hint} ms",
+            metadata=(("retry-after-ms", str(hint)), ("grpc-retry-pushback-ms", str(hint))),
+            reason="TENANT_QUOTA",
+        )
+
     @staticmethod
     def _end_admission(adm, e: BaseException) -> None:
         if isinstance(e, Recorded):  # not admitted: answered with its recorded result

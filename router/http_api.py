@@ -90,6 +90,8 @@ def error_response(e: BaseException) -> JSONResponse:
         retry_ms = dict(metadata).get("retry-after-ms")
         if retry_ms is not None:
             headers["Retry-After"] = str(max(1, math.ceil(int(retry_ms) / 1000)))
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         field = getattr(e, "field", None) or (message.split(":", 1)[0] if status == 400 and ":" in message else None)
         if field is not None:
             field = PARAMS.get(field, field.removeprefix("sampling."))
@@ -104,9 +106,11 @@ class HttpContext:
     headers, no deadline; and the span's name and attributes, the HTTP route's."""
 
     def __init__(self, request: Request, route: str):
-        self.metadata = tuple((k, v) for k, v in request.headers.items() if k in ("traceparent", "tracestate"))
+        keep = ("traceparent", "tracestate", "authorization")
+        self.metadata = tuple((k, v) for k, v in request.headers.items() if k in keep)
         self.span_name = f"{request.method} {route}"
         self.span_attributes = {"http.request.method": request.method, "http.route": route, "url.path": route}
+        self.tenant = None  # its tenant, once authenticated (RouterServicer.authenticate)
 
     def invocation_metadata(self):
         return self.metadata
@@ -339,6 +343,10 @@ class OpenAIApi:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request):
+        try:
+            self.servicer.authenticate(HttpContext(request, "/v1/models"), "ListModels")
+        except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED, PERMISSION_DENIED: in OpenAI's shape
+            return error_response(e)
         card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "splitserve",
                 "max_model_len": self.context}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
@@ -358,6 +366,8 @@ class OpenAIApi:
                 raise HttpError(400, f"the body is not JSON: {e}", None, "INVALID_ARGUMENT") from None
             if not isinstance(body, dict):
                 raise HttpError(400, "the body must be a JSON object", None, "INVALID_ARGUMENT")
+            ctx = HttpContext(request, route)  # authenticated before anything of the model is said
+            ctx.tenant = self.servicer.authenticate(ctx, "GenerateStream" if body.get("stream") is True else "Generate")
             model = body.get("model")
             if model is not None and model != self.model:
                 raise HttpError(404, f"model {model!r} is not served here (this server serves {self.model!r})",
@@ -369,7 +379,6 @@ class OpenAIApi:
             if not isinstance(options, dict):
                 raise bad("stream_options", "must be an object")
             include_usage = bool(options.get("include_usage"))
-            ctx = HttpContext(request, route)
             if not stream:
                 resp = await _or_disconnect(self.servicer.Generate(req, ctx), request.receive)
                 return JSONResponse(self._whole(resp, chat), headers={"X-Request-Id": resp.request_id})

@@ -44,6 +44,7 @@ from splitserve.service.redis_state import (
     queue_counts,
     sampling_to_dict,
 )
+from splitserve.service.tenants import salted, scoped
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
 
@@ -52,7 +53,7 @@ class Relay:
     """RouterServicer's relay part: one request from admission to its end, its decode stream's
     events turned into the client's messages. State: the servicer's."""
 
-    async def _events(self, request: gen_pb.GenerateRequest, context, rs: tracing.rpc_span):
+    async def _events(self, request: gen_pb.GenerateRequest, context, rs: tracing.rpc_span, tenant=None):
         """Yields (rid, the request_id its client knows, prompt_tokens, DecodeEvent) for every decode
         event of the request; rid differs from the client's for a new attempt (_attempt).
 
@@ -60,7 +61,7 @@ class Relay:
         (_open_decode), admit it in Redis (_admit), then relay the stream's events (_next_event,
         _take_event) until the last, going on on another decode worker when its own is lost; record
         how it ended (_record_end, _rpc_error_end) and give back what it held (_release)."""
-        r = RelayState(request, rs, time.time())
+        r = RelayState(request, rs, time.time(), tenant=tenant)
         r.adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
             await self._plan(r, context)
@@ -120,6 +121,8 @@ class Relay:
         # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
         # Sent.unfinished); the queue counts them with it
         r.rid, r.ids, r.params, r.have = await self._validate(request)
+        if r.tenant is not None:  # its prefix-cache entries apart from every other tenant's
+            request.cache_salt = salted(r.tenant, request.cache_salt)
         params, have = r.params, r.have
         self._check_redis()
         r.carried, r.carried_chars = (have.tokens[0], have.chars[0]) if params.n == 1 else ([], 0)
@@ -127,6 +130,7 @@ class Relay:
         r.resumed = have.count()
         r.work = len(r.ids) + have.carried(params.n)
         r.public_id, was_on = r.rid, ""
+        r.rid = scoped(r.tenant, r.rid)  # a tenant's ids are its own
         if request.request_id:  # client-chosen: it may exist (see _attempt)
             r.rid, r.attempt, was_on = await self._attempt(r.rid, fingerprint(request), have)
         attributes = self._genai_attributes(request, r.rid, r.ids, params, r.resumed)
@@ -237,6 +241,9 @@ class Relay:
                         directed_to=r.directed[0] if r.directed else "",
                         directed_bound=self.s.prefill_affinity_jobs,
                         supersede=bool(r.resumed),
+                        tenant_quotas=(
+                            (r.tenant.max_queued_requests, r.tenant.max_queued_tokens) if r.tenant else (0, 0)
+                        ),
                     )
                 )
             )
@@ -260,6 +267,8 @@ class Relay:
                     raise AlreadyExists(f"request_id {r.public_id!r} already exists (see GetRequest)")
                 if ok == -2:
                     raise aborted_first(r.public_id)
+                if ok == -3:
+                    raise self._tenant_refusal(r.tenant, q, t)
                 raise self._refusal(q, t, r.frac)
             if not local:  # refused now: the job is marked failed (finally), so no worker runs it
                 r.unaccepted = await self._accepted(r.call, r.worker, r.placed)

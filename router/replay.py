@@ -23,6 +23,7 @@ from splitserve.service.redis_state import (
     WorkerInfo,
     sampling_to_dict,
 )
+from splitserve.service.tenants import unscoped
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import worker_pb2 as w_pb
 
@@ -53,10 +54,10 @@ class Replay:
         if state is None:
             return rid, scripts.Attempt(seen=0, fingerprint=fp), ""
         if early == b"1":
-            raise aborted_first(rid)
+            raise aborted_first(unscoped(rid))
         if fp_first is not None and fp_first.decode() != fp:
             raise AlreadyExists(
-                f"request_id {rid!r} belongs to a different request (its input, sampling or priority "
+                f"request_id {unscoped(rid)!r} belongs to a different request (its input, sampling or priority "
                 "differ); send this one with a new request_id"
             )
         latest = current.decode() if current else rid
@@ -66,19 +67,21 @@ class Replay:
             if (recorded := await self._recorded(rid, latest, have)) is not None:
                 raise Recorded(recorded)
             raise AlreadyExists(
-                f"request_id {rid!r} already exists and finished, and its result was not kept (only "
+                f"request_id {unscoped(rid)!r} already exists and finished, and its result was not kept (only "
                 f"one of at most replay_max_tokens = {self.s.replay_max_tokens} tokens, n x "
                 "max_tokens, is); see GetRequest"
             )
         if aborted:
-            raise AlreadyExists(f"request_id {rid!r} was aborted (see GetRequest); send it with a new request_id")
+            raise AlreadyExists(
+                f"request_id {unscoped(rid)!r} was aborted (see GetRequest); send it with a new request_id"
+            )
         if (
             state is not None
             and state.decode() not in MAY_RUN_AGAIN
             and not (supersede and state.decode() not in FINAL_STATES)
         ):  # None: the latest's hash expired
             raise AlreadyExists(
-                f"request_id {rid!r} already exists and is {state.decode()} (see GetRequest); the same "
+                f"request_id {unscoped(rid)!r} already exists and is {state.decode()} (see GetRequest); the same "
                 "request may be sent again once it has ended"
             )
         n = int(attempts or 1)
@@ -140,7 +143,7 @@ class Replay:
             i = sample.index
             if before and i not in have.finished:
                 raise AlreadyExists(
-                    f"request_id {rid!r} already exists and finished; sample {i} had finished before "
+                    f"request_id {unscoped(rid)!r} already exists and finished; sample {i} had finished before "
                     "its last attempt, which went on from resume_from: only what came after was kept, "
                     "for a re-send whose resume_from.samples holds that sample finished"
                 )
@@ -159,14 +162,14 @@ class Replay:
         replay to a client that has `carried` tokens (`chars` characters) of it: what comes after."""
         if len(carried) < start:
             raise AlreadyExists(
-                f"request_id {rid!r} already exists and finished, going on from {start} tokens its "
+                f"request_id {unscoped(rid)!r} already exists and finished, going on from {start} tokens its "
                 "client had (resume_from): only what came after them was kept, for a re-send whose "
                 "resume_from holds at least those"
             )
         skip, skip_chars = len(carried) - start, chars - start_chars
         if carried[start:] != list(kept.token_ids[:skip]) or not 0 <= skip_chars <= len(kept.text):
             raise AlreadyExists(
-                f"request_id {rid!r} already exists and finished with other tokens than "
+                f"request_id {unscoped(rid)!r} already exists and finished with other tokens than "
                 "resume_from's (or fewer characters than its text_chars)"
             )
         resp = gen_pb.GenerateResponse(
@@ -335,6 +338,7 @@ class Replay:
         the metrics as such."""
         for resp in responses:
             resp.timings.e2e_ms = (time.perf_counter() - t0) * 1000
+            resp.request_id = unscoped(resp.request_id)  # (a tenant's, as its client knows it)
         rs.span.set_attributes(
             {
                 "splitserve.replayed": True,

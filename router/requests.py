@@ -230,6 +230,7 @@ class RelayState:
     request: gen_pb.GenerateRequest
     rs: object  # the call's span (tracing.rpc_span)
     t_recv: float  # unix time the call came
+    tenant: object = None  # its caller's tenants.Tenant (None: the public API has no tenants)
     adm: object = None  # the admission span, until the request is admitted
     # validated and placed (_plan)
     rid: str = ""  # the request's id in Redis and at the workers: an attempt's (request_id#n) if a new one

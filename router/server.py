@@ -71,6 +71,7 @@ from splitserve.service.redis_state import (
     queue_counts,
 )
 from splitserve.service.settings import Settings
+from splitserve.service.tenants import Tenant, Tenants, scoped
 from splitserve.wire import joined
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 from splitserve_proto.v1 import generation_pb2_grpc
@@ -128,6 +129,18 @@ class RouterServicer(
         self.shared = SharedRecord(
             r, self.keys.prefix_records, self.id, [self.prefixes, self.prefill_prefixes], self.metrics
         )
+        # bearer tokens -> tenants (tenants.py), when the public API is authenticated
+        self.tenants = Tenants(settings.auth_tokens_file) if settings.auth_tokens_file else None
+
+    def authenticate(self, context, rpc: str) -> Tenant | None:
+        """The call's tenant (None without tenants); UNAUTHENTICATED or PERMISSION_DENIED."""
+        if self.tenants is None:
+            return None
+        if getattr(context, "tenant", None) is not None:  # an HTTP call, authenticated by its route
+            return context.tenant
+        tenant = self.tenants.authenticate(context.invocation_metadata(), rpc)
+        self.metrics.tenant_calls.labels(tenant.name, rpc).inc()
+        return tenant
 
     def _server_span(self, method: str, context) -> tracing.rpc_span:
         """The call's span: its gRPC method's, or for an HTTP call (http_api.HttpContext) its route's."""
@@ -141,7 +154,9 @@ class RouterServicer(
     def _record_error(self, e: BaseException) -> None:
         code = code_of(e)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            self.metrics.refused.labels("queue_full").inc()
+            self.metrics.refused.labels(
+                "tenant_quota" if getattr(e, "reason", "") == "TENANT_QUOTA" else "queue_full"
+            ).inc()
         elif code == grpc.StatusCode.CANCELLED:  # by the client, or by an Abort that came before it
             self.metrics.cancelled.labels("abort" if isinstance(e, Cancelled) else "client").inc()
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -158,7 +173,8 @@ class RouterServicer(
             with self._server_span("GenerateStream", context) as rs:
                 try:
                     ended = []
-                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                    tenant = self._tenant_of(context, "GenerateStream", rs)
+                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs, tenant):
                         resp = gen_pb.GenerateResponse(
                             request_id=public_id,
                             token_ids=ev.token_ids,
@@ -194,7 +210,8 @@ class RouterServicer(
         try:
             with self._server_span("Generate", context) as rs:
                 try:
-                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs):
+                    tenant = self._tenant_of(context, "Generate", rs)
+                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs, tenant):
                         resp, text = samples.setdefault(ev.index, (gen_pb.GenerateResponse(index=ev.index), []))
                         resp.request_id = public_id
                         if t_first is None and ev.token_ids:
@@ -221,10 +238,17 @@ class RouterServicer(
             resp.text = "".join(text)
         return joined({i: resp for i, (resp, _) in samples.items()}, request.sampling.n)
 
+    def _tenant_of(self, context, rpc: str, rs: tracing.rpc_span) -> Tenant | None:
+        tenant = self.authenticate(context, rpc)
+        if tenant is not None:
+            rs.span.set_attribute("splitserve.tenant", tenant.name)
+        return tenant
+
     async def Abort(self, request, context):
+        tenant = self.authenticate(context, "Abort")
         convert.check_request_id(request.request_id, required=True)
         self._check_redis()
-        rid = await self._latest(request.request_id)
+        rid = await self._latest(scoped(tenant, request.request_id))
         # Marked cancelled unless it has ended (a prefill worker then skips it, or aborts it between forwards).
         call = scripts.abort(
             self.keys, request_id=rid, now=time.time(), finished_ttl_s=self.s.finished_ttl_s,
@@ -261,10 +285,11 @@ class RouterServicer(
             log.warning("abort %s: Cancel at decode worker %s failed: %s", rid, address, e.code().name)
 
     async def GetRequest(self, request, context):
+        tenant = self.authenticate(context, "GetRequest")
         rid = request.request_id
         convert.check_request_id(rid, required=True)
         self._check_redis()
-        m = await self.redis.hgetall(self.keys.req(rid))
+        m = await self.redis.hgetall(self.keys.req(scoped(tenant, rid)))
         if m.get(b"early") == b"1":
             raise NotFound(f"no request {rid!r} (an Abort for it came first: it is refused if it arrives)")
         attempts = int(m.get(b"attempts", 1))
@@ -291,6 +316,7 @@ class RouterServicer(
         )
 
     async def Tokenize(self, request, context):
+        self.authenticate(context, "Tokenize")
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequestError("input", "one of prompt or messages is required")
@@ -305,9 +331,11 @@ class RouterServicer(
         )
 
     async def ListModels(self, request, context):
+        self.authenticate(context, "ListModels")
         return gen_pb.ListModelsResponse(models=[self._model_info()])
 
     async def GetModelInfo(self, request, context):
+        self.authenticate(context, "GetModelInfo")
         self.front.check_model(request.name)
         return self._model_info()
 
@@ -323,6 +351,7 @@ class RouterServicer(
         )
 
     async def Detokenize(self, request, context):
+        self.authenticate(context, "Detokenize")
         tok = self.front.tokenizer
         if tok is None:
             raise InvalidRequestError("token_ids", "this model has no tokenizer")

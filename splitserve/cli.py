@@ -341,7 +341,7 @@ def _generate(args) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(address, balance=args.resumes > 0, tls_ca=_router_tls_ca(args)) as c:
+    with Client(address, balance=args.resumes > 0, tls_ca=_router_tls_ca(args), token=args.token) as c:
         if args.n is not None and args.n > 1:
             return _print_samples(c, prompt, args.timeout, args.resumes, kw)
         try:
@@ -406,7 +406,7 @@ def _request(args) -> int:
 
     if not (address := _router_address(args)):
         return 2
-    with Client(address, tls_ca=_router_tls_ca(args)) as c:
+    with Client(address, tls_ca=_router_tls_ca(args), token=args.token) as c:
         try:
             info = c.get_request(args.request_id, timeout=args.timeout)
         except grpc.RpcError as e:
@@ -532,6 +532,20 @@ def _status(args) -> int:
     return 0
 
 
+def _token(args) -> int:
+    from splitserve.service.tenants import add_token
+
+    quotas = {"max_queued_requests": args.max_queued_requests, "max_queued_tokens": args.max_queued_tokens}
+    rpcs = [r.strip() for r in args.rpcs.split(",")] if args.rpcs else None
+    try:
+        token = add_token(args.file, args.tenant, quotas, rpcs)
+    except (ValueError, OSError) as e:
+        print(f"splitserve token: error: {e}", file=sys.stderr)
+        return 2
+    print(token)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -581,6 +595,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--address", default="", help="router address (default: the stack started by splitserve up)")
     p.add_argument("--tls-ca", default=None, help="PEM CA file of a router serving TLS (default: the stack's)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("SPLITSERVE_TOKEN"),
+        help="a tenant's bearer token (default: $SPLITSERVE_TOKEN)",
+    )
     p.add_argument(
         "--resumes",
         type=_at_least(0),
@@ -676,8 +695,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request_id")
     p.add_argument("--address", default=None, help="router address (default: the stack started by splitserve up)")
     p.add_argument("--tls-ca", default=None, help="PEM CA file of a router serving TLS (default: the stack's)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("SPLITSERVE_TOKEN"),
+        help="a tenant's bearer token (default: $SPLITSERVE_TOKEN)",
+    )
     p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds")
     p.set_defaults(func=_request)
+
+    p = sub.add_parser(
+        "token", help="make a bearer token for a tenant, add its SHA-256 to the tokens file, print the token"
+    )
+    p.add_argument("tenant")
+    p.add_argument("--file", required=True, help="the tokens file (SPLITSERVE_AUTH_TOKENS_FILE); made if missing")
+    p.add_argument("--rpcs", default=None, help="a new tenant's RPCs, comma-separated (default: every public RPC)")
+    p.add_argument("--max-queued-requests", type=_at_least(0), default=0, help="a new tenant's quota (0: none)")
+    p.add_argument("--max-queued-tokens", type=_at_least(0), default=0, help="a new tenant's quota (0: none)")
+    p.set_defaults(func=_token)
 
     p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")
     p.add_argument("--redis-url", default="", help="default: the running stack's, or REDIS_URL")

@@ -376,6 +376,14 @@ class Internal(SplitserveError):
     pass
 
 
+class Unauthenticated(SplitserveError):
+    pass
+
+
+class PermissionDenied(SplitserveError):
+    pass
+
+
 _TYPED = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
@@ -386,6 +394,8 @@ _TYPED = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -488,6 +498,27 @@ def _channel(api, address: str, options: list, tls_ca: str | None):
     return api.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots), options=options)
 
 
+class _WithToken:
+    """A stub whose every call carries ``authorization: Bearer <token>`` (a router with tenants)."""
+
+    def __init__(self, stub, token: str):
+        self._stub, self._auth = stub, (("authorization", f"Bearer {token}"),)
+
+    def __getattr__(self, name: str):
+        method = getattr(self._stub, name)
+
+        def call(request, **kw):
+            kw["metadata"] = (*(kw.get("metadata") or ()), *self._auth)
+            return method(request, **kw)
+
+        return call
+
+
+def _stub(channel, token: str | None):
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    return _WithToken(stub, token) if token else stub
+
+
 class Client:
     def __init__(
         self,
@@ -496,11 +527,13 @@ class Client:
         keepalive_s: float = KEEPALIVE_S,
         balance: bool = False,
         tls_ca: str | None = None,
+        token: str | None = None,
     ):
         """tls_ca: a router serving TLS, whose certificate this PEM CA file signs ("": one of the
-        system's roots); None: plaintext."""
+        system's roots); None: plaintext. token: the bearer token of a tenant (a router with
+        SPLITSERVE_AUTH_TOKENS_FILE), sent on every call; None: none."""
         self.channel = _channel(grpc, address, channel_options(retries, keepalive_s, balance), tls_ca)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = _stub(self.channel, token)
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw
@@ -587,10 +620,11 @@ class AsyncClient:
         keepalive_s: float = KEEPALIVE_S,
         balance: bool = False,
         tls_ca: str | None = None,
+        token: str | None = None,
     ):
-        """tls_ca: as Client's."""
+        """tls_ca, token: as Client's."""
         self.channel = _channel(grpc.aio, address, channel_options(retries, keepalive_s, balance), tls_ca)
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.stub = _stub(self.channel, token)
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, resumes: int = 0, **kw

@@ -1038,3 +1038,37 @@ def test_a_job_takes_values_as_a_router_writes_them_and_refuses_others_naming_th
     ]:
         with pytest.raises(ValueError, match=f"^job's {name} is not "):
             Job.from_dict({**d, name: value})
+
+
+def test_a_tenants_quota_refuses_it_alone_and_its_counts_come_back_once(r):
+    """A tenant's request (id <tenant>~<id>) counts in its own fields beside the stack's; over its
+    quota it is refused (-3, with its counts) while another tenant is admitted; the counts come back
+    with the stack's at pickup and at a local request's first token, once, even with the hash gone."""
+    import json
+
+    keys = Keys("tq")
+    admit, pickup = r.register_script(SOURCES["admit"]), r.register_script(SOURCES["pickup"])
+    dequeue = r.register_script(SOURCES["dequeue"])
+
+    def send(rid, tokens, quotas, queue=1):
+        job = json.dumps({"request_id": rid, "t_admitted": 1.0, "t_received": 1.0, "decode_worker": "d", "priority": 0})
+        keys_ = [keys.admission, keys.stream, keys.req(rid), keys.router_requests("rt")]
+        return admit(keys=keys_, args=[tokens, 100, 10000, 1.0, 60, job, queue, "rt", "", "", "", 0, *quotas])
+
+    assert send("a~1", 10, (2, 0))[0] == 1
+    assert send("a~2", 10, (2, 0), queue=0)[0] == 1  # prefilled by its decode worker
+    assert send("a~3", 10, (2, 0)) == [-3, 2, 20, 0]  # over a's 2 requests
+    assert send("b~1", 10, (2, 15))[0] == 1  # b is admitted meanwhile
+    assert send("b~2", 10, (2, 15)) == [-3, 1, 10, 0]  # over b's 15 tokens
+    assert send("c", 10, ())[0] == 1  # no tenant: the stack's bounds alone
+    assert r.hgetall(keys.admission) == {
+        "requests": "4", "tokens": "40", "local_tokens": "10",
+        "requests@a": "2", "tokens@a": "20", "requests@b": "1", "tokens@b": "10",
+    }  # fmt: skip
+    assert pickup(keys=[keys.admission, keys.req("a~1")], args=[10, 1, 2.0, "p", 0, 0]) == "prefilling"
+    assert dequeue(keys=[keys.admission, keys.req("a~2")], args=[10]) == 1
+    assert dequeue(keys=[keys.admission, keys.req("a~2")], args=[10]) == 0  # once
+    r.delete(keys.req("b~1"))  # expired: its counts still come back, by its id's tenant
+    assert pickup(keys=[keys.admission, keys.req("b~1")], args=[10, 1, 2.0, "p", 0, 0]) != "prefilling"
+    assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
+    assert send("a~3", 10, (2, 0))[0] == 1  # a has room again

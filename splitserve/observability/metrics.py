@@ -136,6 +136,13 @@ class RouterMetrics(Metrics):
         self.refused = self.c("requests_refused", "Admissions refused with RESOURCE_EXHAUSTED", ["reason"])
         self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
         self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
+        # (a tenant's name, never its token; only with SPLITSERVE_AUTH_TOKENS_FILE)
+        self.tenant_calls = self.c(
+            "tenant_calls", "Authenticated calls of the public API, by tenant and RPC", ["tenant", "rpc"]
+        )
+        self.tenant_refused = self.c(
+            "tenant_quota_refusals", "Requests refused for their tenant's queue quota, by tenant", ["tenant"]
+        )
         self.success = self.c("request_success", "Requests that finished, by finish reason", ["finished_reason"])
         self.replayed = self.c(
             "requests_replayed",

@@ -74,6 +74,14 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 def code_of(exc: BaseException) -> grpc.StatusCode:
     """The status an exception leaves an RPC with (no logging: for spans and metrics)."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: a stream's client went

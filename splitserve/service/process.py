@@ -17,6 +17,7 @@ from splitserve.observability.tracing import setup_tracing, shutdown_tracing
 from splitserve.service.errors import REDIS_UNREACHABLE, quiet_ended_calls
 from splitserve.service.redis_state import check_credentials
 from splitserve.service.settings import Settings
+from splitserve.service.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     settings.check_core_share_names_a_board()
     if settings.redis_url:
         check_credentials(settings.redis_url, settings.redis_cluster)
+    if router and settings.auth_tokens_file:  # a file that does not parse stops the start, naming what is wrong
+        Tenants(settings.auth_tokens_file)
     return settings
 
 

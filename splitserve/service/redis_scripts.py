@@ -128,11 +128,14 @@ def admit(
     directed_to: str = "",
     directed_bound: int = 0,
     supersede: bool = False,
+    tenant_quotas: tuple[int, int] = (0, 0),
 ) -> Call:
     """Admit a request, record its hash and queue its job, in one step (admit.lua). ``queue`` False:
     its decode worker prefills it. ``directed_to``: a prefill worker whose own stream takes the job
     while it holds fewer than ``directed_bound`` entries (prefill affinity). ``supersede``: a new
-    attempt of a request sent again to go on replaces a latest attempt still running."""
+    attempt of a request sent again to go on replaces a latest attempt still running.
+    ``tenant_quotas``: its tenant's bounds on its own queued requests and tokens (0: none; a
+    tenant's request has an id of the form <tenant>~<id>)."""
     new_attempt = attempt is not None and bool(attempt.first_id)
     return Call(
         "admit",
@@ -157,6 +160,7 @@ def admit(
             attempt.fingerprint if attempt else "",
             directed_bound if directed_to else "",
             1 if supersede and new_attempt else 0,
+            *tenant_quotas,
         ],
     )
 

@@ -105,6 +105,9 @@ class Settings:
     # stack's own, splitserve up)
     core_share: str = ""
     # -- Router settings -------------------------------------------------------------------
+    # a JSON file of the public API's tenants: each one's name, SHA-256 hashes of its bearer tokens, the RPCs it may
+    # call and its queue quotas (docs/security.md); read again when it changes. Empty = no authentication
+    auth_tokens_file: str = ""
     # queued (admitted, not yet prefilling; prefilled by a decode worker: until its first token) requests, all routers
     # together
     max_queue_requests: int = 256

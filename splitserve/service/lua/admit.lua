@@ -16,8 +16,12 @@
 -- ARGV[12] '1': a new attempt of a request its client sent again to go on (resume_from), having lost
 -- its stream (its router went away): a latest attempt still running (not aborted) does not refuse
 -- it but is superseded, marked failed ('superseded'), once this one is admitted.
+-- ARGV[13], ARGV[14]: a tenant's quotas (its queued requests, its queued tokens; '' or 0: none),
+-- checked against its own counts (tenant_counts) before the stack's bounds: over one, it is
+-- refused as -3, returning {-3, its requests, its tokens, 0}.
 -- include: may_run_again
 -- include: is_final
+-- include: tenant_counts
 
 local nd = (ARGV[11] and ARGV[11] ~= '') and 2 or 0
 local supersede = false
@@ -41,12 +45,22 @@ local q = tonumber(redis.call('HGET', KEYS[1], 'requests') or '0')
 local t = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 local lt = tonumber(redis.call('HGET', KEYS[1], 'local_tokens') or '0')
 local n = tonumber(ARGV[1])
+local tenant = string.match(KEYS[3], ':req:([^~]+)~')
+if tenant then
+  local tq = tonumber(redis.call('HGET', KEYS[1], 'requests@' .. tenant) or '0')
+  local tt = tonumber(redis.call('HGET', KEYS[1], 'tokens@' .. tenant) or '0')
+  local mq, mt = tonumber(ARGV[13] or '0') or 0, tonumber(ARGV[14] or '0') or 0
+  if (mq > 0 and tq + 1 > mq) or (mt > 0 and tt + n > mt) then
+    return {-3, tq, tt, 0}
+  end
+end
 local frac = tonumber(ARGV[4])
 if q + 1 > math.floor(tonumber(ARGV[2]) * frac) or t + n > math.floor(tonumber(ARGV[3]) * frac) then
   return {0, q, t, lt}
 end
 redis.call('HINCRBY', KEYS[1], 'requests', 1)
 redis.call('HINCRBY', KEYS[1], 'tokens', n)
+tenant_add(KEYS[1], KEYS[3], 1, n)
 local job = cjson.decode(ARGV[6])
 -- prompt_tokens: the prompt's (a job's tokens may end with completion tokens its client has: resumed);
 -- queued_tokens: all it counts in the queue, returned once (a local one's by reap.lua)

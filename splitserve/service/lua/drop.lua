@@ -2,6 +2,7 @@
 -- request has when the id is unreadable). ARGV: the entry's 'tokens' as admission counted them
 -- (-1: the entry has none, so admission never counted it), 1 (a dropped entry is acked, so this
 -- is the only time it is seen), the error, and optionally the status code its client gets. Returns 1.
+-- include: tenant_counts
 -- include: leave_queue
 
 if ARGV[1] ~= '-1' then

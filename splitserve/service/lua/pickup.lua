@@ -8,6 +8,7 @@
 -- update.lua; one of an older release sends none, and the job is prefilled again), or the
 -- final state / "" of a request that is no longer wanted.
 -- include: is_final
+-- include: tenant_counts
 -- include: leave_queue
 
 if tonumber(ARGV[6] or '0') < tonumber(redis.call('HGET', KEYS[2], 'resumed') or '0') then

@@ -7,6 +7,7 @@
 -- router's request set, the admission hash, then its request hashes. ARGV: router id, now, TTL
 -- after completion, 1 to force. Returns how many requests it marked.
 -- include: is_final
+-- include: tenant_counts
 -- include: leave_local
 
 local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])

@@ -11,6 +11,7 @@
 -- queued}. A request a prefill worker failed because it could not reach that worker ('lost_to':
 -- its handoff broke as the worker was lost, recorded before its router saw the loss) resumes.
 -- include: is_final
+-- include: tenant_counts
 
 local got = redis.call('HMGET', KEYS[3], 'state', 'aborted', 'lost_to')
 local lost_handoff = got[1] == 'failed' and got[3] and got[3] == ARGV[7]
@@ -31,6 +32,7 @@ if ARGV[6] == '1' then
   redis.call('HINCRBY', KEYS[1], 'requests', 1)
   redis.call('HINCRBY', KEYS[1], 'tokens', n)
   q, t = q + 1, t + n
+  tenant_add(KEYS[1], KEYS[3], 1, n)
   redis.call('HDEL', KEYS[3], 'local')
   redis.call('HSET', KEYS[3], 'state', 'queued')
   redis.call('XADD', KEYS[2], '*', 'job', ARGV[5], 'tokens', n, 'queued', q)

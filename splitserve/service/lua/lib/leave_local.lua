@@ -9,5 +9,6 @@ local function leave_local(admission, req, n)
       redis.call('HSET', admission, f, 0)
     end
   end
+  tenant_add(admission, req, -1, -n)
   return 1
 end

@@ -13,5 +13,6 @@ local function leave_queue(admission, req, tokens, first_delivery, leg)
   if (exists and redis.call('HSETNX', req, marker, 1) == 1) or (not exists and first_delivery == '1') then
     if redis.call('HINCRBY', admission, 'requests', -1) < 0 then redis.call('HSET', admission, 'requests', 0) end
     if redis.call('HINCRBY', admission, 'tokens', -tonumber(tokens)) < 0 then redis.call('HSET', admission, 'tokens', 0) end
+    tenant_add(admission, req, -1, -tonumber(tokens))
   end
 end

@@ -1,0 +1,183 @@
+"""Tenants of the public API: bearer tokens, request ids and prefix-cache entries of their own, and
+queue quotas, over gRPC and OpenAI HTTP, on a real stack (tiny model: prompts as token ids)."""
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from engine_helpers import random_prompts
+from service_helpers import scrape, wait_for
+
+from splitserve.client import Client, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
+from splitserve.service.tenants import add_token
+
+from .common import free_port, prefill_paused, start_stack, state_of
+
+PROMPT = random_prompts(1, lo=40, hi=41, seed=9)[0]
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory, tiny_model_dir):
+    """(stack, tokens file, {tenant: token}): a, b (quota of 1 queued request) and reader (ListModels only)."""
+    path = str(tmp_path_factory.mktemp("auth") / "tokens.json")
+    tokens = {
+        "a": add_token(path, "a"),
+        "b": add_token(path, "b", {"max_queued_requests": 1}),
+        "reader": add_token(path, "reader", rpcs=["ListModels"]),
+    }
+    s = start_stack(model=tiny_model_dir, auth_tokens_file=path, kv_cache_bytes=16 << 20, http_port=free_port())
+    try:
+        yield s, path, tokens
+    finally:
+        s.stop()
+    assert s.shm_segments() == []
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value
+
+
+def test_a_call_without_a_known_token_is_unauthenticated_and_health_stays_open(tenants):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    s, _, tokens = tenants
+    for token, words in ((None, "a bearer token is required"), ("ss-wrong", "unknown or revoked token")):
+        with Client(s.router_address, token=token) as c:
+            for call in (
+                lambda: c.generate(token_ids=PROMPT, max_tokens=2),
+                lambda: c.get_request("x"),
+                lambda: c.abort("x"),
+                c.list_models,
+            ):
+                e = code_of(call)
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED and words in e.details(), e.details()
+    with Client(s.router_address) as c:
+        with pytest.raises(Unauthenticated) as e:
+            c.generate(token_ids=PROMPT, max_tokens=2)
+        assert e.value.reason == "TOKEN_MISSING"
+    with grpc.insecure_channel(s.router_address) as ch:
+        check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+    base = f"http://{s.router_http_address}"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{base}/v1/models", timeout=10)
+    assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+    assert json.loads(e.value.read())["error"]["type"] == "authentication_error"
+    assert urllib.request.urlopen(f"{base}/health", timeout=10).status == 200
+    import openai
+
+    for key, ok in ((tokens["a"], True), ("ss-wrong", False)):
+        with openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as oai:
+            if ok:
+                got = oai.completions.create(model=oai.models.list().data[0].id, prompt=PROMPT, max_tokens=2)
+                assert got.usage.completion_tokens == 2
+            else:
+                with pytest.raises(openai.AuthenticationError):
+                    oai.completions.create(model="x", prompt=PROMPT, max_tokens=2)
+    with Client(s.router_address, token=tokens["reader"]) as c:
+        assert len(c.list_models()) == 1
+        with pytest.raises(PermissionDenied) as e:
+            c.generate(token_ids=PROMPT, max_tokens=2)
+        assert "tenant 'reader' may not call Generate" in e.value.details()
+
+
+def test_a_tenants_request_ids_and_prefix_cache_are_its_own(tenants):
+    """b's GetRequest and Abort of a's id answer as for an id nobody sent; b may use the same id for
+    a request of its own; a's repeated prompt finds its KV cached, b's same prompt does not."""
+    s, _, tokens = tenants
+    with Client(s.router_address, token=tokens["a"]) as a, Client(s.router_address, token=tokens["b"]) as b:
+        got = a.generate(token_ids=PROMPT, max_tokens=4, ignore_eos=True, request_id="job-1", timeout=60)
+        assert got.request_id == "job-1" and a.get_request("job-1").state == "finished"
+        unknown = code_of(lambda: b.get_request("nobody-sent-this"))
+        for call, other in (
+            (lambda: b.get_request("job-1"), unknown),
+            (lambda: b.abort("job-1"), code_of(lambda: b.abort("nobody-sent-this"))),
+        ):
+            e = code_of(call)
+            assert e.code() == grpc.StatusCode.NOT_FOUND
+            assert e.details() == other.details().replace("nobody-sent-this", "job-1")
+        # b's Abort of an id it has not sent holds for its own request of that id, as for any id
+        e = code_of(lambda: b.generate(token_ids=PROMPT, max_tokens=4, request_id="job-1", timeout=60))
+        assert e.code() == grpc.StatusCode.CANCELLED and "'job-1' was aborted before it arrived" in e.details()
+        mine = b.generate(token_ids=PROMPT, max_tokens=4, ignore_eos=True, request_id="job-7", timeout=60)
+        assert mine.request_id == "job-7" and list(mine.token_ids) == list(got.token_ids)
+        again = a.generate(token_ids=PROMPT, max_tokens=4, ignore_eos=True, request_id="job-2", timeout=60)
+        assert a.get_request("job-2").cached_tokens >= 32  # its two whole blocks of 16
+        assert b.get_request("job-7").cached_tokens == 0  # a's entries are not b's
+        assert list(again.token_ids) == list(got.token_ids)
+        replay = a.generate(token_ids=PROMPT, max_tokens=4, ignore_eos=True, request_id="job-1", timeout=60)
+        assert replay.replayed and replay.request_id == "job-1"
+        with pytest.raises(NotFound):
+            b.generate(token_ids=PROMPT, max_tokens=2, model="other-model")
+
+
+def test_a_tenant_over_its_quota_is_refused_while_another_is_admitted(tenants):
+    """b may have 1 request queued: with the prefill worker stopped its first waits in the queue,
+    its second is RESOURCE_EXHAUSTED naming the quota, with a retry hint; a's is admitted."""
+    s, _, tokens = tenants
+    results = {}
+    with Client(s.router_address, token=tokens["a"]) as a, Client(s.router_address, token=tokens["b"]) as b:
+        with prefill_paused(s):
+
+            def send(name, client, rid):
+                try:
+                    results[rid] = client.generate(token_ids=PROMPT, max_tokens=2, request_id=rid, timeout=60)
+                except grpc.RpcError as e:
+                    results[rid] = e
+
+            first = threading.Thread(target=send, args=("b", b, "q-b1"))
+            first.start()
+            wait_for(lambda: state_of(b, "q-b1") == "queued", what="b's first request queued")
+            with pytest.raises(ResourceExhausted) as e:
+                b.generate(token_ids=PROMPT, max_tokens=2, request_id="q-b2", timeout=30)
+            assert e.value.reason == "TENANT_QUOTA" and e.value.retry_after_s is not None
+            assert "tenant 'b' is over its quota (1 requests" in e.value.details()
+            assert "max_queued_requests 1" in e.value.details()
+            other = threading.Thread(target=send, args=("a", a, "q-a1"))
+            other.start()
+            wait_for(lambda: state_of(a, "q-a1") == "queued", what="a's request admitted")
+        first.join(60)
+        other.join(60)
+    assert all(not isinstance(results[r], grpc.RpcError) for r in ("q-b1", "q-a1")), results
+    router = scrape(s.proc("router").metrics_address)
+    assert router["splitserve_tenant_quota_refusals_total{tenant=b}"] == 1
+    assert router["splitserve_tenant_calls_total{rpc=Generate,tenant=a}"] >= 1
+
+
+def test_tokens_are_revoked_and_added_without_a_restart_and_never_recorded(tenants):
+    s, path, tokens = tenants
+    with Client(s.router_address, token=tokens["a"]) as a:
+        assert a.generate(token_ids=PROMPT, max_tokens=2, timeout=60).usage.completion_tokens == 2
+    doc = json.load(open(path))
+    for e in doc["tenants"]:
+        if e["name"] == "reader":
+            e["token_sha256"] = []  # revoked
+    tmp = path + ".new"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+    newcomer = add_token(path, "c")
+    with Client(s.router_address, token=tokens["reader"]) as r, Client(s.router_address, token=newcomer) as c:
+
+        def revoked():
+            try:
+                r.list_models()
+                return False
+            except grpc.RpcError as e:
+                return e.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        wait_for(revoked, timeout=10, what="the revoked token refused")
+        assert c.generate(token_ids=PROMPT, max_tokens=2, timeout=60).usage.completion_tokens == 2
+    time.sleep(0.5)  # the spans of the calls above written
+    text = open(s.settings.trace_file).read() if os.path.exists(s.settings.trace_file) else ""
+    metrics = urllib.request.urlopen(f"http://{s.proc('router').metrics_address}/metrics", timeout=5).read().decode()
+    assert '"splitserve.tenant"' in text or "splitserve.tenant" in text
+    for token in [*tokens.values(), newcomer]:
+        assert token not in text and token not in metrics
