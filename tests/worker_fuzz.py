@@ -37,7 +37,9 @@ CLEAR = {
     "cancelled by the fuzz",
 }
 FINISHES = {"length", "stop", "eos", "cancelled", "error"}
-SHAPE = types.SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # SmolLM2's KV
+SHAPE = types.SimpleNamespace(  # SmolLM2 KV
+    num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="float32", kv_itemsize=4
+)
 
 
 def _tokens(rng: random.Random, bad: bool) -> list[int]:
