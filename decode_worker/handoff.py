@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import redis
 from splitserve.engine.errors import CapacityError, InvalidRequestError, KVPrefixMissing
 from splitserve.engine.outputs import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from splitserve.engine.params import check_vocab
+from splitserve.handoff.arena import SHM_DIR
 from splitserve.handoff.layout import HEADER_SIZE, LAYOUT_VERSIONS, layout_version, payload_nbytes
 from splitserve.observability import tracing
 from splitserve.service import aio, convert
@@ -437,8 +439,8 @@ class HandoffReceiver:
 
     async def _check_arena(self, name: str) -> None:
         """Only the arena of a prefill worker registered on this host is mapped (its name is
-        random: known to those who read the registry). One not seen yet is looked for once more
-        (a worker registered since the last read)."""
+        random: known to those who read the registry), while its segment lasts. One not seen yet
+        is looked for once more (a worker registered since the last read)."""
         if name not in self.local_arenas:
             await self.warm_arenas()
         if name not in self.local_arenas:
@@ -447,10 +449,10 @@ class HandoffReceiver:
     async def warm_arenas(self) -> None:
         """Map the arenas of prefill workers on this host before their first handoff, and unmap
         those of prefill workers that have gone; local_arenas: the names registered."""
+        registered: set[str] = set()
         for name in await asyncio.to_thread(self.reader.drop_stale):
             self.warmed.discard(name)
             log.info("unmapped arena %s: its prefill worker has gone", name)
-        registered = set()
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern("prefill"), count=100):
             try:
                 arena, host = await self.redis.hmget(key, "arena", "host_id")
@@ -463,4 +465,7 @@ class HandoffReceiver:
             if arena and host == self.host and arena not in self.warmed:
                 if await asyncio.to_thread(self.reader.warm, arena):
                     self.warmed.add(arena)
-        self.local_arenas = registered
+        # A name stays allowed while its segment lasts: a draining prefill worker has left the
+        # registry but still hands over the KV it holds.
+        gone = {n for n in self.local_arenas if not os.path.exists(os.path.join(SHM_DIR, n))}
+        self.local_arenas = (self.local_arenas - gone) | registered

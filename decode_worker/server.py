@@ -563,7 +563,13 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     server = grpc_server.new_server(settings.keepalive_s)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     port, health = await grpc_server.start(
-        server, settings.host, settings.port, [SERVICE], tls.files_of(settings), reflection_on=settings.reflection
+        server,
+        settings.host,
+        settings.port,
+        [SERVICE],
+        tls.files_of(settings),
+        reflection_on=settings.reflection,
+        health_port=settings.health_port,
     )
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)

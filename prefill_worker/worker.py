@@ -555,6 +555,16 @@ def main(argv: list[str] | None = None) -> int:
         grpc_server.add_reflection(server, [])
     port = tls.bind(server, f"{settings.host}:{settings.port}", worker.tls, client_auth=True)
     server.start()
+    if settings.health_port:  # the health service alone, in plaintext, for probes (Settings.health_port)
+        probes = grpc.server(cf.ThreadPoolExecutor(max_workers=1))
+        health_pb2_grpc.add_HealthServicer_to_server(hs, probes)
+        try:
+            grpc_server.bind_probes(probes, settings.host, settings.health_port)
+        except ValueError as e:
+            print(f"splitserve prefill_worker: error: {e}", file=sys.stderr)
+            server.stop(0)
+            return 2
+        probes.start()
     worker.address = settings.address(port)
     metrics_port = worker.metrics.serve(settings.host, settings.metrics_port)
     worker.metrics_address = f"{settings.host}:{metrics_port}" if metrics_port else ""

@@ -445,6 +445,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         servicer.tls,
         client_auth=False,
         reflection_on=settings.reflection,
+        health_port=settings.health_port,
     )
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if http is not None:

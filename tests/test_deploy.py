@@ -1,6 +1,7 @@
 """Deploy manifests: render every overlay, validate against the Kubernetes schemas, checkov,
 and cross-check every environment variable against what the code reads."""
 
+import base64
 import json
 import os
 import pathlib
@@ -20,9 +21,10 @@ from splitserve.service.settings import Settings, env_name
 REPO = pathlib.Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 TOOLS = REPO / ".venv-deploy" / "bin"
-OVERLAYS = ["dev", "gpu", "cross-node"]
+OVERLAYS = ["dev", "gpu", "cross-node", "secure"]
 K8S_VERSION = "1.31"
 KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
+CERT_MANAGER_KINDS = {"Certificate", "Issuer"}  # CRDs: checked by test_tls_objects_are_well_formed
 
 
 def _tool(name: str) -> str:
@@ -72,13 +74,56 @@ def test_overlay_renders_the_expected_objects(rendered):
         pod = deployments["splitserve-worker"]["spec"]["template"]["spec"]
         assert all(c["resources"]["limits"]["nvidia.com/gpu"] == 1 for c in pod["containers"])
         assert pod["nodeSelector"] and pod["tolerations"]
-    if name == "dev":
+    if name in ("dev", "secure"):
         assert all(d["spec"]["replicas"] == 1 for d in deployments.values())
+
+
+def test_tls_objects_are_well_formed(rendered):
+    """secure: cert-manager makes the certificate every container mounts, TLS settings name its
+    files, the processes check peers by a name it holds, and each probe calls the plaintext
+    health-only port its own container serves (kubelet's gRPC probes cannot speak TLS)."""
+    name, docs, _ = rendered
+    if name != "secure":
+        assert not any(d["kind"] in CERT_MANAGER_KINDS for d in docs)
+        return
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    leaf = by["Certificate", "splitserve-tls"]["spec"]
+    assert {"server auth", "client auth"} <= set(leaf["usages"])
+    issuer = by["Issuer", leaf["issuerRef"]["name"]]["spec"]["ca"]["secretName"]
+    assert (
+        by["Certificate", "splitserve-ca"]["spec"]["isCA"]
+        and by["Certificate", "splitserve-ca"]["spec"]["secretName"] == issuer
+    )
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    assert config["SPLITSERVE_TLS_SERVER_NAME"] in leaf["dnsNames"] and "splitserve-router" in leaf["dnsNames"]
+    health_ports = set()
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secrets["tls"] == leaf["secretName"], d["metadata"]["name"]
+        for c in pod["containers"]:
+            mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls")
+            for key, file in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt")):
+                assert config[f"SPLITSERVE_TLS_{key}"] == f"{mount}/{file}"
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            port = int(env["SPLITSERVE_HEALTH_PORT"])
+            assert port not in health_ports  # (one pod's containers share its network)
+            health_ports.add(port)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[probe]["grpc"]["port"] == port, (c["name"], probe)
+            if c["name"] == "router":
+                tokens = env["SPLITSERVE_AUTH_TOKENS_FILE"]
+                mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tokens")
+                assert tokens.startswith(mount + "/") and secrets["tokens"].startswith("splitserve-tokens")
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("splitserve-tokens"))
+    from splitserve.service.tenants import parse
+
+    assert parse(base64.b64decode(secret["data"]["tokens.json"]).decode(), "tokens.json")  # the router reads it
 
 
 def test_objects_validate_against_kubernetes_schemas(rendered):
     _, docs, path = rendered
-    core = [d for d in docs if d["kind"] not in KEDA_KINDS]
+    core = [d for d in docs if d["kind"] not in KEDA_KINDS | CERT_MANAGER_KINDS]
     core_path = path.with_name("core.yaml")
     core_path.write_text(yaml.safe_dump_all(core))
     out = subprocess.run(

@@ -59,10 +59,13 @@ async def start(
     tls_files: tls.TLSFiles | None = None,
     client_auth: bool = True,
     reflection_on: bool = True,
+    health_port: int = 0,
 ) -> tuple[int, health_aio.HealthServicer]:
     """Serve on host:port, over TLS with tls_files (asking callers for a client certificate the
     CA signed with client_auth: every internal server), plaintext without. Health is always
-    served (probes need it); reflection unless reflection_on is False (Settings.reflection)."""
+    served (probes need it); reflection unless reflection_on is False (Settings.reflection).
+    health_port: the health service alone, in plaintext, on host:health_port as well (probes that
+    cannot speak TLS: Settings.health_port)."""
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if reflection_on:
@@ -74,9 +77,25 @@ async def start(
     if bound == 0:  # a ValueError: the process says so in one line and exits 2 (process.run)
         raise ValueError(f"cannot listen on {host}:{port} (--port): the port is in use, or the address is not here")
     await server.start()
+    if health_port:
+        probes = grpc.aio.server(options=options())
+        health_pb2_grpc.add_HealthServicer_to_server(health, probes)
+        bind_probes(probes, host, health_port)
+        await probes.start()
+        server.probes = probes  # (lives as long as the server)
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return bound, health
+
+
+def bind_probes(probes, host: str, port: int) -> None:
+    """The plaintext health-only server's port, or ValueError naming it."""
+    try:
+        bound = probes.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ValueError(f"cannot listen on {host}:{port} (health_port): the port is in use, or not an address here")
 
 
 def add_reflection(server, service_names: list[str]) -> None:

@@ -149,6 +149,7 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
             overrides.setdefault("http_port", DEFAULT_HTTP_PORT)
     settings = Settings.from_env(**overrides)
     check_port_free(settings.host, settings.port, "--port")
+    check_port_free(settings.host, settings.health_port, "health_port")
     if router:
         check_port_free(settings.host, settings.http_port, "--http-port")
     settings.check_core_share_names_a_board()

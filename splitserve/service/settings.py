@@ -46,6 +46,9 @@ class Settings:
     advertise: str = ""
     # default: role-hostname-pid
     worker_id: str = ""
+    # a second port of this process that serves the gRPC health service alone, in plaintext: for probes that cannot
+    # speak TLS (kubelet's gRPC probes) when the process's own port serves it; 0 = none
+    health_port: int = 0
     # gRPC server reflection on every process's port (grpcurl and the like list the services); false = off. Health
     # checks are served either way (probes need them)
     reflection: bool = True

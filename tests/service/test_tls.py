@@ -23,9 +23,27 @@ from .common import finish_stack, free_port, start_stack
 
 @pytest.fixture(scope="module")
 def tls_stack():
-    s = start_stack(tls=True, http_port=free_port())
+    ports = {"router": free_port(), "prefill-0": free_port(), "decode-0": free_port()}  # each one's health port
+    env = {name: {"SPLITSERVE_HEALTH_PORT": str(port)} for name, port in ports.items()}
+    roles = dict(router_env=env["router"], prefill_env=env["prefill-0"], decode_env=env["decode-0"])
+    s = start_stack(tls=True, http_port=free_port(), **roles)
+    s.health_ports = ports
     yield s
     finish_stack(s)
+
+
+def test_each_process_serves_health_alone_in_plaintext_on_its_health_port(tls_stack):
+    """What kubelet's gRPC probes call (they cannot speak TLS): SERVING on each process's
+    health port, where no other service is (a Generate there is UNIMPLEMENTED)."""
+    from splitserve_proto.v1 import generation_pb2, generation_pb2_grpc
+
+    for name, port in tls_stack.health_ports.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING, name
+            with pytest.raises(grpc.RpcError) as e:
+                generation_pb2_grpc.GenerationStub(ch).ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, e.value)
 
 
 @pytest.fixture(scope="module")
