@@ -142,9 +142,9 @@ def test_an_engine_loads_with_its_share_of_threads_and_is_idle_once_loaded(tiny_
     threads_at_load = []
 
     class Recording(engine_mod.LlamaModel):
-        def __init__(self, loaded, laid_out=None):
+        def __init__(self, loaded, laid_out=None, dtype="float32"):
             threads_at_load.append(torch.get_num_threads())
-            super().__init__(loaded, laid_out)
+            super().__init__(loaded, laid_out, dtype)
 
     monkeypatch.setattr(engine_mod, "LlamaModel", Recording)
     path = str(tmp_path / "cores")

@@ -31,6 +31,7 @@ def test_a_token_maps_to_its_tenant_and_only_its_hash_is_kept(tmp_path):
         ((("authorization", a),), "must be 'Bearer <token>'"),
         ((("authorization", "Bearer "),), "must be 'Bearer <token>'"),
         ((("authorization", "Bearer ss-other"),), "unknown or revoked token"),
+        ((("authorization", f"Bearer {a}"), ("authorization", "Bearer x")), "one bearer token, got 2"),
     ):
         with pytest.raises(Unauthenticated, match=f"^authorization: {words}"):
             t.authenticate(metadata, "Generate")

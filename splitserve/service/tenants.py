@@ -165,9 +165,12 @@ class Tenants:
         """The tenant of a call's ``authorization: Bearer <token>``; UNAUTHENTICATED without a known
         token, PERMISSION_DENIED for an RPC its tenant may not call."""
         self.reload_if_changed()
-        value = next((v for k, v in metadata or () if k == "authorization"), None)
-        if value is None:
+        values = [v for k, v in metadata or () if k == "authorization"]
+        if not values:
             raise Unauthenticated("authorization: a bearer token is required", reason="TOKEN_MISSING")
+        if len(values) > 1:
+            raise Unauthenticated(f"authorization: one bearer token, got {len(values)}", reason="TOKEN_MALFORMED")
+        value = values[0]
         scheme, _, token = str(value).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("authorization: must be 'Bearer <token>'", reason="TOKEN_MALFORMED")

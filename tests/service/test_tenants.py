@@ -88,6 +88,37 @@ def test_a_call_without_a_known_token_is_unauthenticated_and_health_stays_open(t
         assert "tenant 'reader' may not call Generate" in e.value.details()
 
 
+def test_odd_authorization_metadata_gets_clear_refusals_and_the_router_serves_on(tenants):
+    """Empty, huge, binary-keyed and repeated authorization values: each call ends in
+    UNAUTHENTICATED (or gRPC's own RESOURCE_EXHAUSTED for metadata over its limit), never another
+    status, and a good token still works after them. (Control characters and non-ASCII values gRPC
+    refuses to send at the client.)"""
+    from splitserve_proto.v1 import generation_pb2, generation_pb2_grpc
+
+    s, _, tokens = tenants
+    good = ("authorization", f"Bearer {tokens['a']}")
+    cases = [
+        (("authorization", ""),),
+        (("authorization", "Bearer"),),
+        (("authorization", "Basic " + tokens["a"]),),
+        (("authorization", "Bearer " + "x" * 6000),),
+        (("authorization", "Bearer " + "x" * 20000),),
+        (("authorization-bin", b"\x00\xff" + tokens["a"].encode()),),
+        (good, ("authorization", "Bearer ss-other")),
+        tuple(("authorization", f"Bearer ss-{i}") for i in range(50)),
+    ]
+    with grpc.insecure_channel(s.router_address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        for metadata in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ListModels(generation_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
+            code = e.value.code()
+            assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED), (metadata, code)
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                assert e.value.details().startswith("authorization: "), e.value.details()
+        assert len(stub.ListModels(generation_pb2.ListModelsRequest(), metadata=(good,), timeout=10).models) == 1
+
+
 def test_a_tenants_request_ids_and_prefix_cache_are_its_own(tenants):
     """b's GetRequest and Abort of a's id answer as for an id nobody sent; b may use the same id for
     a request of its own; a's repeated prompt finds its KV cached, b's same prompt does not."""
