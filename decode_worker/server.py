@@ -51,7 +51,7 @@ from splitserve.service.errors import (
 )
 from splitserve.service.process import Background
 from splitserve.service.redis_scripts import Scripts
-from splitserve.service.redis_state import Keys, WorkerInfo, connect
+from splitserve.service.redis_state import Keys, WorkerInfo, open_redis
 from splitserve.service.runner import EngineRunner
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
@@ -556,7 +556,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     engine = await runner.start()  # no step runs before the servicer below takes a request
     metrics.follow(engine)
     metrics.label_model(served_model_name(settings.served_model_name, engine.model_name))
-    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
+    r = open_redis(settings, asyncio=True)
     keys = Keys(settings.redis_prefix)
     servicer = DecodeServicer(settings, runner, r, keys, name, metrics)
     servicer_ref.append(servicer)

@@ -44,7 +44,7 @@ from splitserve.service.grpc_server import options
 from splitserve.service.peers import Peers
 from splitserve.service.process import parse_settings
 from splitserve.service.redis_scripts import Scripts, failed
-from splitserve.service.redis_state import Job, Keys, WorkerInfo, connect, ensure_group
+from splitserve.service.redis_state import Job, Keys, WorkerInfo, ensure_group, open_redis
 from splitserve.service.settings import Settings, host_id
 from splitserve.service.watchdog import StepWatch
 from splitserve_proto.v1 import worker_pb2 as w_pb
@@ -162,7 +162,7 @@ class PrefillWorker(JobQueue, HandoffSender):
         self.s = settings
         self.engine = LLMEngine(settings.engine_config("prefill"))
         # A Redis that hangs fails a call within CALL_TIMEOUT_S: the jobs in hand go on meanwhile.
-        self.redis = connect(settings.redis_url, settings.redis_cluster)
+        self.redis = open_redis(settings)
         self.keys = Keys(settings.redis_prefix)
         self.name = settings.worker_name("prefill")
         self.host = host_id()

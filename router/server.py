@@ -67,7 +67,7 @@ from splitserve.service.redis_state import (
     QUEUE_FIELDS,
     Keys,
     WorkerInfo,
-    connect,
+    open_redis,
     queue_counts,
 )
 from splitserve.service.settings import Settings
@@ -421,7 +421,7 @@ class RouterServicer(
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     tls.files_of(settings)  # first: a file that cannot be read stops the start, naming it (the servicer keeps them)
     frontend = await asyncio.to_thread(Frontend, settings)
-    r = connect(settings.redis_url, settings.redis_cluster, asyncio=True)
+    r = open_redis(settings, asyncio=True)
     metrics = RouterMetrics()
     metrics.label_model(frontend.name)
     metrics.queue_limit_requests.set(int(settings.max_queue_requests * settings.admit_fraction))

@@ -471,7 +471,16 @@ def _status(args) -> int:
         )
         return 2
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
-    r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto")
+    tls = {  # redis_state.tls_files, from the environment the stack's processes read
+        arg: os.environ[name]
+        for arg, name in (
+            ("ssl_ca_certs", "SPLITSERVE_REDIS_TLS_CA"),
+            ("ssl_certfile", "SPLITSERVE_REDIS_TLS_CERT"),
+            ("ssl_keyfile", "SPLITSERVE_REDIS_TLS_KEY"),
+        )
+        if os.environ.get(name)
+    }
+    r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto", **tls)
     try:
         q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}

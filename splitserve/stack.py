@@ -33,7 +33,7 @@ from splitserve.forkserver import ForkedProcess, ForkServer
 from splitserve.handoff.arena import SHM_DIR
 from splitserve.lifeline import tied
 from splitserve.observability.tracing import exporter_kind
-from splitserve.service.redis_state import Keys, connect
+from splitserve.service.redis_state import Keys, open_redis
 from splitserve.service.settings import Settings
 from splitserve.service.tls import TLSFiles, files_of, make_local_ca
 from splitserve.service.tls import channel as tls_channel
@@ -293,7 +293,7 @@ class Stack:
         return next(p for p in self.procs if p.name == name)
 
     def redis(self):
-        return connect(self.settings.redis_url, self.settings.redis_cluster)
+        return open_redis(self.settings)
 
     @property
     def keys(self) -> Keys:

