@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -180,6 +181,36 @@ def test_a_tenant_over_its_quota_is_refused_while_another_is_admitted(tenants):
     router = scrape(s.proc("router").metrics_address)
     assert router["splitserve_tenant_quota_refusals_total{tenant=b}"] == 1
     assert router["splitserve_tenant_calls_total{rpc=Generate,tenant=a}"] >= 1
+
+
+def test_a_tenant_flooding_at_ten_times_its_quota_leaves_another_admitted_and_complete(tenants):
+    """b (1 queued request allowed) sends 10 at once while a sends 4, with nothing leaving the
+    queue: one of b's is admitted and nine are refused TENANT_QUOTA; all four of a's are admitted.
+    Once the queue moves, every admitted request completes."""
+    s, _, tokens = tenants
+    before = scrape(s.proc("router").metrics_address).get("splitserve_tenant_quota_refusals_total{tenant=b}", 0)
+    with Client(s.router_address, token=tokens["a"]) as a, Client(s.router_address, token=tokens["b"]) as b:
+
+        def send(client, rid):
+            try:
+                return client.generate(token_ids=PROMPT, max_tokens=3, ignore_eos=True, request_id=rid, timeout=120)
+            except grpc.RpcError as e:
+                return e
+
+        with ThreadPoolExecutor(14) as pool:
+            with prefill_paused(s):
+                flood = [pool.submit(send, b, f"f-b{i}") for i in range(10)]
+                mine = [pool.submit(send, a, f"f-a{i}") for i in range(4)]
+                wait_for(lambda: sum(f.done() for f in flood) >= 9, timeout=60, what="b's refusals")
+                refused = [f.result() for f in flood if f.done()]
+                assert len(refused) == 9 and all(isinstance(e, grpc.RpcError) for e in refused), refused
+                assert all(e.reason == "TENANT_QUOTA" for e in refused), refused
+                wait_for(lambda: all(state_of(a, f"f-a{i}") == "queued" for i in range(4)), what="a's four queued")
+            done = [f.result(120) for f in flood + mine]
+    completed = [r for r in done if not isinstance(r, grpc.RpcError)]
+    assert len(completed) == 5 and all(len(r.token_ids) == 3 for r in completed), done
+    router = scrape(s.proc("router").metrics_address)
+    assert router["splitserve_tenant_quota_refusals_total{tenant=b}"] - before == 9
 
 
 def test_tokens_are_revoked_and_added_without_a_restart_and_never_recorded(tenants):
