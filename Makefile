@@ -73,6 +73,7 @@ bench-handoff: install proto
 bench-service: install proto
 	$(PY) -m splitserve.bench.service_bench --out bench-results/service.json
 	$(PY) -m splitserve.bench.service_bench --mode colocated --out bench-results/service-colocated.json
+	$(PY) -m splitserve.bench.security_bench --out bench-results/service-security.json
 
 bench-tracing: install proto
 	$(PY) -m splitserve.bench.tracing_bench --out bench-results/tracing.json

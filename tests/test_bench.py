@@ -497,3 +497,29 @@ def test_bench_flags_out_of_range_are_refused_naming_the_flag(argv, message, cap
     assert cli.main(args) == 2  # not: most of these ran, and wrote results for nothing
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_security_bench_alternates_two_stacks_and_reports_both_costs(tiny_model_dir, tmp_path, monkeypatch):
+    """security_bench on the tiny model, two requests a round: each round runs both stacks, the
+    first alternating; the light pairs come out paired."""
+    from splitserve.bench import security_bench
+
+    folder = tmp_path / "w"
+    folder.mkdir()
+    for name in ("workload_mixed.jsonl", "workload_short.jsonl"):
+        lines = [json.dumps({"prompt_token_ids": [5 + i, 40, 41, 42 + i], "max_tokens": 3}) for i in range(3)]
+        (folder / name).write_text("\n".join(lines) + "\n")
+    for name, value in (("MODEL", tiny_model_dir), ("KV_CACHE_BYTES", 16 << 20), ("ARENA_BYTES", 16 << 20)):
+        monkeypatch.setenv(f"SPLITSERVE_{name}", str(value))
+    monkeypatch.setenv("SPLITSERVE_PREFILL_KV_CACHE_BYTES", str(16 << 20))
+    out = tmp_path / "security.json"
+    argv = ["--workloads", str(folder), "--requests", "2", "--rounds", "2", "--light", "3", "--light-gap-ms", "0"]
+    assert security_bench.main([*argv, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["first"] for r in res["rounds"]] == ["plain", "secure"]
+    for r in res["rounds"]:
+        assert r["plain"]["output_tokens"] == r["secure"]["output_tokens"] == 6
+        assert r["throughput_ratio"] == r["secure"]["output_tok_per_s"] / r["plain"]["output_tok_per_s"]
+    assert len(res["ttft_added_ms"]) == 3 and all(len(v) == 3 for v in res["light_ttft_ms"].values())
+    added = [s - p for s, p in zip(res["light_ttft_ms"]["secure"], res["light_ttft_ms"]["plain"])]
+    assert res["ttft_added_ms"] == added

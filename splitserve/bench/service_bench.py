@@ -35,9 +35,11 @@ from splitserve.service.settings import Settings
 from splitserve.stack import Stack
 
 
-def service_run(address: str, items) -> dict:
+def service_run(address: str, items, **client) -> dict:
+    """items all sent at once to the router at address (Client's keywords: tls_ca, token), greedy,
+    exactly max_tokens each: throughput, TTFT p50 and how many were prefilled by their decode worker."""
     t0 = time.perf_counter()
-    with Client(address) as c, cf.ThreadPoolExecutor(len(items)) as ex:
+    with Client(address, **client) as c, cf.ThreadPoolExecutor(len(items)) as ex:
         futs = [
             ex.submit(
                 c.generate, token_ids=it.prompt_token_ids, max_tokens=it.max_tokens, ignore_eos=True, timeout=3600
