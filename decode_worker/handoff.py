@@ -440,9 +440,14 @@ class HandoffReceiver:
     async def _check_arena(self, name: str) -> None:
         """Only the arena of a prefill worker registered on this host is mapped (its name is
         random: known to those who read the registry), while its segment lasts. One not seen yet
-        is looked for once more (a worker registered since the last read)."""
+        is looked for once more (a worker registered since the last read), and among the arenas of
+        workers draining on this host (out of the registry, still handing over)."""
         if name not in self.local_arenas:
             await self.warm_arenas()
+        if name not in self.local_arenas and name.isprintable():  # out of the registry: draining, on this host?
+            host = await self.redis.get(self.keys.draining_arena(name))
+            if host is not None and host.decode(errors="replace") == self.host:
+                self.local_arenas.add(name)
         if name not in self.local_arenas:
             raise Invalid(f"handle.arena: {name!r} is not the arena of a prefill worker registered on this host")
 

@@ -436,12 +436,21 @@ class JobQueue:
             len(deferred),
         )
 
+    def _leave_registry(self) -> None:
+        """Out of the registry. Decode workers on this host go on taking handoffs from its arena
+        (Keys.draining_arena) until the arena closes: a draining worker still hands over what it holds,
+        and one that registered a moment ago may not have been read by them yet."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.draining_arena(self.arena.name), self.host, ex=int(self.s.drain_s) + 60)
+        pipe.delete(self.keys.worker("prefill", self.name))
+        pipe.execute()
+
     def _leave(self) -> None:
         """Out of the registry (the heartbeat has left it already, unless the drain was shorter than a
         heartbeat), and this worker's own stream removed when nothing is left in it; one with jobs in
         it is read by the other workers, and removed by them once empty."""
         try:
-            self.redis.delete(self.keys.worker("prefill", self.name))
+            self._leave_registry()
             self.scripts.run(scripts.forget_stream(self.keys, worker_id=self.name))
         except redis.RedisError as e:
             log.warning("could not leave the registry: %s", e)

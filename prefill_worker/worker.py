@@ -413,7 +413,7 @@ class PrefillWorker(JobQueue, HandoffSender):
             try:
                 if self.stop.is_set():  # draining: out of the registry (once), the held jobs kept ours
                     if not left:
-                        self.redis.delete(self.keys.worker("prefill", self.name))
+                        self._leave_registry()
                         left = True
                     self._ack_later()
                     self._keep_claims()
@@ -603,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         except redis.RedisError as e:  # its lease ends it anyway; the arena must still go
             log.warning("could not remove the registry entry: %s", e)
         worker.arena.close()
+        try:
+            worker.redis.delete(worker.keys.draining_arena(worker.arena.name))
+        except redis.RedisError:  # it expires
+            pass
         server.stop(grace=1.0)
         worker.metrics.close()
         tracing.shutdown_tracing()

@@ -97,6 +97,10 @@ class Keys:
     def worker_pattern(self, role: str) -> str:
         return f"{self.prefix}:worker:{role}:*"
 
+    def draining_arena(self, arena: str) -> str:
+        """A draining prefill worker's arena -> its host: out of the registry, it still hands over."""
+        return f"{self.prefix}:arena:{arena}"
+
 
 def _real(lo: float, hi: float):
     return lambda v: type(v) in (int, float) and lo <= v < hi  # (NaN is in no range)

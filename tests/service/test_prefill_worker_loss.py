@@ -134,6 +134,7 @@ def test_a_prefill_worker_sent_sigterm_prefills_what_it_holds_and_gives_up_what_
         assert all(infos[rid].state in ("decoding", "finished") for rid in by_victim), infos
         assert not any(i.prefill_worker for rid, i in infos.items() if rid not in by_victim)  # none ran yet
         assert not any(seg.startswith(s.settings.shm_prefix + consumer("prefill-0")) for seg in s.shm_segments())
+        assert not r.keys(s.keys.draining_arena("*"))  # known to decode workers while it drained, no more
         finish(threads, results)
 
         # No drain: the jobs held are given up as the worker stops, before prefill-1 comes back.
