@@ -1,6 +1,6 @@
 """What TLS and bearer tokens cost: a stack with both against one with neither, side by side.
 
-    python -m splitserve.bench.security_bench [--requests 32] [--rounds 2] [--light 32]
+    python -m splitserve.bench.security_bench [--requests 32] [--rounds 2] [--light 160]
         [--light-workload F] [--light-gap-ms 100] [--out results.json]
 
 Two stacks (router + 1 prefill + 1 decode worker each, the default model, prefix cache off) run
@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=default_workload_dir())
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--light", type=int, default=32, help="light-load pairs (default 32)")
+    ap.add_argument(
+        "--light", type=int, default=160, help="light-load pairs (default 160: with 32 the p50's interval spanned 5 ms)"
+    )
     ap.add_argument("--light-workload", default="workload_short.jsonl")
     ap.add_argument("--light-gap-ms", type=float, default=100.0)
     ap.add_argument("--threads", type=int, default=0)
