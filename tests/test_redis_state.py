@@ -1,5 +1,6 @@
 """The Redis scripts that keep request hashes honest, against a real redis-server."""
 
+import asyncio
 import json
 import time
 
@@ -1072,3 +1073,27 @@ def test_a_tenants_quota_refuses_it_alone_and_its_counts_come_back_once(r):
     assert pickup(keys=[keys.admission, keys.req("b~1")], args=[10, 1, 2.0, "p", 0, 0]) != "prefilling"
     assert r.hgetall(keys.admission) == {"requests": "1", "tokens": "10", "local_tokens": "0"}
     assert send("a~3", 10, (2, 0))[0] == 1  # a has room again
+
+
+def test_an_asyncio_client_holds_more_commands_in_flight_than_it_has_connections(redis_socket):
+    """A burst at a router keeps hundreds of commands in flight: past the pool's connections they wait
+    for one, not fail (redis-py's default pool raised "Too many connections", and the router answered
+    UNAVAILABLE)."""
+    from splitserve.service.redis_state import ASYNC_POOL_CONNECTIONS, connect
+
+    async def burst():
+        client = connect(f"unix://{redis_socket}", "off", asyncio=True)
+        n = ASYNC_POOL_CONNECTIONS
+        try:
+            await client.set("burst-key", "v")
+            held = [client.blpop(["burst-list"], timeout=0.2) for _ in range(n)]
+            got = await asyncio.gather(*held, *(client.get("burst-key") for _ in range(n)))
+            pool = client.connection_pool
+            return got, len(pool._in_use_connections) + len(pool._available_connections)
+        finally:
+            await client.aclose()
+
+    got, opened = asyncio.run(burst())
+    assert got[:ASYNC_POOL_CONNECTIONS] == [None] * ASYNC_POOL_CONNECTIONS  # each held a connection 0.2 s
+    assert got[ASYNC_POOL_CONNECTIONS:] == [b"v"] * ASYNC_POOL_CONNECTIONS  # the others waited for one
+    assert opened <= ASYNC_POOL_CONNECTIONS

@@ -301,6 +301,10 @@ CLUSTER_MODES = ("auto", "on", "off")
 CALL_TIMEOUT_S = 5.0
 
 
+# connections an asyncio client opens to one Redis at most (connect)
+ASYNC_POOL_CONNECTIONS = 128
+
+
 def is_cluster(url: str, cluster: str = "auto", **kwargs) -> bool:
     """Whether `url` is a Redis Cluster node: `cluster` on or off says so; auto asks the server
     (`kwargs`: the TLS files). A server that cannot be reached is taken as not a cluster (with a
@@ -346,7 +350,12 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     if asyncio:
         import redis.asyncio as aioredis
 
-        return aioredis.from_url(url, **kwargs)
+        # A burst holds more commands in flight than the pool has connections: they wait for one
+        # (up to a call's timeout), where the default pool would fail them ("Too many connections").
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=ASYNC_POOL_CONNECTIONS, timeout=CALL_TIMEOUT_S, **kwargs
+        )
+        return aioredis.Redis.from_pool(pool)
     import redis
 
     return redis.Redis.from_url(url, **kwargs)
