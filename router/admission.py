@@ -4,6 +4,7 @@ Redis lost them."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
@@ -18,7 +19,13 @@ from splitserve.service.errors import (
     code_of,
     status_code,
 )
+from splitserve.service.redis_state import LOCAL_FIELD, QUEUE_FIELDS, queue_counts
 from splitserve_proto.v1 import worker_pb2 as w_pb
+
+# the local view (Admission._surely_full): counts under LOCAL_REFRESH_S old refuse at once; older ones,
+# up to LOCAL_VIEW_S, are read again before they refuse; older still are not used
+LOCAL_VIEW_S = 1.0
+LOCAL_REFRESH_S = 0.05
 
 
 class Admission:
@@ -36,6 +43,64 @@ class Admission:
             return True
         frac = self.s.admit_fraction / 2
         return q + 1 > self.s.max_queue_requests * frac or t + tokens > self.s.max_queue_tokens * frac
+
+    async def _surely_full(self, r) -> Refused | None:
+        """The local view, before the request is validated, tokenized or placed: the queue counts this
+        router saw last, plus the requests it is admitting now (validated, their admission script not
+        answered: _admitting). Counts under LOCAL_REFRESH_S old that leave no room refuse at once,
+        with no Redis call and behind no admission; older ones (under LOCAL_VIEW_S) that leave no room
+        are read again first, one read shared by every request that waits for it. The admission
+        script still decides for every request let through; with no recent counts (light load) the
+        request takes the full path. A text prompt's tokens are not known yet: it is held to the
+        requests bound here, and to both in the script."""
+        tokens = len(r.request.token_ids.ids) if r.request.HasField("token_ids") else 0
+        for _ in range(2):
+            if not self.s.local_refusal:
+                break
+            q, t, when = self.queue_seen
+            age = time.monotonic() - when
+            if age > LOCAL_VIEW_S:
+                break
+            q, t = q + self.admitting[0], t + self.admitting[1]
+            if q + 1 <= int(self.s.max_queue_requests * r.frac) and (
+                not tokens or t + tokens <= int(self.s.max_queue_tokens * r.frac)
+            ):
+                break
+            if age <= LOCAL_REFRESH_S:
+                self.metrics.local_refusals.inc()
+                return self._refusal(q, t, r.frac)
+            await self._read_view()
+        return None
+
+    def _admitting(self, r) -> None:
+        """The request, validated, joins the router's admitting count until its admission answers:
+        the local view counts it. (A request the view lets through but that fails validation never
+        counts: it would take a place it does not use.)"""
+        r.admitting = (1, r.work)
+        self.admitting[0] += 1
+        self.admitting[1] += r.work
+
+    async def _read_view(self) -> None:
+        """The queue counts read again for the local view: one read at a time, shared by its waiters."""
+        if self.view_read is None or self.view_read.done():
+            self.view_read = asyncio.ensure_future(self._view_counts())
+        await asyncio.shield(self.view_read)
+
+    async def _view_counts(self) -> None:
+        try:
+            *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
+        except Exception as e:  # noqa: BLE001 - the view goes stale, and requests take the full path
+            log.debug("the local view's read failed: %s", e)
+            return
+        q, t = queue_counts(counts)
+        self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
+
+    def _admission_answered(self, r) -> None:
+        """The request leaves the router's admitting count (its admission answered, or it ended first)."""
+        if r.admitting:
+            self.admitting[0] -= 1
+            self.admitting[1] -= r.admitting[1]
+            r.admitting = ()
 
     def _without_prefill_workers(self) -> bool:
         """No prefill worker is registered, and local_prefill_without_prefill_workers is on (the

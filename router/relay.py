@@ -65,10 +65,11 @@ class Relay:
         r.adm = tracing.tracer().start_span("admission", context=rs.ctx)
         try:
             await self._plan(r, context)
+            self._open_decode(r)
         except BaseException as e:
+            self._admission_answered(r)
             self._end_admission(r.adm, e)
             raise
-        self._open_decode(r)
         failed_with = None  # the exception the request ends with (the decode span in use ends with it)
         try:
             try:
@@ -120,6 +121,11 @@ class Relay:
         # have: what its client has already (resume_from: a stream sent again to go on), prefilled
         # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
         # Sent.unfinished); the queue counts them with it
+        # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
+        r.frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
+        refused = await self._surely_full(r)  # the local view: a burst's refusals wait behind nothing
+        if refused is not None:
+            raise refused
         r.rid, r.ids, r.params, r.have = await self._validate(request)
         if r.tenant is not None:  # its prefix-cache entries apart from every other tenant's
             request.cache_salt = salted(r.tenant, request.cache_salt)
@@ -129,14 +135,13 @@ class Relay:
         r.samples = have.unfinished(params.n)
         r.resumed = have.count()
         r.work = len(r.ids) + have.carried(params.n)
+        self._admitting(r)
         r.public_id, was_on = r.rid, ""
         r.rid = scoped(r.tenant, r.rid)  # a tenant's ids are its own
         if request.request_id:  # client-chosen: it may exist (see _attempt)
             r.rid, r.attempt, was_on = await self._attempt(r.rid, fingerprint(request), have)
         attributes = self._genai_attributes(request, r.rid, r.ids, params, r.resumed)
         r.rs.span.set_attributes(attributes | {"gen_ai.response.id": r.public_id})
-        # High priority (< 0) may use the headroom above admit_fraction, up to the bound itself.
-        r.frac = 1.0 if priority_class(request.priority) == "high" else self.s.admit_fraction
         if self._queue_may_be_full(r.work):  # fast path: no decode stream opened for a refusal
             *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
             q, t = queue_counts(counts)
@@ -247,6 +252,7 @@ class Relay:
                     )
                 )
             )
+            self._admission_answered(r)
             ok, q, t, lt = (int(x) for x in got[:4])
             if len(got) > 4 and int(got[4]):
                 self.metrics.prefill_directed.inc()
@@ -494,6 +500,7 @@ class Relay:
         """Gives back what the request held, however it ended (exc: the exception it ends with, if
         any): its placement, its active record, its decode call, its queue counts; and records a
         cancelled or failed end."""
+        self._admission_answered(r)
         rid, active = r.rid, r.active
         if r.placed is not None:
             self.placements.ended(r.worker.worker_id, r.placed, r.close_seq, len(r.ids) + r.sent)

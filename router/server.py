@@ -123,7 +123,12 @@ class RouterServicer(
         self.first_parts: dict[str, gen_pb.Timings] = {}  # TTFT parts, from the first token's event
         self.queue_seen = (0, 0, 0.0)  # (requests, tokens, monotonic time) from the last admission answer
         self.local_seen = 0  # ... and of those tokens, the ones their decode workers prefill
+        # requests (and the tokens the queue counts for them) this router is admitting: validated, their
+        # admission script not answered yet (Admission._admitting, _surely_full)
+        self.admitting = [0, 0]
+        self.view_read: asyncio.Future | None = None  # a read of the queue counts for the local view
         self.metrics = metrics or RouterMetrics()
+        self.metrics.admitting.set_function(lambda: self.admitting[0])
         self.background = Background()
         # the other routers' records come in, and this one's go out (while run() runs: serve())
         self.shared = SharedRecord(

@@ -126,6 +126,10 @@ class Settings:
     admit_fraction: float = 0.8
     # hint sent with RESOURCE_EXHAUSTED
     retry_after_ms: int = 500
+    # refuse by the router's local view (the queue counts it saw in the last 50 ms, or read again then, plus its
+    # admissions in flight) before validating, tokenizing or placing; the admission script still decides for every
+    # request let through
+    local_refusal: bool = True
     # disaggregated: a prompt with at most this many tokens to compute (those its decode worker is not expected to hold
     # in its prefix cache) is prefilled by that worker, not a prefill worker; 0 = off
     local_prefill_max_tokens: int = 0

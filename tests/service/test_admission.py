@@ -494,3 +494,46 @@ def test_requests_queued_when_the_last_prefill_worker_hangs_are_taken_back_and_p
             assert c.get_request("after").prefill_worker.startswith("prefill-0")
     finally:
         finish_stack(s)
+
+
+def test_a_bursts_refusals_come_from_the_local_view_and_the_admitted_count_is_exact(small_queue_stack):
+    """With prefill stopped, 30 calls at once from one asyncio client, two of them invalid: once the
+    first admissions have answered, the router's local view (the counts they returned, and its
+    admissions in flight) refuses the rest without a Redis call. Exactly 6 are admitted (80% of 8),
+    as the admission script alone would (the invalid calls take no place); they complete once
+    prefill goes on, and the admitting count returns to zero."""
+    import asyncio
+    import contextlib
+
+    from splitserve.client import AsyncClient
+
+    stack = small_queue_stack
+    router = stack.proc("router").metrics_address
+    before = scrape(router).get("splitserve_local_refusals_total", 0)
+
+    async def burst(paused: contextlib.ExitStack):
+        async with AsyncClient(stack.router_address) as c:
+
+            async def one(i):
+                ids = [70000] if i < 2 else [11 + i, 12, 13]  # 70000: past the vocabulary
+                try:
+                    return len((await c.generate(token_ids=ids, max_tokens=3, ignore_eos=True, timeout=120)).token_ids)
+                except grpc.RpcError as e:
+                    return e.code().name
+
+            calls = [asyncio.ensure_future(one(i)) for i in range(30)]
+            t = time.monotonic()
+            while sum(f.done() for f in calls) < 24 and time.monotonic() - t < 60:  # all but the 6 admitted
+                await asyncio.sleep(0.02)
+            paused.close()  # prefill goes on: the admitted ones complete
+            return [await f for f in calls]
+
+    with contextlib.ExitStack() as paused:
+        paused.enter_context(prefill_paused(stack))
+        got = asyncio.run(burst(paused))
+    # (an invalid call handled once the queue is full is refused before it is validated)
+    assert set(got[:2]) <= {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"} and set(got[2:]) <= {3, "RESOURCE_EXHAUSTED"}, got
+    assert got.count(3) == 6, got
+    metrics = scrape(router)
+    assert metrics["splitserve_local_refusals_total"] - before >= 10, (metrics, got)
+    assert metrics["splitserve_requests_admitting"] == 0
