@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-peers bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
+.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-peers bench-burst bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
 
 install: $(STAMP)
 
@@ -88,6 +88,10 @@ $(VLLM_VENV)/.installed:
 # splitserve and vLLM side by side in one run (about 40 minutes here, 4 of them vLLM loading)
 bench-peers: install proto $(VLLM_VENV)/.installed
 	$(PY) -m splitserve.bench.peers_bench --vllm-python $(VLLM_VENV)/bin/python --out bench-results/peers.json
+
+# 600 calls at once at a busy stack, the router's local view on and off, and the client's floor
+bench-burst: install proto
+	$(PY) -m splitserve.bench.burst_bench --out bench-results/burst.json
 
 bench-tracing: install proto
 	$(PY) -m splitserve.bench.tracing_bench --out bench-results/tracing.json
@@ -173,7 +177,7 @@ image-test: install proto image
 	SPLITSERVE_IMAGE=$(IMAGE) $(PY) -m pytest -q -p no:cacheprovider tests/test_image.py
 
 # Long benchmarks live here, not in the tests.
-bench: bench-engine bench-handoff bench-service bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume
+bench: bench-engine bench-handoff bench-service bench-burst bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume
 
 # A decode worker lost mid-stream: its streams resume on the other (DECODE_RESUMES); killed, then drained past DRAIN_S;
 # then a router: its clients (resumes=1) send their streams to the other with the tokens they have (resume_from);
