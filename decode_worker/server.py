@@ -640,7 +640,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     )
     for task in servicer.token_streams:  # prefill workers keep these open: they end now (FirstTokens)
         task.cancel()
-    await server.stop(grace=1.0)
+    await grpc_server.stop(server, grace=1.0)
     runner.stop()
     servicer.reader.close()
     await r.aclose()

@@ -493,7 +493,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     # In-flight requests finish, new ones are refused (gRPC sends them to the other routers). Those
     # still running when DRAIN_S is over fail UNAVAILABLE saying so, and are recorded failed: gRPC's own
     # cut would say "Cancelling all calls", and the hash "cancelled", as if their clients had.
-    stopping = asyncio.create_task(server.stop(grace=settings.drain_s + 5.0))
+    stopping = asyncio.create_task(grpc_server.stop(server, grace=settings.drain_s + 5.0))
     if http is not None:
         http.stop_accepting()
     t_end = time.monotonic() + settings.drain_s

@@ -82,10 +82,19 @@ async def start(
         health_pb2_grpc.add_HealthServicer_to_server(health, probes)
         bind_probes(probes, host, health_port)
         await probes.start()
-        server.probes = probes  # (lives as long as the server)
+        server.probes = probes  # (lives as long as the server: stop() ends both)
     for name in ["", *service_names]:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return bound, health
+
+
+async def stop(server: grpc.aio.Server, grace: float | None) -> None:
+    """Stop the server (calls get `grace` seconds to end), then its health-only server, which
+    answers probes (NOT_SERVING) until then: one left running keeps the process from exiting."""
+    await server.stop(grace)
+    probes = getattr(server, "probes", None)
+    if probes is not None:
+        await probes.stop(None)
 
 
 def bind_probes(probes, host: str, port: int) -> None:

@@ -30,6 +30,8 @@ def tls_stack():
     s.health_ports = ports
     yield s
     finish_stack(s)
+    # each stopped itself on SIGTERM, its health-only server with it (not killed at the drain's end)
+    assert {p.name: p.popen.returncode for p in s.procs} == {name: 0 for name in ports}
 
 
 def test_each_process_serves_health_alone_in_plaintext_on_its_health_port(tls_stack):
