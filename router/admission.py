@@ -53,10 +53,10 @@ class Admission:
         script still decides for every request let through; with no recent counts (light load) the
         request takes the full path. A text prompt's tokens are not known yet: it is held to the
         requests bound here, and to both in the script."""
+        if not self.s.local_refusal:
+            return None
         tokens = len(r.request.token_ids.ids) if r.request.HasField("token_ids") else 0
         for _ in range(2):
-            if not self.s.local_refusal:
-                break
             q, t, when = self.queue_seen
             age = time.monotonic() - when
             if age > LOCAL_VIEW_S:
@@ -76,7 +76,7 @@ class Admission:
         """The request, validated, joins the router's admitting count until its admission answers:
         the local view counts it. (A request the view lets through but that fails validation never
         counts: it would take a place it does not use.)"""
-        r.admitting = (1, r.work)
+        r.admitting = r.work
         self.admitting[0] += 1
         self.admitting[1] += r.work
 
@@ -88,19 +88,23 @@ class Admission:
 
     async def _view_counts(self) -> None:
         try:
-            *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
+            await self._read_counts()
         except Exception as e:  # noqa: BLE001 - the view goes stale, and requests take the full path
             log.debug("the local view's read failed: %s", e)
-            return
+
+    async def _read_counts(self) -> tuple[int, int]:
+        """The queue's counts (requests, tokens) read from Redis, and kept as the latest seen."""
+        *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
         q, t = queue_counts(counts)
         self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
+        return q, t
 
     def _admission_answered(self, r) -> None:
         """The request leaves the router's admitting count (its admission answered, or it ended first)."""
-        if r.admitting:
+        if r.admitting is not None:
             self.admitting[0] -= 1
-            self.admitting[1] -= r.admitting[1]
-            r.admitting = ()
+            self.admitting[1] -= r.admitting
+            r.admitting = None
 
     def _without_prefill_workers(self) -> bool:
         """No prefill worker is registered, and local_prefill_without_prefill_workers is on (the

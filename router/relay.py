@@ -36,12 +36,9 @@ from splitserve.service.errors import (
 )
 from splitserve.service.process import settled
 from splitserve.service.redis_state import (
-    LOCAL_FIELD,
-    QUEUE_FIELDS,
     Job,
     WorkerInfo,
     priority_class,
-    queue_counts,
     sampling_to_dict,
 )
 from splitserve.service.tenants import salted, scoped
@@ -143,9 +140,7 @@ class Relay:
         attributes = self._genai_attributes(request, r.rid, r.ids, params, r.resumed)
         r.rs.span.set_attributes(attributes | {"gen_ai.response.id": r.public_id})
         if self._queue_may_be_full(r.work):  # fast path: no decode stream opened for a refusal
-            *counts, local = await self.redis.hmget(self.keys.admission, *QUEUE_FIELDS, LOCAL_FIELD)
-            q, t = queue_counts(counts)
-            self.queue_seen, self.local_seen = (q, t, time.monotonic()), int(local or 0)
+            q, t = await self._read_counts()
             if q + 1 > int(self.s.max_queue_requests * r.frac) or t + r.work > int(self.s.max_queue_tokens * r.frac):
                 raise self._refusal(q, t, r.frac)
         r.remaining = context.time_remaining()

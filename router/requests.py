@@ -262,8 +262,8 @@ class RelayState:
     state: str = "failed"  # how it ends if it ends now ("" once refused: nothing to record)
     failure: str = ""  # the decode worker's message, when its stream ends with an error
     queued: bool = False  # in the queue's counts until admitted as active (then active.queued)
-    # in the router's admitting count (with its prompt's tokens, when given as ids) until its admission answers
-    admitting: tuple = ()
+    # the tokens it adds to the router's admitting count until its admission answers (None: not counted)
+    admitting: int | None = None
     active: Active | None = None
     t_admitted: float = 0.0
     sent_by: dict[int, int] = dataclasses.field(default_factory=dict)  # a sample's index -> its tokens so far

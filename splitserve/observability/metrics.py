@@ -134,11 +134,11 @@ class RouterMetrics(Metrics):
         self.decode_workers = self.g("decode_workers", "Decode workers in the Redis registry")
         self.in_flight = self.g("requests_in_flight", "Requests this router is serving now")
         self.admitting = self.g(
-            "requests_admitting", "Requests past the router's local view whose admission script has not answered"
+            "requests_admitting", "Requests this router has validated whose admission script has not answered"
         )
         self.refused = self.c("requests_refused", "Admissions refused with RESOURCE_EXHAUSTED", ["reason"])
         self.local_refusals = self.c(
-            "local_refusals", "Of those, the ones the router's local view refused during a burst, with no Redis call"
+            "local_refusals", "Of those, the ones the router's local view refused before validating or placing them"
         )
         self.cancelled = self.c("requests_cancelled", "Requests cancelled before they finished", ["reason"])
         self.failed = self.c("request_failures", "Requests that ended with an error, by gRPC status", ["code"])
