@@ -453,10 +453,20 @@ def describe_request(info, now: float) -> str:
 
 def _status(args) -> int:
     import time
+    from types import SimpleNamespace
 
     import redis
 
-    from splitserve.service.redis_state import QUEUE_FIELDS, Keys, WorkerInfo, connect, queue_counts
+    from splitserve.service.redis_state import (
+        QUEUE_FIELDS,
+        REDIS_TLS_ARGS,
+        Keys,
+        WorkerInfo,
+        connect,
+        queue_counts,
+        tls_files,
+    )
+    from splitserve.service.settings import env_name
 
     state = _read_state() or {}
     url = args.redis_url or state.get("redis_url") or os.environ.get("REDIS_URL", "")
@@ -471,16 +481,9 @@ def _status(args) -> int:
         )
         return 2
     keys = Keys(args.prefix or state.get("redis_prefix") or "splitserve")
-    tls = {  # redis_state.tls_files, from the environment the stack's processes read
-        arg: os.environ[name]
-        for arg, name in (
-            ("ssl_ca_certs", "SPLITSERVE_REDIS_TLS_CA"),
-            ("ssl_certfile", "SPLITSERVE_REDIS_TLS_CERT"),
-            ("ssl_keyfile", "SPLITSERVE_REDIS_TLS_KEY"),
-        )
-        if os.environ.get(name)
-    }
-    r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto", **tls)
+    # the Redis TLS files from the environment the stack's processes read
+    files = SimpleNamespace(**{f: os.environ.get(env_name(f), "") for f in REDIS_TLS_ARGS})
+    r = connect(url, os.environ.get("SPLITSERVE_REDIS_CLUSTER") or "auto", **tls_files(files))
     try:
         q, t = queue_counts(r.hmget(keys.admission, *QUEUE_FIELDS))
         by_class = {c: r.xlen(k) for c, k in keys.by_class.items()}

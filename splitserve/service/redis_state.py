@@ -361,11 +361,13 @@ def connect(url: str, cluster: str = "auto", *, asyncio: bool = False, **kwargs)
     return redis.Redis.from_url(url, **kwargs)
 
 
+# the redis_tls_* settings -> redis-py's TLS arguments
+REDIS_TLS_ARGS = {"redis_tls_ca": "ssl_ca_certs", "redis_tls_cert": "ssl_certfile", "redis_tls_key": "ssl_keyfile"}
+
+
 def tls_files(settings) -> dict[str, str]:
     """redis-py's TLS arguments from the redis_tls_* settings (for a rediss:// URL)."""
-    files = {"ssl_ca_certs": settings.redis_tls_ca, "ssl_certfile": settings.redis_tls_cert}
-    files["ssl_keyfile"] = settings.redis_tls_key
-    return {k: v for k, v in files.items() if v}
+    return {arg: getattr(settings, f) for f, arg in REDIS_TLS_ARGS.items() if getattr(settings, f)}
 
 
 def open_redis(settings, *, asyncio: bool = False, **kwargs):
