@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from splitserve.engine.config import DTYPES
+from splitserve.engine.config import DTYPES, WEIGHTS
 from splitserve.engine.errors import EngineError
 from splitserve.observability.logs import LOG_FORMATS, setup_logging
 
@@ -100,6 +100,7 @@ def _up(args) -> int:
     from splitserve.stack import Stack
 
     overrides = {"model": args.model, "policy": args.policy, "host": args.host, "dtype": args.dtype}
+    overrides["weights"] = args.weights
     overrides["served_model_name"] = args.served_model_name
     overrides["log_format"] = args.log_format
     if args.colocated or needs_colocated(args.policy or ""):
@@ -590,6 +591,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=DTYPES,
         help="the engines' dtype (default auto: the checkpoint's bf16 or fp16 on CUDA, float32 on the CPU)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHTS,
+        help="what the CPU's small-GEMM kernel reads: the checkpoint's own blocks (native, the default) or fp32",
     )
     p.add_argument(
         "--colocated",

@@ -12,7 +12,15 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def engine(smol_loaded):
-    eng = LLMEngine(EngineConfig(kv_cache_bytes=512 << 20), loaded=smol_loaded)
+    # fp32 tiles: the engine's own equality tests hold it to transformers on the weights it is given
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=512 << 20, weights="fp32"), loaded=smol_loaded)
+    yield eng
+    assert eng.cache.pool.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def native_engine(smol_loaded):
+    eng = LLMEngine(EngineConfig(kv_cache_bytes=256 << 20, weights="native"), loaded=smol_loaded)
     yield eng
     assert eng.cache.pool.num_used == 0
 
@@ -240,13 +248,33 @@ def _run(engine, rid, prompt, params):
     return outs
 
 
-def test_the_gguf_weights_are_kept_as_their_blocks_for_small_steps(engine):
-    """The projections come from Q4_1 blocks and the (tied) lm_head from Q8_0: every one is
-    found exact at load, so the steps of 1-4 rows read 6 and 9 bits a weight."""
-    model = engine.model
+def test_native_weights_are_the_files_blocks_and_fp32_ones_are_tiles(engine, native_engine):
+    """weights native: every projection is read from the file's Q4_1 blocks and the (tied) lm_head
+    from its Q8_0 ones, none from fp32 tiles; weights fp32: tiles only."""
+    model = native_engine.model
     assert model.small_gemm is not None
-    assert {p.fmt for layer in model.layers for p in layer.packed.values()} == {"q4_1"}
-    assert model.lm_head_packed.fmt == "q8_0"
+    assert {(p.fmt, p.tiles) for layer in model.layers for p in layer.packed.values()} == {("q4_1", None)}
+    assert model.lm_head_packed.fmt == "q8_0" and model.lm_head_packed.tiles is None
+    assert {p.fmt for layer in engine.model.layers for p in layer.packed.values()} == {""}
+    assert engine.model.lm_head_packed.blocks is None
+
+
+def test_greedy_on_the_files_own_blocks_matches_transformers(native_engine, engine, prompts, reference):
+    """The equality prompts through weights native: transformers' tokens, one prompt at a time and
+    all at once, and log probabilities bit for bit those of the fp32 tiles (the same floats)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0)
+    for i, (p, ref) in enumerate(zip(prompts, reference)):
+        got = native_engine.generate([p], params)[0]
+        first = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        assert got == ref, f"prompt {i}: first divergence at token {first}"
+    native_engine.reset_prefix_cache()
+    assert native_engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS)) == reference
+    for p in prompts[:3]:
+        native_engine.reset_prefix_cache()  # (both compute the whole prompt)
+        engine.reset_prefix_cache()
+        a = _run(native_engine, "n", p, params)
+        b = _run(engine, "f", p, params)
+        assert [lp.logprob for o in a for lp in o.new_logprobs] == [lp.logprob for o in b for lp in o.new_logprobs]
 
 
 def _seeded(eng, prompt, *, before=(), join_at=-1, join=()) -> tuple[list[int], list[float], int]:

@@ -300,7 +300,7 @@ def _write_gguf(path, arch: str, name: str, tied: bool, kinds: dict | None = Non
         kind = (kinds or {}).get(name, kind)
         if kind == "F64":
             w.add_tensor(name, a.astype(np.float64))
-        elif kind in ("Q8_0", "Q4_1"):
+        elif kind in ("Q8_0", "Q4_1", "Q4_0", "BF16"):
             q = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, gguf.quants.quantize(a, q), raw_dtype=q)
         else:
@@ -399,6 +399,97 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
     assert not os.path.exists(tmp_path / "cache" / "models") or os.listdir(tmp_path / "cache" / "models") == []
 
 
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        {},  # Q4_1 projections, Q8_0 down and embedding, an F16 lm_head (263 columns: fp32 tiles)
+        {
+            **{f"blk.0.attn_{x}.weight": "Q4_0" for x in "qkv"},
+            "blk.1.ffn_gate.weight": "BF16",
+            "blk.1.ffn_up.weight": "BF16",
+        },
+        {"blk.0.attn_v.weight": "Q8_0"},  # q, k, v of two formats: that layer's w_qkv stays fp32
+    ],
+)
+def test_weights_native_read_the_gguf_files_blocks_and_give_what_fp32_gives(tmp_path, kinds, tiny_gguf_engines):
+    """weights native: each weight whose parts the file keeps in one format the kernel reads is
+    read from the file's blocks (q and k in transformers' order), the others from fp32 tiles; the
+    tokens and log probabilities are those of weights fp32 bit for bit, from prompts of 1-8 rows
+    a step (blocks) to chunks of more (groups of 8)."""
+    from splitserve.engine.sampling import SamplingParams
+
+    native, fp32 = tiny_gguf_engines(kinds)
+    fmts = [{k: p.fmt for k, p in layer.packed.items()} for layer in native.model.layers]
+    want = {
+        "w_qkv": kinds.get("blk.0.attn_q.weight", "Q4_1").lower(),
+        "w_o": "q4_1",
+        "w_gate_up": "q4_1",
+        "w_down": "q8_0",
+    }
+    if kinds.get("blk.0.attn_v.weight") == "Q8_0":
+        want["w_qkv"] = ""
+    assert fmts[0] == want
+    assert fmts[1]["w_gate_up"] == ("bf16" if "blk.1.ffn_gate.weight" in kinds else "q4_1")
+    assert native.model.lm_head_packed.fmt == "" and native.model.lm_head_packed.tiles is not None
+    assert {p.fmt for layer in fp32.model.layers for p in layer.packed.values()} == {""}
+    prompts = [[5 + i, 9, 40 + 3 * i, 7] * (1 + 5 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0, temperature=0.0)
+
+    def run(eng):
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        got = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                got.setdefault(out.request_id, []).extend(
+                    (t, lp.logprob) for t, lp in zip(out.new_token_ids, out.new_logprobs)
+                )
+        return got
+
+    assert run(native) == run(fp32)
+
+
+@pytest.fixture
+def tiny_gguf_engines(tmp_path):
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+
+    def make(kinds):
+        path = tmp_path / "m.gguf"
+        _write_gguf(path, "llama", "tiny", tied=False, kinds=kinds)
+        spec = ModelSpec(path=str(path), cache_dir=str(tmp_path / "cache"))
+        loaded = load_model(spec)
+        return [
+            LLMEngine(EngineConfig(model=spec, weights=w, kv_cache_bytes=8 << 20, prefix_caching=False), loaded=loaded)
+            for w in ("native", "fp32")
+        ]
+
+    return make
+
+
+def test_a_gguf_block_with_a_scale_that_is_not_a_number_is_refused_naming_it(tmp_path):
+    """A damaged block (its fp16 scale NaN or inf) is one load error naming the tensor and the block,
+    whether the weights are converted or read as blocks."""
+    from splitserve.engine import gguf_convert
+    from splitserve.engine.loader import resolve_folder
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, "llama", "tiny", tied=True)
+    t = gguf_convert.GGUFFile(str(path)).tensors["blk.1.attn_k.weight"]  # Q4_1: 20 bytes a block, d then m
+    data = bytearray(path.read_bytes())
+    data[t.offset + 20 * 5 + 2 : t.offset + 20 * 5 + 4] = b"\x00\x7c"  # block 5's m: +inf
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    blocks = t.nbytes // 20
+    with pytest.raises(
+        ModelLoadError,
+        match=f"corrupt GGUF file {bad}: tensor blk.1.attn_k.weight \\(Q4_1\\) block 5 of {blocks} has a scale of inf",
+    ):
+        resolve_folder(ModelSpec(path=str(bad), cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(ModelLoadError, match="tensor blk.1.attn_k.weight \\(Q4_1\\) block 5 of"):
+        gguf_convert.native_blocks(gguf_convert.GGUFFile(str(bad)), 4, 2)
+
+
 @pytest.mark.parametrize("kind", ["packed", "layout"])
 def test_entries_an_earlier_format_left_are_removed_once_the_current_one_is_written_or_read(tmp_path, kind):
     """A release that changes PACK_FORMAT or LAYOUT_FORMAT left its predecessor's entries (107 MB
@@ -415,9 +506,15 @@ def test_entries_an_earlier_format_left_are_removed_once_the_current_one_is_writ
     else:
         cache, fmt, content = layout_cache, layout_cache.LAYOUT_FORMAT, {"embed": torch.randn(4, 8)}
     dest = cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
-    parent, stem = os.path.dirname(dest), "SmolLM2-abc"
+    stem = "SmolLM2-abc"
+    older, kept = [f"{stem}-{fmt - 1}"], [f"{stem}-{fmt + 1}", f"SmolLM2-abd-{fmt - 1}", f"{stem}-x"]
+    if kind == "packed":  # an entry for each weights setting; the formats before it had none
+        dest = pack_cache.for_weights(dest, "native")
+        older.append(f"{stem}-native-{fmt - 1}")
+        kept += [f"{stem}-fp32-{fmt}", f"{stem}-fp32-{fmt + 1}"]
+        stem = f"{stem}-native"
+    parent = os.path.dirname(dest)
     assert os.path.basename(dest) == f"{stem}-{fmt}"
-    older, kept = f"{stem}-{fmt - 1}", [f"{stem}-{fmt + 1}", f"SmolLM2-abd-{fmt - 1}", f"{stem}-x"]
 
     def leave(names):
         for name in names:
@@ -425,10 +522,10 @@ def test_entries_an_earlier_format_left_are_removed_once_the_current_one_is_writ
             with open(os.path.join(parent, name, "weights"), "wb") as f:
                 f.write(b"x" * 64)
 
-    leave([older] + kept)
+    leave(older + kept)
     cache.write(dest, content)
     assert sorted(os.listdir(parent)) == sorted([os.path.basename(dest)] + kept)
-    leave([older])  # an older release, sharing the cache, wrote its entry again
+    leave(older)  # an older release, sharing the cache, wrote its entry again
     assert cache.read(dest) is not None
     assert sorted(os.listdir(parent)) == sorted([os.path.basename(dest)] + kept)
 
@@ -516,7 +613,7 @@ def test_two_processes_starting_at_once_on_a_new_gguf_file_make_each_cache_entry
         "compiled the paged_attention kernel",
         "compiled the small_gemm kernel",
         "weights laid out for the model, kept at",
-        "small-GEMM weights packed in",
+        "small-GEMM weights (native) packed in",
     ):
         assert both.count(made) == 1, (made, outs)
     tokens = [next(line for line in out.splitlines() if line.startswith("TOKENS")) for out in outs]

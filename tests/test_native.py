@@ -92,53 +92,57 @@ def test_small_gemm_row_does_not_depend_on_the_batch():
     assert torch.equal(_small_gemm(1)(x, packed, n), whole)
 
 
-def _block_weight(fmt: str, k: int, n: int, seed: int = 0) -> torch.Tensor:
-    """[K, N] fp32 made the way a GGUF tensor of that format is de-quantized, per 32 k of a
-    column: q4_1 w = d * q + m (fp16 d and m, q in 0..15, 0 and 15 in every block); q8_0
-    w = d * q (fp16 d, q in -127..127, +-127 in every block)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = k // 32
-    d = (torch.rand(blocks, 1, n, generator=g) * 0.01 + 1e-4).half().float()
-    if fmt == "q4_1":
-        m = (torch.randn(blocks, 1, n, generator=g) * 0.05).half().float()
-        q = torch.randint(0, 16, (blocks, 32, n), generator=g).float()
-        q[:, 0], q[:, 1] = 0, 15
-        return (d * q + m).reshape(k, n)
-    q = torch.randint(-127, 128, (blocks, 32, n), generator=g).float()
-    q[:, 0] = torch.where(torch.rand(blocks, n, generator=g) < 0.5, -127.0, 127.0)
-    return (d * q).reshape(k, n)
+GGUF_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "f16": "F16", "bf16": "BF16"}
 
 
-@pytest.mark.parametrize("fmt, bits", [("q4_1", 6), ("q8_0", 9)])
-@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 32)])
-def test_block_weights_give_the_fp32_products_bit_for_bit(fmt, bits, k, n):
-    """Weights that are exactly GGUF blocks are kept as such; every row count the block
-    kernels take gives the fp32 tiles' products bit for bit, alone or beside other rows."""
+def _gguf_weight(fmt: str, k: int, n: int, seed: int = 0):
+    """A [K, N] weight as a GGUF file keeps it: gguf-py's blocks of it ([N, bytes a row] uint8) and
+    what gguf-py de-quantizes them to ([K, N] float32: the reference)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind = getattr(GGMLQuantizationType, GGUF_TYPES[fmt])
+    a = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.05
+    raw = quantize(a, kind)
+    w = torch.from_numpy(dequantize(raw, kind).astype(np.float32)).t().contiguous()
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)), w
+
+
+@pytest.mark.parametrize("fmt", list(GGUF_TYPES))
+@pytest.mark.parametrize("k, n", [(32, 32), (96, 160), (576, 960), (1536, 576)])
+def test_block_kernels_match_dequantize_then_matmul(fmt, k, n):
+    """Every format the kernel reads, every row count of a block kernel (1-8) and groups of them:
+    the product of gguf-py's de-quantized weights, and bit for bit the fp32 tiles' product on
+    them (the same floats, summed in the same order), alone or beside other rows."""
     sg = _small_gemm()
-    w = _block_weight(fmt, k, n)
-    packed = sg.pack(w)
-    assert packed.fmt == fmt and packed.blocks.dtype == torch.uint8
-    assert packed.blocks.numel() == k * n * bits // 8  # not 32 bits a weight
-    fp32_only = packed._replace(blocks=None)
-    torch.manual_seed(k)
-    x = torch.randn(9, k)
-    whole = sg(x, fp32_only, n)
+    raw, w = _gguf_weight(fmt, k, n)
+    packed = sg.pack(w, blocks=(fmt, native.gguf_blocks(fmt, raw)))
+    assert packed.fmt == fmt and packed.tiles is None and packed.blocks.dtype == torch.uint8
+    tiles = sg.pack(w)
+    torch.manual_seed(k + n)
+    x = torch.randn(21, k)
+    whole = sg(x, tiles, n)
     torch.testing.assert_close(whole, x @ w, rtol=1e-4, atol=1e-4)
-    for m in range(1, sg.Q_MAX_M + 1):
-        for rows in (slice(0, m), slice(9 - m, 9)):
-            assert torch.equal(sg(x[rows], packed, n), whole[rows]), (m, rows)
+    assert torch.equal(sg(x, packed, n), whole)  # groups of 8, 8 and 5 rows
+    for m in range(1, 9):
+        got = sg(x[:m], packed, n)
+        torch.testing.assert_close(got, x[:m] @ w, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got, whole[:m]), m
+        assert torch.equal(sg(x[21 - m :], packed, n), whole[21 - m :]), m
     assert torch.equal(_small_gemm(1)(x[:3], packed, n), whole[:3])
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_weights_that_are_not_exactly_blocks_stay_fp32(fmt):
+def test_blocks_take_only_whole_tiles_of_the_kernel_and_are_bytes_of_the_format():
+    """A weight whose columns are not a multiple of 32 (or K of 32) keeps fp32 tiles; blocks read
+    4.5 (Q4_0) to 16 bits a weight, against the tiles' 32."""
     sg = _small_gemm()
-    assert sg.pack(torch.randn(576, 960)).blocks is None
-    w = _block_weight(fmt, 576, 960)
-    w[300, 17] = torch.nextafter(w[300, 17], torch.tensor(1.0))  # one weight one ulp off
-    assert sg.pack(w).blocks is None
-    assert sg.pack(_block_weight(fmt, 576, 968)).blocks is None  # columns not a multiple of the kernel's 32
-    assert sg.pack(_block_weight(fmt, 576, 960)[:560]).blocks is None  # K not a multiple of 32
+    for fmt, bits in (("q4_0", 6), ("q4_1", 6), ("q8_0", 9), ("f16", 16), ("bf16", 16)):
+        raw, w = _gguf_weight(fmt, 64, 96)
+        packed = sg.pack(w, blocks=(fmt, native.gguf_blocks(fmt, raw)))
+        assert packed.blocks.numel() == 64 * 96 * bits // 8, fmt
+        assert not sg.fits_blocks(64, 88) and sg.pack(w[:, :88], blocks=(fmt, None)).blocks is None
+    assert sg.pack(torch.randn(48, 96), blocks=("q8_0", None)).tiles.shape == (12, 48, 8)
 
 
 def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry_is_packed_again(tmp_path, caplog):
@@ -148,33 +152,43 @@ def test_packed_weights_kept_on_disk_are_mapped_back_as_packed_and_a_wrong_entry
     from splitserve.engine import pack_cache
 
     sg = _small_gemm()
+    raw_a, w_a = _gguf_weight("q4_1", 576, 960)
+    raw_b, w_b = _gguf_weight("q8_0", 64, 32, seed=1)
     weights = {
-        (0, "w_qkv"): _block_weight("q4_1", 576, 960),
-        (0, "w_o"): _block_weight("q8_0", 64, 32, seed=1),
-        "lm_head": torch.randn(64, 44),
-    }  # (44 columns: tiles padded to 48)
-    fitted = {key: sg.pack(w) for key, w in weights.items()}
-    assert [p.fmt for p in fitted.values()] == ["q4_1", "q8_0", ""]
-    dest = pack_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc")
+        (0, "w_qkv"): (w_a, ("q4_1", raw_a)),
+        (0, "w_o"): (w_b, ("q8_0", raw_b)),
+        "lm_head": (torch.randn(64, 44), None),
+    }
+    # (44 columns: tiles padded to 48)
+
+    def blocks(b):
+        return None if b is None else (b[0], native.gguf_blocks(*b))
+
+    packed = {key: sg.pack(w, blocks=blocks(b)) for key, (w, b) in weights.items()}
+    assert [p.fmt for p in packed.values()] == ["q4_1", "q8_0", ""]
+    dest = pack_cache.for_weights(pack_cache.entry(str(tmp_path), "/cache/models/SmolLM2-abc"), "native")
     assert pack_cache.read(dest) is None  # no entry yet
-    pack_cache.write(dest, fitted)
+    pack_cache.write(dest, packed)
     # an image bakes it as root and runs as another user
     assert os.stat(dest).st_mode & 0o777 == 0o755 and os.stat(os.path.join(dest, pack_cache.FILE)).st_mode & 0o004
     known = pack_cache.read(dest)
     assert set(known) == set(weights) and known["lm_head"].blocks is None and known["lm_head"].fmt == ""
-    for key, w in weights.items():
-        again = sg.pack(w, known[key])
-        assert again.fmt == fitted[key].fmt and torch.equal(again.tiles, fitted[key].tiles)
-        assert mapped_from(again.tiles, os.path.join(dest, pack_cache.FILE))
-        assert not mapped_from(fitted[key].tiles, os.path.join(dest, pack_cache.FILE))  # (the check can fail)
-        assert (again.blocks is None) == (fitted[key].blocks is None)
-        if again.blocks is not None:
-            assert torch.equal(again.blocks, fitted[key].blocks)
-    # another weight's (the wrong shape): packed again, and said so
-    wrong = sg.pack(_block_weight("q4_1", 1536, 576), known[0, "w_qkv"])
-    want = sg.pack(_block_weight("q4_1", 1536, 576))
-    assert torch.equal(wrong.blocks, want.blocks) and torch.equal(wrong.tiles, want.tiles)
+    for key, (w, b) in weights.items():
+        again = sg.pack(w, known[key], None if b is None else (b[0], known[key].blocks))
+        assert again.fmt == packed[key].fmt
+        kept = again.tiles if b is None else again.blocks
+        assert torch.equal(kept, packed[key].tiles if b is None else packed[key].blocks)
+        assert mapped_from(kept, os.path.join(dest, pack_cache.FILE))
+        assert not mapped_from(
+            packed[key].tiles if b is None else packed[key].blocks, os.path.join(dest, pack_cache.FILE)
+        )
+    # another weight's (the wrong shape, or tiles where blocks are asked for): packed again, and said so
+    raw_c, w_c = _gguf_weight("q4_1", 1536, 576)
+    wrong = sg.pack(w_c, known[0, "w_qkv"], ("q4_1", native.gguf_blocks("q4_1", raw_c)))
+    assert torch.equal(wrong.blocks, native.gguf_blocks("q4_1", raw_c))
     assert "packed again" in caplog.text
+    caplog.clear()
+    assert sg.pack(w_c, known["lm_head"]).tiles.shape == (72, 1536, 8) and "packed again" in caplog.text
     with open(os.path.join(dest, pack_cache.FILE), "r+b") as f:  # a torn file
         f.truncate(100)
     assert pack_cache.read(dest) is None

@@ -14,6 +14,7 @@ Policy = Literal["continuous", "dynamic", "static"]
 POLICIES = ("continuous", "dynamic", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
+WEIGHTS = ("native", "fp32")  # EngineConfig.weights
 
 
 def resolve_dtype(dtype: str, checkpoint: str, device: str) -> str:
@@ -72,6 +73,10 @@ class EngineConfig:
     num_threads: int = 0  # 0 = every core this process may use
     attention_backend: Literal["native", "torch"] = "native"  # native: C kernel over the paged cache
     small_gemm: bool = True  # matmuls of <= 128 rows through the weight-streaming C kernel (AVX2)
+    # What that kernel reads: "native", the checkpoint's own blocks (GGUF Q4_0, Q4_1, Q8_0, F16, BF16;
+    # a folder's fp16/bf16) de-quantized in registers, or "fp32" tiles. Both give the same floats.
+    # Prefills of more rows use MKL on the fp32 weights either way.
+    weights: str = "native"
     # A request's logits the same bit for bit whatever shares its steps and however its prompt is cut
     # into chunks: every matmul through the small-GEMM kernel (128 rows at a time), every attention
     # row through the paged kernel. Continuous batching on the CPU, with both C kernels; slower prefills.
@@ -112,6 +117,8 @@ class EngineConfig:
                 f"attention_backend {self.attention_backend!r}, small_gemm {self.small_gemm})"
             )
         check_device(self.device)
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant and self.dtype in HALF:

@@ -23,7 +23,7 @@ from splitserve.engine.errors import (
 )
 from splitserve.engine.kv_cache import PagedKVCache
 from splitserve.engine.kv_io import KVTransfer
-from splitserve.engine.loader import LoadedModel, load_model
+from splitserve.engine.loader import LoadedModel, load_model, native_blocks
 from splitserve.engine.model import LlamaModel
 from splitserve.engine.outputs import (
     FINISH_CANCELLED,
@@ -147,21 +147,7 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
         if config.small_gemm and on_cpu and fp32:
             lib = native.load_small_gemm(config.model.cache_dir)
             if lib is not None:
-                # the first engine on these weights in this process: their blocks from the disk cache
-                first = bool(loaded.pack_entry) and not loaded.packed
-                with cache_dir.making(loaded.pack_entry, waiting) if first else contextlib.nullcontext():
-                    known = pack_cache.read(loaded.pack_entry) if first else None
-                    t = time.perf_counter()
-                    self.model.use_small_gemm(
-                        native.SmallGemm(lib, self.num_threads), between=tick, cache=loaded.packed, known=known
-                    )
-                    if first and known is None:  # fitted here: kept for later processes
-                        pack_cache.write(loaded.pack_entry, loaded.packed)
-                        log.info(
-                            "small-GEMM weights packed in %.1f s, kept at %s",
-                            time.perf_counter() - t,
-                            loaded.pack_entry,
-                        )
+                self._pack_weights(lib, loaded, config.weights, tick, waiting)
         if config.batch_invariant:
             if self.model.attn_kernel is None or self.model.small_gemm is None:
                 raise RuntimeError(
@@ -174,6 +160,26 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
             self.model.on_layer = tick
             self.core_share.idle()
         return loaded
+
+    def _pack_weights(self, lib, loaded: LoadedModel, weights: str, tick, waiting) -> None:
+        """The small-GEMM kernel's weights: the checkpoint's own blocks (weights "native") or fp32
+        tiles, made by the first engine on these weights in this process, or read from the disk cache
+        (pack_cache), or made and kept there."""
+        cache = loaded.packed.setdefault(weights, {})
+        entry = pack_cache.for_weights(loaded.pack_entry, weights) if loaded.pack_entry else ""
+        first = bool(entry) and not cache
+        with cache_dir.making(entry, waiting) if first else contextlib.nullcontext():
+            known = pack_cache.read(entry) if first else None
+            t = time.perf_counter()
+            blocks = native_blocks(loaded) if weights == "native" else None
+            self.model.use_small_gemm(
+                native.SmallGemm(lib, self.num_threads), between=tick, cache=cache, known=known, blocks=blocks
+            )
+            if first and known is None:  # made here: kept for later processes
+                pack_cache.write(entry, cache)
+                log.info(
+                    "small-GEMM weights (%s) packed in %.1f s, kept at %s", weights, time.perf_counter() - t, entry
+                )
 
     def drop_graphs(self, error: Exception) -> None:
         """Run every later step eagerly, with torch's ops (a capture failed on this device)."""

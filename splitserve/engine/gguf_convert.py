@@ -69,6 +69,12 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _NOT_IN_MODEL = ("rope_freqs.weight",)  # llama 3's rope factors: the HF model has no parameter for them
 
 
+# Block formats with fp16 scales at the head of each block: (bytes a block, the scales' offsets)
+_SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q8_0": (34, (0,)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2))}
+# The formats the small-GEMM kernel reads as they are (native.BLOCK_FORMATS), by GGUF type name
+NATIVE_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16", "BF16": "bf16"}
+
+
 @dataclass(frozen=True)
 class Tensor:
     ggml_type: int
@@ -175,7 +181,7 @@ class GGUFFile:
 
         t = self.tensors[name]
         kind = GGMLQuantizationType(t.ggml_type)
-        raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset)
+        raw = self.raw(name)
         if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             return (
                 raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16)
@@ -188,6 +194,34 @@ class GGUFFile:
             raise ModelLoadError(
                 f"GGUF file {self.path}: tensor {name} ({kind.name}) cannot be de-quantized: {e}"
             ) from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as the file keeps them, [rows, bytes a row] (a view of the file's map),
+        its blocks' scales checked (check_scales)."""
+        t = self.tensors[name]
+        raw = np.frombuffer(self._buf, np.uint8, t.nbytes, t.offset).reshape(int(np.prod(t.shape[:-1])), -1)
+        self.check_scales(name, raw)
+        return raw
+
+    def check_scales(self, name: str, raw: np.ndarray) -> None:
+        """A ModelLoadError naming the tensor and its first bad block when a block's fp16 scale
+        (d, and m for Q4_1) is not a finite number: a damaged file, whose weights would be NaN or inf."""
+        from gguf import GGMLQuantizationType
+
+        kind = GGMLQuantizationType(self.tensors[name].ggml_type)
+        heads = _SCALES.get(kind.name)
+        if heads is None:
+            return
+        size, offsets = heads
+        blocks = raw.reshape(-1, size)
+        for off in offsets:
+            scale = blocks[:, off : off + 2].copy().view(np.float16).ravel()
+            bad = np.flatnonzero(~np.isfinite(scale))
+            if bad.size:
+                raise ModelLoadError(
+                    f"corrupt GGUF file {self.path}: tensor {name} ({kind.name}) block {int(bad[0])} of "
+                    f"{blocks.shape[0]} has a scale of {scale[bad[0]]} ({bad.size} such blocks)"
+                )
 
     def close(self) -> None:
         try:
@@ -259,6 +293,29 @@ def state_dict(gguf: GGUFFile, config) -> dict:
             f"GGUF file {gguf.path} lacks {len(missing)} weights the model needs, "
             f"{', '.join(missing[:3])}{', …' if len(missing) > 3 else ''}"
         )
+    return out
+
+
+def native_blocks(gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> dict:
+    """The model's matrices the file keeps in a format the small-GEMM kernel reads as it is, by HF
+    name: (format, [rows, bytes a row] uint8, a row of blocks for each output feature), q's and k's
+    rows in the order state_dict gives them. Other tensors (F32 norms, other formats) are left out:
+    their weights stay the de-quantized fp32 ones."""
+    from gguf import GGMLQuantizationType
+
+    permute = gguf.architecture == "llama"
+    out = {}
+    for name, t in gguf.tensors.items():
+        fmt = NATIVE_FORMATS.get(GGMLQuantizationType(t.ggml_type).name)
+        target = hf_name(name)
+        if fmt is None or target is None or len(t.shape) != 2:
+            continue
+        rows = gguf.raw(name)
+        if permute and ".attn_q." in name:
+            rows = _reverse_permute(rows, num_heads)
+        elif permute and ".attn_k." in name:
+            rows = _reverse_permute(rows, num_kv_heads)
+        out[target] = (fmt, np.array(rows))  # (a copy: a view of the map is read-only, which torch warns of)
     return out
 
 

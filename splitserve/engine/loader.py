@@ -47,13 +47,14 @@ class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None  # None for weight-only folders
-    # The small-GEMM kernel's packed weights, by (layer, name), made by the first engine built on
-    # these weights and shared by the later ones (fitting their integer blocks took 2-15 s here:
-    # LlamaModel.use_small_gemm)
+    # The small-GEMM kernel's packed weights, by EngineConfig.weights and then (layer, name), made by
+    # the first engine built on these weights and shared by the later ones (LlamaModel.use_small_gemm)
     packed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
-    # Where they (tiles and integer blocks) are kept on disk for later processes (pack_cache; a
-    # converted GGUF model's only: its weights are made of the blocks), or "" for none
+    # Where they are kept on disk for later processes (pack_cache.entry, a converted GGUF model's only;
+    # pack_cache.for_weights names each setting's), or "" for none
     pack_entry: str = ""
+    # The GGUF file the weights were converted from (its blocks: native_blocks), or "" for a folder
+    gguf_path: str = ""
     # The weights in the engine's layout (LlamaModel.laid_out), made by the first engine built on
     # these weights on the CPU and taken by the later ones
     laid_out: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -259,8 +260,33 @@ def _load_gguf(path: str, cache_dir: str) -> LoadedModel:
     folder = _converted(path, cache_dir)
     loaded = _load_hf_folder(folder, cache_dir)
     loaded.pack_entry = pack_cache.entry(cache_dir, folder)
+    loaded.gguf_path = path
     loaded.layout_entry = layout_cache.entry(cache_dir, folder)
     return loaded
+
+
+def native_blocks(loaded: LoadedModel) -> dict:
+    """The checkpoint's own matrices in a form the small-GEMM kernel reads as it is, by HF name:
+    (format, [rows, bytes a row] uint8 array). A GGUF file's Q4_0, Q4_1, Q8_0, F16 and BF16 tensors,
+    read again from the file (gguf_convert.native_blocks); a folder's float16 and bfloat16 matrices.
+    Weights not here stay fp32."""
+    import numpy as np
+    import torch
+
+    if loaded.gguf_path:
+        from splitserve.engine import gguf_convert
+
+        gguf = gguf_convert.GGUFFile(loaded.gguf_path)  # (its map lives as long as the arrays)
+        cfg = loaded.config
+        return gguf_convert.native_blocks(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+    halves = {torch.float16: "f16", torch.bfloat16: "bf16"}
+    return {
+        name: (halves[t.dtype], np.ascontiguousarray(t.contiguous().view(torch.uint8).numpy()))
+        for name, t in loaded.state_dict.items()
+        if t.dtype in halves
+        and t.dim() == 2
+        and name.endswith(("proj.weight", "lm_head.weight", "embed_tokens.weight"))
+    }
 
 
 def _convert_gguf(path: str, folder: str) -> None:

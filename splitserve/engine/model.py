@@ -15,11 +15,13 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from splitserve.engine.errors import ModelLoadError
 from splitserve.engine.loader import LoadedModel
+from splitserve.engine.native import gguf_blocks
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class LlamaModel:
             self.made_layout = False
             laid = laid_out or {}
             self.lm_head = self._weight(laid, "lm_head", sd.get("lm_head.weight", self.embed))  # [H, V]
+            self.lm_head_name = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
             self.norm = self._cast(sd["model.norm.weight"])
             self.layers = [self._layer(sd, i, laid) for i in range(self.shape.num_layers)]
         except KeyError as e:
@@ -134,25 +137,45 @@ class LlamaModel:
         between: Callable[[], None] | None = None,
         cache: dict | None = None,
         known: dict | None = None,
+        blocks: dict | None = None,
     ) -> None:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
         kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
         (LoadedModel.packed) keeps the packed weights for the next model built on the same ones; ``known``:
-        them as an earlier process packed them (pack_cache.read), by the same keys."""
+        them as an earlier process packed them (pack_cache.read), by the same keys. ``blocks``: the
+        checkpoint's own blocks by HF name (loader.native_blocks): a weight whose parts all have blocks
+        of one format is read from them, the others from fp32 tiles."""
         cache = {} if cache is None else cache
         known = known or {}
+
+        def pack(key, w, *parts: str):
+            got = [blocks.get(p) for p in parts] if blocks is not None else [None]
+            fmts = {g[0] for g in got if g is not None}
+            if None in got or len(fmts) != 1 or not small_gemm.fits_blocks(*w.shape):
+                return small_gemm.pack(w, known.get(key))
+            fmt, before = fmts.pop(), known.get(key)
+            if before is not None and before.fmt == fmt:  # read back from the disk cache: not made again
+                return small_gemm.pack(w, before, (fmt, before.blocks))
+            raw = got[0][1] if len(got) == 1 else np.concatenate([g[1] for g in got])
+            return small_gemm.pack(w, None, (fmt, gguf_blocks(fmt, torch.from_numpy(raw))))
+
+        parts = {
+            "w_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "w_o": ("self_attn.o_proj",),
+            "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+            "w_down": ("mlp.down_proj",),
+        }
         for i, layer in enumerate(self.layers):
             if between is not None:
                 between()
-            layer.packed = {
-                name: cache[i, name]
-                if (i, name) in cache
-                else small_gemm.pack(getattr(layer, name), known.get((i, name)))
-                for name in ("w_qkv", "w_o", "w_gate_up", "w_down")
-            }
-            cache.update(((i, name), p) for name, p in layer.packed.items())
+            for name, of in parts.items():
+                if (i, name) not in cache:
+                    cache[i, name] = pack(
+                        (i, name), getattr(layer, name), *(f"model.layers.{i}.{x}.weight" for x in of)
+                    )
+            layer.packed = {name: cache[i, name] for name in parts}
         if "lm_head" not in cache:
-            cache["lm_head"] = small_gemm.pack(self.lm_head, known.get("lm_head"))
+            cache["lm_head"] = pack("lm_head", self.lm_head, self.lm_head_name)
         self.lm_head_packed = cache["lm_head"]
         self.small_gemm = small_gemm
 

@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 
-from splitserve.engine.config import DTYPES
+from splitserve.engine.config import DTYPES, WEIGHTS
 from splitserve.engine.errors import EngineError
 from splitserve.observability.logs import LOG_FORMATS, setup_logging
 from splitserve.observability.tracing import setup_tracing, shutdown_tracing
@@ -137,6 +137,11 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     ap.add_argument("--model")
     if not router:
         ap.add_argument("--dtype", choices=DTYPES, help="the engine's dtype (default auto)")
+        ap.add_argument(
+            "--weights",
+            choices=WEIGHTS,
+            help="what the CPU's small-GEMM kernel reads: native blocks or fp32 (default native)",
+        )
     ap.add_argument("--worker-id", dest="worker_id")
     ap.add_argument("--log-format", dest="log_format", choices=LOG_FORMATS, help="stderr logs: text or json lines")
     args = ap.parse_args(argv)

@@ -12,7 +12,16 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from splitserve.engine.config import DTYPES, HALF, POLICIES, EngineConfig, ModelSpec, check_device, default_cache_dir
+from splitserve.engine.config import (
+    DTYPES,
+    HALF,
+    POLICIES,
+    WEIGHTS,
+    EngineConfig,
+    ModelSpec,
+    check_device,
+    default_cache_dir,
+)
 from splitserve.engine.structured import MAX_MASK_MS
 from splitserve.observability.logs import LOG_FORMATS
 
@@ -66,6 +75,10 @@ class Settings:
     # one; on the CPU float32), float32, bfloat16 or float16. Every worker of a stack needs the same: a decode worker
     # refuses KV of another dtype (handle.dtype)
     dtype: str = "auto"
+    # what the CPU's small-GEMM kernel (decode steps, short chunks) reads: native, the checkpoint's own blocks (GGUF
+    # Q4_0, Q4_1, Q8_0, F16, BF16; a folder's fp16/bf16) turned into floats in registers, or fp32 tiles; the same
+    # floats either way, and the same results. native streams a quarter of the bytes (docs/configuration.md, Weights)
+    weights: str = "native"
     # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     cuda_graphs: bool = True
     # on CUDA, Triton kernels for the rotary embedding with the KV write, decode attention over the paged cache and SiLU
@@ -240,6 +253,8 @@ class Settings:
         check_device(self.device)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.batch_invariant and self.dtype in HALF:
             raise ValueError(f"batch_invariant needs float32 (its C kernels are fp32 only), got dtype {self.dtype!r}")
         for name in (
@@ -331,6 +346,7 @@ class Settings:
             num_threads=self.threads,
             device=self.device,
             dtype=self.dtype,
+            weights=self.weights,
             cuda_graphs=self.cuda_graphs,
             fused_kernels=self.fused_kernels,
             core_share=self.core_share_board,

@@ -28,8 +28,8 @@ def _flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
             cpu = f.read()
-        if " avx2" in cpu and " fma" in cpu:
-            flags += ["-mavx2", "-mfma"]
+        if " avx2" in cpu and " fma" in cpu and " f16c" in cpu:
+            flags += ["-mavx2", "-mfma", "-mf16c"]
     except OSError:
         pass
     return flags
@@ -76,18 +76,19 @@ def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
 
 
 class Packed(NamedTuple):
-    """A weight for SmallGemm: fp32 tiles, and integer blocks giving back the same floats (or None)."""
+    """A weight for SmallGemm: its fp32 tiles, its checkpoint's blocks, or both."""
 
-    tiles: Any  # torch.Tensor [N/8, K, 8] float32
-    blocks: Any = None  # torch.Tensor [N/8, K/32, bytes per block] uint8, or None
-    fmt: str = ""  # the blocks' format: "q4_1" or "q8_0"
+    tiles: Any  # torch.Tensor [N/8, K, 8] float32, or None
+    blocks: Any = None  # torch.Tensor [N/8, K/32, layout bytes] uint8 (gguf_blocks), or None
+    fmt: str = ""  # the blocks' format (BLOCK_FORMATS), "" for none
 
 
 class SmallGemm:
     """out = x @ W for up to MAX_M rows, W pre-packed (``pack``); streams the weights once.
 
-    Up to Q_MAX_M rows read W's integer blocks when it has them, more rows its fp32 tiles;
-    both give the same floats.
+    A weight is read from its checkpoint's blocks (``gguf_blocks``: GGUF Q4_0, Q4_1, Q8_0, F16,
+    BF16, de-quantized in registers) when it has them, else from its fp32 tiles; both give the
+    same floats, so the same result bit for bit.
 
     MAX_M: up to here the kernel beat MKL's sgemm on this model's weights (2 threads: 3.8x
     at 8 rows, 1.8x at 32, 1.5x at 64, 1.3x at 128; at 256 and 512 they were even), so
@@ -95,88 +96,51 @@ class SmallGemm:
     """
 
     MAX_M = 128
-
     QK = 32  # k steps per block (small_gemm.c)
-    Q_TILES = 4  # tiles of 8 columns per quantized kernel call (QNT)
-    Q_MAX_M = 4  # rows the quantized kernels take (QMAX_M); beyond that the FMAs bind and fp32 tiles are faster
+    Q_TILES = 4  # tiles of 8 columns per block kernel call (QNT): a weight's columns are a multiple of 32
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int):
         self.fn = lib.small_gemm
-        self.fn_q = {"q4_1": lib.small_gemm_q4, "q8_0": lib.small_gemm_q8}
+        self.fn_blocks = lib.small_gemm_blocks
         self.num_threads = num_threads
 
     @classmethod
-    def pack(cls, w_kn, known: Packed | None = None) -> Packed:
-        """[K, N] -> its fp32 tiles [N/8, K, 8] (N padded to a multiple of 8 with zero
-        columns), and its integer blocks when W is exactly made of them (``pack_blocks``).
-        known: W packed before (pack_cache), taken as it is when its shapes are W's."""
-        import torch
-
-        K, N = w_kn.shape
-        if known is not None:
-            tiles, blocks, fmt = known
-            if (
-                tuple(tiles.shape) == (-(-N // 8), K, 8)
-                and tiles.dtype == torch.float32
-                and (
-                    blocks is None
-                    or (
-                        tuple(blocks.shape[:2]) == (N // 8, K // cls.QK)
-                        and fmt in ("q4_1", "q8_0")
-                        and blocks.dtype == torch.uint8
-                    )
-                )
-            ):
-                return Packed(tiles, blocks, fmt)
-            log.warning(
-                "packed weights of shape %s (%s) do not fit a [%d, %d] weight: packed again",
-                tuple(tiles.shape),
-                fmt or "no blocks",
-                K,
-                N,
-            )
-        pad = (-N) % 8
-        w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
-        tiles = w.view(K, -1, 8).permute(1, 0, 2).contiguous()
-        for fmt in ("q4_1", "q8_0"):
-            blocks = cls.pack_blocks(w_kn, fmt)
-            if blocks is not None:
-                return Packed(tiles, blocks, fmt)
-        return Packed(tiles)
+    def fits_blocks(cls, k: int, n: int) -> bool:
+        """Whether a [K, N] weight can be read as blocks (else it keeps fp32 tiles)."""
+        return k % cls.QK == 0 and n % (8 * cls.Q_TILES) == 0
 
     @classmethod
-    def pack_blocks(cls, w_kn, fmt: str):
-        """[K, N] -> [N/8, K/32, bytes] of GGUF-style blocks, or None when W is not exactly that.
-
-        Weights de-quantized from GGUF blocks of 32 consecutive k of one output column are
-        stored that way again, with a float scale (and offset):
-          q4_1: w = d * q + m, q in 0..15 (6 bits a weight); m is the block's least value;
-          q8_0: w = d * q, q in -128..127 (9 bits a weight).
-        d is one of the fp16 values nearest the block's range over the code range; a block
-        is kept only if the formula gives back every one of its 32 floats bit for bit, and
-        the tensor only if every block does, so the kernel computes exactly what it would
-        from the fp32 weights.
-        """
+    def pack(cls, w_kn, known: Packed | None = None, blocks: tuple[str, Any] | None = None) -> Packed:
+        """A [K, N] fp32 weight packed: its checkpoint's blocks (``blocks``: (format, gguf_blocks'
+        tensor)) when given and the weight's shape allows them, else its fp32 tiles [N/8, K, 8]
+        (N padded to a multiple of 8 with zero columns). known: W packed before (pack_cache),
+        taken as it is when it is the same kind and its shapes are W's."""
         import torch
 
         K, N = w_kn.shape
-        if K % cls.QK or N % (8 * cls.Q_TILES) or w_kn.dtype != torch.float32:
-            return None
-        wb = w_kn.reshape(K // cls.QK, cls.QK, N)
-        KB, step = K // cls.QK, max(1, (1 << 18) // (cls.QK * N))  # temporaries of 1 MB: in cache
-        starts = [0, *range(1, KB, step)]  # the first block row alone: most weights fail there at once
-        parts = []
-        for i, j in zip(starts, starts[1:] + [KB]):
-            scales, ok, q = _fit_blocks(wb[i:j], fmt)
-            if not ok.all():
-                return None
-            kb = q.shape[0]
-            if fmt == "q4_1":
-                q = q[:, 0::2] | (q[:, 1::2] << 4)  # even k low nibble, odd k high
-            codes = q.view(torch.uint8).reshape(kb, -1, N // 8, 8).permute(2, 0, 1, 3).reshape(N // 8, kb, -1)
-            head = [t.reshape(kb, N // 8, 8).permute(1, 0, 2).contiguous().view(torch.uint8) for t in scales]
-            parts.append(torch.cat([*head, codes], dim=2))
-        return torch.cat(parts, dim=1).contiguous()
+        want_blocks = blocks is not None and cls.fits_blocks(K, N)
+        if known is not None:
+            tiles, got, fmt = known
+            if want_blocks and got is not None and fmt == blocks[0] and tuple(got.shape[:2]) == (N // 8, K // cls.QK):
+                return Packed(None, got, fmt)
+            if not want_blocks and tiles is not None and tuple(tiles.shape) == (-(-N // 8), K, 8):
+                if tiles.dtype == torch.float32:
+                    return Packed(tiles)
+            log.warning(
+                "packed weights (%s) do not fit a [%d, %d] weight (%s): packed again",
+                fmt or f"tiles {tuple(tiles.shape) if tiles is not None else None}",
+                K,
+                N,
+                blocks[0] if want_blocks else "fp32 tiles",
+            )
+        if want_blocks:
+            fmt, b = blocks
+            if b.dtype != torch.uint8 or tuple(b.shape[:2]) != (N // 8, K // cls.QK):
+                raise ValueError(f"{fmt} blocks of shape {tuple(b.shape)} are not a [{K}, {N}] weight's")
+            return Packed(None, b, fmt)
+        pad = (-N) % 8
+        w = torch.cat([w_kn, w_kn.new_zeros(K, pad)], dim=1) if pad else w_kn
+        return Packed(w.view(K, -1, 8).permute(1, 0, 2).contiguous())
 
     def __call__(self, x, packed: Packed, n: int):
         import torch
@@ -184,13 +148,18 @@ class SmallGemm:
         M, K = x.shape
         if not x.is_contiguous():
             x = x.contiguous()
+        if packed.blocks is not None:
+            out = torch.empty(M, n, dtype=torch.float32)
+            layout = BLOCK_FORMATS[packed.fmt][0]
+            rc = self.fn_blocks(
+                x.data_ptr(), packed.blocks.data_ptr(), M, K, n, out.data_ptr(), self.num_threads, layout
+            )
+            if rc != 0:
+                raise RuntimeError(f"small_gemm_blocks failed ({rc})")
+            return out
         n_pad = packed.tiles.shape[0] * 8
         out = torch.empty(M, n_pad, dtype=torch.float32)
-        if packed.blocks is not None and M <= self.Q_MAX_M:
-            fn, w = self.fn_q[packed.fmt], packed.blocks
-        else:
-            fn, w = self.fn, packed.tiles
-        rc = fn(x.data_ptr(), w.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
+        rc = self.fn(x.data_ptr(), packed.tiles.data_ptr(), M, K, n_pad, out.data_ptr(), self.num_threads)
         if rc != 0:
             raise RuntimeError(f"small_gemm failed ({rc})")
         return out if n_pad == n else out[:, :n]
@@ -198,47 +167,57 @@ class SmallGemm:
 
 def load_small_gemm(cache_dir: str) -> ctypes.CDLL | None:
     if "-mavx2" not in _flags():
-        return None  # the kernel is written with AVX2/FMA intrinsics
+        return None  # the kernel is written with AVX2/FMA/F16C intrinsics
     lib = _build("small_gemm", cache_dir)
     if lib is None:
         return None
-    p = ctypes.c_void_p
-    for fn in (lib.small_gemm, lib.small_gemm_q4, lib.small_gemm_q8):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [p, p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, p, ctypes.c_int]
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.small_gemm.restype = lib.small_gemm_blocks.restype = i
+    lib.small_gemm.argtypes = [p, p, i, ctypes.c_int64, ctypes.c_int64, p, i]
+    lib.small_gemm_blocks.argtypes = [p, p, i, ctypes.c_int64, ctypes.c_int64, p, i, i]
     return lib
 
 
-def _fit_blocks(wb, fmt: str):
-    """wb: [blocks, 32, N] fp32 -> the scales ((d, m) for q4_1, (d,) for q8_0), each [blocks, N];
-    ok [blocks, N] (the formula gives back w bit for bit); the codes [blocks, 32, N] (uint8 / int8)."""
+# GGUF formats the block kernels read (small_gemm.c): the layout each is packed in, and a GGUF
+# block's bytes (QK weights of one output column)
+BLOCK_FORMATS = {"q4_0": (0, 18), "q4_1": (0, 20), "q8_0": (1, 34), "f16": (2, 64), "bf16": (3, 64)}
+
+
+def gguf_blocks(fmt: str, raw):
+    """A GGUF tensor's blocks, [N, K/32 * block bytes] uint8 (N output columns, each a row of
+    blocks of 32 k), as the kernel reads them: [N/8, K/32, layout bytes] (small_gemm.c's block
+    tiles). Scales are widened to float here, so the kernel makes the float gguf-py makes."""
     import torch
 
-    if fmt == "q4_1":
-        m, lo, hi, dtype = wb.amin(1), 0, 15, torch.uint8
-        est = ((wb.amax(1).double() - m.double()) / 15).half()
-    else:
-        m, lo, hi, dtype = None, -128, 127, torch.int8
-        est = (wb.abs().amax(1).double() / 127).half()
-    base = wb - m.unsqueeze(1) if m is not None else wb
-    bits = est.view(torch.int16)
-    best_d, best_q, ok = None, None, None
-    for step in (0, 1, -1):  # the nearest fp16 value first, then its neighbours
-        d = (bits + step).clamp(min=0).view(torch.float16).float() if step else est.float()
-        pos = (d > 0).unsqueeze(1)
-        q = torch.where(pos, torch.round(base / torch.where(pos, d.unsqueeze(1), 1.0)), 0).clamp(lo, hi)
-        w = d.unsqueeze(1) * q + m.unsqueeze(1) if m is not None else d.unsqueeze(1) * q
-        hit = (w.view(torch.int32) == wb.view(torch.int32)).all(1)
-        if best_d is None:
-            best_d, best_q, ok = d, q, hit
-        else:
-            take = hit & ~ok
-            best_d = torch.where(take, d, best_d)
-            best_q = torch.where(take.unsqueeze(1), q, best_q)
-            ok = ok | hit
-        if ok.all():
-            break
-    return ((best_d, m) if m is not None else (best_d,)), ok, best_q.to(dtype)
+    N = raw.shape[0]
+    _, size = BLOCK_FORMATS[fmt]
+    nb = raw.shape[1] // size
+    b = raw.reshape(N, nb, size)
+
+    def lanes(t):  # [N, nb, ...] -> [N/8, nb, ..., 8]: column c of a tile at lane c
+        t = t.reshape(N // 8, 8, nb, -1).permute(0, 2, 3, 1)
+        return t.reshape(N // 8, nb, -1, 8)
+
+    def scale(lo: int):  # the fp16 at bytes lo..lo+1 of each block, as float, in lanes
+        f = b[:, :, lo : lo + 2].contiguous().view(torch.float16).float()
+        return lanes(f).reshape(N // 8, nb, 8).contiguous().view(torch.uint8)
+
+    if fmt in ("q4_0", "q4_1"):
+        qs = b[:, :, -16:]
+        codes = torch.cat([qs & 15, qs >> 4], dim=2)  # k 0..15 in the low nibbles, 16..31 in the high
+        pairs = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)  # even k low, odd k high
+        d = scale(0)
+        if fmt == "q4_1":
+            m = scale(2)
+        else:  # w = d * (q - 8) = d * q + m with m = -8 d (exact)
+            m = (-8 * d.view(torch.float32)).view(torch.uint8)
+        parts = [d, m, lanes(pairs).reshape(N // 8, nb, -1)]
+    elif fmt == "q8_0":
+        parts = [scale(0), lanes(b[:, :, 2:]).reshape(N // 8, nb, -1)]
+    else:  # f16, bf16: 32 halves a block, k-major in lanes
+        halves = lanes(b.contiguous().view(torch.int16)).reshape(N // 8, nb, -1)
+        parts = [halves.contiguous().view(torch.uint8)]
+    return torch.cat(parts, dim=2).contiguous()
 
 
 def _compile(name: str, src: str, flags: list[str], so: str) -> bool:

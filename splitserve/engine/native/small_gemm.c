@@ -47,19 +47,22 @@ KERNEL(6)
 KERNEL(7)
 KERNEL(8)
 
-/* Quantized tiles: weights kept as integer codes with per-block scales (GGUF's blocks of
- * QK k steps of one output column), de-quantized in registers. Two formats:
- *   Q4_1: w = d * q + m, q in 0..15 (the model's projections);
- *   Q8_0: w = d * q, q in -128..127 (its lm_head).
- * d * q is exact (an 11-bit fp16 scale times a 4- or 8-bit code), so the de-quantized float
- * is the one that produced the fp32 weights: every product and every sum is the one the
- * fp32 tile above computes, and so is the result. Reading 6 or 9 bits per weight instead
- * of 32 is what makes a step of a few rows faster; with more rows the FMAs bind instead.
- * Block layouts, per tile of 8 columns and QK k steps (column c at lane c):
- *   Q4_1 (Q4_BLOCK bytes): d[8], m[8] as float, then QK/2 pairs of k steps, 8 bytes each:
- *        the even k's code in the low nibble, the odd k's in the high one;
- *   Q8_0 (Q8_BLOCK bytes): d[8] as float, then QK/2 pairs of k steps, 16 bytes each: the
- *        even k's 8 codes, then the odd k's. */
+/* Block tiles: the checkpoint's own weights (a GGUF file's blocks of QK k steps of one output
+ * column), turned into floats in registers. Four layouts, per tile of 8 columns and QK k steps
+ * (column c at lane c):
+ *   Q4 (Q4_BLOCK bytes): d[8], m[8] as float, then QK/2 pairs of k steps, 8 bytes each: the even
+ *      k's code in the low nibble, the odd k's in the high one; w = d * q + m, q in 0..15.
+ *      GGUF's Q4_1 (m its own) and Q4_0 (m = -8 d: w = d * (q - 8)).
+ *   Q8 (Q8_BLOCK bytes): d[8] as float, then QK/2 pairs of k steps, 16 bytes each: the even k's
+ *      8 codes, then the odd k's; w = d * q, q in -128..127. GGUF's Q8_0.
+ *   F16, B16 (H_BLOCK bytes): no scales; QK/2 pairs of k steps, 32 bytes each: the even k's 8
+ *      halves, then the odd k's. GGUF's F16 and BF16.
+ * d and m are fp16 values, so d * q is exact (11 bits times 4 or 8) and one FMA gives the float
+ * gguf-py's dequantize gives (d * q + m, rounded once; for Q4_0 d * (q - 8) is itself a float, so
+ * the FMA's one rounding leaves it as it is); halves widen exactly. Every product and every sum
+ * is then the one the fp32 tile above computes on the de-quantized weights, and so is the
+ * result. Reading 4-16 bits a weight instead of 32 is what makes a step of a few rows faster. */
+#define QPREFETCH 4 /* blocks ahead in each tile (8, 16, 32: no faster) */
 #define QK 32
 #define Q4_HEAD 64
 #define Q4_PAIR 8
@@ -67,6 +70,12 @@ KERNEL(8)
 #define Q8_HEAD 32
 #define Q8_PAIR 16
 #define Q8_BLOCK (Q8_HEAD + QK / 2 * Q8_PAIR)
+#define F16_HEAD 0
+#define F16_PAIR 32
+#define F16_BLOCK (QK / 2 * F16_PAIR)
+#define B16_HEAD 0
+#define B16_PAIR 32
+#define B16_BLOCK (QK / 2 * B16_PAIR)
 
 static inline void Q4_head(const uint8_t *b, __m256 *d, __m256 *m) {
     *d = _mm256_loadu_ps((const float *)b);
@@ -93,9 +102,31 @@ static inline void Q8_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m
     *w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))));
 }
 
-/* MM rows times NT quantized tiles side by side. With one row, one tile is one chain of
- * dependent FMAs (4 cycles each) and the step waits on that chain, not on memory; NT
- * tiles give NT independent chains. Each output element still sums over k in order. */
+static inline void F16_head(const uint8_t *b, __m256 *d, __m256 *m) {
+    (void)b;
+    *d = *m = _mm256_setzero_ps(); /* unused */
+}
+
+static inline void F16_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
+    (void)d, (void)m;
+    *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q));
+    *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)q + 1));
+}
+
+#define B16_head F16_head
+
+static inline void B16_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m256 *w1) {
+    (void)d, (void)m;
+    const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q + 1));
+    *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+    *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+}
+
+/* MM rows times NT block tiles side by side. With one row, one tile is one chain of dependent
+ * FMAs (4 cycles each) and the step waits on that chain, not on memory; NT tiles give NT
+ * independent chains. MM * NT accumulators stay within the 16 registers less the weights'.
+ * Each output element still sums over k in order. */
 #define QKERNEL(F, MM, NT)                                                                           \
     static void F##tile_##MM(const float *xt, const uint8_t *w, int64_t K, float *out, int64_t ldo, \
                              int64_t tile_bytes) {                                                   \
@@ -107,7 +138,7 @@ static inline void Q8_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m
             for (int j = 0; j < NT; j++) {                                                           \
                 const uint8_t *b = w + j * tile_bytes;                                               \
                 for (int o = 0; o < F##_BLOCK; o += 64)                                              \
-                    _mm_prefetch((const char *)(b + 4 * F##_BLOCK + o), _MM_HINT_T0);                \
+                    _mm_prefetch((const char *)(b + QPREFETCH * F##_BLOCK + o), _MM_HINT_T0);        \
                 F##_head(b, &d[j], &mo[j]);                                                          \
             }                                                                                        \
             for (int64_t p = 0; p < QK / 2; p++) {                                                   \
@@ -126,20 +157,21 @@ static inline void Q8_pair(const uint8_t *q, __m256 d, __m256 m, __m256 *w0, __m
             for (int j = 0; j < NT; j++) _mm256_storeu_ps(out + m * ldo + j * TILE, acc[m][j]);       \
     }
 
-#define QNT 4    /* tiles per call of a quantized kernel */
-#define QMAX_M 4 /* more rows: the FMAs bind, and the fp32 tiles are faster */
-QKERNEL(Q4, 1, QNT)
-QKERNEL(Q4, 2, QNT)
-QKERNEL(Q4, 3, QNT)
-QKERNEL(Q4, 4, QNT)
-QKERNEL(Q8, 1, QNT)
-QKERNEL(Q8, 2, QNT)
-QKERNEL(Q8, 3, QNT)
-QKERNEL(Q8, 4, QNT)
+/* Tiles a call takes, by rows: 4 chains a row up to 4 rows, then 2, then 1 (16 accumulators spill). A weight's
+ * columns are a multiple of 8 * QNT, so every call's tiles are whole. */
+#define QNT 4
+#define KERNELS(F)                                                                                   \
+    QKERNEL(F, 1, 4) QKERNEL(F, 2, 4) QKERNEL(F, 3, 4) QKERNEL(F, 4, 4) QKERNEL(F, 5, 2)              \
+    QKERNEL(F, 6, 2) QKERNEL(F, 7, 1) QKERNEL(F, 8, 1)                                                \
+    static const qtile_fn F##TILES[GROUP + 1] = {0,         F##tile_1, F##tile_2, F##tile_3, F##tile_4, \
+                                                 F##tile_5, F##tile_6, F##tile_7, F##tile_8};
+static const int QTILES_NT[GROUP + 1] = {0, 4, 4, 4, 4, 2, 2, 1, 1};
 
 typedef void (*qtile_fn)(const float *, const uint8_t *, int64_t, float *, int64_t, int64_t);
-static const qtile_fn Q4TILES[QMAX_M + 1] = {0, Q4tile_1, Q4tile_2, Q4tile_3, Q4tile_4};
-static const qtile_fn Q8TILES[QMAX_M + 1] = {0, Q8tile_1, Q8tile_2, Q8tile_3, Q8tile_4};
+KERNELS(Q4)
+KERNELS(Q8)
+KERNELS(F16)
+KERNELS(B16)
 
 typedef void (*tile_fn)(const float *, const float *, int64_t, float *, int64_t);
 static const tile_fn TILES[GROUP + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
@@ -157,27 +189,32 @@ static float *rows_k_major(const float *x, int M, int64_t K) {
     return xt;
 }
 
-/* x: [M, K] with M <= QMAX_M; wq: [N/8][K/QK] blocks of one format (tiles: its kernels);
- * out: [M, N] (N a multiple of 8 * QNT, K of QK). Returns 0, -1 for a bad M, K or
- * N, -2 when out of memory. */
-static int small_gemm_q(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads,
-                        const qtile_fn *tiles, int64_t block) {
-    if (M < 1 || M > QMAX_M || N % (TILE * QNT) || K % QK) return -1;
+/* Block layouts by number (SmallGemm.LAYOUTS): kernels and bytes per block. */
+static const qtile_fn *const LAYOUT_TILES[] = {Q4TILES, Q8TILES, F16TILES, B16TILES};
+static const int64_t LAYOUT_BLOCK[] = {Q4_BLOCK, Q8_BLOCK, F16_BLOCK, B16_BLOCK};
+
+/* x: [M, K]; wq: [N/8][K/QK] blocks of one layout (0 Q4, 1 Q8, 2 F16, 3 B16); out: [M, N]
+ * (N a multiple of 8 * QNT, K of QK). Rows go in groups of GROUP; a thread's tiles stay in
+ * cache from one group to the next. Returns 0, -1 for a bad M, K, N or layout, -2 when out
+ * of memory. */
+int small_gemm_blocks(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads,
+                      int layout) {
+    if (M < 1 || N % (TILE * QNT) || K % QK || layout < 0 || layout > 3) return -1;
     float *xt = rows_k_major(x, M, K);
     if (!xt) return -2;
-    const int64_t tile_bytes = K / QK * block;
+    const qtile_fn *tiles = LAYOUT_TILES[layout];
+    const int64_t tile_bytes = K / QK * LAYOUT_BLOCK[layout];
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < N / TILE; t += QNT) tiles[M](xt, wq + t * tile_bytes, K, out + t * TILE, N, tile_bytes);
+    for (int64_t t0 = 0; t0 < N / TILE; t0 += QNT)
+        for (int g = 0; g < M; g += GROUP) {
+            const int rows = M - g < GROUP ? M - g : GROUP;
+            const int nt = QTILES_NT[rows];
+            for (int64_t t = t0; t < t0 + QNT; t += nt)
+                tiles[rows](xt + (int64_t)g * K, wq + t * tile_bytes, K, out + (int64_t)g * N + t * TILE, N,
+                            tile_bytes);
+        }
     free(xt);
     return 0;
-}
-
-int small_gemm_q4(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads) {
-    return small_gemm_q(x, wq, M, K, N, out, nthreads, Q4TILES, Q4_BLOCK);
-}
-
-int small_gemm_q8(const float *x, const uint8_t *wq, int M, int64_t K, int64_t N, float *out, int nthreads) {
-    return small_gemm_q(x, wq, M, K, N, out, nthreads, Q8TILES, Q8_BLOCK);
 }
 
 /* x: [M, K]; wp: [N/8, K, 8]; out: [M, N] (N a multiple of 8).
