@@ -15,10 +15,12 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import torch
 
+from splitserve.bench.peers_bench import cpu_model, vector_flags
 from splitserve.bench.workload import WorkItem, default_workload_dir, load_workload, percentile, write_results
 from splitserve.engine.config import EngineConfig, ModelSpec
 from splitserve.engine.engine import LLMEngine
@@ -274,6 +276,108 @@ def dtype_cost(engines: dict[str, LLMEngine], rounds: int, prompt_len: int = 128
     return {"prompt_len": prompt_len, "max_tokens": max_tokens, "rounds": rounds, "dtypes": got}
 
 
+RESIDENT = """
+import json, sys, time
+t = time.perf_counter()
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.sampling import SamplingParams
+eng = LLMEngine(EngineConfig(weights=sys.argv[1], kv_cache_bytes=256 << 20, prefix_caching=False))
+ready = time.perf_counter() - t
+params = SamplingParams(max_tokens=32, ignore_eos=True)
+eng.generate([[100 + i % 900 for i in range(8 * j, 8 * j + 40)] for j in range(8)], params)  # decode, 8 rows
+after_decode = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+eng.generate([[100 + i % 900 for i in range(512)]], SamplingParams(max_tokens=1))  # a 512-token prefill (MKL)
+status = open("/proc/self/status").read()
+mb = lambda key: int(status.split(key + ":")[1].split()[0]) // 1024
+got = {"ready_s": ready, "rss_after_decode_mb": after_decode, "rss_mb": mb("VmRSS"), "peak_rss_mb": mb("VmHWM")}
+print(json.dumps(got))
+"""
+
+
+def weights_cost(loaded, base: EngineConfig, mixed: list[WorkItem], short: list[WorkItem], rounds: int) -> dict:
+    """The small-GEMM kernel's weights (EngineConfig.weights), native blocks against fp32 tiles, on
+    the same model: decode tok/s at 1, 8, 32 and 64 running sequences (contexts of 128 tokens), then
+    the mixed and short requests all at once, each setting in turn, the order swapped every round;
+    each setting's packing from nothing (no cache) in this process; and in a fresh process each
+    (its caches kept), the time to a ready engine and its resident memory after decode steps and
+    after a 512-token prefill. Also what de-quantizing every layer's blocks with gguf-py takes,
+    against a 512-token prefill: the cost of prefilling from the blocks instead of fp32 weights."""
+    import subprocess
+
+    from splitserve.engine.gguf_convert import GGUFFile
+    from splitserve.engine.loader import native_blocks
+
+    sides = ("native", "fp32")
+    need = (
+        64
+        * (128 + decode_max_tokens(base, 64, 128) + base.block_size)
+        * ModelShape.of(loaded.config).kv_bytes_per_token
+    )
+    engines = {
+        w: LLMEngine(base.replace(prefix_caching=False, weights=w, kv_cache_bytes=max(need, 1 << 30)), loaded=loaded)
+        for w in sides
+    }
+    out: dict = {"rounds": rounds, "mixed_requests": len(mixed), "short_requests": len(short)}
+    for w, eng in engines.items():  # packing from nothing: what a first start on a new file does
+        blocks = None
+        t = time.perf_counter()
+        if w == "native":
+            blocks = native_blocks(loaded)
+        eng.model.use_small_gemm(eng.model.small_gemm, cache={}, known=None, blocks=blocks)
+        out.setdefault("pack_s", {})[w] = time.perf_counter() - t
+        run_workload(eng, mixed[:4])  # warm-up
+    print(f"packing from nothing: {out['pack_s']}", flush=True)
+
+    def run(w: str) -> dict:
+        eng = engines[w]
+        got = {f"decode_{n}": decode_rate(eng, mixed, n)[0] for n in (1, 8, 32, 64)}
+        got["mixed"] = run_workload(eng, mixed)["output_tok_per_s"]
+        got["short"] = run_workload(eng, short)["output_tok_per_s"]
+        return got
+
+    out["runs"] = alternated(
+        rounds,
+        {w: (lambda w=w: run(w)) for w in sides},
+        lambda w, got: f"{w:>6}: " + " ".join(f"{k} {v:.1f}" for k, v in got.items()),
+    )
+    out["native_over_fp32"] = {
+        k: [a[k] / b[k] for a, b in zip(out["runs"]["native"], out["runs"]["fp32"])] for k in out["runs"]["native"][0]
+    }
+    for k, v in out["native_over_fp32"].items():
+        print(f"native / fp32, {k}: {', '.join(f'{r:.2f}' for r in v)}", flush=True)
+    engines.clear()
+    for w in sides * 2:  # a fresh process each, twice, alternated
+        proc = subprocess.run([sys.executable, "-c", RESIDENT, w], capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the resident-memory run of weights {w} failed: {proc.stderr[-2000:]}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.setdefault("fresh_process", {}).setdefault(w, []).append(got)
+        print(f"fresh process, weights {w}: {got}", flush=True)
+    if loaded.gguf_path:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        gguf = GGUFFile(loaded.gguf_path)
+        t = time.perf_counter()
+        for name, tensor in gguf.tensors.items():
+            if name.startswith("blk.") and len(tensor.shape) == 2:
+                dequantize(gguf.raw(name), GGMLQuantizationType(tensor.ggml_type))
+        out["dequantize_layers_s"] = time.perf_counter() - t
+        eng = LLMEngine(base.replace(prefix_caching=False, kv_cache_bytes=256 << 20), loaded=loaded)
+        prompt = [100 + i % 900 for i in range(512)]
+        eng.generate([prompt], SamplingParams(max_tokens=1))
+        t = time.perf_counter()
+        eng.generate([prompt], SamplingParams(max_tokens=1))
+        out["prefill_512_s"] = time.perf_counter() - t
+        print(
+            f"de-quantizing every layer's blocks (gguf-py): {out['dequantize_layers_s']:.2f} s; "
+            f"a 512-token prefill on fp32 weights: {out['prefill_512_s']:.2f} s",
+            flush=True,
+        )
+    return out
+
+
 def samples_cost(engine: LLMEngine, items: list[WorkItem], n: int, rounds: int, max_tokens: int = 32) -> dict:
     """Each prompt's n samples as one request (sampling.n) against n requests of it (seeded seed + i:
     the same tokens), all submitted at once, alternated over rounds: wall time, output tok/s and
@@ -401,6 +505,12 @@ def main(argv=None) -> int:
         help="only measure each dtype (float32, bfloat16, float16) on the same weights: a 128-token "
         "prompt's prefill and one stream's decode rate, the dtypes alternated each round",
     )
+    ap.add_argument(
+        "--weights-cost",
+        action="store_true",
+        help="only measure weights native against fp32 (decode at 1/8/32/64 running, the mixed and short "
+        "requests, packing time, a fresh process's start and resident memory), alternated over --rounds",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--decode-context",
@@ -440,6 +550,10 @@ def main(argv=None) -> int:
     short = load_workload(os.path.join(args.workloads, "workload_short.jsonl"))
     n_mixed, n_short = (8, 16) if args.quick else (32, 64)
     results: dict = {
+        "command": " ".join(["python", "-m", "splitserve.bench.engine_bench", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": cpu_model(),
+        "vector_flags": vector_flags(),
         "threads": base.threads(),
         "torch": torch.__version__,
         "device": args.device,
@@ -495,7 +609,9 @@ def main(argv=None) -> int:
             for dt in ("float32", "bfloat16", "float16")
         }
         results["dtype_cost"] = dtype_cost(engines, args.rounds)
-    if costs or args.structured_cost or args.samples_cost or args.dtype_cost:
+    if args.weights_cost:
+        results["weights_cost"] = weights_cost(loaded, base, mixed[:n_mixed], short[:n_short], args.rounds)
+    if costs or args.structured_cost or args.samples_cost or args.dtype_cost or args.weights_cost:
         write_results(args.out, results)
         return 0
 
