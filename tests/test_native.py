@@ -63,8 +63,8 @@ def test_engine_backends_agree(tiny_engine_factory):
     assert a == b
 
 
-def _small_gemm(threads: int = 2):
-    lib = native.load_small_gemm(ModelSpec().cache_dir)
+def _small_gemm(threads: int = 2, avx512: bool = True):
+    lib = native.load_small_gemm(ModelSpec().cache_dir, avx512)
     assert lib is not None, "the small-GEMM kernel must build on this (AVX2) machine"
     return native.SmallGemm(lib, threads)
 
@@ -131,6 +131,9 @@ def test_block_kernels_match_dequantize_then_matmul(fmt, k, n):
         assert torch.equal(got, whole[:m]), m
         assert torch.equal(sg(x[21 - m :], packed, n), whole[21 - m :]), m
     assert torch.equal(_small_gemm(1)(x[:3], packed, n), whole[:3])
+    # the 256-bit block kernels, which a CPU with AVX-512 does not use otherwise: the same
+    assert torch.equal(_small_gemm(avx512=False)(x, packed, n), whole)
+    assert torch.equal(_small_gemm(avx512=False)(x[:5], packed, n), whole[:5])
 
 
 def test_blocks_take_only_whole_tiles_of_the_kernel_and_are_bytes_of_the_format():

@@ -30,6 +30,8 @@ def _flags() -> list[str]:
             cpu = f.read()
         if " avx2" in cpu and " fma" in cpu and " f16c" in cpu:
             flags += ["-mavx2", "-mfma", "-mf16c"]
+            if " avx512f" in cpu:
+                flags += ["-mavx512f"]
     except OSError:
         pass
     return flags
@@ -165,10 +167,13 @@ class SmallGemm:
         return out if n_pad == n else out[:, :n]
 
 
-def load_small_gemm(cache_dir: str) -> ctypes.CDLL | None:
-    if "-mavx2" not in _flags():
+def load_small_gemm(cache_dir: str, avx512: bool = True) -> ctypes.CDLL | None:
+    """The kernel built for this CPU; avx512 False: without its AVX-512 block kernels even where the
+    CPU has them (the tests check the 256-bit ones there too)."""
+    flags = _flags()
+    if "-mavx2" not in flags:
         return None  # the kernel is written with AVX2/FMA/F16C intrinsics
-    lib = _build("small_gemm", cache_dir)
+    lib = _build("small_gemm", cache_dir, [f for f in flags if avx512 or not f.startswith("-mavx512")])
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
@@ -247,9 +252,9 @@ def _compile(name: str, src: str, flags: list[str], so: str) -> bool:
     return True
 
 
-def _build(name: str, cache_dir: str) -> ctypes.CDLL | None:
+def _build(name: str, cache_dir: str, flags: list[str] | None = None) -> ctypes.CDLL | None:
     src = os.path.join(_HERE, f"{name}.c")
-    flags = _flags()
+    flags = _flags() if flags is None else flags
     with open(src, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir, "kernels")
