@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-peers bench-burst bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
+.PHONY: install proto deploy-tools docs-tools docs lint test test-tools image image-test run bench bench-gpu bench-capacity bench-engine bench-handoff bench-service bench-peers bench-llama bench-burst bench-tracing bench-cores bench-prefix bench-policies bench-sweep bench-disagg bench-priority bench-resume soak fuzz clean
 
 install: $(STAMP)
 
@@ -66,6 +66,7 @@ bench-engine: install
 	$(PY) -m splitserve.bench.engine_bench --samples-cost 4 --out bench-results/engine-samples.json
 	$(PY) -m splitserve.bench.engine_bench --invariant-cost --rounds 5 --out bench-results/engine-invariant.json
 	$(PY) -m splitserve.bench.engine_bench --dtype-cost --rounds 2 --out bench-results/engine-dtype.json
+	$(PY) -m splitserve.bench.engine_bench --weights-cost --rounds 3 --out bench-results/engine-weights.json
 
 bench-handoff: install proto
 	$(PY) -m splitserve.bench.handoff_bench --out bench-results/handoff.json
@@ -88,6 +89,18 @@ $(VLLM_VENV)/.installed:
 # splitserve and vLLM side by side in one run (about 40 minutes here, 4 of them vLLM loading)
 bench-peers: install proto $(VLLM_VENV)/.installed
 	$(PY) -m splitserve.bench.peers_bench --vllm-python $(VLLM_VENV)/bin/python --out bench-results/peers.json
+
+LLAMA_VENV := .venv-llama
+
+# llama-cpp-python builds llama.cpp from source (about 10 minutes here)
+$(LLAMA_VENV)/.installed:
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q 'llama-cpp-python[server]'
+	touch $@
+
+# splitserve and llama.cpp's server on the same Q4_1 file, side by side in one run (about 10 minutes)
+bench-llama: install proto $(LLAMA_VENV)/.installed
+	$(PY) -m splitserve.bench.llama_bench --llama-python $(LLAMA_VENV)/bin/python --rounds 3 --out bench-results/llama.json
 
 # 600 calls at once at a busy stack, the router's local view on and off, and the client's floor
 bench-burst: install proto

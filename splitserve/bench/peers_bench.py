@@ -65,24 +65,27 @@ METRICS = ("output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "e2e
 # -- one load over OpenAI HTTP -------------------------------------------------------------------
 
 
-async def _one(client, model: str, item: WorkItem, t_run: float) -> dict:
+async def _one(client, model: str, item: WorkItem, t_run: float, text: bool = False, extra: dict | None = None) -> dict:
     out = {"t_sent": time.perf_counter() - t_run, "ok": False, "ttft_s": math.nan, "e2e_s": math.nan, "tokens": 0}
     t0 = time.perf_counter()
     try:
         stream = await client.completions.create(
             model=model,
-            prompt=item.prompt_token_ids,
+            prompt=item.prompt if text else item.prompt_token_ids,
             max_tokens=item.max_tokens,
             temperature=0.0,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True} if extra is None else extra,
         )
+        chunks, usage = 0, None
         async for chunk in stream:
             if chunk.choices and math.isnan(out["ttft_s"]):
                 out["ttft_s"] = time.perf_counter() - t0
+            chunks += bool(chunk.choices and chunk.choices[0].text)
             if chunk.usage is not None:
-                out["tokens"] = chunk.usage.completion_tokens
+                usage = chunk.usage.completion_tokens
+        out["tokens"] = chunks if usage is None else usage  # (a server that sends no usage: a token a chunk)
         out["e2e_s"] = time.perf_counter() - t0
         out["ok"] = out["tokens"] == item.max_tokens
         if not out["ok"]:
@@ -92,8 +95,17 @@ async def _one(client, model: str, item: WorkItem, t_run: float) -> dict:
     return out
 
 
-async def run_load(base_url: str, model: str, items: list[WorkItem], rate: float | None, seed: int = 0) -> list:
-    """Every item sent once: all at once (rate None) or as a seeded Poisson process."""
+async def run_load(
+    base_url: str,
+    model: str,
+    items: list[WorkItem],
+    rate: float | None,
+    seed: int = 0,
+    text: bool = False,
+    extra: dict | None = None,
+) -> list:
+    """Every item sent once: all at once (rate None) or as a seeded Poisson process; text: the prompt
+    as text (else its token ids); extra: the request's extra fields (default ignore_eos)."""
     import httpx2
     import openai
 
@@ -113,7 +125,7 @@ async def run_load(base_url: str, model: str, items: list[WorkItem], rate: float
                 if delay > 0:
                     await asyncio.sleep(delay)
                 next_t += rng.expovariate(rate)
-            tasks.append(asyncio.ensure_future(_one(client, model, item, t_run)))
+            tasks.append(asyncio.ensure_future(_one(client, model, item, t_run, text, extra)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t_run
     return [dict(r, wall_s=wall) for r in results]
