@@ -77,7 +77,7 @@ class Settings:
     dtype: str = "auto"
     # what the CPU's small-GEMM kernel (decode steps, short chunks) reads: native, the checkpoint's own blocks (GGUF
     # Q4_0, Q4_1, Q8_0, F16, BF16; a folder's fp16/bf16) turned into floats in registers, or fp32 tiles; the same
-    # floats either way, and the same results. native streams a quarter of the bytes (docs/configuration.md, Weights)
+    # floats either way, and the same results; native streams SmolLM2 as 100 MB, not 540 (docs/configuration.md)
     weights: str = "native"
     # on CUDA, steps replay captured CUDA graphs (cuda_graphs.py); false = eager
     cuda_graphs: bool = True
