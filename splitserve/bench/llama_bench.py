@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from splitserve.bench.peers_bench import (
     free_port,
     gemm_gflops,
     run_load,
+    stop_group,
     summarize,
     vector_flags,
     wait_http,
@@ -144,13 +144,7 @@ def main(argv=None) -> int:
                             )
                     results["rounds"].append(got)
         finally:
-            if llama.poll() is None:
-                os.killpg(llama.pid, signal.SIGTERM)
-                try:
-                    llama.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(llama.pid, signal.SIGKILL)
-                    llama.wait()
+            stop_group(llama)
             log.close()
             if not results["rounds"]:
                 print(open(os.path.join(tmp, "llama.log")).read()[-4000:], file=sys.stderr)

@@ -203,6 +203,18 @@ def vllm_model_folder(folder: str, into: str) -> str:
     return dst
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a server started in a session of its own, and whatever it started: SIGTERM, then
+    SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def wait_http(url: str, proc: subprocess.Popen | None, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -373,13 +385,7 @@ def main(argv=None) -> int:
                             )
                     results["rounds"].append(got)
         finally:
-            if vllm.poll() is None:
-                os.killpg(vllm.pid, signal.SIGTERM)
-                try:
-                    vllm.wait(60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(vllm.pid, signal.SIGKILL)
-                    vllm.wait()
+            stop_group(vllm)
             log.close()
             if vllm.returncode not in (0, -signal.SIGTERM, None) and not results["rounds"]:
                 print(open(os.path.join(tmp, "vllm.log")).read()[-4000:], file=sys.stderr)
