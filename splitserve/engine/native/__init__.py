@@ -78,7 +78,7 @@ def load_paged_attention(cache_dir: str) -> ctypes.CDLL | None:
 
 
 class Packed(NamedTuple):
-    """A weight for SmallGemm: its fp32 tiles, its checkpoint's blocks, or both."""
+    """A weight for SmallGemm: its fp32 tiles or its checkpoint's blocks (the other None)."""
 
     tiles: Any  # torch.Tensor [N/8, K, 8] float32, or None
     blocks: Any = None  # torch.Tensor [N/8, K/32, layout bytes] uint8 (gguf_blocks), or None
