@@ -23,14 +23,16 @@ log = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _flags() -> list[str]:
+def _flags(avx512: bool = False) -> list[str]:
+    """The compiler's flags for this CPU; avx512: with -mavx512f where it has AVX-512 (the small
+    GEMM's block kernels only: the paged-attention kernel built with it rounded differently)."""
     flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c11"]
     try:
         with open("/proc/cpuinfo") as f:
             cpu = f.read()
         if " avx2" in cpu and " fma" in cpu and " f16c" in cpu:
             flags += ["-mavx2", "-mfma", "-mf16c"]
-            if " avx512f" in cpu:
+            if avx512 and " avx512f" in cpu:
                 flags += ["-mavx512f"]
     except OSError:
         pass
@@ -170,10 +172,10 @@ class SmallGemm:
 def load_small_gemm(cache_dir: str, avx512: bool = True) -> ctypes.CDLL | None:
     """The kernel built for this CPU; avx512 False: without its AVX-512 block kernels even where the
     CPU has them (the tests check the 256-bit ones there too)."""
-    flags = _flags()
+    flags = _flags(avx512)
     if "-mavx2" not in flags:
         return None  # the kernel is written with AVX2/FMA/F16C intrinsics
-    lib = _build("small_gemm", cache_dir, [f for f in flags if avx512 or not f.startswith("-mavx512")])
+    lib = _build("small_gemm", cache_dir, flags)
     if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
