@@ -411,7 +411,9 @@ def test_a_gguf_file_cut_short_or_of_another_architecture_is_refused_naming_it(t
         {"blk.0.attn_v.weight": "Q8_0"},  # q, k, v of two formats: that layer's w_qkv stays fp32
     ],
 )
-def test_weights_native_read_the_gguf_files_blocks_and_give_what_fp32_gives(tmp_path, kinds, tiny_gguf_engines):
+def test_weights_native_read_the_gguf_files_blocks_and_give_what_fp32_gives(
+    tmp_path, kinds, tiny_gguf_engines, monkeypatch
+):
     """weights native: each weight whose parts the file keeps in one format the kernel reads is
     read from the file's blocks (q and k in transformers' order), the others from fp32 tiles; the
     tokens and log probabilities are those of weights fp32 bit for bit, from prompts of 1-8 rows
@@ -447,6 +449,16 @@ def test_weights_native_read_the_gguf_files_blocks_and_give_what_fp32_gives(tmp_
         return got
 
     assert run(native) == run(fp32)
+    # a later process maps the blocks from the pack cache, without reading the file's again
+    from splitserve.engine import engine as engine_module
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+
+    monkeypatch.setattr(engine_module, "native_blocks", lambda loaded: pytest.fail("the file's blocks read again"))
+    spec = native.config.model
+    later = LLMEngine(EngineConfig(model=spec, weights="native", kv_cache_bytes=8 << 20), loaded=load_model(spec))
+    assert [{k: p.fmt for k, p in layer.packed.items()} for layer in later.model.layers] == fmts
+    assert later.model.lm_head_packed.fmt == "" and later.model.lm_head_packed.tiles is not None
 
 
 @pytest.fixture

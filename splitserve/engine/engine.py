@@ -171,7 +171,9 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
         with cache_dir.making(entry, waiting) if first else contextlib.nullcontext():
             known = pack_cache.read(entry) if first else None
             t = time.perf_counter()
-            blocks = native_blocks(loaded) if weights == "native" else None
+            # the file's blocks only when weights are packed from nothing: a cache (this process's, or the
+            # disk's) holds them laid out already
+            blocks = native_blocks(loaded) if weights == "native" and not cache and known is None else None
             self.model.use_small_gemm(
                 native.SmallGemm(lib, self.num_threads), between=tick, cache=cache, known=known, blocks=blocks
             )

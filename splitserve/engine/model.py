@@ -142,20 +142,22 @@ class LlamaModel:
         """Route matmuls of up to SmallGemm.MAX_M rows (decode steps, short chunks) to the weight-streaming
         kernel. ``between`` is called before each layer's packing (the engine's CoreShare.tick). ``cache``
         (LoadedModel.packed) keeps the packed weights for the next model built on the same ones; ``known``:
-        them as an earlier process packed them (pack_cache.read), by the same keys. ``blocks``: the
-        checkpoint's own blocks by HF name (loader.native_blocks): a weight whose parts all have blocks
-        of one format is read from them, the others from fp32 tiles."""
+        them as an earlier process packed them (pack_cache.read), by the same keys, blocks or tiles taken as
+        they are. ``blocks``: the checkpoint's own blocks by HF name (loader.native_blocks): a weight
+        not in ``known`` whose parts all have blocks of one format is read from them, the others from
+        fp32 tiles."""
         cache = {} if cache is None else cache
         known = known or {}
 
         def pack(key, w, *parts: str):
+            before = known.get(key)
+            if before is not None and before.blocks is not None:  # read back from the disk cache
+                return small_gemm.pack(w, before, (before.fmt, before.blocks))
             got = [blocks.get(p) for p in parts] if blocks is not None else [None]
             fmts = {g[0] for g in got if g is not None}
             if None in got or len(fmts) != 1 or not small_gemm.fits_blocks(*w.shape):
-                return small_gemm.pack(w, known.get(key))
-            fmt, before = fmts.pop(), known.get(key)
-            if before is not None and before.fmt == fmt:  # read back from the disk cache: not made again
-                return small_gemm.pack(w, before, (fmt, before.blocks))
+                return small_gemm.pack(w, before)
+            fmt = fmts.pop()
             raw = got[0][1] if len(got) == 1 else np.concatenate([g[1] for g in got])
             return small_gemm.pack(w, None, (fmt, gguf_blocks(fmt, torch.from_numpy(raw))))
 
