@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2
 
 from splitserve.decode_worker.handoff import SERVICE, HandoffReceiver, other_leg
+from splitserve.decode_worker.liveness import Heartbeat
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.loader import served_model_name
@@ -38,7 +39,6 @@ from splitserve.handoff.arena import ArenaReader
 from splitserve.observability import tracing
 from splitserve.observability.metrics import DecodeMetrics
 from splitserve.service import aio, convert, grpc_server, tls
-from splitserve.service import redis_scripts as scripts
 from splitserve.service.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -519,8 +519,10 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
 
     # -- registry -----------------------------------------------------------------------
 
-    def info(self, address: str) -> WorkerInfo:
+    def info(self, address: str, metrics_port: int | None = None) -> WorkerInfo:
+        """This worker's registry entry; read from the heartbeat thread (hence the copy of slots)."""
         e = self.engine
+        slots = list(self.slots.values())
         return WorkerInfo(
             worker_id=self.name,
             role="decode",
@@ -530,12 +532,13 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
             waiting=e.num_waiting,
             free_kv_tokens=e.cache.pool.num_free * e.cache.block_size,
             kv_capacity_tokens=e.kv_capacity_tokens,
-            pending=sum(1 for slot in self.slots.values() if not slot.imported),  # open streams still without KV
+            pending=sum(1 for slot in slots if not slot.imported),  # open streams still without KV
             opened=self.opened,
             closed=self.closed,
             epoch=self.epoch,
             fingerprint=e.fingerprint,
             dtype=str(e.cache.kv.dtype).removeprefix("torch."),
+            metrics=f"{self.s.host}:{metrics_port}" if metrics_port else "",
         )
 
 
@@ -573,40 +576,26 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     )
     address = settings.address(port)
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
-    lease = 3 * settings.heartbeat_s
-    redis_scripts = Scripts(r)
 
-    async def heartbeat():
-        serving = True
+    def set_health(stalled: bool) -> None:  # heartbeat thread
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+        for svc in ("", SERVICE):
+            asyncio.run_coroutine_threadsafe(health.set(svc, status), loop)
+
+    beat = Heartbeat(settings, name, runner.watch, metrics, lambda: servicer.info(address, metrics_port), set_health)
+    beat.start()
+
+    async def warm():  # the arenas of this host's prefill workers, mapped before their first handoff
         while True:
-            stalled = runner.watch.stalled()
-            metrics.stalled.set(int(stalled))
-            if stalled == serving:  # a step that does not return: report it, and let the lease lapse
-                serving = not stalled
-                status = (
-                    health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
-                )
-                for svc in ("", SERVICE):
-                    await health.set(svc, status)
-            if stalled:
-                await asyncio.sleep(settings.heartbeat_s)
-                continue
-            started = time.monotonic()
-            try:  # Redis down or restarted empty: keep trying, so the worker registers again when it is back
-                info = servicer.info(address)
-                if metrics_port:
-                    info.metrics = f"{settings.host}:{metrics_port}"
-                await redis_scripts.run(scripts.heartbeat(keys, info=info, lease_s=lease))
+            try:
                 await servicer.warm_arenas()
             except redis.RedisError as e:
-                log.warning("heartbeat failed: %s", e)
-            except Exception:  # noqa: BLE001 - the heartbeat must outlive any round (its lease would lapse)
-                log.exception("heartbeat round failed")
-            # One write a heartbeat, the round's time included: a round that Redis held (stalled
-            # past the lease, which lapsed meanwhile) is followed by a write at once, not a heartbeat on.
-            await asyncio.sleep(max(0.0, settings.heartbeat_s - (time.monotonic() - started)))
+                log.debug("arenas not warmed: %s", e)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("warming the arenas failed")
+            await asyncio.sleep(settings.heartbeat_s)
 
-    hb = asyncio.create_task(heartbeat())
+    hb = asyncio.create_task(warm())
     log.info(
         "decode worker %s serving on %s (model %s, fingerprint %s)",
         name,
@@ -622,10 +611,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     t_end = time.time() + settings.drain_s
     await grpc_server.set_not_serving(health, [SERVICE])
     hb.cancel()
-    try:
-        await r.delete(keys.worker("decode", name))
-    except redis.RedisError as e:  # its lease ends it anyway; drain regardless
-        log.warning("could not remove the registry entry: %s", e)
+    await asyncio.to_thread(beat.leave)
     # A router places requests here until it reads the registry again (every half heartbeat): the
     # streams it opens meanwhile are taken and drained too, not refused (UNAVAILABLE to a client).
     await asyncio.sleep(max(0.0, min(2 * settings.heartbeat_s, t_end - time.time())))

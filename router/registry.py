@@ -12,7 +12,7 @@ import redis.exceptions
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.router.placement import Placement
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.requests import REGISTER_WAIT_HEARTBEATS, log
+from splitserve.router.requests import LAPSE_GRACE_HEARTBEATS, REGISTER_WAIT_HEARTBEATS, log
 from splitserve.service import grpc_server
 from splitserve.service.errors import (
     Unavailable,
@@ -38,11 +38,46 @@ class WorkerRegistry:
                 self.prefill_workers = len(prefill)
             if self.prefill_affinity:
                 self.prefill_prefixes.workers(prefill)
+        if found:
+            self.lapsed.clear()
+        else:
+            found = self._kept_lapsed()
         self.workers = found
         self.read_from = max(self.read_from, started)
         self.placements.prune(found)
         self.prefixes.workers(found)
         await self._reconnect_restarted(found)
+
+    def _kept_lapsed(self) -> list[WorkerInfo]:
+        """With no decode worker registered: the workers this router placed on at its last read
+        whose entries have lapsed since, while its channel to them is up and carries streams, for
+        LAPSE_GRACE_HEARTBEATS. A lease lapses when a heartbeat is late (Redis slow, the worker's
+        process held); failing the requests admitted meanwhile with "no decode worker is
+        registered" would lose work that the worker can still do. One that is truly gone drops its
+        connection and is not kept; one that drained and left stops taking streams, which then
+        fail as they would have."""
+        now = time.monotonic()
+        holding = {a.address for a in self.active.values()}
+        kept = []
+        for w in self.workers:
+            peer = self.peers.cached(w.address)
+            if w.address not in holding or peer is None:
+                continue
+            if peer.channel.get_state() != grpc.ChannelConnectivity.READY:
+                continue
+            since = self.lapsed.setdefault(w.worker_id, now)
+            if since == now:
+                self.metrics.lease_lapses.inc()
+                log.warning(
+                    "decode worker %s's registry entry lapsed while it holds streams from here and its "
+                    "channel is up: still placing requests on it, for up to %g s",
+                    w.worker_id,
+                    LAPSE_GRACE_HEARTBEATS * self.s.heartbeat_s,
+                )
+            if now - since < LAPSE_GRACE_HEARTBEATS * self.s.heartbeat_s:
+                kept.append(w)
+        self.lapsed = {w.worker_id: self.lapsed[w.worker_id] for w in kept}
+        return kept
 
     async def _registry(self, role: str) -> list[WorkerInfo]:
         """The registry's entries of role's workers. One that is not an entry a worker writes (of

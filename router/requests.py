@@ -37,6 +37,10 @@ LOST_GRACE_HEARTBEATS = 2
 # A request that finds no decode worker registered waits this long for one to (_await_registration).
 REGISTER_WAIT_HEARTBEATS = 2
 
+# A decode worker whose registry entry lapsed while this router's channel to it is up and carries
+# streams stays placeable this long, while no other is registered (WorkerRegistry._kept_lapsed).
+LAPSE_GRACE_HEARTBEATS = 15
+
 # An Abort for a request id no router has seen yet (it overtook its Generate) is remembered this
 # long: the request, if it comes within it, is refused CANCELLED instead of running.
 EARLY_ABORT_KEEP_S = 60

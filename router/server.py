@@ -28,6 +28,7 @@ import time
 
 import grpc
 import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2
 
 from splitserve.engine.errors import InvalidRequestError
 from splitserve.engine.params import check_vocab
@@ -102,6 +103,7 @@ class RouterServicer(
         self.workers: list[WorkerInfo] = []
         self.prefill_workers: int | None = None  # prefill workers registered (None: not read yet)
         self.unreadable: set[bytes] = set()  # registry keys told unreadable (_registry)
+        self.lapsed: dict[str, float] = {}  # decode worker id -> monotonic time its entry was first found lapsed
         self.read_from = 0.0  # monotonic time the latest registry read (finished) began
         self.refreshing = asyncio.Lock()
         self.placements = Placements()  # corrects the registry's loads for what happened since
@@ -455,6 +457,20 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
     if http is not None:
         http.start()
+    # The Generation service is SERVING once a decode worker is registered (a readiness probe, or
+    # a client's health check, sends no request that would only wait); the server's overall
+    # health stays SERVING, for liveness probes.
+    generation = [None]
+
+    async def follow_workers():
+        ready = bool(servicer.workers)
+        if generation[0] != ready:
+            generation[0] = ready
+            await health.set(
+                SERVICE, health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+
+    await follow_workers()
 
     async def refresh():
         while True:
@@ -462,6 +478,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
             try:
                 await servicer.keep_alive()
                 await servicer.refresh_workers()
+                await follow_workers()
                 q, t = queue_counts(await r.hmget(servicer.keys.admission, *QUEUE_FIELDS))
                 metrics.queue_requests.set(q)
                 metrics.queue_tokens.set(t)
@@ -486,8 +503,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         print(f"HTTP {settings.host}:{http.port}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
-    await grpc_server.set_not_serving(health, [SERVICE])
     task.cancel()
+    await grpc_server.set_not_serving(health, [SERVICE])
     if sharing is not None:
         sharing.cancel()
     # In-flight requests finish, new ones are refused (gRPC sends them to the other routers). Those

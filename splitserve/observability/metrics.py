@@ -132,6 +132,11 @@ class RouterMetrics(Metrics):
         self.queue_limit_requests = self.g("queue_limit_requests", "Queued requests from which admission refuses")
         self.queue_limit_tokens = self.g("queue_limit_tokens", "Queued prompt tokens from which admission refuses")
         self.decode_workers = self.g("decode_workers", "Decode workers in the Redis registry")
+        self.lease_lapses = self.c(
+            "decode_lease_lapses",
+            "Decode workers whose registry entry lapsed while this router's channel to them was up "
+            "and carried streams (kept placeable for a grace while no other worker is registered)",
+        )
         self.in_flight = self.g("requests_in_flight", "Requests this router is serving now")
         self.admitting = self.g(
             "requests_admitting", "Requests this router has validated whose admission script has not answered"
@@ -405,6 +410,10 @@ class DecodeMetrics(EngineMetrics):
             "Tokens of adopted KV already in this worker's prefix cache: their blocks are shared, not filled again",
         )
         self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")
+        self.lease_lapses = self.c(
+            "registry_lease_lapses",
+            "Heartbeats written after this worker's registry lease had lapsed (Redis away, or the process held)",
+        )
         self.first_tokens = self.c(
             "first_tokens",
             "First tokens sent on Decode streams, by where they came from: "

@@ -116,3 +116,39 @@ def test_a_registry_entry_no_worker_wrote_is_left_out_told_once_and_the_router_s
         assert "heartbeat failed" not in open(stack.proc("decode-0").log_path).read()
     finally:
         r.delete(*bad)
+
+
+def test_a_decode_worker_whose_loop_is_held_keeps_its_lease_and_no_admitted_request_fails(tmp_path):
+    """The decode worker's event loop is held for 5 s mid-stream (20 leases of 0.25 s heartbeats).
+    Its registry entry is written from a thread of its own, so it never lapses, and the requests
+    sent while the loop is held are admitted, placed there and all complete. Guards against: the
+    heartbeat ran on that loop, the lease lapsed, and the router failed every request it admitted
+    meanwhile UNAVAILABLE "no decode worker is registered"."""
+    import concurrent.futures as cf
+
+    from splitserve.client import Client
+
+    from .common import finish_stack, start_stack, with_module
+
+    s = start_stack(decode_env=with_module(tmp_path, "decode_loop_stall"))
+    try:
+        r = s.redis()
+        key = s.keys.worker("decode", workers(s, "decode")[0]["worker_id"])
+        with Client(s.router_address) as c, cf.ThreadPoolExecutor(12) as pool:
+            held = pool.submit(
+                c.generate, "Count: 1, 2,", max_tokens=12, ignore_eos=True, request_id="stall-loop-1", timeout=60
+            )
+            time.sleep(1.0)  # its third token has come: the loop is held now
+            leases, others = [], []
+            for i in range(10):
+                others.append(pool.submit(c.generate, f"Request {i}:", max_tokens=6, ignore_eos=True, timeout=60))
+                leases.append(r.pttl(key))
+                time.sleep(0.3)
+            results = [f.result() for f in [held, *others]]
+        assert all(ttl > 0 for ttl in leases), leases  # -2: the entry lapsed
+        assert [x.finish_reason for x in results] == ["length"] * 11
+        assert [x.usage.completion_tokens for x in results] == [12] + [6] * 10
+        with open(s.proc("decode-0").log_path) as f:
+            assert "registry lease lapsed" not in f.read()
+    finally:
+        finish_stack(s)
