@@ -18,13 +18,15 @@ import socket
 import time
 
 import grpc
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from splitserve.service.errors import status_for
+from splitserve.service.errors import PermissionDenied, status_for
 from splitserve_proto.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,11 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
+# HTTP statuses of this API's own (not a gRPC status's) -> OpenAI's error type
+HTTP_ONLY = {408: "timeout_error", 413: "invalid_request_error"}
+# A request body nested deeper than this (objects and lists) is refused before anything walks it:
+# a JSON Schema this deep compiles to nothing useful, and Python's own parser gives up near 1000.
+MAX_BODY_DEPTH = 64
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 # The request's parameters and where each goes in SamplingParams (the same name unless given)
 SAMPLING = {
@@ -96,7 +103,7 @@ def error_response(e: BaseException) -> JSONResponse:
         if field is not None:
             field = PARAMS.get(field, field.removeprefix("sampling."))
         e = HttpError(status, message, field, code.name, headers)
-    kind = next((t for s, t in HTTP_STATUS.values() if s == e.status), "internal_error")
+    kind = next((t for s, t in HTTP_STATUS.values() if s == e.status), HTTP_ONLY.get(e.status, "internal_error"))
     body = {"error": {"message": e.args[0], "type": kind, "param": e.param, "code": e.code}}
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
@@ -117,6 +124,47 @@ class HttpContext:
 
     def time_remaining(self):
         return None
+
+
+def checked_body(body) -> None:
+    """Refuses (400, naming where) a body nested deeper than MAX_BODY_DEPTH, or with a string or
+    key holding a lone surrogate ("\\ud800" is valid JSON, but no Unicode text: it cannot be
+    encoded to be tokenized, matched or sent on)."""
+    todo = [(body, "", 0)]
+    while todo:
+        value, where, depth = todo.pop()
+        if isinstance(value, str):
+            _check_text(value, where or "body")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_BODY_DEPTH:
+                raise bad(where.split(".")[0].split("[")[0] or "body", f"nested deeper than {MAX_BODY_DEPTH} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                if isinstance(k, str):
+                    _check_text(k, f"{where}.{k}" if where else k)
+                    at = f"{where}.{k}" if where else k
+                else:
+                    at = f"{where}[{k}]"
+                todo.append((v, at, depth + 1))
+
+
+def _check_text(text: str, where: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(
+            where, f"holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not Unicode text"
+        ) from None
+
+
+def _set(msg, name: str, value, param: str | None = None) -> None:
+    """msg.name = value, or 400 naming param when the field cannot hold it (an integer past its range)."""
+    try:
+        setattr(msg, name, value)
+    except (ValueError, TypeError):
+        raise bad(param or name, f"{value!r} is out of range") from None
 
 
 def _typed(body: dict, name: str, kind, lo=None, hi=None):
@@ -142,10 +190,10 @@ def sampling_of(body: dict, chat: bool) -> gen_pb.SamplingParams:
     for name, kind in SAMPLING.items():
         value = _typed(body, name, kind)
         if value is not None:
-            setattr(sp, name, value)
+            _set(sp, name, value)
     for name in ("max_completion_tokens", "max_tokens"):
         if (value := _typed(body, name, int)) is not None:
-            sp.max_tokens = value
+            _set(sp, "max_tokens", value, name)
             break
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -158,14 +206,17 @@ def sampling_of(body: dict, chat: bool) -> gen_pb.SamplingParams:
     if ids is not None:
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise bad("stop_token_ids", "must be a list of integers")
-        sp.stop_token_ids.extend(ids)
+        try:
+            sp.stop_token_ids.extend(ids)
+        except ValueError:
+            raise bad("stop_token_ids", "a token id is out of range") from None
     if chat:
         if _typed(body, "logprobs", bool):
-            sp.logprobs = _typed(body, "top_logprobs", int) or 0
+            _set(sp, "logprobs", _typed(body, "top_logprobs", int) or 0, "top_logprobs")
         elif body.get("top_logprobs") is not None:
             raise bad("top_logprobs", "needs logprobs: true")
     elif (k := _typed(body, "logprobs", int)) is not None:
-        sp.logprobs = k
+        _set(sp, "logprobs", k)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -173,7 +224,7 @@ def sampling_of(body: dict, chat: bool) -> gen_pb.SamplingParams:
         for token, value in bias.items():
             try:
                 sp.logit_bias[int(token)] = float(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise bad("logit_bias", f"{token!r}: {value!r} is not a token id and a number") from None
     fmt = body.get("response_format")
     if fmt is not None:
@@ -212,7 +263,10 @@ def generate_request(body: dict, request: Request, chat: bool) -> gen_pb.Generat
         if isinstance(prompt, str):
             req.prompt = prompt
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            req.token_ids.ids.extend(prompt)
+            try:
+                req.token_ids.ids.extend(prompt)
+            except ValueError:
+                raise bad("prompt", "a token id is out of range") from None
         else:
             raise bad("prompt", "must be a string, a list of token ids, or a list of one of those")
         for name in ("echo", "suffix"):
@@ -221,7 +275,7 @@ def generate_request(body: dict, request: Request, chat: bool) -> gen_pb.Generat
         if (best_of := body.get("best_of")) is not None and best_of != (body.get("n") or 1):
             raise bad("best_of", "is not supported (only best_of == n)")
     if (priority := _typed(body, "priority", int)) is not None:
-        req.priority = priority
+        _set(req, "priority", priority)
     if (salt := body.get("cache_salt")) is not None:
         if not isinstance(salt, str):
             raise bad("cache_salt", "must be a string")
@@ -321,11 +375,20 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _closing(status: int, message: str) -> HttpError:
+    """An error after which the connection is closed (the request's body is left unread)."""
+    code = {408: "REQUEST_TIMEOUT", 413: "REQUEST_TOO_LARGE"}[status]
+    return HttpError(status, message, None, code, {"Connection": "close"})
+
+
 class OpenAIApi:
     """The routes, served from a servicer (RouterServicer) in its own process."""
 
-    def __init__(self, servicer, model_name: str, context_length: int):
+    def __init__(
+        self, servicer, model_name: str, context_length: int, max_body_bytes: int, body_timeout_s: float = 60.0
+    ):
         self.servicer, self.model, self.context = servicer, model_name, context_length
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.created = int(time.time())
         self.serving = True
         self.app = Starlette(
@@ -360,13 +423,10 @@ class OpenAIApi:
     async def _generate(self, request: Request, chat: bool):
         route = "/v1/chat/completions" if chat else "/v1/completions"
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError) as e:
-                raise HttpError(400, f"the body is not JSON: {e}", None, "INVALID_ARGUMENT") from None
-            if not isinstance(body, dict):
-                raise HttpError(400, "the body must be a JSON object", None, "INVALID_ARGUMENT")
-            ctx = HttpContext(request, route)  # authenticated before anything of the model is said
+            ctx = HttpContext(request, route)
+            self._identify(ctx)  # before the body is read: a caller without a token sends none
+            body = await self._json_body(request)
+            # authenticated (its RPC now known) before anything of the model is said
             ctx.tenant = self.servicer.authenticate(ctx, "GenerateStream" if body.get("stream") is True else "Generate")
             model = body.get("model")
             if model is not None and model != self.model:
@@ -394,6 +454,49 @@ class OpenAIApi:
             return JSONResponse({}, status_code=499)  # nothing reads this
         except Exception as e:  # noqa: BLE001 - every other error is answered in OpenAI's shape
             return error_response(e)
+
+    def _identify(self, ctx: HttpContext) -> None:
+        """UNAUTHENTICATED for a call without a known token, before its body is read (which RPC it
+        is, and so whether its tenant may call it, is read from the body: authenticate)."""
+        tenants = getattr(self.servicer, "tenants", None)
+        if tenants is not None:
+            with contextlib.suppress(PermissionDenied):
+                tenants.authenticate(ctx.metadata, "Generate")
+
+    async def _json_body(self, request: Request) -> dict:
+        """The body as a JSON object, read up to max_body_bytes (413 past it: from Content-Length
+        before a byte is read, or as it streams in) within body_timeout_s (408), then checked
+        (checked_body). A refused body's connection is closed: the rest of it is never read."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _closing(413, f"the body is {int(length)} bytes; at most {limit} are read (http_max_body_bytes)")
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _closing(413, f"the body is over {limit} bytes, the most read (http_max_body_bytes)")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.body_timeout_s)
+        except TimeoutError:
+            raise _closing(
+                408, f"the body did not come within {self.body_timeout_s:g} s (http_body_timeout_s)"
+            ) from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the body is not JSON: {e}", None, "INVALID_ARGUMENT") from None
+        except RecursionError:
+            raise bad("body", f"nested deeper than {MAX_BODY_DEPTH} levels") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object", None, "INVALID_ARGUMENT")
+        checked_body(body)
+        return body
 
     def _whole(self, resp: gen_pb.GenerateResponse, chat: bool) -> dict:
         samples = list(resp.choices) or [resp]
@@ -483,17 +586,53 @@ class _Server(uvicorn.Server):
         yield
 
 
+class _Protocol(H11Protocol):
+    """uvicorn's h11 protocol, with a deadline for a request's headers: from the connection's start,
+    and from the first byte of each request after it on a kept-alive connection. A client that
+    sends a header line now and then (or nothing after its first bytes) is answered 408 and
+    closed, so a few hundred of them cannot hold connections for ever."""
+
+    header_timeout_s = 10.0
+    _headers_by: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._headers_by = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def data_received(self, data: bytes) -> None:
+        if self._headers_by is None and self.conn.their_state is h11.IDLE:  # a kept-alive connection's next request
+            self._headers_by = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        super().data_received(data)
+        if self._headers_by is not None and self.conn.their_state is not h11.IDLE:  # its headers are in
+            self._headers_by.cancel()
+            self._headers_by = None
+
+    def connection_lost(self, exc) -> None:
+        if self._headers_by is not None:
+            self._headers_by.cancel()
+            self._headers_by = None
+        super().connection_lost(exc)
+
+    def _headers_late(self) -> None:
+        self._headers_by = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+
 class HttpServer:
     """uvicorn serving the API on the router's event loop."""
 
-    def __init__(self, api: OpenAIApi, host: str, port: int, drain_s: float, tls_files=None):
+    def __init__(self, api: OpenAIApi, settings, tls_files=None):
         self.api = api
-        self.sock = bind(host, port, "--http-port")
+        self.sock = bind(settings.host, settings.http_port, "--http-port")
         self.port = self.sock.getsockname()[1]
         self.scheme = "https" if tls_files else "http"  # TLS with the stack's certificate, as on the gRPC port
+        protocol = type("Protocol", (_Protocol,), {"header_timeout_s": settings.http_header_timeout_s})
         config = uvicorn.Config(
-            api.app, log_level="warning", access_log=False, lifespan="off", http="h11",
-            timeout_graceful_shutdown=int(math.ceil(drain_s)) + 5, timeout_keep_alive=30,
+            api.app, log_level="warning", access_log=False, lifespan="off", http=protocol,
+            timeout_graceful_shutdown=int(math.ceil(settings.drain_s)) + 5,
+            timeout_keep_alive=settings.http_keep_alive_s, limit_concurrency=settings.http_max_connections,
             ssl_certfile=tls_files.cert if tls_files else None, ssl_keyfile=tls_files.key if tls_files else None,
         )  # fmt: skip
         self.server = _Server(config)

@@ -439,8 +439,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await servicer.refresh_workers()
     http = None
     if settings.http_port:  # bound first: a port in use stops the start at once, naming it
-        api = OpenAIApi(servicer, frontend.name, frontend.context)
-        http = HttpServer(api, settings.host, settings.http_port, settings.drain_s, servicer.tls)
+        max_body = settings.http_max_body_bytes or frontend.max_request_bytes()
+        api = OpenAIApi(servicer, frontend.name, frontend.context, max_body, settings.http_body_timeout_s)
+        http = HttpServer(api, settings, servicer.tls)
     server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     # the public port: TLS with the stack's certificate, no client certificate asked for

@@ -14,6 +14,7 @@ No torch here: the router checks a request's format before admitting it.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -24,6 +25,9 @@ from splitserve.engine.errors import InvalidRequestError
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 MAX_FORMAT_CHARS = 65536  # a format's text (a choice's strings together): compiled in every process it reaches
 MAX_CHOICES = 1024
+# A JSON Schema nested deeper (objects and lists) is refused before it is parsed: Python's parser
+# gives up near 1000 levels, and llguidance's compiler near 100 (a schema of `items` 200 deep).
+MAX_SCHEMA_DEPTH = 64
 _CACHED_FORMATS = 64  # compiled matchers kept per process, the least recently used going first
 # The time a format's mask may take, which every step of its row's batch waits for: a regex
 # a{60000} took 22 ms a step (a third of a 32-row decode step here), and none of llguidance's limits
@@ -97,6 +101,8 @@ class StructuredOutput:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
+            if (depth := json_depth(self.value)) > MAX_SCHEMA_DEPTH:
+                raise InvalidRequestError(self.field, f"nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
             try:
                 schema = json.loads(self.value)
             except ValueError as e:
@@ -105,7 +111,10 @@ class StructuredOutput:
                 raise InvalidRequestError(
                     self.field, f"a JSON Schema is an object or a boolean, got {type(schema).__name__}"
                 )
-            return LLMatcher.grammar_from_json_schema(json.dumps(schema), self._json_options())
+            try:
+                return LLMatcher.grammar_from_json_schema(json.dumps(schema), self._json_options())
+            except ValueError as e:  # a schema llguidance cannot compile
+                raise InvalidRequestError(self.field, str(e)[:_ERROR_CHARS]) from None
         if self.kind == "json_object":
             return LLMatcher.grammar_from_json_schema('{"type": "object"}', self._json_options())
         if self.kind == "regex":
@@ -113,6 +122,22 @@ class StructuredOutput:
         if self.kind == "choice":
             return LLMatcher.grammar_from_regex("|".join(map(_literal, self.value)))
         return LLMatcher.grammar_from_lark(self.value)
+
+
+def json_depth(text: str) -> int:
+    """How deep a JSON text's objects and lists nest (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for c in _BRACKETS.findall(_STRINGS.sub("", text)):
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth -= 1
+    return deepest
+
+
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
 
 
 def _mask_ms(matcher) -> float:

@@ -139,6 +139,18 @@ class Settings:
     admit_fraction: float = 0.8
     # hint sent with RESOURCE_EXHAUSTED
     retry_after_ms: int = 500
+    # the largest HTTP request body read (413 beyond it, from Content-Length or as it streams in); 0 = the largest
+    # request the gRPC port reads: a prompt the context could hold, and 1 MB for the rest
+    http_max_body_bytes: int = 0
+    # an HTTP request's headers must have come this long after its first byte (or its connection opened); else 408 and
+    # the connection is closed
+    http_header_timeout_s: float = 10.0
+    # an HTTP request's body must have come this long after its headers; else 408 and the connection is closed
+    http_body_timeout_s: float = 60.0
+    # an idle keep-alive HTTP connection is closed after this long
+    http_keep_alive_s: float = 5.0
+    # HTTP connections and calls at once; more are answered 503 at once
+    http_max_connections: int = 1024
     # refuse by the router's local view (the queue counts it saw in the last 50 ms, or read again then, plus its
     # admissions in flight) before validating, tokenizing or placing; the admission script still decides for every
     # request let through
@@ -247,6 +259,7 @@ class Settings:
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
+            "http_max_connections",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -271,6 +284,13 @@ class Settings:
             raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
         if not 0 < self.max_mask_ms < float("inf"):
             raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.http_max_body_bytes < 0:
+            raise ValueError(
+                f"http_max_body_bytes must be >= 0 (0 = the gRPC port's bound), got {self.http_max_body_bytes}"
+            )
         if self.heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not 0 <= self.engine_stall_s < float("inf"):

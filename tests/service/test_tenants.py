@@ -243,3 +243,27 @@ def test_tokens_are_revoked_and_added_without_a_restart_and_never_recorded(tenan
     assert '"splitserve.tenant"' in text or "splitserve.tenant" in text
     for token in [*tokens.values(), newcomer]:
         assert token not in text and token not in metrics
+
+
+def test_the_token_is_checked_before_the_body_is_read(tenants):
+    """Without a known token, a body that is not JSON, or one announced at 400 MB and never sent,
+    is 401 at once: the body is not read (nor parsed) for a caller who may send none."""
+    import http.client
+
+    s, _, tokens = tenants
+    host, port = s.router_http_address.rsplit(":", 1)
+    for auth, length, body in ((None, None, b"{not json"), ("Bearer ss-wrong", str(400 << 20), b"{")):
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        headers = {"Content-Type": "application/json"} | ({"Authorization": auth} if auth else {})
+        c.putrequest("POST", "/v1/completions")
+        for k, v in (headers | {"Content-Length": length or str(len(body))}).items():
+            c.putheader(k, v)
+        c.endheaders(body)
+        r = c.getresponse()
+        assert r.status == 401, (r.status, r.read())
+        assert json.loads(r.read())["error"]["type"] == "authentication_error"
+        c.close()
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    c.request("POST", "/v1/completions", body=b"{not json", headers={"Authorization": f"Bearer {tokens['a']}"})
+    assert c.getresponse().status == 400  # with its token: the body is read, and it is not JSON
+    c.close()
