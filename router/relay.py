@@ -30,6 +30,7 @@ from splitserve.service import redis_scripts as scripts
 from splitserve.service.errors import (
     REDIS_UNREACHABLE,
     AlreadyExists,
+    PermissionDenied,
     Unavailable,
     fit_details,
     status_code,
@@ -115,6 +116,12 @@ class Relay:
         decode worker, and whether its prompt is prefilled there (local) or by a prefill worker
         (directed to one, for prefix affinity, or to any)."""
         request = r.request
+        if r.tenant is not None and request.priority < r.tenant.best_priority:
+            raise PermissionDenied(
+                f"priority: tenant {r.tenant.name!r} may ask for {r.tenant.best_priority} at most urgent "
+                f"(best_priority in the tokens file), got {request.priority}",
+                reason="PRIORITY_NOT_ALLOWED",
+            )
         # have: what its client has already (resume_from: a stream sent again to go on), prefilled
         # after the prompt (sampling.n > 1: each sample not finished, by its decode worker,
         # Sent.unfinished); the queue counts them with it

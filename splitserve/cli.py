@@ -548,7 +548,11 @@ def _status(args) -> int:
 def _token(args) -> int:
     from splitserve.service.tenants import add_token
 
-    quotas = {"max_queued_requests": args.max_queued_requests, "max_queued_tokens": args.max_queued_tokens}
+    quotas = {
+        "max_queued_requests": args.max_queued_requests,
+        "max_queued_tokens": args.max_queued_tokens,
+        "best_priority": args.best_priority,
+    }
     rpcs = [r.strip() for r in args.rpcs.split(",")] if args.rpcs else None
     try:
         token = add_token(args.file, args.tenant, quotas, rpcs)
@@ -730,6 +734,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpcs", default=None, help="a new tenant's RPCs, comma-separated (default: every public RPC)")
     p.add_argument("--max-queued-requests", type=_at_least(0), default=0, help="a new tenant's quota (0: none)")
     p.add_argument("--max-queued-tokens", type=_at_least(0), default=0, help="a new tenant's quota (0: none)")
+    p.add_argument(
+        "--best-priority",
+        type=int,
+        default=0,
+        help="the most urgent priority a new tenant may ask for (lower is sooner; default 0, the normal class)",
+    )
     p.set_defaults(func=_token)
 
     p = sub.add_parser("status", help="queue depth, workers and their load, from Redis")

@@ -7,12 +7,17 @@ The tokens file (``SPLITSERVE_AUTH_TOKENS_FILE``; on Kubernetes a Secret mounted
        "token_sha256": ["<sha256 hex of a token>", ...],
        "rpcs": ["Generate", "GenerateStream", "Abort", "GetRequest", ...],
        "max_queued_requests": 16,
-       "max_queued_tokens": 50000}
+       "max_queued_tokens": 50000,
+       "best_priority": -1}
     ]}
 
 ``rpcs`` is optional (every public RPC when left out); the quotas are optional (0: only the
-stack's own bounds). A token is never stored, only its SHA-256: ``splitserve token NAME`` makes
-one and prints its entry. The router reads the file again when it changes (its modification time,
+stack's own bounds). ``best_priority`` is the most urgent priority the tenant may ask for (lower
+is sooner; below 0 also reaches the queue's high-priority headroom); a request asking for a more
+urgent one is refused PERMISSION_DENIED. Left out: 0, the normal class.
+
+A token is never stored, only its SHA-256: ``splitserve token NAME`` makes one and prints its
+entry. The router reads the file again when it changes (its modification time,
 size or inode, looked at once a second at most), so a token is added or revoked without a restart;
 a file that no longer parses keeps the tenants read before, with a warning.
 
@@ -69,6 +74,7 @@ class Tenant:
     rpcs: frozenset[str]
     max_queued_requests: int = 0  # 0: only the stack's bound
     max_queued_tokens: int = 0
+    best_priority: int = 0  # the most urgent (lowest) priority its requests may ask for
 
 
 def scoped(tenant: Tenant | None, request_id: str) -> str:
@@ -119,6 +125,10 @@ def parse(text: str, path: str) -> dict[str, Tenant]:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{where}.{q}: must be a whole number >= 0, got {v!r}")
             quotas[q] = v
+        best = e.get("best_priority", 0)
+        if not isinstance(best, int) or isinstance(best, bool) or not -(2**31) <= best < 2**31:
+            raise ValueError(f"{where}.best_priority: must be a whole number in [-2^31, 2^31), got {best!r}")
+        quotas["best_priority"] = best
         tenant = Tenant(name, frozenset(rpcs), **quotas)
         for h in hashes:
             if h in by_hash:

@@ -24,10 +24,11 @@ PROMPT = random_prompts(1, lo=40, hi=41, seed=9)[0]
 
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory, tiny_model_dir):
-    """(stack, tokens file, {tenant: token}): a, b (quota of 1 queued request) and reader (ListModels only)."""
+    """(stack, tokens file, {tenant: token}): a (best priority -1), b (quota of 1 queued request, the
+    normal class at best) and reader (ListModels only)."""
     path = str(tmp_path_factory.mktemp("auth") / "tokens.json")
     tokens = {
-        "a": add_token(path, "a"),
+        "a": add_token(path, "a", {"best_priority": -1}),
         "b": add_token(path, "b", {"max_queued_requests": 1}),
         "reader": add_token(path, "reader", rpcs=["ListModels"]),
     }
@@ -267,3 +268,22 @@ def test_the_token_is_checked_before_the_body_is_read(tenants):
     c.request("POST", "/v1/completions", body=b"{not json", headers={"Authorization": f"Bearer {tokens['a']}"})
     assert c.getresponse().status == 400  # with its token: the body is read, and it is not JSON
     c.close()
+
+
+def test_a_tenant_asks_for_no_more_urgent_priority_than_its_best(tenants):
+    """a may ask for -1, b for 0 (the default): b's -1 and a's -2^31 are PERMISSION_DENIED naming
+    the priority, over gRPC and HTTP (403); each one's own best is served."""
+    import openai
+
+    s, _, tokens = tenants
+    with Client(s.router_address, token=tokens["a"]) as a, Client(s.router_address, token=tokens["b"]) as b:
+        assert a.generate(token_ids=PROMPT, max_tokens=2, priority=-1).usage.completion_tokens == 2
+        assert b.generate(token_ids=PROMPT, max_tokens=2, priority=0).usage.completion_tokens == 2
+        for client, priority, best in ((a, -(2**31), -1), (b, -1, 0)):
+            with pytest.raises(PermissionDenied) as e:
+                client.generate(token_ids=PROMPT, max_tokens=2, priority=priority)
+            assert e.value.reason == "PRIORITY_NOT_ALLOWED"
+            assert f"may ask for {best} at most urgent" in e.value.details() and str(priority) in e.value.details()
+    with openai.OpenAI(base_url=f"http://{s.router_http_address}/v1", api_key=tokens["b"], max_retries=0) as oai:
+        with pytest.raises(openai.PermissionDeniedError):
+            oai.completions.create(model="tiny-llama0", prompt=PROMPT, max_tokens=2, extra_body={"priority": -5})
