@@ -538,7 +538,7 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
             epoch=self.epoch,
             fingerprint=e.fingerprint,
             dtype=str(e.cache.kv.dtype).removeprefix("torch."),
-            metrics=f"{self.s.host}:{metrics_port}" if metrics_port else "",
+            metrics=self.s.metrics_address(metrics_port) if metrics_port else "",
         )
 
 
@@ -575,7 +575,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         health_port=settings.health_port,
     )
     address = settings.address(port)
-    metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    metrics_port = metrics.serve(settings.metrics_bind, settings.metrics_port)
 
     def set_health(stalled: bool) -> None:  # heartbeat thread
         status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
@@ -604,7 +604,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         engine.fingerprint,
     )
     if metrics_port:
-        print(f"METRICS {settings.host}:{metrics_port}", flush=True)
+        print(f"METRICS {settings.metrics_address(metrics_port)}", flush=True)
     print(f"READY {address}", flush=True)
     await stop.wait()
     # Drain: out of the registry, then no new streams; running sequences finish (up to drain_s), then stop.

@@ -566,8 +566,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         probes.start()
     worker.address = settings.address(port)
-    metrics_port = worker.metrics.serve(settings.host, settings.metrics_port)
-    worker.metrics_address = f"{settings.host}:{metrics_port}" if metrics_port else ""
+    metrics_port = worker.metrics.serve(settings.metrics_bind, settings.metrics_port)
+    worker.metrics_address = settings.metrics_address(metrics_port) if metrics_port else ""
     hs.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def on_stall(stalled: bool) -> None:

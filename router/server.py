@@ -455,7 +455,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         reflection_on=settings.reflection,
         health_port=settings.health_port,
     )
-    metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    metrics_port = metrics.serve(settings.metrics_bind, settings.metrics_port)
     if http is not None:
         http.start()
     # The Generation service is SERVING once a decode worker is registered (a readiness probe, or
@@ -498,7 +498,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     address = settings.address(port)
     log.info("router serving on %s", address)
     if metrics_port:
-        print(f"METRICS {settings.host}:{metrics_port}", flush=True)
+        print(f"METRICS {settings.metrics_address(metrics_port)}", flush=True)
     if http is not None:
         log.info("OpenAI-compatible HTTP on %s://%s:%d/v1", http.scheme, settings.host, http.port)
         print(f"HTTP {settings.host}:{http.port}", flush=True)

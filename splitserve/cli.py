@@ -97,6 +97,7 @@ def _up(args) -> int:
 
     from splitserve.service.process import check_port_free
     from splitserve.service.settings import Settings, needs_colocated
+    from splitserve.service.tls import check_internal_plaintext
     from splitserve.stack import Stack
 
     overrides = {"model": args.model, "policy": args.policy, "host": args.host, "dtype": args.dtype}
@@ -109,6 +110,8 @@ def _up(args) -> int:
         settings = Settings.from_env(**{k: v for k, v in overrides.items() if v})
         for port, flag in ((args.port, "--port"), (args.http_port, "--http-port")):
             check_port_free(settings.host, port, flag)
+        if not args.tls:  # (--tls gives every internal server mutual TLS)
+            check_internal_plaintext(settings)
     except ValueError as e:
         print(f"splitserve up: error: {e}", file=sys.stderr)
         return 2

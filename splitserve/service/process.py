@@ -18,6 +18,7 @@ from splitserve.service.errors import REDIS_UNREACHABLE, quiet_ended_calls
 from splitserve.service.redis_state import check_credentials
 from splitserve.service.settings import Settings
 from splitserve.service.tenants import Tenants
+from splitserve.service.tls import check_internal_plaintext
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
     check_port_free(settings.host, settings.health_port, "health_port")
     if router:
         check_port_free(settings.host, settings.http_port, "--http-port")
+    else:  # a worker's server is internal
+        check_internal_plaintext(settings)
     settings.check_core_share_names_a_board()
     if settings.redis_url:
         check_credentials(settings)

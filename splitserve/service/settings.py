@@ -101,6 +101,9 @@ class Settings:
     keepalive_s: float = 10.0
     # Prometheus /metrics on host:port; 0 = a free port, -1 = off
     metrics_port: int = 0
+    # bind address of /metrics; "" = host. It serves the process's counters, tenants' names among their labels
+    # (docs/observability.md)
+    metrics_host: str = ""
     # OTLP-JSON span file when no OTLP endpoint is set (`splitserve up` sets one)
     trace_file: str = ""
     # at this size the span file becomes <file>.1 (replacing the last) and a new one starts; 0 = no cap
@@ -113,6 +116,9 @@ class Settings:
     tls_key: str = ""
     # PEM CA certificate(s) that sign every process's certificate; the only ones internal hops trust
     tls_ca: str = ""
+    # let the workers' internal gRPC servers run in plaintext with tenants set, or bound beyond loopback (anyone who
+    # reaches them can call Decode, FirstToken or PutKV); false = such a start is refused, naming this setting
+    allow_plaintext_internal: bool = False
     # the name internal peers' certificates carry, checked instead of the dialled address's host (pods' IPs vary);
     # "" = the address's host
     tls_server_name: str = ""
@@ -335,6 +341,15 @@ class Settings:
 
     def address(self, port: int) -> str:
         return self.advertise or f"{self.host}:{port}"
+
+    @property
+    def metrics_bind(self) -> str:
+        return self.metrics_host or self.host
+
+    def metrics_address(self, port: int) -> str:
+        """Where /metrics on port is reached (the registry and the METRICS line say it)."""
+        bind = self.metrics_bind
+        return f"{self.host if bind in ('0.0.0.0', '::', '') else bind}:{port}"
 
     @property
     def core_share_flag(self) -> bool | None:

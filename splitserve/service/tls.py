@@ -45,6 +45,35 @@ class TLSFiles:
         return out[0], out[1], out[2]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this host's own processes only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any address
+        return False
+
+
+def check_internal_plaintext(settings) -> None:
+    """ValueError (one line, naming the setting that allows it) when a worker's internal gRPC
+    server would be plaintext where that is unsafe: any process that reaches it can call Decode,
+    FirstToken (setting a request's first token) or PutKV. Unsafe: with tenants (their tokens
+    guard the public port only), or bound beyond loopback."""
+    if settings.allow_plaintext_internal or any(getattr(settings, f) for f in ("tls_cert", "tls_key", "tls_ca")):
+        return
+    if settings.auth_tokens_file:
+        why = "tenants are set (auth_tokens_file)"
+    elif not is_loopback(settings.host):
+        why = f"it binds {settings.host}, beyond loopback"
+    else:
+        return
+    raise ValueError(
+        f"the internal gRPC servers would be plaintext while {why}: give them mutual TLS (tls_cert, tls_key, "
+        f"tls_ca; splitserve up --tls), or set allow_plaintext_internal=true (SPLITSERVE_ALLOW_PLAINTEXT_INTERNAL)"
+    )
+
+
 def files_of(settings) -> TLSFiles | None:
     """The settings' TLS files, or None for plaintext; ValueError naming the setting when only
     some are given, or one cannot be read."""

@@ -32,7 +32,13 @@ def tenants(tmp_path_factory, tiny_model_dir):
         "b": add_token(path, "b", {"max_queued_requests": 1}),
         "reader": add_token(path, "reader", rpcs=["ListModels"]),
     }
-    s = start_stack(model=tiny_model_dir, auth_tokens_file=path, kv_cache_bytes=16 << 20, http_port=free_port())
+    s = start_stack(
+        model=tiny_model_dir,
+        auth_tokens_file=path,
+        allow_plaintext_internal=True,  # (the refusal without it: test_plaintext_internal_ports_are_refused...)
+        kv_cache_bytes=16 << 20,
+        http_port=free_port(),
+    )
     try:
         yield s, path, tokens
     finally:
@@ -287,3 +293,26 @@ def test_a_tenant_asks_for_no_more_urgent_priority_than_its_best(tenants):
     with openai.OpenAI(base_url=f"http://{s.router_http_address}/v1", api_key=tokens["b"], max_retries=0) as oai:
         with pytest.raises(openai.PermissionDeniedError):
             oai.completions.create(model="tiny-llama0", prompt=PROMPT, max_tokens=2, extra_body={"priority": -5})
+
+
+def test_plaintext_internal_ports_are_refused_with_tenants_or_beyond_loopback(tmp_path):
+    """With tenants, `splitserve up` without --tls is refused in one line naming the setting that
+    allows it; a worker bound beyond loopback without TLS is too. Guards against: any local
+    process could call a decode worker's FirstToken and set a tenant's first token."""
+    import subprocess
+    import sys
+
+    tokens = str(tmp_path / "tokens.json")
+    add_token(tokens, "a")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    runs = [
+        ([sys.executable, "-m", "splitserve.cli", "up", "--port", "0", "--http-port", "0"],
+         {"SPLITSERVE_AUTH_TOKENS_FILE": tokens}, "tenants are set"),
+        ([sys.executable, "-m", "splitserve.decode_worker"], {"SPLITSERVE_HOST": "0.0.0.0"}, "binds 0.0.0.0"),
+        ([sys.executable, "-m", "splitserve.prefill_worker"], {"SPLITSERVE_AUTH_TOKENS_FILE": tokens}, "tenants"),
+    ]  # fmt: skip
+    for argv, extra, why in runs:
+        p = subprocess.run(argv, env=env | extra, capture_output=True, text=True, timeout=60)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1, (argv, p.returncode, p.stderr)
+        assert why in lines[0] and "allow_plaintext_internal" in lines[0], lines
