@@ -64,6 +64,12 @@ log = logging.getLogger(__name__)
 # handoff (FirstToken, PutKV, Fail) may arrive before the stream: it waits this long for it.
 STREAM_WAIT_S = 2.0
 ENDED_KEEP = 4096  # request ids whose stream ended here, remembered so their late handoffs are refused at once
+# A stream whose reader (its router, and behind it the client) is this many events behind has its
+# sequence paused in the engine (its KV kept); it goes on once the reader is within RESUME_EVENTS.
+# The router ends a request whose client reads nothing for slow_reader_timeout_s, and with it this
+# stream and the KV.
+PAUSE_EVENTS = 32
+RESUME_EVENTS = 8
 # A Cancel can come before its stream too (Abort right after admission): a stream that opens
 # this soon after it ends cancelled at once.
 CANCEL_KEEP_S = 10.0
@@ -110,6 +116,7 @@ class Slot:
     preemptions: int = 0
     last_output: float = 0.0  # monotonic
     max_gap_s: float = 0.0
+    paused: bool = False  # its sequence is paused in the engine: the stream's reader is PAUSE_EVENTS behind
 
     @property
     def completion_tokens(self) -> int:
@@ -201,6 +208,8 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
                 yield w_pb.DecodeEvent(accepted=True, open_seq=slot.open_seq, epoch=self.epoch)
                 while True:
                     ev = await slot.events.get()
+                    if slot.paused and slot.events.qsize() <= RESUME_EVENTS:
+                        self._pause(slot, False)
                     if ev.finish_reason and not ev.more or ev.error:
                         ev.close_seq = self._close(slot)
                         slot.done = True
@@ -208,6 +217,9 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
                         return
                     yield ev
             finally:
+                if slot.paused:
+                    slot.paused = False
+                    self.metrics.paused.dec()
                 self._close(slot)
                 self.slots.pop(rid, None)
                 self.runner.sinks.pop(rid, None)
@@ -433,6 +445,17 @@ class DecodeServicer(HandoffReceiver, worker_pb2_grpc.DecodeWorkerServicer):
             else:
                 self._end_decode_span(slot, ev.finish_reason, out)
         slot.events.put_nowait(ev)
+        if not slot.paused and slot.events.qsize() >= PAUSE_EVENTS and not out.finished:
+            self._pause(slot, True)
+
+    def _pause(self, slot: Slot, paused: bool) -> None:
+        """Pause a stream's sequence in the engine (its reader is behind; its KV stays), or resume it."""
+        slot.paused = paused
+        rid = slot.request_id
+        self.runner.submit_nowait(lambda e: e.pause_request(rid, paused))
+        self.metrics.paused.inc(1 if paused else -1)
+        if paused:
+            self.metrics.pauses.inc()
 
     def preempted(self, request_ids: list[str], at: float) -> None:
         """Sequences the engine preempted in a step (at: unix time), on their requests' decode spans."""

@@ -48,6 +48,8 @@ HTTP_STATUS = {
 }
 # HTTP statuses of this API's own (not a gRPC status's) -> OpenAI's error type
 HTTP_ONLY = {408: "timeout_error", 413: "invalid_request_error"}
+# The kernel's send buffer of each HTTP connection (bind)
+SEND_BUFFER_BYTES = 64 << 10
 # A request body nested deeper than this (objects and lists) is refused before anything walks it:
 # a JSON Schema this deep compiles to nothing useful, and Python's own parser gives up near 1000.
 MAX_BODY_DEPTH = 64
@@ -351,8 +353,8 @@ class EventStream:
     """A server-sent event stream (an ASGI response) of what `chunks` yields; a client that
     disconnects cancels it at once, and the generator is closed before the response ends."""
 
-    def __init__(self, chunks, headers: dict[str, str]):
-        self.chunks, self.headers = chunks, headers
+    def __init__(self, chunks, headers: dict[str, str], send_timeout_s: float = 0.0):
+        self.chunks, self.headers, self.send_timeout_s = chunks, headers, send_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -361,7 +363,15 @@ class EventStream:
 
         async def pump():
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                body = {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                if not self.send_timeout_s:
+                    await send(body)
+                    continue
+                try:  # a client that takes nothing for that long (slow_reader_timeout_s) is cut off
+                    await asyncio.wait_for(send(body), self.send_timeout_s)
+                except TimeoutError:
+                    log.info("an HTTP stream's client read nothing for %g s: closed", self.send_timeout_s)
+                    raise ClientGone() from None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         try:
@@ -385,10 +395,16 @@ class OpenAIApi:
     """The routes, served from a servicer (RouterServicer) in its own process."""
 
     def __init__(
-        self, servicer, model_name: str, context_length: int, max_body_bytes: int, body_timeout_s: float = 60.0
+        self,
+        servicer,
+        model_name: str,
+        context_length: int,
+        max_body_bytes: int,
+        body_timeout_s: float = 60.0,
+        send_timeout_s: float = 0.0,
     ):
         self.servicer, self.model, self.context = servicer, model_name, context_length
-        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.max_body_bytes, self.body_timeout_s, self.send_timeout_s = max_body_bytes, body_timeout_s, send_timeout_s
         self.created = int(time.time())
         self.serving = True
         self.app = Starlette(
@@ -449,7 +465,7 @@ class OpenAIApi:
                 await chunks.aclose()
                 raise
             events = self._chunks(first, chunks, chat, include_usage)
-            return EventStream(events, {"X-Request-Id": first.request_id})
+            return EventStream(events, {"X-Request-Id": first.request_id}, self.send_timeout_s)
         except ClientGone:
             return JSONResponse({}, status_code=499)  # nothing reads this
         except Exception as e:  # noqa: BLE001 - every other error is answered in OpenAI's shape
@@ -570,6 +586,10 @@ def bind(host: str, port: int, flag: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Each connection's kernel send buffer (accepted sockets inherit it), bounded: a client that
+    # reads nothing holds at most this much of its stream here, not the kernel's 4 MB autotuned
+    # most, before the stream's sends wait (and slow_reader_timeout_s ends it).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     try:
         sock.bind((host, port))
     except OSError as e:

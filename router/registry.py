@@ -210,7 +210,8 @@ class WorkerRegistry:
         return peer is None or peer.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def _open_channel(self, address: str) -> grpc.aio.Channel:
-        channel = grpc_server.channel(address, self.s.keepalive_s, self.tls)
+        # a decode stream's events wait in the worker, not here, while this router's client reads none
+        channel = grpc_server.channel(address, self.s.keepalive_s, self.tls, self.s.stream_buffer_bytes)
         self.background.start(self._watch(channel))
         return channel
 

@@ -181,7 +181,8 @@ class RouterServicer(
                 try:
                     ended = []
                     tenant = self._tenant_of(context, "GenerateStream", rs)
-                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs, tenant):
+                    events = self._events(request, context, rs, tenant)
+                    async for rid, public_id, n_prompt, ev in events:
                         resp = gen_pb.GenerateResponse(
                             request_id=public_id,
                             token_ids=ev.token_ids,
@@ -196,7 +197,11 @@ class RouterServicer(
                         if ev.finish_reason:
                             ended.append(ev)
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
-                        yield resp
+                        try:
+                            yield resp
+                        except GeneratorExit:  # closed (its client reads no more): the relay gives back now
+                            await events.aclose()
+                            raise
                 except Recorded as r:
                     for resp in self._replayed(rs, r.responses, t0):
                         yield resp
@@ -440,9 +445,16 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     http = None
     if settings.http_port:  # bound first: a port in use stops the start at once, naming it
         max_body = settings.http_max_body_bytes or frontend.max_request_bytes()
-        api = OpenAIApi(servicer, frontend.name, frontend.context, max_body, settings.http_body_timeout_s)
+        api = OpenAIApi(
+            servicer,
+            frontend.name,
+            frontend.context,
+            max_body,
+            settings.http_body_timeout_s,
+            settings.slow_reader_timeout_s,
+        )
         http = HttpServer(api, settings, servicer.tls)
-    server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes())
+    server = grpc_server.new_server(settings.keepalive_s, frontend.max_request_bytes(), settings.slow_reader_timeout_s)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     # the public port: TLS with the stack's certificate, no client certificate asked for
     port, health = await grpc_server.start(

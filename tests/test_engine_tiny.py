@@ -598,3 +598,56 @@ def test_step_stats_describe_the_step(tiny_engine_factory):
     eng.step()
     assert (eng.last_stats.num_decode_tokens, eng.last_stats.num_prefill_tokens) == (1, 0)
     drain(eng)
+
+
+def test_a_paused_request_computes_nothing_keeps_its_kv_and_goes_on_the_same(tiny_engine_factory):
+    """pause_request leaves a request out of the steps with its KV held (its reader is behind),
+    the others go on, and once resumed it produces the tokens it would have; with everything
+    paused a step has nothing to do (has_work), and a tight pool preempts a paused one."""
+    prompts = random_prompts(3, lo=20, hi=40, seed=11)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = tiny_engine_factory().generate(prompts, params)
+    eng = tiny_engine_factory()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    got = {f"r{i}": [] for i in range(3)}
+
+    def step():
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+
+    for _ in range(4):
+        step()
+    assert eng.pause_request("r1")
+    held = list(eng.seqs["r1"].block_table)
+    before = len(got["r1"])
+    for _ in range(6):
+        step()
+    assert len(got["r1"]) == before and eng.seqs["r1"].block_table == held
+    assert len(got["r0"]) == before + 6
+    eng.pause_request("r0")
+    eng.pause_request("r2")
+    assert not eng.has_work() and eng.has_unfinished()
+    for rid in ("r0", "r1", "r2"):
+        eng.pause_request(rid, False)
+    assert eng.has_work() and not eng.paused
+    while eng.has_unfinished():
+        step()
+    assert [got[f"r{i}"] for i in range(3)] == want
+    assert eng.pause_request("r0") is False  # ended: nothing to pause
+
+    small = tiny_engine_factory(kv_cache_bytes=12 * 16 * 2 * 2 * 2 * 16 * 4, block_size=16)
+    small.add_request("a", random_prompts(1, lo=60, hi=61, seed=2)[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    small.step()
+    small.pause_request("a")
+    small.add_request("b", random_prompts(1, lo=140, hi=141, seed=3)[0], params)  # needs a's blocks
+    outs = []
+    for _ in range(200):
+        outs.extend(small.step())
+        if "b" not in small.seqs:
+            break
+    assert [o.finish_reason for o in outs if o.request_id == "b" and o.finished] == ["length"]
+    assert small.seqs["a"].num_preemptions == 1 and small.seqs["a"].paused  # its blocks went to b
+    assert not small.has_work()
+    small.pause_request("a", False)
+    assert drain(small).reasons == {"a": "length"} and small.cache.pool.num_used == 0

@@ -111,6 +111,7 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
             self.pieces = PiecewiseGraphs(self.model, self.cache, config.max_num_batched_tokens)
         self.seqs: dict[str, Sequence] = {}
         self.parked: dict[str, Sequence] = {}  # prefill_only sequences holding KV for export
+        self.paused: set[str] = set()  # request ids paused (pause_request); some may have ended since
         self.children: dict[str, list[str]] = {}  # params.n > 1: a request's id -> its later samples' (running)
         self.last_shared_on_import = 0  # the last import_kv's Sequence.num_shared_on_import
         self.last_stats = StepStats(policy=config.policy)
@@ -466,6 +467,7 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request wherever it is, all its samples; its KV blocks are freed at once. The
         first sample's output (None when it had ended)."""
+        self.paused.discard(request_id)
         for key in self.children.pop(request_id, ()):
             if (child := self.seqs.get(key)) is not None:
                 self._finish(child, FINISH_CANCELLED)
@@ -490,6 +492,30 @@ class LLMEngine(Stepping, SequenceUpdates, KVTransfer):
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def has_work(self) -> bool:
+        """Whether a step would compute anything: an unfinished sequence that is not paused."""
+        if not self.paused:
+            return bool(self.seqs)
+        return any(not s.paused for s in self.seqs.values())
+
+    def pause_request(self, request_id: str, paused: bool = True) -> bool:
+        """Leave a request's sequences out of the steps (its reader is behind), keeping their KV
+        and their place; or put them back (paused False). Blocks run short: a paused sequence is
+        preempted like any other (its KV freed, recomputed once it runs). Only the continuous
+        policy pauses (the padded ones run fixed batches); False when there is nothing to pause."""
+        seqs = [self.seqs.get(k) for k in (request_id, *self.children.get(request_id, ()))]
+        seqs = [s for s in seqs if s is not None]
+        if self.padded is not None or not seqs:
+            self.paused.discard(request_id)
+            return False
+        for seq in seqs:
+            seq.paused = paused
+        if paused:
+            self.paused.add(request_id)
+        else:
+            self.paused.discard(request_id)
+        return True
 
     @property
     def num_running(self) -> int:

@@ -9,8 +9,10 @@ prompt); waiting ones join while budget, sequence slots and KV blocks last.
 
 Priority (lower is more urgent) orders both queues: running sequences are kept
 sorted by (priority, arrival), and waiting ones are served by priority, then
-arrival. When blocks run out, the last running sequence in that order is
-preempted (blocks freed, recomputed later): the least urgent, newest first, so
+arrival. A paused sequence (its reader is behind: LLMEngine.pause_request) keeps
+its place and its KV but computes nothing; it is the first preempted when blocks
+or sequence slots run short. Otherwise, when blocks run out, the last running
+sequence in that order is preempted (blocks freed, recomputed later): the least urgent, newest first, so
 the most urgent, oldest one always makes progress and nothing deadlocks. A
 waiting sequence that finds no blocks or no sequence slot preempts running ones
 of a strictly less urgent priority to get in; it never preempts its own class.
@@ -126,6 +128,9 @@ class ContinuousScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.paused:  # its reader is behind: it keeps its place and its KV, and computes nothing
+                i += 1
+                continue
             n = min(seq.num_pending, budget)
             if not self._grow(seq, n, out):
                 break  # seq preempted itself: it was the last in line
@@ -151,15 +156,19 @@ class ContinuousScheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs and not self._can_preempt_for(seq.priority):
                 break
-            if any(seq is v for v in out.preempted) or blocked and not seq.block_table:
-                continue  # made room this step / would take blocks the first in line waits for
+            if any(seq is v for v in out.preempted) or blocked and not seq.block_table or seq.paused:
+                continue  # made room this step / would take blocks the first in line waits for / paused
             looked = not seq.block_table and self.pool.prefix_caching  # its tokens are queried in the cache
             took = not seq.block_table and self._take_cached(seq, out)
             need = self._blocks_needed(seq, min(seq.num_pending, budget))
-            while (
-                len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need)
-            ) and self._can_preempt_for(seq.priority):
-                budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
+            while len(self.running) >= self.max_num_seqs or not self.pool.can_allocate(need):
+                if (paused := self._paused_victim()) is not None:  # a paused one makes room first
+                    self._preempt(paused)
+                    out.preempted.append(paused)
+                elif self._can_preempt_for(seq.priority):
+                    budget += self._unschedule(self.running[-1], out)  # a less urgent one makes room
+                else:
+                    break
                 need = self._blocks_needed(seq, min(seq.num_pending, budget))
             if len(self.running) >= self.max_num_seqs:
                 if took:
@@ -239,7 +248,7 @@ class ContinuousScheduler:
         prompt at every step and preempt itself at the next, and they could never get in."""
         need = self._blocks_needed(seq, n)
         while not self.pool.can_allocate(need):
-            victim = self.running[-1]
+            victim = self._paused_victim() or self.running[-1]  # a paused one goes first
             if victim is seq and (holder := self._holder_behind(seq)) is not None:
                 victim = holder
                 self._drop_kv(holder)
@@ -250,6 +259,12 @@ class ContinuousScheduler:
                 return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
+
+    def _paused_victim(self) -> Sequence | None:
+        """The last in line of the running sequences that are paused (their readers are behind), or
+        None: when blocks or sequence slots run short they go first, whatever their priority, since
+        they would hold them for as long as their readers read nothing."""
+        return next((s for s in reversed(self.running) if s.paused), None)
 
     def _holder_behind(self, seq: Sequence | None = None) -> Sequence | None:
         """The last in line of the waiting sequences that hold blocks (behind seq, if given), or None."""

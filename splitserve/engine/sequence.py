@@ -37,6 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     prefill_only: bool = False  # prefill worker: park the KV for export after the first token
     priority: int = 0  # lower is scheduled first (continuous policy); FIFO within one value
+    paused: bool = False  # its reader is behind: left out of steps, its KV kept (LLMEngine.pause_request)
     detok: object | None = None  # IncrementalDetokenizer when the engine has a tokenizer
     text: str = ""  # output text so far (stop strings are searched here)
     emitted_chars: int = 0  # how much of ``text`` has been handed out

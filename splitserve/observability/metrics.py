@@ -410,6 +410,11 @@ class DecodeMetrics(EngineMetrics):
             "Tokens of adopted KV already in this worker's prefix cache: their blocks are shared, not filled again",
         )
         self.aborted = self.c("decode_aborted", "Sequences stopped because their stream went away")
+        self.paused = self.g(
+            "decode_streams_paused",
+            "Sequences paused because their stream's reader (the router, the client behind it) is behind",
+        )
+        self.pauses = self.c("decode_stream_pauses", "Times a sequence was paused for a reader that was behind")
         self.lease_lapses = self.c(
             "registry_lease_lapses",
             "Heartbeats written after this worker's registry lease had lapsed (Redis away, or the process held)",

@@ -223,12 +223,30 @@ def quiet_ended_calls() -> None:
         grpc_log.addFilter(_EndedCalls())
 
 
-async def _write(context, message) -> None:
+class SlowReader(Refused):
+    """A streaming client read no message for the server's write timeout."""
+
+
+async def _write(context, message, timeout_s: float = 0.0) -> None:
     """A streaming handler's next message. One that cannot be written because the RPC has ended
     (its deadline passed, or its client went, as the handler made it: gRPC had not yet cancelled
-    the handler) ends the handler as a cancel: its client has its own status."""
+    the handler) ends the handler as a cancel: its client has its own status. With timeout_s, a
+    message the client's flow control holds back that long ends the RPC RESOURCE_EXHAUSTED
+    (SLOW_READER): the messages sent before it, then that status, are what the client reads."""
     try:
-        await context.write(message)
+        if timeout_s:
+            try:
+                await asyncio.wait_for(context.write(message), timeout_s)
+            except TimeoutError:
+                raise SlowReader(
+                    f"the client read no message for {timeout_s:g} s (slow_reader_timeout_s): the request "
+                    f"was ended and its KV freed",
+                    reason="SLOW_READER",
+                ) from None
+        else:
+            await context.write(message)
+    except SlowReader:
+        raise
     except Exception as e:  # noqa: BLE001 - gRPC's ExecuteBatchError (a private type) for a call that is over
         if type(e).__name__ == "ExecuteBatchError" or _ended(context):
             raise asyncio.CancelledError(f"a message not sent: the RPC had ended ({e})") from None
@@ -281,7 +299,11 @@ async def _checked(request_iterator):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler so a domain error becomes the right status, never a crash."""
+    """Wraps every handler so a domain error becomes the right status, never a crash. write_timeout_s:
+    a streaming handler's message its client's flow control holds back longer ends the RPC (_write)."""
+
+    def __init__(self, write_timeout_s: float = 0.0):
+        self.write_timeout_s = write_timeout_s
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -326,10 +348,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     _check(request)
                     items = inner_s(request, context)
                     async for item in items:
-                        await _write(context, item)
+                        await _write(context, item, self.write_timeout_s)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
                 except Exception as e:  # noqa: BLE001 - mapped to a status
+                    if items is not None:  # first: the status waits for the client to read what is before it
+                        await items.aclose()
+                        items = None
                     await _abort(context, e)
                 finally:
                     if items is not None:

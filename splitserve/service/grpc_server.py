@@ -45,10 +45,13 @@ def options(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> list[tu
     ]
 
 
-def new_server(keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE) -> grpc.aio.Server:
+def new_server(
+    keepalive_s: float = 0.0, max_receive: int = MAX_MESSAGE, write_timeout_s: float = 0.0
+) -> grpc.aio.Server:
     """max_receive: the largest message accepted; a larger one is refused by gRPC itself
-    (RESOURCE_EXHAUSTED, "Received message larger than max") before it is read or parsed."""
-    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=options(keepalive_s, max_receive))
+    (RESOURCE_EXHAUSTED, "Received message larger than max") before it is read or parsed.
+    write_timeout_s: a streamed message the client does not take for that long ends its RPC."""
+    return grpc.aio.server(interceptors=[ErrorInterceptor(write_timeout_s)], options=options(keepalive_s, max_receive))
 
 
 async def start(
@@ -117,6 +120,11 @@ async def set_not_serving(health, service_names: list[str]) -> None:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def channel(address: str, keepalive_s: float = 0.0, tls_files: tls.TLSFiles | None = None) -> grpc.aio.Channel:
-    """A channel to another process of the stack (mTLS with tls_files)."""
-    return tls.aio_channel(address, tls_files, options(keepalive_s))
+def channel(
+    address: str, keepalive_s: float = 0.0, tls_files: tls.TLSFiles | None = None, stream_window: int = 0
+) -> grpc.aio.Channel:
+    """A channel to another process of the stack (mTLS with tls_files). stream_window: the most
+    bytes a stream's peer may send ahead of what this process has read (HTTP/2 flow control,
+    with gRPC's window growth, BDP probing, off); 0 = gRPC's own, which grows to megabytes."""
+    extra = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", stream_window)] if stream_window else []
+    return tls.aio_channel(address, tls_files, options(keepalive_s) + extra)

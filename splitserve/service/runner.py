@@ -81,7 +81,7 @@ class EngineRunner:
         self._built.set_result(eng)
         while not self._stop.is_set():
             try:  # with nothing to compute, sleep until a command comes (stop() sends None): no polling
-                item = self._cmds.get_nowait() if eng.has_unfinished() else self._cmds.get()
+                item = self._cmds.get_nowait() if eng.has_work() else self._cmds.get()
             except queue.Empty:
                 item = ()
             while item:
@@ -98,7 +98,7 @@ class EngineRunner:
                     item = ()
             if item is None or self._stop.is_set():
                 break
-            if eng.has_unfinished():
+            if eng.has_work():
                 try:
                     with self.watch.step():
                         outputs = eng.step()

@@ -145,6 +145,13 @@ class Settings:
     admit_fraction: float = 0.8
     # hint sent with RESOURCE_EXHAUSTED
     retry_after_ms: int = 500
+    # a streaming client that takes no message for this long (its flow control holds them back) is ended:
+    # RESOURCE_EXHAUSTED (reason SLOW_READER) over gRPC, the connection closed over HTTP; its KV is freed. Meanwhile its
+    # decode worker pauses the sequence once its events back up
+    slow_reader_timeout_s: float = 30.0
+    # the most bytes of a decode stream a router holds unread (its client reading none); the rest wait in the decode
+    # worker, whose sequence is paused
+    stream_buffer_bytes: int = 65536
     # the largest HTTP request body read (413 beyond it, from Content-Length or as it streams in); 0 = the largest
     # request the gRPC port reads: a prompt the context could hold, and 1 MB for the rest
     http_max_body_bytes: int = 0
@@ -266,6 +273,7 @@ class Settings:
             "max_num_batched_tokens",
             "block_size",
             "http_max_connections",
+            "stream_buffer_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -290,7 +298,7 @@ class Settings:
             raise ValueError(f"trace_file_max_bytes must be >= 0 (0 = no cap), got {self.trace_file_max_bytes}")
         if not 0 < self.max_mask_ms < float("inf"):
             raise ValueError(f"max_mask_ms must be a finite number > 0, got {self.max_mask_ms}")
-        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s"):
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_s", "slow_reader_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         if self.http_max_body_bytes < 0:
