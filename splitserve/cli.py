@@ -177,8 +177,8 @@ def _up(args) -> int:
             _demo(stack.router_address, tls_ca)
         if args.exit_after_demo:
             return 0
-        print("serving; Ctrl-C to drain and stop", flush=True)
-        stop.wait()
+        print("serving; Ctrl-C to drain and stop (a process that exits is started again)", flush=True)
+        stack.supervise(stop)
         print("\ndraining and stopping ...", flush=True)
         return 0
     finally:

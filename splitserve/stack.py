@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +46,12 @@ log = logging.getLogger(__name__)
 # may be forked from a fork server: they are read at start, not at import.
 FORKABLE_ENV = ("SPLITSERVE_", "OTEL_")
 _forkserver: ForkServer | None = None
+
+
+# supervise(): a process that exits is started again after this wait, doubled each time it exits
+# again within SUPERVISE_FORGIVE_S of its start, up to the second value
+SUPERVISE_BACKOFF_S = (1.0, 30.0)
+SUPERVISE_FORGIVE_S = 60.0
 
 
 def use_forkserver(server: ForkServer | None) -> None:
@@ -116,6 +123,7 @@ class Stack:
         self.decode_env = decode_env or {}
         self.router_env = router_env or {}
         self.redis_proc: subprocess.Popen | None = None
+        self.embedded_redis = False  # started by this stack (supervise starts it again)
         self.procs: list[Proc] = []
         self.router_address = ""  # the first router's
         self.router_http_address = ""  # ... and its HTTP one ("" when off)
@@ -138,6 +146,7 @@ class Stack:
         folder = resolve_folder(ModelSpec(path=self.settings.model or None, cache_dir=self.settings.cache_dir))
         read_config(folder, self.settings.cache_dir)
         if not self.settings.redis_url:
+            self.embedded_redis = True
             self.settings = self.settings.replace(redis_url=self.start_redis())
         deadline = time.time() + timeout
         for i in range(self.n_decode):
@@ -286,6 +295,42 @@ class Stack:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
+
+    # -- supervise ----------------------------------------------------------------------
+
+    def supervise(self, stop: threading.Event, say=print, poll_s: float = 0.5) -> None:
+        """Until stop is set: a process of the stack that exits (the embedded Redis, a worker, a
+        router) is started again, as Kubernetes restarts a container, and said. Redis comes back
+        empty on its socket, and the workers and routers, which keep trying it, register again.
+        A process that dies again soon waits longer each time (1 s, doubling to 30 s), and one
+        that has run a minute is forgiven."""
+        backoff: dict[str, tuple[float, float]] = {}  # name -> (its next wait, the time it may restart)
+        started: dict[str, float] = {}  # name -> when it was last started here
+        while not stop.wait(poll_s):
+            dead = [p.name for p in self.procs if p.popen.poll() is not None]
+            if self.embedded_redis and self.redis_proc is not None and self.redis_proc.poll() is not None:
+                dead.insert(0, "redis")  # first: the others need it
+            for name in dead:
+                if stop.is_set():
+                    return
+                now = time.monotonic()
+                wait, not_before = backoff.get(name, (SUPERVISE_BACKOFF_S[0], 0.0))
+                if now < not_before:
+                    continue
+                if now - started.get(name, -1e9) > SUPERVISE_FORGIVE_S:
+                    wait = SUPERVISE_BACKOFF_S[0]
+                code = self.redis_proc.returncode if name == "redis" else self.proc(name).popen.returncode
+                say(f"{name} exited with {code}: starting it again", flush=True)
+                started[name] = now
+                backoff[name] = (min(2 * wait, SUPERVISE_BACKOFF_S[1]), now + wait)
+                try:
+                    if name == "redis":
+                        self.start_redis()
+                    else:
+                        self.restart(name)
+                    say(f"{name} is back", flush=True)
+                except Exception as e:  # noqa: BLE001 - tried again after its backoff
+                    say(f"{name} did not come back ({str(e).splitlines()[0]}); trying again in {wait:g} s", flush=True)
 
     # -- inspect ------------------------------------------------------------------------
 

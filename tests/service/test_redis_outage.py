@@ -190,3 +190,41 @@ def test_redis_down_is_unavailable_and_an_empty_redis_is_served_again():
             assert got.get("splitserve_prefill_jobs_total{outcome=claimed}", 0.0) == 0.0
     finally:
         finish_stack(stack)
+
+
+def test_a_supervised_stack_starts_again_what_dies_and_serves_again():
+    """Stack.supervise (splitserve up's loop): the embedded Redis killed, then the decode worker,
+    then the router: each is started again, said, and the stack serves again; Redis comes back
+    empty and the workers register in it anew."""
+    import threading
+
+    stack = start_stack()
+    said, stop = [], threading.Event()
+    watcher = threading.Thread(target=stack.supervise, args=(stop, lambda m, **_: said.append(m), 0.1), daemon=True)
+    watcher.start()
+
+    def serves() -> bool:
+        try:
+            with Client(stack.router_address) as c:
+                return len(c.generate("hi", max_tokens=3, ignore_eos=True, timeout=20).token_ids) == 3
+        except grpc.RpcError:
+            return False
+
+    try:
+        assert serves()
+        for name, proc in (
+            ("redis", lambda: stack.redis_proc),
+            ("decode-0", lambda: stack.proc("decode-0").popen),
+            ("router", lambda: stack.proc("router").popen),
+        ):
+            old = proc()
+            os.kill(old.pid, signal.SIGKILL)
+            wait_for(lambda: f"{name} is back" in said, timeout=90, what=f"{name} started again")
+            assert proc() is not old and proc().poll() is None
+            wait_for(serves, timeout=60, what=f"the stack serving again after {name} was killed")
+        assert [m.split(" exited")[0] for m in said if " exited with " in m] == ["redis", "decode-0", "router"]
+    finally:
+        stop.set()
+        watcher.join(10)
+        stack.stop()
+    assert stack.shm_segments() == []
