@@ -93,6 +93,16 @@ def test_internal_servers_admit_only_callers_with_a_certificate_the_ca_signed(tl
         assert _health(address, grpc.ssl_channel_credentials(ca)) == grpc.StatusCode.UNAVAILABLE, name
         assert _health(address, grpc.ssl_channel_credentials(ca, *other)) == grpc.StatusCode.UNAVAILABLE, name
         assert _health(address, grpc.ssl_channel_credentials(ca, key, own)) == health_pb2.HealthCheckResponse.SERVING
+    # a first token injected into another caller's request (it set a tenant's completion's start in plaintext)
+    from splitserve_proto.v1 import worker_pb2, worker_pb2_grpc
+
+    options = [("grpc.ssl_target_name_override", s.tls_server_name)] if s.tls_server_name else []
+    with grpc.secure_channel(tls_stack.proc("decode-0").address, grpc.ssl_channel_credentials(ca), options) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.DecodeWorkerStub(ch).FirstToken(
+                worker_pb2.FirstTokenRequest(request_id="a~x", token_ids=[42], text=" INJECTED "), timeout=10
+            )
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_http_port_serves_https_only(tls_stack):
