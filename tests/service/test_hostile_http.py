@@ -149,5 +149,5 @@ def test_headers_that_never_finish_are_408_and_closed():
     fresh, kept, ok = asyncio.run(main())
     for took, got in (fresh, kept):
         assert got.startswith(b"HTTP/1.1 408"), got
-        assert 0.9 < took < 2.5, took
+        assert 0.9 < took < 4.0, took  # (its 1 s deadline, on a busy machine)
     assert ok.startswith(b"HTTP/1.1 200")
