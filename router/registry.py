@@ -81,9 +81,9 @@ class WorkerRegistry:
 
     async def _registry(self, role: str) -> list[WorkerInfo]:
         """The registry's entries of role's workers. One that is not an entry a worker writes (of
-        another release, or a hand's; WorkerInfo.from_mapping) is left out, and told once: before,
-        it failed every read of the registry, and with it each request's placement and the
-        router's reaping and checks, which follow the read."""
+        another release, or a hand's; WorkerInfo.from_mapping) is left out, and told once: it must
+        not fail the read of the registry, and with it each request's placement and the router's
+        reaping and checks, which follow the read."""
         found = []
         async for key in self.redis.scan_iter(match=self.keys.worker_pattern(role), count=100):
             try:

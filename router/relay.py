@@ -511,7 +511,7 @@ class Relay:
             self.first_parts.pop(rid, None)
         if r.state == "finished" and not r.call.done():
             # Its status follows its last event: cancelled now, the call would race the worker's
-            # sending it, which gRPC there logged as the servicer's error (a soak: 1 of ~7000).
+            # sending it, which gRPC there logs as the servicer's error.
             self.background.start(cancel_once_ended(r.call, STATUS_WAIT_S))
         else:
             r.call.cancel()

@@ -52,9 +52,6 @@ class KVTransfer:
         if seq is not None:
             self.cache.pool.free(seq.block_table)
 
-    def can_import(self, num_tokens: int) -> bool:
-        return self.cache.pool.can_allocate(self.cache.pool.blocks_for(num_tokens + 1))
-
     def import_kv(
         self, export: kv_layout.KVExport, payload: memoryview | bytes, priority: int = 0
     ) -> RequestOutput | None:

@@ -79,9 +79,6 @@ class ContinuousScheduler:
         i = next((i for i, w in enumerate(self.waiting) if w.priority >= seq.priority), len(self.waiting))
         self.waiting.insert(i, seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def make_room(self, blocks: int, priority: int) -> bool:
         """Free blocks for a sequence of this priority arriving with its KV (an import), preempting
         running ones of a strictly less urgent priority, and taking the blocks of waiting ones

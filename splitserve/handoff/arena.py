@@ -57,11 +57,6 @@ class Arena:
         with self._lock:
             return sum(self._used.values())
 
-    @property
-    def num_regions(self) -> int:
-        with self._lock:
-            return len(self._used)
-
     def alloc(self, nbytes: int, timeout: float | None = None) -> int:
         """Offset of a free region of nbytes; waits up to timeout for one (backpressure)."""
         need = -(-nbytes // _ALIGN) * _ALIGN
