@@ -160,12 +160,24 @@ def parse_settings(role: str, argv: list[str] | None) -> Settings:
         check_port_free(settings.host, settings.http_port, "--http-port")
     else:  # a worker's server is internal
         check_internal_plaintext(settings)
+        be_nice(settings)
     settings.check_core_share_names_a_board()
     if settings.redis_url:
         check_credentials(settings)
     if router and settings.auth_tokens_file:  # a file that does not parse stops the start, naming what is wrong
         Tenants(settings.auth_tokens_file)
     return settings
+
+
+def be_nice(settings) -> None:
+    """A worker's threads (this one, and every one started after it: the engine's, torch's)
+    yield the cores to the router and Redis on the same host (worker_nice): their work is a
+    small, latency-bound share, which the engines' steps would otherwise delay."""
+    if settings.worker_nice:
+        try:
+            os.nice(settings.worker_nice)
+        except OSError as e:  # (a container that forbids it: the worker runs as it is)
+            log.warning("worker_nice %d not applied: %s", settings.worker_nice, e)
 
 
 def run(role: str, main_coro, argv: list[str] | None = None) -> int:

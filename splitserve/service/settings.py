@@ -129,6 +129,9 @@ class Settings:
     # structured output: a format whose token mask takes longer is refused at admission (its first mask), or fails while
     # generating (its masks, in CPU time, in 3 of 5 steps); every step of its batch waits for it
     max_mask_ms: float = MAX_MASK_MS
+    # a worker raises its own nice value by this much at start (0 = off): on a shared host its engine's steps yield the
+    # cores to the router and Redis, whose work is small and latency-bound (a burst's refusals, the relay of tokens)
+    worker_nice: int = 5
     # board file: workers on one host naming it divide its cores among the busy; "", off, false, no or 0 = off (on: a
     # stack's own, splitserve up)
     core_share: str = ""
@@ -292,6 +295,8 @@ class Settings:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if not 0 <= self.worker_nice <= 19:
+            raise ValueError(f"worker_nice must be in [0, 19], got {self.worker_nice}")
         if self.prefix_affinity_slack < -1:
             raise ValueError(f"prefix_affinity_slack must be >= 0 (-1 = off), got {self.prefix_affinity_slack}")
         if self.trace_file_max_bytes < 0:

@@ -37,3 +37,22 @@ def test_a_burst_of_200_against_a_bound_of_64_loses_no_admitted_request_three_ti
         assert all(n == 4 for code, n in results if code == "OK")
         wait_for(lambda: admission_counts(stack) == [0, 0], what="the queue's counts back to zero")
     wait_for(lambda: kv_idle(stack), what="every KV block back")
+
+
+def test_the_workers_yield_the_cores_to_the_router(stack):
+    """worker_nice (5): every thread of a worker runs at a nice value 5 above the router's, so
+    that the router's small, latency-bound work (a burst's refusals) goes first on a shared host."""
+    import os
+
+    def nices(pid: int) -> set[int]:
+        out = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                out.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+        return out
+
+    router = nices(stack.proc("router").popen.pid)
+    assert len(router) == 1
+    for name in ("decode-0", "prefill-0"):
+        engine = nices(stack.proc(name).popen.pid)
+        assert max(engine) == min(router) + 5, (name, engine, router)
