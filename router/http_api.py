@@ -140,14 +140,16 @@ def checked_body(body) -> None:
         elif isinstance(value, (dict, list)):
             if depth >= MAX_BODY_DEPTH:
                 raise bad(where.split(".")[0].split("[")[0] or "body", f"nested deeper than {MAX_BODY_DEPTH} levels")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for k, v in items:
-                if isinstance(k, str):
-                    _check_text(k, f"{where}.{k}" if where else k)
+            if isinstance(value, dict):
+                for k, v in value.items():
                     at = f"{where}.{k}" if where else k
-                else:
-                    at = f"{where}[{k}]"
-                todo.append((v, at, depth + 1))
+                    _check_text(k, at)
+                    todo.append((v, at, depth + 1))
+            else:  # (a long list of numbers, a prompt's token ids, is passed over at C speed)
+                todo.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value) if type(v) in _NESTED_TYPES)
+
+
+_NESTED_TYPES = {str, list, dict}
 
 
 def _check_text(text: str, where: str) -> None:
