@@ -181,8 +181,7 @@ class RouterServicer(
                 try:
                     ended = []
                     tenant = self._tenant_of(context, "GenerateStream", rs)
-                    events = self._events(request, context, rs, tenant)
-                    async for rid, public_id, n_prompt, ev in events:
+                    async for rid, public_id, n_prompt, ev in self._events(request, context, rs, tenant):
                         resp = gen_pb.GenerateResponse(
                             request_id=public_id,
                             token_ids=ev.token_ids,
@@ -197,11 +196,7 @@ class RouterServicer(
                         if ev.finish_reason:
                             ended.append(ev)
                             self._finish(rs, resp, rid, n_prompt, ev, t0, t_first, ended, request.sampling.n)
-                        try:
-                            yield resp
-                        except GeneratorExit:  # closed (its client reads no more): the relay gives back now
-                            await events.aclose()
-                            raise
+                        yield resp
                 except Recorded as r:
                     for resp in self._replayed(rs, r.responses, t0):
                         yield resp
