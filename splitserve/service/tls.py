@@ -45,6 +45,10 @@ class TLSFiles:
         return out[0], out[1], out[2]
 
 
+# The settings that turn TLS on, all three together (files_of)
+TLS_SETTINGS = ("tls_cert", "tls_key", "tls_ca")
+
+
 def is_loopback(host: str) -> bool:
     """Whether a bind address reaches this host's own processes only."""
     if host == "localhost":
@@ -60,7 +64,7 @@ def check_internal_plaintext(settings) -> None:
     server would be plaintext where that is unsafe: any process that reaches it can call Decode,
     FirstToken (setting a request's first token) or PutKV. Unsafe: with tenants (their tokens
     guard the public port only), or bound beyond loopback."""
-    if settings.allow_plaintext_internal or any(getattr(settings, f) for f in ("tls_cert", "tls_key", "tls_ca")):
+    if settings.allow_plaintext_internal or any(getattr(settings, f) for f in TLS_SETTINGS):
         return
     if settings.auth_tokens_file:
         why = "tenants are set (auth_tokens_file)"
@@ -77,7 +81,7 @@ def check_internal_plaintext(settings) -> None:
 def files_of(settings) -> TLSFiles | None:
     """The settings' TLS files, or None for plaintext; ValueError naming the setting when only
     some are given, or one cannot be read."""
-    given = {f: getattr(settings, f) for f in ("tls_cert", "tls_key", "tls_ca")}
+    given = {f: getattr(settings, f) for f in TLS_SETTINGS}
     if not any(given.values()):
         return None
     missing = [f for f, v in given.items() if not v]
